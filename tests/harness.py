@@ -1,0 +1,80 @@
+"""Spawn a world of gloo ranks on this machine and run one function in each.
+
+Spawning costs seconds, so a test should run many cases inside one world.
+Exceptions in any rank are carried back to the parent with their traceback;
+a rank that hangs is killed after `timeout_s` and reported.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=60))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # carried back to the parent, which re-raises
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned gloo ranks.
+
+    Returns the per-rank return values (picklable), ordered by rank.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import time
+    deadline = time.monotonic() + timeout_s
+    while len(results) + len(errors) < world_size:
+        if queue.empty():
+            if time.monotonic() > deadline:
+                break
+            if not any(p.is_alive() for p in procs) and queue.empty():
+                break
+            time.sleep(0.05)
+            continue
+        rank, status, payload = queue.get()
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank} failed:\n{payload}")
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    if len(results) < world_size:
+        missing = sorted(set(range(world_size)) - set(results))
+        raise TimeoutError(f"ranks {missing} did not finish within {timeout_s}s")
+    return [results[r] for r in range(world_size)]
