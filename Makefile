@@ -1,0 +1,24 @@
+# make demo: a 2-rank ZeRO training run on CPU with a memory report.
+# make test: the test suite. Both set up .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAGE ?= 2
+NPROC ?= 2
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) \
+		examples/train.py --config examples/configs/stage$(STAGE).json
+
+test: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+.PHONY: install demo test

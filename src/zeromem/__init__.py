@@ -1,0 +1,39 @@
+"""zeromem: the ZeRO family of memory optimizations for PyTorch, small enough to read.
+
+    engine = zeromem.initialize(model, "ds_config.json")
+    loss = engine(batch); engine.backward(loss); engine.step()
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Comm
+from .config import Config, ConfigError
+from .distributed import ensure_process_group
+from .engine import Engine
+
+__all__ = ["initialize", "Engine", "Config", "ConfigError"]
+__version__ = "0.1.0"
+
+
+def initialize(model: nn.Module, config: dict | str | Path | Config,
+               model_parameters: Iterable | None = None,
+               optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
+               lr_scheduler: Any = None,
+               dp_group: dist.ProcessGroup | None = None) -> Engine:
+    """Wrap `model` for ZeRO training as `config` (DeepSpeed's JSON format) says.
+
+    Creates the default process group from torchrun's environment when none
+    exists; with neither, trains as world size 1. `optimizer` is an optional
+    factory `param_groups -> torch.optim.Optimizer` applied to the engine's fp32
+    master shards; by default the config's `optimizer` block is used.
+    """
+    ensure_process_group()
+    comm = Comm(dp_group)
+    cfg = Config.load(config, world_size=comm.world_size)
+    return Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler)

@@ -1,0 +1,163 @@
+"""Every collective zeromem issues, with a ledger of the bytes each one moves.
+
+All communication goes through `Comm`, which wraps one process group (passed in,
+never fetched). Async calls return a `Pending` handle that the caller stores and
+waits on explicitly. Bytes are counted per rank as the algorithm sends them
+(ZeRO paper, section 7): a ring all-reduce sends 2(N-1)/N of its input, a
+reduce-scatter or an all-gather (N-1)/N of the full buffer.
+
+Reduce-scatter is chosen per backend. NCCL has a real one. gloo's
+`reduce_scatter_tensor` is an all-reduce underneath (it sends as many bytes as an
+all-reduce of the same input), so on gloo we run an all-to-all of the chunks
+followed by a local sum, which sends half as much.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommReport:
+    """Bytes sent by this rank per collective kind, for the last step and in total."""
+
+    last_step: dict[str, int] = field(default_factory=dict)
+    total: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+
+    def to_dict(self) -> dict:
+        return {"last_step": dict(self.last_step), "total": dict(self.total), "steps": self.steps}
+
+    def __str__(self) -> str:
+        kinds = sorted(set(self.last_step) | set(self.total))
+        rows = [f"{'collective':<16}{'last step (MB)':>16}{'total (MB)':>14}"]
+        rows += [f"{k:<16}{self.last_step.get(k, 0) / 1e6:>16.3f}{self.total.get(k, 0) / 1e6:>14.3f}"
+                 for k in kinds]
+        return "\n".join(rows)
+
+
+class Pending:
+    """An in-flight collective; `wait()` blocks, then runs the finishing step (if any)."""
+
+    def __init__(self, work: dist.Work | None, finish: Callable[[], None] | None = None):
+        self.work = work
+        self.finish = finish
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+
+
+DONE = Pending(None)
+
+
+class Comm:
+    """Collectives over one data-parallel process group, with byte accounting."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.backend = dist.get_backend(group) if dist.is_initialized() else "none"
+        self._step_bytes: dict[str, int] = defaultdict(int)
+        self._total_bytes: dict[str, int] = defaultdict(int)
+        self._last_step: dict[str, int] = {}
+        self._steps = 0
+        self.buffer_bytes = 0  # temporary communication buffers alive now (CB)
+        self.buffer_bytes_peak = 0
+
+    # -- ledger ------------------------------------------------------------
+    def _count(self, kind: str, nbytes: float) -> None:
+        self._step_bytes[kind] += int(nbytes)
+        self._total_bytes[kind] += int(nbytes)
+
+    def note_buffer(self, tensor: torch.Tensor) -> None:
+        """Count a temporary communication buffer as alive (for the CB measurement)."""
+        self.buffer_bytes += tensor.numel() * tensor.element_size()
+        self.buffer_bytes_peak = max(self.buffer_bytes_peak, self.buffer_bytes)
+
+    def release_buffer(self, tensor: torch.Tensor) -> None:
+        self.buffer_bytes -= tensor.numel() * tensor.element_size()
+
+    def end_step(self) -> None:
+        """Close the current optimizer step in the ledger."""
+        self._last_step = dict(self._step_bytes)
+        self._step_bytes.clear()
+        self._steps += 1
+
+    def report(self) -> CommReport:
+        return CommReport(dict(self._last_step), dict(self._total_bytes), self._steps)
+
+    # -- collectives -------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
+                   kind: str = "all_reduce") -> Pending:
+        """In-place all-reduce of `tensor`."""
+        if self.world_size == 1:
+            return DONE
+        n = self.world_size
+        self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
+        return self._handle(dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       async_op: bool = False) -> Pending:
+        """Sum `input` (N equal chunks) over ranks; this rank's chunk lands in `output`."""
+        if self.world_size == 1:
+            output.copy_(input)
+            return DONE
+        n = self.world_size
+        self._count("reduce_scatter", (n - 1) / n * input.numel() * input.element_size())
+        if self.backend == "nccl":
+            return self._handle(_reduce_scatter_tensor(output, input, group=self.group,
+                                                           async_op=async_op))
+        # gloo: all-to-all of the chunks, then sum the N chunks that arrived here.
+        received = torch.empty_like(input)
+        self.note_buffer(received)
+        work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
+
+        def finish() -> None:
+            torch.sum(received.view(n, -1), dim=0, out=output)
+            self.release_buffer(received)
+
+        pending = Pending(work if async_op else None, finish)
+        if not async_op:
+            pending.wait()
+        return pending
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Pending:
+        """Concatenate every rank's `input` into `output` (N times its size)."""
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return DONE
+        n = self.world_size
+        self._count("all_gather", (n - 1) / n * output.numel() * output.element_size())
+        return self._handle(_all_gather_tensor(output, input, group=self.group,
+                                                        async_op=async_op))
+
+    def broadcast(self, tensor: torch.Tensor, src_rank: int, async_op: bool = False) -> Pending:
+        """Broadcast from group rank `src_rank`."""
+        if self.world_size == 1:
+            return DONE
+        self._count("broadcast", tensor.numel() * tensor.element_size() * (self.rank == src_rank))
+        src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
+        return self._handle(dist.broadcast(tensor, src=src, group=self.group, async_op=async_op))
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    @staticmethod
+    def _handle(work) -> Pending:
+        return Pending(work) if work is not None else DONE

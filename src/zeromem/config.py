@@ -1,0 +1,723 @@
+"""DeepSpeed-compatible JSON configuration: strict pydantic models (REFERENCE.md section 2).
+
+`Config.load()` is the one entry point. It reads a dict, JSON file or Config; maps legacy
+key names (warning where DeepSpeed deprecated them); resolves Hugging Face "auto" values
+that can be derived and rejects the rest; validates every block with unknown keys
+forbidden ("did you mean ...?"); resolves the batch triple train = micro x gas x
+world_size once the world size is known; and refuses features in `NOT_BUILT`.
+
+Defaults are DeepSpeed's *code* defaults, which differ from its docs in places
+(gradient_clipping 0.0 = off, stage3_prefetch_bucket_size 5e7). Integer fields accept
+whole floats such as 5e8. Every failure is a `ConfigError` naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+import json
+import logging
+import os
+import sys
+from functools import cache
+from typing import Annotated, Any, Callable, ClassVar, Literal, get_args, get_type_hints
+
+import torch
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool,
+                      ValidationError, create_model, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
+
+from zeromem import schedulers
+
+logger = logging.getLogger("zeromem")
+
+# Features the engine cannot run yet; Config.load rejects configs that use them.
+# Remove a name here when the feature lands.
+NOT_BUILT: set[str] = {"stage3", "offload_optimizer", "offload_param", "activation_checkpointing"}
+# DeepSpeed features zeromem does not plan to implement; rejected rather than ignored.
+OUT_OF_SCOPE: frozenset[str] = frozenset({"zeropp", "mics", "elastic_checkpoint"})
+
+
+class ConfigError(ValueError):
+    """An invalid config; the message names the offending key by its dotted path."""
+
+
+def _numeric(kind: str) -> BeforeValidator:
+    """Reject booleans and strings where a number is expected (pydantic's lax mode takes them)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PydanticCustomError(f"{kind}_type", "Input should be a valid {kind}", {"kind": kind})
+        return value
+
+    return BeforeValidator(check)
+
+
+Int = Annotated[int, _numeric("int")]  # whole floats like 5e8 become ints
+Float = Annotated[float, _numeric("float")]
+Bool = StrictBool
+Dtype = Literal["fp32", "fp16", "bf16"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------- error messages
+
+def _unknown_key_message(key: str, path: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else "valid keys: " + ", ".join(sorted(valid))
+    return f"unknown key {key!r} at {path}; {hint}"
+
+
+def _block_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model class found by following field names `loc` down from `root`."""
+    block: type[BaseModel] | None = root
+    for name in loc:
+        field = block.model_fields.get(name) if block else None
+        if field is None:
+            return None
+        candidates = (field.annotation, *get_args(field.annotation))
+        block = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return block
+
+
+_MUST_BE = {
+    "literal_error": "one of {expected}", "int_type": "an integer", "int_parsing": "an integer",
+    "int_from_float": "a whole number", "float_type": "a number", "float_parsing": "a number",
+    "bool_type": "true or false", "bool_parsing": "true or false", "string_type": "a string",
+    "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
+    "greater_than_equal": ">= {ge}", "greater_than": "> {gt}",
+    "less_than_equal": "<= {le}", "less_than": "< {lt}",
+}
+
+
+def _describe_error(err: dict, root: type[BaseModel], prefix: tuple = ()) -> str:
+    loc = (*prefix, *err["loc"])
+    path = ".".join(str(part) for part in loc)
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        block = _block_at(root, err["loc"][:-1])
+        return _unknown_key_message(str(loc[-1]), path, list(block.model_fields) if block else [])
+    if kind == "missing":
+        return f"{path} is required"
+    if kind == "value_error":
+        error = ctx["error"]
+        return str(error) if isinstance(error, ConfigError) or not path else f"{path}: {error}"
+    if kind in _MUST_BE:
+        ctx = {k: str(v).replace(" or ", ", ") for k, v in ctx.items()}
+        return f"{path} must be {_MUST_BE[kind].format(**ctx)}, got {err['input']!r}"
+    return f"{path}: {err['msg']} (got {err.get('input')!r})"
+
+
+def _humanise(error: ValidationError, root: type[BaseModel], prefix: tuple = ()) -> str:
+    lines = list(dict.fromkeys(_describe_error(e, root, prefix) for e in error.errors()))
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} problems in the config:\n  - " + "\n  - ".join(lines)
+
+
+# ---------------------------------------------------------------- blocks
+
+class _Block(BaseModel):
+    """Base of every config block: unknown keys are errors and legacy names are mapped."""
+
+    model_config = ConfigDict(extra="forbid")
+    # Legacy key -> (current key, deprecated?): accepted in this block, renamed before validation.
+    _renamed: ClassVar[dict[str, tuple[str, bool]]] = {}
+    # Dotted path of this block, used in warnings.
+    _section: ClassVar[str] = ""
+    # Fields whose value was derived (batch rules, "auto", stage-dependent defaults).
+    _derived: set[str] = PrivateAttr(default_factory=set)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _map_renamed_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not cls._renamed.keys() & data.keys():
+            return data
+        data = dict(data)
+        for old, (new, deprecated) in cls._renamed.items():
+            if old not in data:
+                continue
+            if new in data:
+                raise ValueError(f"{old!r} and {new!r} name the same setting; give only {new!r}")
+            if deprecated:
+                where = f"{cls._section}." if cls._section else ""
+                logger.warning("config key %s%s is deprecated; use %s%s", where, old, where, new)
+            data[new] = data.pop(old)
+        return data
+
+
+class OptimizerConfig(_Block):
+    """`optimizer`: a torch optimizer named the DeepSpeed way, with its constructor keywords."""
+
+    _classes: ClassVar[dict[str, type[torch.optim.Optimizer]]] = {
+        "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
+
+    type: Literal["Adam", "AdamW", "SGD"]  # case-insensitive in the file
+    params: dict[str, Any] = Field(default_factory=dict)  # keywords of the torch constructor
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _normalise_type(cls, value: Any) -> Any:
+        names = {name.lower(): name for name in cls._classes}
+        return names.get(value.lower(), value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_params(self) -> OptimizerConfig:
+        params = dict(self.params)
+        if self.type in ("Adam", "AdamW"):
+            self._map_deepspeed_adam_keys(params)
+        valid = [name for name, p in inspect.signature(self.torch_class).parameters.items()
+                 if name != "params" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        for key in params:
+            if key not in valid:
+                raise ConfigError(_unknown_key_message(key, f"optimizer.params.{key}", valid))
+        self.params = params
+        return self
+
+    def _map_deepspeed_adam_keys(self, params: dict[str, Any]) -> None:
+        # zeromem always runs torch.optim, so DeepSpeed's kernel switch has nothing to select.
+        params.pop("torch_adam", None)
+        adam_w_mode = params.pop("adam_w_mode", None)
+        if self.type == "AdamW" and adam_w_mode is False:
+            raise ConfigError("optimizer.params.adam_w_mode=false contradicts type 'AdamW'; use type 'Adam'")
+        # DeepSpeed's "Adam" decouples weight decay (adam_w_mode defaults to true).
+        if self.type == "Adam" and adam_w_mode is not False and params.get("weight_decay", 0):
+            logger.warning("optimizer type 'Adam' with weight_decay runs as AdamW, as in DeepSpeed "
+                           "(adam_w_mode defaults to true); set adam_w_mode=false for L2 decay")
+            self.type = "AdamW"
+        if self.type == "AdamW":
+            params.setdefault("weight_decay", 0.0)  # DeepSpeed's default; torch's AdamW uses 0.01
+
+    @property
+    def torch_class(self) -> type[torch.optim.Optimizer]:
+        """The torch optimizer class this block names."""
+        return self._classes[self.type]
+
+
+@cache
+def _scheduler_params_model(name: str) -> type[BaseModel]:
+    """A strict pydantic model of the scheduler's keyword arguments, built from its signature."""
+    cls = schedulers.SCHEDULERS[name]
+    hints = get_type_hints(cls.__init__)
+    fields = {}
+    for arg, p in inspect.signature(cls.__init__).parameters.items():
+        if arg in ("self", "optimizer"):
+            continue
+        hint = {float: Float, int: Int}.get(hints[arg], hints[arg])
+        fields[arg] = (hint, ... if p.default is p.empty else p.default)
+    return create_model(f"{name}Params", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+class SchedulerConfig(_Block):
+    """`scheduler`: one of DeepSpeed's warmup schedules (see zeromem.schedulers)."""
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]  # case-insensitive in the file
+    params: dict[str, Any] = Field(default_factory=dict)  # keywords of the schedule's constructor
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _normalise_type(cls, value: Any) -> Any:
+        names = {name.lower(): name for name in schedulers.SCHEDULERS}
+        return names.get(value.lower(), value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_params(self) -> SchedulerConfig:
+        model = _scheduler_params_model(self.type)
+        try:
+            checked = model.model_validate(self.params)
+        except ValidationError as error:
+            raise ConfigError(_humanise(error, model, ("scheduler", "params"))) from None
+        self.params = checked.model_dump(exclude_unset=True)
+        return self
+
+
+class FP16Config(_Block):
+    """`fp16`: fp16 mixed precision with fp32 master weights and dynamic loss scaling."""
+
+    enabled: Bool = False
+    auto_cast: Bool = False  # cast module inputs to fp16
+    loss_scale: Float = Field(0.0, ge=0)  # 0 = dynamic scaling; > 0 = this static scale
+    initial_scale_power: Int = Field(16, ge=0)  # dynamic scale starts at 2**power
+    loss_scale_window: Int = Field(1000, ge=1)  # clean steps before the scale doubles
+    hysteresis: Int = Field(2, ge=1)  # overflows tolerated before the scale halves
+    consecutive_hysteresis: Bool = False  # refill hysteresis on every clean step
+    min_loss_scale: Float = Field(1.0, gt=0)  # floor; overflowing at the floor raises
+    fp16_master_weights_and_grads: Bool = False  # keep masters/grads in fp16 (ZeRO-2 only)
+
+
+class BF16Config(_Block):
+    """`bf16` (alias `bfloat16`): bf16 mixed precision, no loss scaling."""
+
+    enabled: Bool = False
+    immediate_grad_update: Bool = False  # apply grads as soon as they are accumulated
+
+
+class DataTypesConfig(_Block):
+    """`data_types`: dtypes of buffers that may differ from the compute dtype."""
+
+    grad_accum_dtype: Dtype | None = None  # gradient accumulation buffer; None = compute dtype
+
+
+class _OffloadBlock(_Block):
+    """Keys shared by the two offload blocks."""
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None  # directory on NVMe; required when device is "nvme"
+    pin_memory: Bool = False  # page-locked host buffers for faster copies
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> _OffloadBlock:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device 'nvme' needs nvme_path")
+        return self
+
+
+class OffloadOptimizerConfig(_OffloadBlock):
+    """`zero_optimization.offload_optimizer`: where optimizer state and its step live."""
+
+    buffer_count: Int = Field(4, ge=1)  # NVMe swap buffers (Adam needs >= 4: param, grad, m, v)
+    pipeline_read: Bool = False  # overlap reading the next tile with the step
+    pipeline_write: Bool = False  # overlap writing the previous tile with the step
+    fast_init: Bool = False  # fast optimizer initialisation for NVMe
+    ratio: Float = Field(1.0, gt=0, le=1)  # fraction of optimizer state offloaded (< 1: stage 3)
+
+
+class OffloadParamConfig(_OffloadBlock):
+    """`zero_optimization.offload_param`: where partitioned parameters live (stage 3)."""
+
+    buffer_count: Int = Field(5, ge=1)  # NVMe parameter buffers
+    buffer_size: Int = Field(100_000_000, ge=1)  # elements per NVMe parameter buffer
+    max_in_cpu: Int = Field(1_000_000_000, ge=0)  # parameter elements kept in CPU with NVMe
+
+
+# Stage-3 keys that DeepSpeed also accepts without the "stage3_" prefix.
+_STAGE3_SHORT = ("prefetch_bucket_size", "param_persistence_threshold",
+                 "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+                 "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+                 "use_all_reduce_for_fetch_params")
+
+
+class ZeroConfig(_Block):
+    """`zero_optimization`: which model states are partitioned, and the buffer sizes."""
+
+    _section = "zero_optimization"
+    _renamed = {**{short: (f"stage3_{short}", False) for short in _STAGE3_SHORT},
+                "stage3_gather_fp16_weights_on_model_save":
+                    ("stage3_gather_16bit_weights_on_model_save", True)}
+
+    stage: Literal[0, 1, 2, 3] = 0  # 0 off; 1 optimizer states; 2 + gradients; 3 + parameters
+    contiguous_gradients: Bool = True  # copy grads into a contiguous buffer as produced
+    reduce_scatter: Bool = True  # reduce-scatter grads instead of all-reduce
+    reduce_bucket_size: Int = Field(500_000_000, ge=1)  # elements reduced per bucket
+    use_multi_rank_bucket_allreduce: Bool = True  # merge ranks' buckets into one all-reduce
+    allgather_partitions: Bool = True  # all-gather updated params rather than broadcasts
+    allgather_bucket_size: Int = Field(500_000_000, ge=1)  # elements all-gathered per bucket
+    overlap_comm: Bool | None = None  # overlap grad reduction with backward; None = stage == 3
+    load_from_fp32_weights: Bool = True  # initialise fp32 masters from the checkpoint's copy
+    elastic_checkpoint: Bool = False  # no longer supported by DeepSpeed
+    sub_group_size: Int = Field(1_000_000_000, ge=1)  # elements per optimizer-step tile
+    stage3_prefetch_bucket_size: Int = Field(50_000_000, ge=0)  # param elements fetched ahead
+    stage3_param_persistence_threshold: Int = Field(100_000, ge=0)  # smaller params stay whole
+    stage3_model_persistence_threshold: Int = Field(sys.maxsize, ge=0)  # cap on whole elements
+    stage3_max_live_parameters: Int = Field(1_000_000_000, ge=0)  # resident elements per GPU
+    stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)  # keep params reused this soon
+    stage3_gather_16bit_weights_on_model_save: Bool = False  # gather 16-bit weights on save
+    stage3_module_granularity_threshold: Int = Field(0, ge=0)  # fuse fine modules into one fetch
+    stage3_use_all_reduce_for_fetch_params: Bool = False  # fetch params with all-reduce
+    ignore_unused_parameters: Bool = True  # stage 2: tolerate params that get no grad
+    round_robin_gradients: Bool = False  # stage 1/2 offload: parallel grad copies to CPU
+    zero_hpz_partition_size: Int = Field(1, ge=1)  # ZeRO++ hpZ secondary group size
+    zero_quantized_weights: Bool = False  # ZeRO++ qwZ: int8 weight all-gather
+    zero_quantized_nontrainable_weights: Bool = False  # store frozen weights quantized
+    zero_quantized_gradients: Bool = False  # ZeRO++ qgZ: quantized grad all-to-all
+    zeropp_loco_param: dict[str, Any] | None = None  # ZeRO++ LoCo {err_beta, reset_T}
+    mics_shard_size: Int = -1  # MiCS shard group size; -1 = off
+    mics_hierarchical_params_gather: Bool = False  # MiCS hierarchical gather
+    memory_efficient_linear: Bool = True  # stage-3 linear implementation
+    override_module_apply: Bool = True  # gather params inside Module.apply
+    pipeline_loading_checkpoint: Bool = False
+    log_trace_cache_warnings: Bool = False
+    legacy_stage1: Bool = False
+    offload_param: OffloadParamConfig | None = None  # stage 3 only
+    offload_optimizer: OffloadOptimizerConfig | None = None  # stages 1-3
+
+    @model_validator(mode="before")
+    @classmethod
+    def _map_cpu_offload(cls, data: Any) -> Any:
+        """Map DeepSpeed's deprecated boolean offload keys onto the offload blocks."""
+        legacy = ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")
+        if not isinstance(data, dict) or not any(key in data for key in legacy):
+            return data
+        data = dict(data)
+        pin = data.pop("cpu_offload_use_pin_memory", None)
+        mapped = False
+        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+            if old not in data:
+                continue
+            if new in data:
+                raise ValueError(f"{old!r} (deprecated) and {new!r} cannot both be given; keep {new!r}")
+            value = data.pop(old)
+            if not isinstance(value, bool):
+                raise ValueError(f"{old} must be true or false, got {value!r}")
+            logger.warning("config key zero_optimization.%s is deprecated; use %s.device", old, new)
+            if value:
+                data[new] = {"device": "cpu", "pin_memory": bool(pin)}
+                mapped = True
+        if pin is not None and not mapped:
+            raise ValueError("cpu_offload_use_pin_memory only applies with cpu_offload or "
+                             "cpu_offload_param; set offload_*.pin_memory instead")
+        return data
+
+    @model_validator(mode="after")
+    def _check_stage_rules(self) -> ZeroConfig:
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3  # DeepSpeed's stage-dependent default
+            self._derived.add("overlap_comm")
+        if self.offload_optimizer and self.offload_optimizer.ratio < 1 and self.stage != 3:
+            raise ValueError(f"offload_optimizer.ratio < 1 requires stage 3, got stage {self.stage}")
+        if self.offload_param_device != "none" and self.stage != 3:
+            raise ValueError(f"offload_param requires stage 3, got stage {self.stage}")
+        return self
+
+    @property
+    def offload_optimizer_device(self) -> str:
+        """"none", "cpu" or "nvme"."""
+        return self.offload_optimizer.device if self.offload_optimizer else "none"
+
+    @property
+    def offload_param_device(self) -> str:
+        """"none", "cpu" or "nvme"."""
+        return self.offload_param.device if self.offload_param else "none"
+
+
+class AioConfig(_Block):
+    """`aio`: asynchronous NVMe I/O settings."""
+
+    _section = "aio"
+    # DeepSpeed renamed thread_count (PR #7056) and now silently ignores the old name.
+    _renamed = {"thread_count": ("intra_op_parallelism", True)}
+
+    block_size: Int = Field(1_048_576, ge=1)  # bytes per I/O request
+    queue_depth: Int = Field(8, ge=1)  # libaio queue depth
+    intra_op_parallelism: Int = Field(1, ge=1)  # I/O threads per operation
+    single_submit: Bool = False  # submit requests one by one instead of batched
+    overlap_events: Bool = True  # submit without waiting for earlier requests
+    use_gds: Bool = False  # GPUDirect Storage (CUDA only)
+
+
+class ActivationCheckpointingConfig(_Block):
+    """`activation_checkpointing`: ZeRO-R partitioned activation checkpoints."""
+
+    partition_activations: Bool = False  # shard checkpoint inputs across the MP group
+    cpu_checkpointing: Bool = False  # move partitioned checkpoints to CPU
+    contiguous_memory_optimization: Bool = False  # copy checkpoints into one buffer
+    number_checkpoints: Int | None = Field(None, ge=1)  # sizes that buffer
+    synchronize_checkpoint_boundary: Bool = False  # device sync at each checkpoint
+    profile: Bool = False  # log forward/backward time per checkpoint
+
+
+class ParallelWriteConfig(_Block):
+    """`checkpoint.parallel_write`."""
+
+    pipeline_stage: Bool = False  # each pipeline stage writes its own part
+
+
+class CheckpointConfig(_Block):
+    """`checkpoint`: checkpoint save/load behaviour."""
+
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"  # check tags agree across ranks
+    load_universal: Bool = False  # load a world-size-independent checkpoint
+    use_node_local_storage: Bool = False  # every node writes its own copy
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _normalise_case(cls, value: Any) -> Any:
+        return value.capitalize() if isinstance(value, str) else value
+
+
+# ---------------------------------------------------------------- "auto" values
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# zero_optimization keys whose "auto" HF Transformers derives from the model's hidden
+# size: key -> (rule as text, rule).
+_AUTO_FROM_HIDDEN: dict[str, tuple[str, Callable[[int], int]]] = {
+    "reduce_bucket_size": ("hidden_size**2", lambda h: h * h),
+    "stage3_prefetch_bucket_size": ("0.9 * hidden_size**2", lambda h: int(0.9 * h * h)),
+    "stage3_param_persistence_threshold": ("10 * hidden_size", lambda h: 10 * h),
+}
+
+
+def _canonical_zero_key(key: str) -> str:
+    return ZeroConfig._renamed.get(key, (key,))[0]
+
+
+def _resolve_auto(data: dict, hidden_size: int | None, path: str = "") -> tuple[dict, list[str]]:
+    """Copy of `data` with every "auto" resolved; also the dotted paths that were derived.
+
+    Batch keys are dropped (the batch rules derive them); hidden-size keys are computed;
+    anything else is an error, because DeepSpeed would silently fall back to a default.
+    """
+    resolved, derived = {}, []
+    for key, value in data.items():
+        dotted = f"{path}{key}"
+        if isinstance(value, dict):
+            resolved[key], inner = _resolve_auto(value, hidden_size, f"{dotted}.")
+            derived += inner
+        elif not (isinstance(value, str) and value == "auto"):
+            resolved[key] = value
+        elif dotted in _BATCH_KEYS:
+            derived.append(dotted)
+        elif path == "zero_optimization." and _canonical_zero_key(key) in _AUTO_FROM_HIDDEN:
+            canonical = _canonical_zero_key(key)
+            text, rule = _AUTO_FROM_HIDDEN[canonical]
+            if hidden_size is None:
+                raise ConfigError(f'{dotted} is "auto", which is derived from the model as {text}; '
+                                  "pass Config.load(..., hidden_size=...) or give a number")
+            resolved[key] = rule(hidden_size)
+            derived.append(path + canonical)
+        elif dotted == "gradient_clipping":
+            raise ConfigError('gradient_clipping is "auto", which HF Transformers fills from '
+                              "TrainingArguments.max_grad_norm; zeromem has no such source, so give "
+                              "a number (0.0 turns clipping off)")
+        else:
+            raise ConfigError(f'{dotted} is "auto", a Hugging Face placeholder zeromem cannot derive '
+                              "(only the batch keys and, given hidden_size, reduce_bucket_size, "
+                              "stage3_prefetch_bucket_size and stage3_param_persistence_threshold "
+                              "can be); give an explicit value")
+    return resolved, derived
+
+
+def resolve_batch(train: int | None, micro: int | None, gas: int | None,
+                  world_size: int) -> tuple[int, int, int]:
+    """(train_batch_size, micro, gradient_accumulation_steps) by DeepSpeed's rules, in order."""
+
+    def exact(divisor_text: str, divisor: int) -> int:
+        if train % divisor:
+            raise ConfigError(f"train_batch_size ({train}) is not divisible by {divisor_text} = "
+                              f"{divisor}; DeepSpeed would floor to {train // divisor} and then fail")
+        return train // divisor
+
+    if train and micro and gas:
+        pass
+    elif train and micro:
+        gas = exact(f"train_micro_batch_size_per_gpu × world_size = {micro} × {world_size}",
+                    micro * world_size)
+    elif train and gas:
+        micro = exact(f"world_size × gradient_accumulation_steps = {world_size} × {gas}",
+                      world_size * gas)
+    elif micro and gas:
+        train = micro * gas * world_size
+    elif train:
+        gas, micro = 1, exact(f"world_size = {world_size}", world_size)
+    elif micro:
+        gas, train = 1, micro * world_size
+    else:
+        raise ConfigError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be "
+                          'provided (as a number: "auto" batch keys are derived from the others)')
+    if train != micro * gas * world_size:
+        raise ConfigError(
+            f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu × "
+            f"gradient_accumulation_steps × world_size = {micro} × {gas} × {world_size} = "
+            f"{micro * gas * world_size}")
+    return train, micro, gas
+
+
+# ---------------------------------------------------------------- features not built
+
+def _activation_checkpointing_key(config: Config) -> str | None:
+    block = config.activation_checkpointing
+    changed = [n for n, f in type(block).model_fields.items() if getattr(block, n) != f.default]
+    return f"activation_checkpointing.{changed[0]}" if changed else None
+
+
+def _zeropp_key(config: Config) -> str | None:
+    zero = config.zero_optimization
+    used = [name for name in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                              "zero_quantized_gradients", "zeropp_loco_param") if getattr(zero, name)]
+    used += ["zero_hpz_partition_size"] if zero.zero_hpz_partition_size > 1 else []
+    return f"zero_optimization.{used[0]}" if used else None
+
+
+# Feature name -> the config key that turns it on in `config`, or None when unused.
+_FEATURE_KEYS: dict[str, Callable[[Config], str | None]] = {
+    "stage3": lambda c: "zero_optimization.stage" if c.zero_optimization.stage == 3 else None,
+    "offload_optimizer": lambda c: "zero_optimization.offload_optimizer.device"
+    if c.zero_optimization.offload_optimizer_device != "none" else None,
+    "offload_param": lambda c: "zero_optimization.offload_param.device"
+    if c.zero_optimization.offload_param_device != "none" else None,
+    "activation_checkpointing": _activation_checkpointing_key,
+    "zeropp": _zeropp_key,
+    "mics": lambda c: "zero_optimization.mics_shard_size"
+    if c.zero_optimization.mics_shard_size > 0 else None,
+    "elastic_checkpoint": lambda c: "zero_optimization.elastic_checkpoint"
+    if c.zero_optimization.elastic_checkpoint else None,
+}
+
+
+def check_supported(config: Config) -> None:
+    """Raise ConfigError if `config` uses a feature in NOT_BUILT or OUT_OF_SCOPE."""
+    for feature, key in config.unsupported_features().items():
+        value = config.value_at(key)
+        if feature in NOT_BUILT:
+            raise ConfigError(f"{key} = {value!r} is not supported yet (zeromem feature "
+                              f"{feature!r} is not built)")
+        raise ConfigError(f"{key} = {value!r} is not supported (zeromem does not implement "
+                          f"{feature!r})")
+
+
+# ---------------------------------------------------------------- top level
+
+class Config(_Block):
+    """A DeepSpeed JSON config, validated. Build it with `Config.load`."""
+
+    _renamed = {"bfloat16": ("bf16", False)}
+    _raw: dict | None = PrivateAttr(default=None)  # the input as given, for re-resolving
+
+    train_batch_size: Int | None = Field(None, ge=1)  # global batch = micro × gas × world_size
+    train_micro_batch_size_per_gpu: Int | None = Field(None, ge=1)  # per-rank forward batch
+    gradient_accumulation_steps: Int | None = Field(None, ge=1)  # micro-steps per optimizer step
+    gradient_clipping: Float = Field(0.0, ge=0)  # global-norm clip; 0.0 = off (DeepSpeed code)
+    steps_per_print: Int = Field(10, ge=1)  # logging interval in optimizer steps
+    wall_clock_breakdown: Bool = False  # per-phase timers
+    prescale_gradients: Bool = False  # scale grads before the reduction instead of after
+    gradient_predivide_factor: Float = Field(1.0, gt=0)  # divide grads by this before averaging
+    communication_data_type: Dtype | None = None  # gradient reduction dtype; None = grad dtype
+    zero_allow_untested_optimizer: Bool = False  # allow a client optimizer with ZeRO
+    zero_force_ds_cpu_optimizer: Bool = True  # require the CPU optimizer when offloading
+    optimizer: OptimizerConfig | None = None  # None = the client passes its own optimizer
+    scheduler: SchedulerConfig | None = None  # None = no schedule (or the client's)
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    aio: AioConfig = Field(default_factory=AioConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _resolve_auto_values(cls, data: Any, handler: Callable, info: Any) -> Config:
+        if not isinstance(data, dict):
+            return handler(data)
+        raw = copy.deepcopy(data)
+        data, derived = _resolve_auto(data, (info.context or {}).get("hidden_size"))
+        config = handler(data)
+        config._raw = raw
+        for path in derived:
+            *parents, leaf = path.split(".")
+            config.value_at(".".join(parents))._derived.add(leaf)
+        return config
+
+    @model_validator(mode="after")
+    def _check_cross_block_rules(self, info: Any) -> Config:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ConfigError("fp16.enabled and bf16.enabled cannot both be true")
+        if self.fp16.fp16_master_weights_and_grads and (
+                not self.fp16.enabled or self.zero_optimization.stage != 2):
+            raise ConfigError("fp16.fp16_master_weights_and_grads needs fp16.enabled and "
+                              "zero_optimization.stage 2")
+        world_size = (info.context or {}).get("world_size")
+        if world_size is not None:
+            given = [getattr(self, key) for key in _BATCH_KEYS]
+            for key, value in zip(_BATCH_KEYS, resolve_batch(*given, world_size)):
+                if getattr(self, key) is None:
+                    setattr(self, key, value)
+                    self._derived.add(key)
+        return self
+
+    @classmethod
+    def load(cls, source: dict | str | os.PathLike | Config, world_size: int | None = None,
+             hidden_size: int | None = None) -> Config:
+        """Validate `source` (a dict, a JSON file path or a Config) into a Config.
+
+        `world_size` (data-parallel ranks) resolves the batch triple; None skips it.
+        `hidden_size` resolves hidden-size "auto" values. A Config is re-resolved from
+        the input it was built from. Raises ConfigError naming the offending key.
+        """
+        origin = None
+        if isinstance(source, Config):
+            data = source._raw if source._raw is not None else source.model_dump(exclude_unset=True)
+        elif isinstance(source, (str, os.PathLike)):
+            origin = os.fspath(source)
+            data = _read_json(origin)
+        elif isinstance(source, dict):
+            data = source
+        else:
+            raise ConfigError("config source must be a dict, a JSON file path or a Config, got "
+                              f"{type(source).__name__}")
+        for name, value in (("world_size", world_size), ("hidden_size", hidden_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        try:
+            config = cls.model_validate(
+                data, context={"world_size": world_size, "hidden_size": hidden_size})
+            check_supported(config)
+        except ValidationError as error:
+            message = _humanise(error, cls)
+            raise ConfigError(f"{origin}: {message}" if origin else message) from None
+        except ConfigError as error:
+            raise ConfigError(f"{origin}: {error}" if origin else str(error)) from None
+        return config
+
+    def unsupported_features(self) -> dict[str, str]:
+        """Features of NOT_BUILT or OUT_OF_SCOPE this config uses, mapped to the key using each."""
+        used = {}
+        for feature in sorted(NOT_BUILT | OUT_OF_SCOPE):
+            key = _FEATURE_KEYS[feature](self) if feature in _FEATURE_KEYS else None
+            if key:
+                used[feature] = key
+        return used
+
+    def value_at(self, dotted: str) -> Any:
+        """The value at a dotted key path such as "zero_optimization.stage"; "" is self."""
+        value: Any = self
+        for name in filter(None, dotted.split(".")):
+            value = getattr(value, name)
+        return value
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Dtype of forward/backward: fp16, bf16 or fp32."""
+        if self.fp16.enabled:
+            return torch.float16
+        return torch.bfloat16 if self.bf16.enabled else torch.float32
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """Dtype of accumulated gradients: data_types.grad_accum_dtype, else compute_dtype."""
+        accum = self.data_types.grad_accum_dtype
+        return _DTYPES[accum] if accum else self.compute_dtype
+
+    def describe(self) -> str:
+        """Every resolved value, one per line, with where it came from (default/file/derived)."""
+        lines: list[str] = []
+        _describe_block(self, "", lines)
+        return "\n".join(lines)
+
+
+def _describe_block(block: _Block, prefix: str, lines: list[str]) -> None:
+    for name in type(block).model_fields:
+        value, path = getattr(block, name), prefix + name
+        if isinstance(value, _Block):
+            _describe_block(value, f"{path}.", lines)
+            continue
+        source = ("derived" if name in block._derived
+                  else "file" if name in block.model_fields_set else "default")
+        lines.append(f"{path:<56} {value!r:<24} {source}")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}: not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object, got {type(data).__name__}")
+    return data

@@ -1,0 +1,262 @@
+"""The training engine: forward, backward and the ZeRO optimizer step.
+
+`step()` at an accumulation boundary runs these phases, in order:
+
+    1. norm      global L2 norm of the reduced gradients (one all-reduce of a
+                 scalar when gradients are sharded); non-finite means overflow.
+    2. skip      fp16 overflow on any rank: every rank skips, the scaler lowers
+                 the scale, gradients are zeroed.
+    3. unscale   fp32 master gradients = reduced gradients x (clip / loss scale);
+                 alive: grads, masters, one fp32 gradient per master shard.
+    4. update    the torch optimizer steps the master shards.
+    5. gather    masters are written into the parameter shards, which are
+                 all-gathered in buckets of `allgather_bucket_size` elements.
+
+Gradient reduction itself happens earlier, during `backward()` (grads.py).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from .comm import Comm
+from .config import Config
+from .flat import FlatParamGroup, Sharding
+from .grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
+from .memory import Ledger, MemoryReport, model_state_formula
+from .optim import build_optimizer, normalize_param_groups, optimizer_state_bytes_per_param
+from .precision import make_scaler
+from .schedulers import build_scheduler
+
+log = logging.getLogger("zeromem")
+
+
+def _bucket_params(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
+    """Split `params` (already in expected gradient order) into buckets of <= bucket_numel."""
+    buckets, current, size = [], [], 0
+    for p in params:
+        if current and size + p.numel() > bucket_numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class Engine:
+    """Wraps a module and trains it with ZeRO stage 0, 1 or 2. Built by `zeromem.initialize`."""
+
+    def __init__(self, module: nn.Module, config: Config, comm: Comm,
+                 model_parameters: Iterable | None = None,
+                 optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
+                 lr_scheduler: Any = None):
+        self.config = config
+        self.comm = comm
+        self.dp_world_size = comm.world_size
+        self.zero_stage = config.zero_optimization.stage
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if comm.backend == "nccl" else torch.device("cpu")
+        self.compute_dtype = config.compute_dtype
+        self.module = module.to(self.device, dtype=self.compute_dtype)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.grad_norm: float | None = None
+        self.scaler = make_scaler(config.fp16)
+
+        param_groups = normalize_param_groups(module, model_parameters)
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        self.groups = self._build_groups(param_groups, Sharding.for_stage(self.zero_stage))
+        self.psi = sum(g.numel for g in self.groups)
+        self.optimizer = build_optimizer(config.optimizer, self.groups, param_groups, optimizer)
+        self.reducer = Reducer(self.groups, comm, overlap=config.zero_optimization.overlap_comm
+                               is not False)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+
+    def _make_scheduler(self, lr_scheduler: Any):
+        """A factory `optimizer -> scheduler`, a ready scheduler, or the config's `scheduler`."""
+        if lr_scheduler is None:
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(self.optimizer)
+        return lr_scheduler
+
+    # -- construction ------------------------------------------------------
+    def _build_groups(self, param_groups: list[dict], sharding: Sharding) -> list[FlatParamGroup]:
+        """One flat group per bucket; buckets ordered by when backward should complete them."""
+        order = {id(p): i for i, p in enumerate(self.module.parameters())}
+        bucket_numel = int(self.config.zero_optimization.reduce_bucket_size)
+        groups = []
+        for gi, pg in enumerate(param_groups):
+            params = sorted(pg["params"], key=lambda p: -order[id(p)])  # backward runs last-first
+            for bucket in _bucket_params(params, bucket_numel):
+                names = [self.names[id(p)] for p in bucket]
+                groups.append(FlatParamGroup(bucket, names, self.comm, sharding, gi))
+        groups.sort(key=lambda g: -min(order[id(p)] for p in g.params))
+        grad_dtype = self.config.grad_dtype
+        if sharding.grads:
+            # contiguous_gradients: every group's gradient shard is a view into one buffer.
+            flat = torch.zeros(sum(g.shard_numel for g in groups), dtype=grad_dtype,
+                               device=self.device)
+            offset = 0
+            for g in groups:
+                g.grads = ShardAccumulated(g, flat[offset:offset + g.shard_numel])
+                offset += g.shard_numel
+        else:
+            kind = WholeScattered if sharding.optimizer else WholeAllReduced
+            for g in groups:
+                g.grads = kind(g, grad_dtype)
+        return groups
+
+    # -- training loop -------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module (inputs cast to fp16 when `fp16.auto_cast` is on)."""
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            cast = lambda x: x.half() if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
+            args = tuple(cast(a) for a in args)
+            kwargs = {k: cast(v) for k, v in kwargs.items()}
+        return self.module(*args, **kwargs)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied."""
+        scale = self.scaler.scale / (self.config.gradient_accumulation_steps * self.dp_world_size)
+        self.reducer.start_backward(self.is_gradient_accumulation_boundary())
+        (loss.float() * scale).backward()
+        self.reducer.finish_backward()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Called every micro-step; updates the model at the accumulation boundary."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        norm = self._global_grad_norm()                          # 1. norm
+        overflow = not torch.isfinite(torch.tensor(norm))
+        self.grad_norm = norm
+        if overflow:                                             # 2. skip
+            self.skipped_steps += 1
+        else:
+            self._unscale_into_masters(norm)                     # 3. unscale
+            self.optimizer.step()                                # 4. update
+            for g in self.groups:
+                g.master.grad = None
+            self._gather_params()                                # 5. gather
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.scaler.update(overflow)
+        self.zero_grad()
+        self.global_steps += 1
+        self.comm.end_step()
+        if self.global_steps % max(1, self.config.steps_per_print or 10) == 0:
+            log.info("step %d: lr %s, grad norm %.4g, loss scale %g, skipped %d",
+                     self.global_steps, self.get_lr(), norm, self.loss_scale, self.skipped_steps)
+
+    def _global_grad_norm(self) -> float:
+        """L2 norm of the averaged, unscaled gradient of the whole model (padding holds zeros)."""
+        if not self.groups:
+            return 0.0
+        sq = torch.stack([torch.linalg.vector_norm(g.grads.reduced(), dtype=torch.float32) ** 2
+                          for g in self.groups]).sum()
+        if self.groups[0].shard_world > 1:
+            self.comm.all_reduce(sq, kind="all_reduce_norm")
+        return float(sq.sqrt()) / self.scaler.scale
+
+    def _unscale_into_masters(self, norm: float) -> None:
+        clip = self.config.gradient_clipping
+        coef = min(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else 1.0
+        multiplier = coef / self.scaler.scale
+        for g in self.groups:
+            grad = g.grads.reduced()
+            if grad.dtype == torch.float32 and multiplier == 1.0:
+                g.master.grad = grad  # no copy needed
+            else:
+                g.master.grad = grad.to(torch.float32).mul_(multiplier)
+
+    def _gather_params(self) -> None:
+        bucket = int(self.config.zero_optimization.allgather_bucket_size)
+        pendings = []
+        for g in self.groups:
+            g.write_back()
+            pendings += g.launch_all_gather(bucket)
+        for p in pendings:
+            p.wait()
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.grads.zero()
+        for p in self.module.parameters():
+            p.grad = None
+
+    # -- attributes ---------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def get_lr(self) -> list[float]:
+        return [pg["lr"] for pg in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The pre-clip global gradient norm of the last step."""
+        return self.grad_norm
+
+    # -- reports ----------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        """Bytes actually held by this rank, beside the paper's formula."""
+        ledger = Ledger()
+        for g in self.groups:
+            ledger.add("params", "device", g.flat_param)
+        for p in self.module.parameters():
+            ledger.add("params", "device", p)  # frozen parameters (flat ones already counted)
+        for g in self.groups:
+            for t in g.grads.held():
+                ledger.add("grads", "device", t)
+            ledger.add("master_params", "device", g.master)
+        for state in self.optimizer.state.values():
+            for t in state.values():
+                if torch.is_tensor(t):
+                    ledger.add("optimizer_states", "device", t)
+        ledger.add_bytes("comm_buffers", "device", self.comm.buffer_bytes_peak)
+        g0 = self.groups[0] if self.groups else None
+        k = optimizer_state_bytes_per_param(self.optimizer) + (
+            0 if g0 is None or g0.master_aliases_params() else 4)
+        formula = model_state_formula(self.psi, self.dp_world_size, self.zero_stage,
+                                      self.compute_dtype.itemsize, self.config.grad_dtype.itemsize, k)
+        return MemoryReport(ledger.as_dict(), formula, self.psi, self.dp_world_size,
+                            self.zero_stage, self.comm.buffer_bytes_peak)
+
+    def comm_report(self):
+        """Bytes each collective kind moved from this rank, last step and in total."""
+        return self.comm.report()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full fp32 state dict (keys as `module.state_dict()`) on rank 0; {} elsewhere."""
+        full: dict[int, torch.Tensor] = {}
+        for g in self.groups:
+            master = g.master.detach().float()
+            if g.shard_world > 1:
+                whole = torch.empty(g.padded_numel, dtype=torch.float32, device=master.device)
+                self.comm.all_gather(whole, master.contiguous())
+            else:
+                whole = master
+            for p, slot in zip(g.params, g.slots):
+                full[id(p)] = whole[slot.offset:slot.offset + slot.numel].view(slot.shape).cpu().clone()
+        if self.comm.rank != 0:
+            return {}
+        out = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            value = full.get(id(tensor))
+            if value is None:
+                value = tensor.detach().cpu().clone()
+                value = value.float() if value.is_floating_point() else value
+            out[name] = value
+        return out

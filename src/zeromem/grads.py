@@ -1,0 +1,179 @@
+"""Gradient buffers and the bucketed reducer that overlaps reduction with backward.
+
+Each flat group is one bucket. A post-accumulate-grad hook on every parameter adds
+its gradient into the group's buffer and frees `param.grad` at once, so the
+full-size gradient of a parameter lives only for the moment autograd produced it.
+When every parameter of a bucket has reported, the bucket's collective is
+launched asynchronously while backward goes on.
+
+Ranks must issue collectives in the same order even when their graphs differ
+(a parameter unused on one rank only), so buckets launch strictly in index order:
+a ready bucket waits for the ones before it, and `finish_backward()` launches
+whatever is left (a bucket no gradient reached reduces zeros) and waits.
+
+Three buffer kinds, chosen once from `Sharding` (llm.c style: data, not branches):
+
+- `WholeAllReduced`  (stage 0): whole buffer, all-reduced at the boundary.
+- `WholeScattered`   (stage 1): whole buffer, reduce-scattered at the boundary;
+  the owned chunk of the whole buffer is the reduced shard.
+- `ShardAccumulated` (stage 2): only the shard persists, as a view into one
+  contiguous buffer shared by all groups (`contiguous_gradients`); a temporary
+  full bucket is filled during each micro-step's backward, reduce-scattered,
+  added into the shard and dropped.
+
+Gradients are summed, not averaged, by the collectives: the engine scales the
+loss by 1/(N_d * accumulation steps) before backward, so the sums are means.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import nn
+
+from .comm import Comm, Pending
+from .flat import FlatParamGroup
+
+
+class WholeAllReduced:
+    """Stage 0: every rank keeps the whole summed gradient."""
+
+    reduces_every_microstep = False
+
+    def __init__(self, group: FlatParamGroup, dtype: torch.dtype):
+        self.group = group
+        self.whole = torch.zeros(group.padded_numel, dtype=dtype, device=group.flat_param.device)
+
+    def accumulate(self, offset: int, grad: torch.Tensor) -> None:
+        self.whole[offset:offset + grad.numel()].add_(grad.reshape(-1))
+
+    def launch(self, comm: Comm) -> Pending:
+        return comm.all_reduce(self.whole, async_op=True)
+
+    def reduced(self) -> torch.Tensor:
+        return self.whole
+
+    def zero(self) -> None:
+        self.whole.zero_()
+
+    def held(self) -> list[torch.Tensor]:
+        return [self.whole]
+
+
+class WholeScattered(WholeAllReduced):
+    """Stage 1: the whole gradient accumulates locally; the boundary reduce-scatters it."""
+
+    def launch(self, comm: Comm) -> Pending:
+        return comm.reduce_scatter(self.reduced(), self.whole, async_op=True)
+
+    def reduced(self) -> torch.Tensor:
+        g = self.group
+        return self.whole[g.shard_offset:g.shard_offset + g.shard_numel]
+
+
+class ShardAccumulated:
+    """Stage 2: only the reduced shard persists; full-size gradients live one bucket at a time."""
+
+    reduces_every_microstep = True
+
+    def __init__(self, group: FlatParamGroup, shard: torch.Tensor):
+        self.group = group
+        self.shard = shard
+        self.bucket: torch.Tensor | None = None
+
+    def accumulate(self, offset: int, grad: torch.Tensor) -> None:
+        if self.bucket is None:
+            self.bucket = torch.zeros(self.group.padded_numel, dtype=self.shard.dtype,
+                                      device=self.shard.device)
+        self.bucket[offset:offset + grad.numel()].add_(grad.reshape(-1))
+
+    def launch(self, comm: Comm) -> Pending:
+        bucket = self.bucket if self.bucket is not None else torch.zeros(
+            self.group.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+        self.bucket = None
+        comm.note_buffer(bucket)
+        out = torch.empty_like(self.shard)
+        pending = comm.reduce_scatter(out, bucket, async_op=True)
+
+        def add_into_shard() -> None:
+            pending.wait()
+            self.shard.add_(out)
+            comm.release_buffer(bucket)
+
+        return Pending(None, add_into_shard)
+
+    def reduced(self) -> torch.Tensor:
+        return self.shard
+
+    def zero(self) -> None:
+        self.shard.zero_()
+
+    def held(self) -> list[torch.Tensor]:
+        return [self.shard]
+
+
+class Reducer:
+    """Hooks parameters, tracks bucket readiness and launches reductions in bucket order."""
+
+    def __init__(self, groups: list[FlatParamGroup], comm: Comm, overlap: bool,
+                 max_in_flight: int = 2):
+        self.groups = groups
+        self.comm = comm
+        self.overlap = overlap
+        self.max_in_flight = max_in_flight
+        self.in_flight: deque[Pending] = deque()
+        self.reducing = False
+        self.next_to_launch = 0
+        self.missing: list[int] = [len(g.params) for g in groups]
+        self.hooks = []
+        for gi, g in enumerate(groups):
+            for p, slot in zip(g.params, g.slots):
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._hook(gi, slot.offset)))
+
+    def _hook(self, gi: int, offset: int):
+        def on_grad(param: nn.Parameter) -> None:
+            group = self.groups[gi]
+            if self.reducing and gi < self.next_to_launch:
+                name = next(s.name for s in group.slots if s.offset == offset)
+                raise RuntimeError(f"parameter {name!r} received a second gradient in one backward "
+                                   "after its bucket was reduced; use zeromem.checkpoint")
+            group.grads.accumulate(offset, param.grad)
+            param.grad = None
+            self.missing[gi] -= 1
+            if self.reducing and self.missing[gi] == 0:
+                self._launch_ready()
+        return on_grad
+
+    def start_backward(self, boundary: bool) -> None:
+        """Called before each backward; `boundary` marks the last micro-step of a step."""
+        every_micro = bool(self.groups) and self.groups[0].grads.reduces_every_microstep
+        self.reducing = boundary or every_micro
+        self.next_to_launch = 0
+        self.missing = [len(g.params) for g in self.groups]
+
+    def _launch_ready(self) -> None:
+        while self.next_to_launch < len(self.groups) and self.missing[self.next_to_launch] <= 0:
+            self._launch(self.next_to_launch)
+
+    def _launch(self, gi: int) -> None:
+        while len(self.in_flight) >= self.max_in_flight:
+            self.in_flight.popleft().wait()
+        pending = self.groups[gi].grads.launch(self.comm)
+        self.next_to_launch = gi + 1
+        if self.overlap:
+            self.in_flight.append(pending)
+        else:
+            pending.wait()
+
+    def finish_backward(self) -> None:
+        """Launch the buckets no hook completed (unused parameters), then wait for all."""
+        if self.reducing:
+            while self.next_to_launch < len(self.groups):
+                self._launch(self.next_to_launch)
+        while self.in_flight:
+            self.in_flight.popleft().wait()
+        self.reducing = False
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()

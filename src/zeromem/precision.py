@@ -1,0 +1,108 @@
+"""Loss scaling for fp16 training, with DeepSpeed's semantics (REFERENCE.md 2.2).
+
+The dynamic scaler starts at 2**initial_scale_power. An overflow (a non-finite
+gradient norm on any rank) skips the step; after `hysteresis` overflows the scale
+halves (never below `min_loss_scale`; an overflow at the floor raises). After
+`loss_scale_window` clean steps since the last overflow the scale doubles and
+the hysteresis budget refills. bf16 and fp32 use `NoScaler`.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("zeromem")
+
+
+class LossScaleAtMinimumError(RuntimeError):
+    """fp16 gradients keep overflowing although the loss scale is at its floor."""
+
+
+class NoScaler:
+    """bf16 and fp32: no scaling, and no overflow checks beyond the gradient norm."""
+
+    scale = 1.0
+    dynamic = False
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            log.warning("non-finite gradient norm; step skipped")
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class StaticScaler(NoScaler):
+    """fp16 with a fixed `loss_scale`."""
+
+    def __init__(self, scale: float):
+        self.scale = float(scale)
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state.get("scale", self.scale))
+
+
+class DynamicScaler:
+    """fp16 dynamic loss scaling with hysteresis."""
+
+    dynamic = True
+
+    def __init__(self, initial_scale_power: int = 16, loss_scale_window: int = 1000,
+                 hysteresis: int = 2, consecutive_hysteresis: bool = False,
+                 min_loss_scale: float = 1.0, scale_factor: float = 2.0):
+        self.scale = float(2 ** initial_scale_power)
+        self.window = loss_scale_window
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.min_scale = float(min_loss_scale)
+        self.factor = scale_factor
+        self.hysteresis_left = hysteresis
+        self.iteration = 0
+        self.last_overflow_iteration = -1
+
+    def update(self, overflow: bool) -> None:
+        """Advance the state machine by one optimizer step."""
+        if overflow:
+            if self.hysteresis_left <= 1:
+                if self.scale <= self.min_scale:
+                    raise LossScaleAtMinimumError(
+                        f"fp16 gradients overflowed with the loss scale already at its minimum "
+                        f"({self.min_scale:g}); training cannot go on. Lower the learning rate, "
+                        "check the data for inf/nan, or train in bf16.")
+                self.scale = max(self.scale / self.factor, self.min_scale)
+                log.info("fp16 overflow: loss scale lowered to %g", self.scale)
+            else:
+                self.hysteresis_left -= 1
+            self.last_overflow_iteration = self.iteration
+        else:
+            if self.consecutive_hysteresis:
+                self.hysteresis_left = self.hysteresis
+            if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+                if not self.consecutive_hysteresis:
+                    self.hysteresis_left = self.hysteresis
+                self.scale *= self.factor
+        self.iteration += 1
+
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in
+                ("scale", "hysteresis_left", "iteration", "last_overflow_iteration")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+def make_scaler(fp16_config) -> NoScaler | StaticScaler | DynamicScaler:
+    """The scaler the `fp16` config block asks for (`NoScaler` when fp16 is off)."""
+    if not fp16_config.enabled:
+        return NoScaler()
+    if fp16_config.loss_scale and fp16_config.loss_scale > 0:
+        return StaticScaler(fp16_config.loss_scale)
+    return DynamicScaler(fp16_config.initial_scale_power, fp16_config.loss_scale_window,
+                         fp16_config.hysteresis, fp16_config.consecutive_hysteresis,
+                         fp16_config.min_loss_scale)

@@ -1,0 +1,72 @@
+"""Small models and a single-process reference trainer shared by the tests."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TinyLM(nn.Module):
+    """Odd sizes (forces padding), a tied head, a frozen layer and a sometimes-unused one."""
+
+    def __init__(self, vocab: int = 13, dim: int = 10):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.fc1 = nn.Linear(dim, 7)
+        self.fc2 = nn.Linear(7, dim)
+        self.sometimes = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, use_sometimes: bool = True):
+        h = self.embed(tokens)                      # (B, T, dim)
+        h = h + self.frozen(h)
+        h = self.fc2(torch.tanh(self.fc1(h)))
+        if use_sometimes:
+            h = h + self.sometimes(h)
+        logits = self.head(h)                       # (B, T, vocab)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def micro_batch(step: int, rank: int, micro: int, batch: int = 4, seq: int = 5, vocab: int = 13):
+    """A deterministic micro-batch for (step, rank, micro-step)."""
+    g = torch.Generator().manual_seed(1000 * step + 100 * rank + micro)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    targets = torch.randint(0, vocab, (batch, seq), generator=g)
+    return tokens, targets
+
+
+def uses_sometimes(step: int, rank: int, micro: int) -> bool:
+    """The `sometimes` layer is skipped on some (rank, micro-step) pairs, differently per rank."""
+    return (step + rank + micro) % 3 != 0
+
+
+class Reference:
+    """Single-process training on the whole global batch, with torch.optim and clip_grad_norm_."""
+
+    def __init__(self, model: nn.Module, lr: float = 1e-2, clip: float = 0.0,
+                 weight_decay: float = 0.01):
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.clip = clip
+
+    def step(self, step: int, world_size: int, gas: int) -> None:
+        for p in self.params:  # a parameter no micro-batch reaches gets a zero gradient, as in ZeRO
+            p.grad = torch.zeros_like(p)
+        n = world_size * gas
+        for rank in range(world_size):
+            for micro in range(gas):
+                tokens, targets = micro_batch(step, rank, micro)
+                loss = self.model(tokens, targets, uses_sometimes(step, rank, micro))
+                (loss / n).backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.opt.step()
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((pa.detach().float() - pb.detach().float()).abs().max().item()
+               for pa, pb in zip(a.parameters(), b.parameters()))

@@ -1,0 +1,65 @@
+"""Measured model-state bytes against the paper's formula, and bytes moved per step."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zeromem
+from harness import run_distributed
+from zeromem.memory import model_state_formula
+
+
+def test_formula_reproduces_paper_figure_1():
+    gb = 1e9
+    psi, n = 7.5e9, 64
+    totals = [sum(model_state_formula(psi, n, s).values()) / gb for s in range(4)]
+    assert totals == pytest.approx([120, 31.4, 16.6, 1.875], rel=5e-3)
+
+
+class Wide(nn.Module):
+    """~2.1M parameters, so buckets and padding are negligible next to model states."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(1024, 1024)
+        self.b = nn.Linear(1024, 1024)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).float().pow(2).mean()
+
+
+def measure(rank, world_size):
+    out = {}
+    for stage in (0, 1, 2):
+        torch.manual_seed(0)
+        engine = zeromem.initialize(Wide(), {
+            "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage}})
+        for _ in range(2):
+            x = torch.randn(2, 1024, dtype=torch.bfloat16)
+            engine.backward(engine(x))
+            engine.step()
+        report = engine.memory_report()
+        comm = engine.comm_report()
+        out[stage] = (report.model_state_bytes(), report.formula_bytes(), report.psi,
+                      sum(comm.last_step.values()), str(report))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_memory_and_communication_match_the_paper(world_size):
+    result = run_distributed(measure, world_size)[0]
+    for stage, (held, formula, psi, _, table) in result.items():
+        assert psi > 1_000_000
+        assert held == pytest.approx(formula, rel=0.10), f"stage {stage}:\n{table}"
+    expected = [16, 4 + 12 / world_size, 2 + 14 / world_size]
+    for stage, ratio in enumerate(expected):
+        assert result[stage][0] / result[stage][2] == pytest.approx(ratio, rel=0.10)
+    # stages 1 and 2 move the same bytes per step as plain data parallelism (paper section 7)
+    moved = {s: r[3] for s, r in result.items()}
+    n = world_size
+    assert moved[0] == pytest.approx(2 * (n - 1) / n * 2 * result[0][2], rel=0.01)
+    for stage in (1, 2):
+        assert moved[stage] == pytest.approx(moved[0], rel=0.10)
