@@ -48,7 +48,8 @@ def _numeric(kind: str) -> BeforeValidator:
 
     def check(value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PydanticCustomError(f"{kind}_type", "Input should be a valid {kind}", {"kind": kind})
+            raise PydanticCustomError(f"{kind}_type", "Input should be a valid {kind}",
+                                      {"kind": kind})
         return value
 
     return BeforeValidator(check)
@@ -78,7 +79,8 @@ def _block_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
         if field is None:
             return None
         candidates = (field.annotation, *get_args(field.annotation))
-        block = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        block = next((c for c in candidates
+                      if isinstance(c, type) and issubclass(c, BaseModel)), None)
     return block
 
 
@@ -181,7 +183,8 @@ class OptimizerConfig(_Block):
         params.pop("torch_adam", None)
         adam_w_mode = params.pop("adam_w_mode", None)
         if self.type == "AdamW" and adam_w_mode is False:
-            raise ConfigError("optimizer.params.adam_w_mode=false contradicts type 'AdamW'; use type 'Adam'")
+            raise ConfigError("optimizer.params.adam_w_mode=false contradicts type 'AdamW'; "
+                              "use type 'Adam'")
         # DeepSpeed's "Adam" decouples weight decay (adam_w_mode defaults to true).
         if self.type == "Adam" and adam_w_mode is not False and params.get("weight_decay", 0):
             logger.warning("optimizer type 'Adam' with weight_decay runs as AdamW, as in DeepSpeed "
@@ -203,7 +206,7 @@ def _scheduler_params_model(name: str) -> type[BaseModel]:
     hints = get_type_hints(cls.__init__)
     fields = {}
     for arg, p in inspect.signature(cls.__init__).parameters.items():
-        if arg in ("self", "optimizer"):
+        if arg in ("self", "optimizer", "last_batch_iteration"):  # resume via state_dict instead
             continue
         hint = {float: Float, int: Int}.get(hints[arg], hints[arg])
         fields[arg] = (hint, ... if p.default is p.empty else p.default)
@@ -353,11 +356,13 @@ class ZeroConfig(_Block):
         data = dict(data)
         pin = data.pop("cpu_offload_use_pin_memory", None)
         mapped = False
-        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        for old, new in (("cpu_offload", "offload_optimizer"),
+                         ("cpu_offload_param", "offload_param")):
             if old not in data:
                 continue
             if new in data:
-                raise ValueError(f"{old!r} (deprecated) and {new!r} cannot both be given; keep {new!r}")
+                raise ValueError(f"{old!r} (deprecated) and {new!r} cannot both be given; "
+                                 f"keep {new!r}")
             value = data.pop(old)
             if not isinstance(value, bool):
                 raise ValueError(f"{old} must be true or false, got {value!r}")
@@ -376,7 +381,8 @@ class ZeroConfig(_Block):
             self.overlap_comm = self.stage == 3  # DeepSpeed's stage-dependent default
             self._derived.add("overlap_comm")
         if self.offload_optimizer and self.offload_optimizer.ratio < 1 and self.stage != 3:
-            raise ValueError(f"offload_optimizer.ratio < 1 requires stage 3, got stage {self.stage}")
+            raise ValueError(f"offload_optimizer.ratio < 1 requires stage 3, "
+                             f"got stage {self.stage}")
         if self.offload_param_device != "none" and self.stage != 3:
             raise ValueError(f"offload_param requires stage 3, got stage {self.stage}")
         return self
@@ -480,13 +486,13 @@ def _resolve_auto(data: dict, hidden_size: int | None, path: str = "") -> tuple[
             derived.append(path + canonical)
         elif dotted == "gradient_clipping":
             raise ConfigError('gradient_clipping is "auto", which HF Transformers fills from '
-                              "TrainingArguments.max_grad_norm; zeromem has no such source, so give "
-                              "a number (0.0 turns clipping off)")
+                              "TrainingArguments.max_grad_norm; zeromem has no such source, "
+                              "so give a number (0.0 turns clipping off)")
         else:
-            raise ConfigError(f'{dotted} is "auto", a Hugging Face placeholder zeromem cannot derive '
-                              "(only the batch keys and, given hidden_size, reduce_bucket_size, "
-                              "stage3_prefetch_bucket_size and stage3_param_persistence_threshold "
-                              "can be); give an explicit value")
+            raise ConfigError(f'{dotted} is "auto", a Hugging Face placeholder zeromem cannot '
+                              "derive (only the batch keys and, given hidden_size, "
+                              "reduce_bucket_size, stage3_prefetch_bucket_size and "
+                              "stage3_param_persistence_threshold can be); give an explicit value")
     return resolved, derived
 
 
@@ -496,8 +502,9 @@ def resolve_batch(train: int | None, micro: int | None, gas: int | None,
 
     def exact(divisor_text: str, divisor: int) -> int:
         if train % divisor:
-            raise ConfigError(f"train_batch_size ({train}) is not divisible by {divisor_text} = "
-                              f"{divisor}; DeepSpeed would floor to {train // divisor} and then fail")
+            raise ConfigError(f"train_batch_size ({train}) is not divisible by {divisor_text} "
+                              f"= {divisor}; DeepSpeed would floor to {train // divisor} and "
+                              "then fail")
         return train // divisor
 
     if train and micro and gas:
@@ -535,8 +542,9 @@ def _activation_checkpointing_key(config: Config) -> str | None:
 
 def _zeropp_key(config: Config) -> str | None:
     zero = config.zero_optimization
-    used = [name for name in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
-                              "zero_quantized_gradients", "zeropp_loco_param") if getattr(zero, name)]
+    names = ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
+             "zero_quantized_gradients", "zeropp_loco_param")
+    used = [name for name in names if getattr(zero, name)]
     used += ["zero_hpz_partition_size"] if zero.zero_hpz_partition_size > 1 else []
     return f"zero_optimization.{used[0]}" if used else None
 
@@ -575,6 +583,7 @@ class Config(_Block):
 
     _renamed = {"bfloat16": ("bf16", False)}
     _raw: dict | None = PrivateAttr(default=None)  # the input as given, for re-resolving
+    _hidden_size: int | None = PrivateAttr(default=None)  # what resolved hidden-size "auto"s
 
     train_batch_size: Int | None = Field(None, ge=1)  # global batch = micro × gas × world_size
     train_micro_batch_size_per_gpu: Int | None = Field(None, ge=1)  # per-rank forward batch
@@ -604,9 +613,10 @@ class Config(_Block):
         if not isinstance(data, dict):
             return handler(data)
         raw = copy.deepcopy(data)
-        data, derived = _resolve_auto(data, (info.context or {}).get("hidden_size"))
+        hidden_size = (info.context or {}).get("hidden_size")
+        data, derived = _resolve_auto(data, hidden_size)
         config = handler(data)
-        config._raw = raw
+        config._raw, config._hidden_size = raw, hidden_size
         for path in derived:
             *parents, leaf = path.split(".")
             config.value_at(".".join(parents))._derived.add(leaf)
@@ -636,11 +646,13 @@ class Config(_Block):
 
         `world_size` (data-parallel ranks) resolves the batch triple; None skips it.
         `hidden_size` resolves hidden-size "auto" values. A Config is re-resolved from
-        the input it was built from. Raises ConfigError naming the offending key.
+        the input it was built from (keeping its hidden_size unless a new one is given).
+        Raises ConfigError naming the offending key.
         """
         origin = None
         if isinstance(source, Config):
             data = source._raw if source._raw is not None else source.model_dump(exclude_unset=True)
+            hidden_size = hidden_size if hidden_size is not None else source._hidden_size
         elif isinstance(source, (str, os.PathLike)):
             origin = os.fspath(source)
             data = _read_json(origin)
@@ -650,7 +662,8 @@ class Config(_Block):
             raise ConfigError("config source must be a dict, a JSON file path or a Config, got "
                               f"{type(source).__name__}")
         for name, value in (("world_size", world_size), ("hidden_size", hidden_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
+            if value is not None and bad:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         try:
             config = cls.model_validate(

@@ -1,0 +1,426 @@
+"""Pure-logic tests of zeromem.config: no process group."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+
+import pytest
+import torch
+
+from zeromem import config as config_module
+from zeromem.config import (Config, ConfigError, OptimizerConfig, ZeroConfig, check_supported,
+                            resolve_batch)
+
+BATCH = {"train_batch_size": 8}
+
+
+def load_error(data, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        Config.load(data, **kwargs)
+    return str(info.value)
+
+
+@pytest.fixture
+def everything_built(monkeypatch):
+    """Pretend every feature is built, to test validation behind the NOT_BUILT gate."""
+    monkeypatch.setattr(config_module, "NOT_BUILT", set())
+
+
+# ---------------------------------------------------------------- unknown keys
+
+def test_nested_typo_names_path_and_suggests():
+    message = load_error({**BATCH, "zero_optimization": {"reduce_bucket_sise": 5}})
+    assert "zero_optimization.reduce_bucket_sise" in message
+    assert "did you mean 'reduce_bucket_size'?" in message
+
+
+def test_top_level_typo_suggests():
+    message = load_error({"train_batch_sise": 8})
+    assert "'train_batch_sise'" in message and "did you mean 'train_batch_size'?" in message
+
+
+def test_deeply_nested_typo():
+    message = load_error({"zero_optimization": {"offload_optimizer": {"pin_memroy": True}}})
+    assert "zero_optimization.offload_optimizer.pin_memroy" in message
+    assert "did you mean 'pin_memory'?" in message
+
+
+def test_unknown_key_without_close_match_lists_valid_keys():
+    message = load_error({"bf16": {"zzz": 1}})
+    assert "bf16.zzz" in message and "enabled" in message and "immediate_grad_update" in message
+
+
+def test_optimizer_param_typo_checked_against_torch_signature():
+    message = load_error({"optimizer": {"type": "AdamW",
+                                        "params": {"lr": 1e-3, "betaz": [0.9, 0.99]}}})
+    assert "optimizer.params.betaz" in message and "did you mean 'betas'?" in message
+    message = load_error({"optimizer": {"type": "SGD", "params": {"momentun": 0.9}}})
+    assert "did you mean 'momentum'?" in message
+
+
+def test_scheduler_param_typo_and_missing_required():
+    message = load_error({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_step": 5}}})
+    assert "scheduler.params.warmup_num_step" in message
+    assert "did you mean 'warmup_num_steps'?" in message
+    assert "scheduler.params.total_num_steps is required" in message
+
+
+def test_multiple_problems_are_all_reported():
+    message = load_error({"aaa": 1, "zero_optimization": {"stage": 9}})
+    assert "2 problems" in message and "aaa" in message and "zero_optimization.stage" in message
+
+
+# ---------------------------------------------------------------- types and values
+
+@pytest.mark.parametrize("data, expected", [
+    ({"zero_optimization": {"stage": 5}},
+     "zero_optimization.stage must be one of 0, 1, 2, 3, got 5"),
+    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage must be one of 0, 1, 2, 3"),
+    ({"zero_optimization": {"reduce_bucket_size": 1.5}},
+     "reduce_bucket_size must be a whole number"),
+    ({"zero_optimization": {"reduce_bucket_size": True}}, "reduce_bucket_size must be an integer"),
+    ({"zero_optimization": {"reduce_bucket_size": 0}}, "reduce_bucket_size must be >= 1, got 0"),
+    ({"fp16": {"enabled": "yes"}}, "fp16.enabled must be true or false, got 'yes'"),
+    ({"gradient_clipping": "1.0"}, "gradient_clipping must be a number"),
+    ({"gradient_clipping": -1}, "gradient_clipping must be >= 0"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+     "zero_optimization.offload_optimizer.device must be one of 'none', 'cpu', 'nvme', got 'gpu'"),
+    ({"data_types": {"grad_accum_dtype": "float32"}}, "data_types.grad_accum_dtype must be one of"),
+    ({"zero_optimization": 2}, "zero_optimization must be an object"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer.type must be one of 'Adam', 'AdamW', 'SGD'"),
+    ({"optimizer": {"params": {}}}, "optimizer.type is required"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}},
+     "scheduler.params.warmup_type must be one of 'log', 'linear', got 'cos'"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "needs nvme_path"),
+])
+def test_wrong_type_or_value_names_key_and_allowed(data, expected):
+    assert expected in load_error(data)
+
+
+def test_fp16_and_bf16_both_enabled():
+    message = load_error({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    assert "fp16.enabled and bf16.enabled" in message
+
+
+def test_fp16_master_weights_needs_stage_2():
+    assert "zero_optimization.stage 2" in load_error(
+        {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}})
+
+
+def test_offload_ratio_below_one_needs_stage_3(everything_built):
+    message = load_error({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "ratio": 0.5}}})
+    assert "offload_optimizer.ratio < 1 requires stage 3" in message
+
+
+def test_source_of_the_wrong_kind():
+    assert "dict, a JSON file path or a Config" in load_error(42)
+    assert "world_size must be a positive integer" in load_error(BATCH, world_size=0)
+
+
+# ---------------------------------------------------------------- batch triple
+
+@pytest.mark.parametrize("given, expected", [
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 3}, (24, 4, 3)),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4}, (24, 4, 3)),
+    ({"train_batch_size": 24, "gradient_accumulation_steps": 3}, (24, 4, 3)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, (24, 4, 3)),
+    ({"train_batch_size": 24}, (24, 12, 1)),
+    ({"train_micro_batch_size_per_gpu": 4}, (8, 4, 1)),
+])
+def test_batch_resolution_rules(given, expected):
+    config = Config.load(given, world_size=2)
+    resolved = (config.train_batch_size, config.train_micro_batch_size_per_gpu,
+                config.gradient_accumulation_steps)
+    assert resolved == expected
+    assert all(config.value_at(k) is not None for k in given)
+
+
+def test_batch_triple_that_does_not_multiply_out():
+    message = load_error({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4,
+                          "gradient_accumulation_steps": 3}, world_size=1)
+    assert "train_batch_size (10)" in message and "4 × 3 × 1 = 12" in message
+
+
+@pytest.mark.parametrize("given", [
+    {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
+    {"train_batch_size": 10, "gradient_accumulation_steps": 4},
+    {"train_batch_size": 9},
+])
+def test_batch_division_that_would_floor(given):
+    message = load_error(given, world_size=2)
+    assert "train_batch_size" in message and "not divisible" in message
+
+
+def test_batch_needs_train_or_micro():
+    message = load_error({"gradient_accumulation_steps": 2}, world_size=2)
+    assert ("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"
+            in message)
+
+
+def test_batch_resolution_waits_for_world_size():
+    config = Config.load({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4})
+    assert config.gradient_accumulation_steps is None
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        Config.load(config, world_size=2)  # re-resolved from the original input
+    resolved = Config.load({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4})
+    assert Config.load(resolved, world_size=2).gradient_accumulation_steps == 2
+    assert Config.load(resolved, world_size=4).gradient_accumulation_steps == 1
+
+
+def test_resolve_batch_function_directly():
+    assert resolve_batch(None, 2, 4, 8) == (64, 2, 4)
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        resolve_batch(64, 3, None, 8)
+
+
+# ---------------------------------------------------------------- "auto"
+
+def test_auto_batch_keys_are_derived():
+    config = Config.load({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+                          "gradient_accumulation_steps": "auto"}, world_size=2)
+    assert (config.train_batch_size, config.gradient_accumulation_steps) == (8, 1)
+    assert "derived" in next(line for line in config.describe().splitlines()
+                             if line.startswith("train_batch_size"))
+
+
+def test_all_batch_keys_auto_is_an_error():
+    message = load_error({k: "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                              "gradient_accumulation_steps")}, world_size=2)
+    assert "Either train_batch_size" in message
+
+
+def test_auto_from_hidden_size():
+    data = {"zero_optimization": {"reduce_bucket_size": "auto", "prefetch_bucket_size": "auto",
+                                  "stage3_param_persistence_threshold": "auto"}}
+    zero = Config.load(data, hidden_size=1024).zero_optimization
+    assert zero.reduce_bucket_size == 1024 * 1024
+    assert zero.stage3_prefetch_bucket_size == int(0.9 * 1024 * 1024)
+    assert zero.stage3_param_persistence_threshold == 10 * 1024
+    resolved = Config.load(Config.load({**data, **BATCH}, hidden_size=8), world_size=2)
+    assert resolved.zero_optimization.reduce_bucket_size == 64  # hidden_size kept on re-resolve
+    assert resolved.train_micro_batch_size_per_gpu == 4
+
+
+def test_auto_from_hidden_size_without_it_is_rejected():
+    message = load_error({"zero_optimization": {"reduce_bucket_size": "auto"}})
+    assert "zero_optimization.reduce_bucket_size" in message and "hidden_size" in message
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"gradient_clipping": "auto"}, "gradient_clipping"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "optimizer.params.lr"),
+    ({"fp16": {"enabled": "auto"}}, "fp16.enabled"),
+    ({"zero_optimization": {"allgather_bucket_size": "auto"}},
+     "zero_optimization.allgather_bucket_size"),
+])
+def test_underivable_auto_is_rejected_not_dropped(data, key):
+    message = load_error(data, hidden_size=64)
+    assert key in message and '"auto"' in message
+
+
+# ---------------------------------------------------------------- features not built
+
+@pytest.mark.parametrize("data, key", [
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.offload_optimizer.device"),
+    ({"zero_optimization": {"stage": 1, "cpu_offload": True}},
+     "zero_optimization.offload_optimizer.device"),
+    ({"activation_checkpointing": {"cpu_checkpointing": True}},
+     "activation_checkpointing.cpu_checkpointing"),
+])
+def test_not_built_features_are_refused(data, key):
+    message = load_error(data)
+    assert key in message and "is not supported yet" in message
+
+
+def test_offload_param_not_built(monkeypatch):
+    monkeypatch.setattr(config_module, "NOT_BUILT", {"offload_param"})
+    message = load_error({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    assert "zero_optimization.offload_param.device" in message and "not supported yet" in message
+
+
+def test_offload_param_needs_stage_3(everything_built):
+    assert "offload_param requires stage 3" in load_error(
+        {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+
+
+def test_removing_a_feature_from_not_built_lets_it_load(monkeypatch):
+    data = {"zero_optimization": {"stage": 3}}
+    monkeypatch.setattr(config_module, "NOT_BUILT", config_module.NOT_BUILT - {"stage3"})
+    config = Config.load(data)
+    assert config.zero_optimization.stage == 3 and config.zero_optimization.overlap_comm is True
+    assert config.unsupported_features() == {}
+
+
+def test_unsupported_features_report():
+    config = Config.model_validate({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "cpu"}}})  # model_validate skips the gate; load would refuse
+    assert config.unsupported_features() == {
+        "stage3": "zero_optimization.stage",
+        "offload_optimizer": "zero_optimization.offload_optimizer.device"}
+    with pytest.raises(ConfigError, match="not supported yet"):
+        check_supported(config)
+
+
+def test_out_of_scope_features_are_refused():
+    message = load_error({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
+    assert "zero_optimization.zero_quantized_weights" in message and "not supported" in message
+
+
+# ---------------------------------------------------------------- aliases
+
+def test_bfloat16_alias():
+    config = Config.load({"bfloat16": {"enabled": True}})
+    assert config.bf16.enabled and config.compute_dtype == torch.bfloat16
+
+
+def test_thread_count_alias_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="zeromem"):
+        config = Config.load({"aio": {"thread_count": 4}})
+    assert config.aio.intra_op_parallelism == 4
+    assert "thread_count" in caplog.text and "intra_op_parallelism" in caplog.text
+
+
+def test_prefetch_bucket_size_alias():
+    config = Config.load({"zero_optimization": {"prefetch_bucket_size": 1234}})
+    assert config.zero_optimization.stage3_prefetch_bucket_size == 1234
+
+
+def test_old_gather_fp16_weights_alias_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="zeromem"):
+        config = Config.load(
+            {"zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True}})
+    assert config.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+    assert "deprecated" in caplog.text
+
+
+def test_alias_and_current_name_together_is_an_error():
+    message = load_error({"zero_optimization": {"prefetch_bucket_size": 1,
+                                                "stage3_prefetch_bucket_size": 2}})
+    assert "zero_optimization" in message and "give only 'stage3_prefetch_bucket_size'" in message
+    assert "give only 'bf16'" in load_error({"bf16": {}, "bfloat16": {}})
+
+
+def test_cpu_offload_maps_to_offload_optimizer(everything_built, caplog):
+    with caplog.at_level(logging.WARNING, logger="zeromem"):
+        zero = Config.load({"zero_optimization": {
+            "stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}}).zero_optimization
+    assert zero.offload_optimizer_device == "cpu" and zero.offload_optimizer.pin_memory
+    assert "cpu_offload" in caplog.text
+    assert "cannot both be given" in load_error(
+        {"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}})
+
+
+# ---------------------------------------------------------------- values
+
+def test_bucket_floats_become_ints():
+    zero = Config.load({"zero_optimization": {"reduce_bucket_size": 5e8,
+                                              "allgather_bucket_size": 2e8}}).zero_optimization
+    assert zero.reduce_bucket_size == 500_000_000 and type(zero.reduce_bucket_size) is int
+    assert type(zero.allgather_bucket_size) is int
+
+
+def test_code_defaults():
+    config = Config.load({})
+    zero = config.zero_optimization
+    assert config.gradient_clipping == 0.0 and config.steps_per_print == 10
+    assert zero.stage == 0 and zero.reduce_bucket_size == 500_000_000
+    assert zero.stage3_prefetch_bucket_size == 50_000_000 and zero.overlap_comm is False
+    assert zero.offload_optimizer is None and zero.offload_optimizer_device == "none"
+    assert config.fp16.initial_scale_power == 16 and config.fp16.hysteresis == 2
+    assert config.aio.intra_op_parallelism == 1 and config.checkpoint.tag_validation == "Warn"
+    assert ZeroConfig(stage=3).overlap_comm is True
+
+
+def test_load_from_json_file(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}}))
+    config = Config.load(path, world_size=2)
+    assert config.train_batch_size == 8
+    assert config.zero_optimization.reduce_bucket_size == 500_000_000
+    assert Config.load(str(path)).zero_optimization.stage == 2
+
+
+def test_json_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"zero_optimization": {"stgae": 2}}')
+    message = load_error(path)
+    assert str(path) in message and "did you mean 'stage'?" in message
+    path.write_text("{not json")
+    assert "not valid JSON" in load_error(path)
+    assert "cannot read config file" in load_error(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("data, compute, grad", [
+    ({}, torch.float32, torch.float32),
+    ({"fp16": {"enabled": True}}, torch.float16, torch.float16),
+    ({"bf16": {"enabled": True}}, torch.bfloat16, torch.bfloat16),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+     torch.bfloat16, torch.float32),
+])
+def test_compute_and_grad_dtype(data, compute, grad):
+    config = Config.load(data)
+    assert (config.compute_dtype, config.grad_dtype) == (compute, grad)
+
+
+def test_checkpoint_block_is_case_insensitive():
+    config = Config.load({"checkpoint": {"tag_validation": "FAIL",
+                                         "parallel_write": {"pipeline_stage": True}}})
+    assert config.checkpoint.tag_validation == "Fail"
+    assert config.checkpoint.parallel_write.pipeline_stage
+
+
+def test_describe_marks_sources():
+    config = Config.load({"train_batch_size": 8, "zero_optimization": {"stage": 1}}, world_size=2)
+    sources = {line.split()[0]: line.split()[-1] for line in config.describe().splitlines()}
+    assert sources["train_batch_size"] == "file"
+    assert sources["train_micro_batch_size_per_gpu"] == "derived"
+    assert sources["zero_optimization.stage"] == "file"
+    assert sources["zero_optimization.overlap_comm"] == "derived"
+    assert sources["fp16.enabled"] == "default"
+
+
+# ---------------------------------------------------------------- optimizer block
+
+def test_optimizer_type_is_case_insensitive():
+    optimizer = OptimizerConfig.model_validate(
+        {"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}})
+    assert optimizer.type == "SGD" and optimizer.torch_class is torch.optim.SGD
+
+
+def test_deepspeed_adam_decouples_weight_decay(caplog):
+    with caplog.at_level(logging.WARNING, logger="zeromem"):
+        optimizer = Config.load({"optimizer": {"type": "Adam", "params": {
+            "lr": 1e-3, "weight_decay": 0.1, "torch_adam": True}}}).optimizer
+    assert optimizer.type == "AdamW" and optimizer.params == {"lr": 1e-3, "weight_decay": 0.1}
+    assert "adam_w_mode" in caplog.text
+    l2 = Config.load({"optimizer": {"type": "adam", "params": {"weight_decay": 0.1,
+                                                               "adam_w_mode": False}}}).optimizer
+    assert l2.type == "Adam" and "adam_w_mode" not in l2.params
+
+
+def test_adamw_defaults_to_deepspeed_weight_decay():
+    optimizer = Config.load({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}).optimizer
+    assert optimizer.params["weight_decay"] == 0.0
+    assert "contradicts" in load_error(
+        {"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
+
+
+def test_scheduler_params_are_normalised():
+    scheduler = Config.load({"scheduler": {"type": "warmupcosinelr", "params": {
+        "total_num_steps": 1e4, "warmup_num_steps": 100.0}}}).scheduler
+    assert scheduler.type == "WarmupCosineLR"
+    assert scheduler.params == {"total_num_steps": 10_000, "warmup_num_steps": 100}
+
+
+def test_config_pickles_with_its_provenance():
+    config = Config.load({"zero_optimization": {"reduce_bucket_size": "auto"}}, hidden_size=16)
+    copy = pickle.loads(pickle.dumps(config))
+    assert copy == config and copy.describe() == config.describe()
