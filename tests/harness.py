@@ -72,6 +72,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
+    for r, p in enumerate(procs):
+        if r not in results and p.exitcode not in (0, None) and not any(
+                e.startswith(f"rank {r} ") for e in errors):
+            errors.append(f"rank {r} died with exit code {p.exitcode}")
     if errors:
         raise AssertionError("\n".join(errors))
     if len(results) < world_size:

@@ -38,20 +38,25 @@ def micro_batch(step: int, rank: int, micro: int, batch: int = 4, seq: int = 5, 
     return tokens, targets
 
 
-def uses_sometimes(step: int, rank: int, micro: int) -> bool:
-    """The `sometimes` layer is skipped on some (rank, micro-step) pairs, differently per rank."""
-    return (step + rank + micro) % 3 != 0
+def uses_sometimes(step: int, rank: int, micro: int, per_rank: bool = True) -> bool:
+    """The `sometimes` layer is skipped on some (rank, micro-step) pairs, differently per rank.
+
+    Stage 3 gathers a module's parameters collectively, so there every rank must run
+    the same modules (`per_rank=False`), as with DeepSpeed and FSDP.
+    """
+    return (step + rank * per_rank + micro) % 3 != 0
 
 
 class Reference:
     """Single-process training on the whole global batch, with torch.optim and clip_grad_norm_."""
 
     def __init__(self, model: nn.Module, lr: float = 1e-2, clip: float = 0.0,
-                 weight_decay: float = 0.01):
+                 weight_decay: float = 0.01, per_rank: bool = True):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.clip = clip
+        self.per_rank = per_rank
 
     def step(self, step: int, world_size: int, gas: int) -> None:
         for p in self.params:  # a parameter no micro-batch reaches gets a zero gradient, as in ZeRO
@@ -60,7 +65,7 @@ class Reference:
         for rank in range(world_size):
             for micro in range(gas):
                 tokens, targets = micro_batch(step, rank, micro)
-                loss = self.model(tokens, targets, uses_sometimes(step, rank, micro))
+                loss = self.model(tokens, targets, uses_sometimes(step, rank, micro, self.per_rank))
                 (loss / n).backward()
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
@@ -70,3 +75,9 @@ class Reference:
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max((pa.detach().float() - pb.detach().float()).abs().max().item()
                for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+def state_dict_diff(full: dict, model: nn.Module) -> float:
+    """Max abs difference between `engine.full_state_dict()` and `model` (0.0 when `full` is {})."""
+    ref = model.state_dict()
+    return max((full[k].float() - ref[k].float()).abs().max().item() for k in full) if full else 0.0

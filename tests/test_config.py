@@ -225,7 +225,6 @@ def test_underivable_auto_is_rejected_not_dropped(data, key):
 # ---------------------------------------------------------------- features not built
 
 @pytest.mark.parametrize("data, key", [
-    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.offload_optimizer.device"),
     ({"zero_optimization": {"stage": 1, "cpu_offload": True}},
@@ -250,18 +249,22 @@ def test_offload_param_needs_stage_3(everything_built):
 
 
 def test_removing_a_feature_from_not_built_lets_it_load(monkeypatch):
-    data = {"zero_optimization": {"stage": 3}}
-    monkeypatch.setattr(config_module, "NOT_BUILT", config_module.NOT_BUILT - {"stage3"})
+    data = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    monkeypatch.setattr(config_module, "NOT_BUILT", config_module.NOT_BUILT - {"offload_optimizer"})
     config = Config.load(data)
-    assert config.zero_optimization.stage == 3 and config.zero_optimization.overlap_comm is True
+    assert config.zero_optimization.offload_optimizer_device == "cpu"
     assert config.unsupported_features() == {}
+
+
+def test_stage_3_loads_with_overlap_on_by_default():
+    config = Config.load({"zero_optimization": {"stage": 3}})
+    assert config.zero_optimization.stage == 3 and config.zero_optimization.overlap_comm is True
 
 
 def test_unsupported_features_report():
     config = Config.model_validate({"zero_optimization": {"stage": 3, "offload_optimizer": {
         "device": "cpu"}}})  # model_validate skips the gate; load would refuse
     assert config.unsupported_features() == {
-        "stage3": "zero_optimization.stage",
         "offload_optimizer": "zero_optimization.offload_optimizer.device"}
     with pytest.raises(ConfigError, match="not supported yet"):
         check_supported(config)

@@ -25,15 +25,18 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
                model_parameters: Iterable | None = None,
                optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
                lr_scheduler: Any = None,
-               dp_group: dist.ProcessGroup | None = None) -> Engine:
+               dp_group: dist.ProcessGroup | None = None,
+               fetch_units: tuple[type, ...] = ()) -> Engine:
     """Wrap `model` for ZeRO training as `config` (DeepSpeed's JSON format) says.
 
     Creates the default process group from torchrun's environment when none
     exists; with neither, trains as world size 1. `optimizer` is an optional
     factory `param_groups -> torch.optim.Optimizer` applied to the engine's fp32
     master shards; by default the config's `optimizer` block is used.
+    `fetch_units` (stage 3): module classes whose instances are gathered as one
+    unit (e.g. a transformer block); by default each module owning parameters is one.
     """
     ensure_process_group()
     comm = Comm(dp_group)
     cfg = Config.load(config, world_size=comm.world_size)
-    return Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler)
+    return Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler, tuple(fetch_units))

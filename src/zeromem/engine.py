@@ -30,6 +30,7 @@ from .memory import Ledger, MemoryReport, model_state_formula
 from .optim import build_optimizer, normalize_param_groups, optimizer_state_bytes_per_param
 from .precision import make_scaler
 from .schedulers import build_scheduler
+from .stage3 import FetchUnit, LiveStats, Stage3Runner, fetch_unit_modules
 
 log = logging.getLogger("zeromem")
 
@@ -49,12 +50,12 @@ def _bucket_params(params: list[nn.Parameter], bucket_numel: int) -> list[list[n
 
 
 class Engine:
-    """Wraps a module and trains it with ZeRO stage 0, 1 or 2. Built by `zeromem.initialize`."""
+    """Wraps a module and trains it with ZeRO stage 0, 1, 2 or 3. Built by `zeromem.initialize`."""
 
     def __init__(self, module: nn.Module, config: Config, comm: Comm,
                  model_parameters: Iterable | None = None,
                  optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
-                 lr_scheduler: Any = None):
+                 lr_scheduler: Any = None, fetch_units: tuple[type, ...] = ()):
         self.config = config
         self.comm = comm
         self.dp_world_size = comm.world_size
@@ -71,11 +72,13 @@ class Engine:
 
         param_groups = normalize_param_groups(module, model_parameters)
         self.names = {id(p): n for n, p in module.named_parameters()}
-        self.groups = self._build_groups(param_groups, Sharding.for_stage(self.zero_stage))
+        sharding = Sharding.for_stage(self.zero_stage)
+        self.groups = self._build_groups(param_groups, sharding, fetch_units)
         self.psi = sum(g.numel for g in self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups, param_groups, optimizer)
         self.reducer = Reducer(self.groups, comm, overlap=config.zero_optimization.overlap_comm
                                is not False)
+        self.stage3 = self._build_stage3() if sharding.params else None
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
     def _make_scheduler(self, lr_scheduler: Any):
@@ -87,16 +90,14 @@ class Engine:
         return lr_scheduler
 
     # -- construction ------------------------------------------------------
-    def _build_groups(self, param_groups: list[dict], sharding: Sharding) -> list[FlatParamGroup]:
-        """One flat group per bucket; buckets ordered by when backward should complete them."""
+    def _build_groups(self, param_groups: list[dict], sharding: Sharding,
+                      fetch_units: tuple[type, ...]) -> list[FlatParamGroup]:
+        """One flat group per bucket (per fetch unit at stage 3), in expected backward order."""
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
-        bucket_numel = int(self.config.zero_optimization.reduce_bucket_size)
         groups = []
-        for gi, pg in enumerate(param_groups):
-            params = sorted(pg["params"], key=lambda p: -order[id(p)])  # backward runs last-first
-            for bucket in _bucket_params(params, bucket_numel):
-                names = [self.names[id(p)] for p in bucket]
-                groups.append(FlatParamGroup(bucket, names, self.comm, sharding, gi))
+        for gi, params in self._partition(param_groups, sharding, fetch_units):
+            names = [self.names[id(p)] for p in params]
+            groups.append(FlatParamGroup(params, names, self.comm, sharding, gi))
         groups.sort(key=lambda g: -min(order[id(p)] for p in g.params))
         grad_dtype = self.config.grad_dtype
         if sharding.grads:
@@ -113,6 +114,38 @@ class Engine:
                 g.grads = kind(g, grad_dtype)
         return groups
 
+    def _partition(self, param_groups: list[dict], sharding: Sharding,
+                   fetch_units: tuple[type, ...]) -> list[tuple[int, list[nn.Parameter]]]:
+        """(param group index, parameters) of each flat group to build."""
+        order = {id(p): i for i, p in enumerate(self.module.parameters())}
+        group_of = {id(p): gi for gi, pg in enumerate(param_groups) for p in pg["params"]}
+        if sharding.params:
+            self.unit_modules = []  # (module, its parameters) per fetch unit, see stage3.py
+            parts = []
+            for module, params in fetch_unit_modules(self.module, fetch_units):
+                for gi in sorted({group_of[id(p)] for p in params if id(p) in group_of}):
+                    part = [p for p in params if group_of.get(id(p)) == gi]
+                    parts.append((gi, part))
+                    self.unit_modules.append((module, part))
+            return parts
+        bucket_numel = int(self.config.zero_optimization.reduce_bucket_size)
+        parts = []
+        for gi, pg in enumerate(param_groups):
+            params = sorted(pg["params"], key=lambda p: -order[id(p)])  # backward runs last-first
+            parts += [(gi, bucket) for bucket in _bucket_params(params, bucket_numel)]
+        return parts
+
+    def _build_stage3(self) -> Stage3Runner:
+        zero = self.config.zero_optimization
+        group_of = {id(g.params[0]): g for g in self.groups}
+        self.live_params = LiveStats()
+        module_units = [(m, FetchUnit(group_of[id(ps[0])], self.comm,
+                                      group_of[id(ps[0])].numel < zero.stage3_param_persistence_threshold,
+                                      self.live_params))
+                        for m, ps in self.unit_modules]
+        return Stage3Runner(self.module, module_units, zero.stage3_prefetch_bucket_size,
+                            self.live_params)
+
     # -- training loop -------------------------------------------------------
     def forward(self, *args, **kwargs):
         """Run the wrapped module (inputs cast to fp16 when `fp16.auto_cast` is on)."""
@@ -128,8 +161,12 @@ class Engine:
         """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied."""
         scale = self.scaler.scale / (self.config.gradient_accumulation_steps * self.dp_world_size)
         self.reducer.start_backward(self.is_gradient_accumulation_boundary())
+        if self.stage3 is not None:
+            self.stage3.start_pass("backward")
         (loss.float() * scale).backward()
         self.reducer.finish_backward()
+        if self.stage3 is not None:
+            self.stage3.finish_pass()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -190,6 +227,8 @@ class Engine:
             pendings += g.launch_all_gather(bucket)
         for p in pendings:
             p.wait()
+        if self.stage3 is not None:
+            self.stage3.refresh()
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -215,6 +254,7 @@ class Engine:
         ledger = Ledger()
         for g in self.groups:
             ledger.add("params", "device", g.flat_param)
+            ledger.add("params", "device", g.param_shard)
         for p in self.module.parameters():
             ledger.add("params", "device", p)  # frozen parameters (flat ones already counted)
         for g in self.groups:

@@ -14,6 +14,7 @@ are sharded (ZeRO paper, section 5):
     0      whole    whole, all-reduced                    whole
     1      whole    whole, reduce-scattered at boundary   shard
     2      whole    shard, reduce-scattered every micro   shard
+    3      shard    shard, reduce-scattered every micro   shard
 
 That choice is data (`Sharding`) and the gradient buffer is an object chosen once
 (`grads.py`); nothing here branches on a stage number.
@@ -55,7 +56,7 @@ class ParamSlot:
 class FlatParamGroup:
     """Parameters of one optimizer param group flattened into one padded buffer.
 
-    Owns: `flat_param` (compute dtype, whole), the master shard (fp32; an alias of
+    Owns: `flat_param` (compute dtype, whole; None at stage 3), `param_shard`, the master shard (fp32; an alias of
     the parameter shard when the compute dtype is already fp32), and a gradient
     buffer object that decides how gradients are held and reduced.
     """
@@ -85,7 +86,11 @@ class FlatParamGroup:
             view.copy_(p.detach())
             p.data = view  # the module now computes with views into the flat buffer
         self.param_shard = self.flat_param[self.shard_offset:self.shard_offset + self.shard_numel]
-        if self.flat_param.dtype == torch.float32:
+        if sharding.params:
+            # Stage 3: only the shard persists; stage3.FetchUnit gathers the whole on demand.
+            self.param_shard = self.param_shard.clone()
+            self.flat_param = None
+        if self.param_shard.dtype == torch.float32:
             self.master = self.param_shard  # fp32 training: no second copy
         else:
             self.master = self.param_shard.detach().float()
@@ -102,8 +107,8 @@ class FlatParamGroup:
 
     def launch_all_gather(self, bucket_numel: int) -> list[Pending]:
         """All-gather the updated shards into `flat_param`, at most `bucket_numel` per collective."""
-        if self.shard_world == 1:
-            return []
+        if self.shard_world == 1 or self.flat_param is None:
+            return []  # nothing to gather: stage 0, or stage 3 (gathered when used)
         n, shard = self.shard_world, self.shard_numel
         if self.padded_numel <= bucket_numel:
             # In place: this rank's shard already sits at its slot of the output (NCCL and gloo allow it).
@@ -126,9 +131,6 @@ class FlatParamGroup:
         return pendings
 
     # -- views ------------------------------------------------------------
-    def param_views(self) -> list[tuple[ParamSlot, torch.Tensor]]:
-        return [(s, self.flat_param[s.offset:s.offset + s.numel].view(s.shape)) for s in self.slots]
-
     def owned_slice(self, slot: ParamSlot) -> tuple[int, int, int]:
         """(start in the shard, start in the parameter, length) of `slot`'s owned part."""
         lo = max(slot.offset, self.shard_offset)

@@ -1,0 +1,321 @@
+"""ZeRO-3 (P_os+g+p): parameters partitioned, gathered per module on demand.
+
+Every fetch unit (by default one per module that directly owns parameters, or
+one per instance of the classes the caller names, e.g. transformer blocks) is a
+flat group whose parameters exist only as a 1/N_d shard between uses. A
+`FetchUnit` owns the gathered buffer and an explicit state:
+
+    SHARDED --unshard(async)--> GATHERING --wait--> GATHERED --reshard--> SHARDED
+
+Schedule of one training step (paper section 5.3; FSDP2 follows the same plan):
+
+    forward   pre-hook: gather the unit (waiting for a prefetch if one is in
+              flight) and prefetch the next units of the recorded order, up to
+              `stage3_prefetch_bucket_size` elements; post-hook: release.
+    backward  the unit's outputs carry a hook that re-gathers it before its
+              gradients are computed; when every parameter of the unit has its
+              gradient, the unit is released (its gradients are already in the
+              reduce-scatter bucket, grads.py).
+    end       `finish_pass()` releases whatever is still gathered.
+
+The order of units is recorded on the first pass. If a later pass differs (a
+conditional branch, another eval path), prefetching stops for that pass and the
+order is recorded again: a unit is always gathered before it is used, so a
+changed order costs speed, never correctness.
+
+A parameter used outside the module that owns it (a tied output head reusing
+the embedding, `F.linear(x, self.embed.weight)` in a parent) is found on the
+first pass by a TorchFunctionMode that sees which parameters each op reads while
+a module runs; that module then gathers the other unit too, from then on.
+
+Outside a gather a partitioned parameter has shape `torch.Size([0])` (as in
+DeepSpeed); use `zeromem.GatheredParameters` to read it whole.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from .comm import Comm, Pending
+from .flat import FlatParamGroup
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class FetchUnit:
+    """One module's parameters: a flat group that is whole only while in use."""
+
+    def __init__(self, group: FlatParamGroup, comm: Comm, persistent: bool, stats: "LiveStats"):
+        self.group = group
+        self.comm = comm
+        self.persistent = persistent  # small units stay whole (stage3_param_persistence_threshold)
+        self.stats = stats
+        self.state = UnitState.SHARDED  # assigned in unshard/wait/reshard only
+        self.full: torch.Tensor | None = None
+        self.pending: Pending | None = None
+        self.grads_missing = len(group.params)
+
+    def unshard(self) -> None:
+        """Start gathering the whole flat buffer (async)."""
+        if self.state is not UnitState.SHARDED:
+            return
+        g = self.group
+        self.full = torch.empty(g.padded_numel, dtype=g.param_shard.dtype, device=g.param_shard.device)
+        self.stats.add(g.padded_numel)
+        self.pending = self.comm.all_gather(self.full, g.param_shard, async_op=True)
+        self.state = UnitState.GATHERING
+
+    def wait(self) -> None:
+        """Block until gathered, then point the parameters at views of the whole buffer."""
+        if self.state is UnitState.SHARDED:
+            self.unshard()
+        if self.state is UnitState.GATHERING:
+            self.pending.wait()
+            self.pending = None
+            for p, slot in zip(self.group.params, self.group.slots):
+                p.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            self.state = UnitState.GATHERED
+
+    def reshard(self, force: bool = False) -> None:
+        """Drop the whole buffer; parameters become empty again."""
+        if self.state is UnitState.SHARDED or (self.persistent and not force):
+            return
+        if self.state is UnitState.GATHERING:
+            self.pending.wait()
+            self.pending = None
+        empty = self.group.param_shard.new_empty(0)
+        for p in self.group.params:
+            p.data = empty
+        self.stats.add(-self.group.padded_numel)
+        self.full = None
+        self.state = UnitState.SHARDED
+
+
+class LiveStats:
+    """Gathered parameter elements alive now and at peak (stage3_max_live_parameters)."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def add(self, numel: int) -> None:
+        self.live += numel
+        self.peak = max(self.peak, self.live)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity whose backward gathers a module's units before their gradients are needed."""
+
+    @staticmethod
+    def forward(ctx, runner: "Stage3Runner", module_id: int, *tensors):
+        ctx.runner, ctx.module_id = runner, module_id
+        views = tuple(t.view_as(t) for t in tensors)
+        return views if len(views) > 1 else views[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.runner.before_backward(ctx.module_id)
+        return (None, None, *grads)
+
+
+class _ParamUseTracer(TorchFunctionMode):
+    """Records which units' parameters each running module reads (first pass only)."""
+
+    def __init__(self, runner: "Stage3Runner"):
+        super().__init__()
+        self.runner = runner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        runner = self.runner
+        if runner.module_stack and not runner.busy:
+            for a in list(args) + list(kwargs.values()):
+                unit = runner.unit_of_param.get(id(a)) if isinstance(a, nn.Parameter) else None
+                if unit is not None and unit.state is not UnitState.GATHERED:
+                    unit.wait()  # gathered on demand now; recorded for the next passes
+                    runner.extra_units.setdefault(runner.module_stack[-1], []).append(unit)
+        return func(*args, **kwargs)
+
+
+class Stage3Runner:
+    """Installs the gather/release hooks on a module tree and runs the prefetch schedule."""
+
+    def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, FetchUnit]],
+                 prefetch_numel: int, stats: LiveStats):
+        self.units = [u for _, u in module_units]
+        self.unit_of_module: dict[int, list[FetchUnit]] = {}
+        for module, unit in module_units:
+            self.unit_of_module.setdefault(id(module), []).append(unit)
+        self.unit_of_param = {id(p): u for u in self.units for p in u.group.params}
+        self.extra_units: dict[int, list[FetchUnit]] = {}  # module id -> other units it reads
+        self.prefetch_numel = prefetch_numel
+        self.stats = stats
+        self.module_stack: list[int] = []
+        self.orders: dict[str, list[FetchUnit]] = {"forward": [], "backward": []}
+        self.recorded: dict[str, list[FetchUnit] | None] = {"forward": None, "backward": None}
+        self.pass_kind = "forward"
+        self.position = 0
+        self.on_track = True
+        self.tracer: _ParamUseTracer | None = None
+        self.busy = False  # inside our own hooks: the tracer must not see our tensor ops
+        self.handles = []
+        for module in root.modules():
+            self.handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(module.register_forward_hook(self._post_forward))
+        for unit in self.units:
+            for p in unit.group.params:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(unit)))
+        self.root = root
+        self.refresh()
+
+    def refresh(self) -> None:
+        """After the optimizer step: persistent units re-gather, the others drop to shards."""
+        for unit in self.units:
+            unit.reshard(force=True)
+            if unit.persistent:
+                unit.wait()
+
+    # -- passes ------------------------------------------------------------
+    def start_pass(self, kind: str) -> None:
+        """Begin a forward or backward pass: reset the position in the recorded order."""
+        self.pass_kind, self.position, self.on_track = kind, 0, self.recorded[kind] is not None
+        self.orders[kind] = []
+        for unit in self.units:
+            unit.grads_missing = len(unit.group.params)
+
+    def finish_pass(self) -> None:
+        """Release every unit still gathered and keep this pass's order for prefetching."""
+        kind = self.pass_kind
+        if self.orders[kind]:
+            self.recorded[kind] = self.orders[kind]
+        for unit in self.units:
+            unit.reshard()
+
+    def _use(self, units: list[FetchUnit]) -> None:
+        """Gather `units` for the running module; follow or re-record the order; prefetch."""
+        self.busy = True
+        try:
+            self._follow_order(units)
+        finally:
+            self.busy = False
+
+    def _follow_order(self, units: list[FetchUnit]) -> None:
+        for unit in units:
+            order = self.orders[self.pass_kind]
+            if unit not in order:
+                order.append(unit)
+                expected = self.recorded[self.pass_kind]
+                if self.on_track and (expected is None or self.position >= len(expected)
+                                      or expected[self.position] is not unit):
+                    self.on_track = False  # the order changed: gather on demand this pass
+                self.position += 1
+            unit.wait()
+        if self.on_track:
+            self._prefetch()
+
+    def _prefetch(self) -> None:
+        expected, budget = self.recorded[self.pass_kind], self.prefetch_numel
+        for unit in expected[self.position:]:
+            if budget <= 0:
+                break
+            budget -= unit.group.padded_numel
+            unit.unshard()
+
+    # -- hooks -------------------------------------------------------------
+    def _units_for(self, module: nn.Module) -> list[FetchUnit]:
+        return self._units_for_id(id(module))
+
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        if module is self.root:
+            self.start_pass("forward")
+            if self.recorded["forward"] is None and torch.is_grad_enabled():
+                self.tracer = _ParamUseTracer(self)
+                self.tracer.__enter__()
+        self.module_stack.append(id(module))
+        self._use(self._units_for(module))
+
+    def _post_forward(self, module: nn.Module, args, output: Any) -> Any:
+        self.module_stack.pop()
+        units = self._units_for(module)
+        if units and torch.is_grad_enabled():
+            output = self._hook_backward(module, output)
+        self._release(units)
+        if module is self.root:
+            if self.tracer is not None:
+                self.tracer.__exit__(None, None, None)
+                self.tracer = None
+            self.finish_pass()
+        return output
+
+    def _release(self, units: list[FetchUnit]) -> None:
+        """Reshard `units` unless a module still running (an ancestor) also reads them."""
+        in_use = {id(u) for m in self.module_stack for u in self._units_for_id(m)}
+        self.busy = True
+        try:
+            for unit in units:
+                if id(unit) not in in_use:
+                    unit.reshard()
+        finally:
+            self.busy = False
+
+    def _units_for_id(self, module_id: int) -> list[FetchUnit]:
+        return self.unit_of_module.get(module_id, []) + self.extra_units.get(module_id, [])
+
+    def _hook_backward(self, module: nn.Module, output: Any) -> Any:
+        tensors = []
+        tree_map(lambda t: tensors.append(t) if torch.is_tensor(t) and t.requires_grad else None,
+                 output)
+        if not tensors:
+            return output
+        hooked = _PreBackward.apply(self, id(module), *tensors)
+        hooked = hooked if isinstance(hooked, tuple) else (hooked,)
+        swap = {id(t): h for t, h in zip(tensors, hooked)}
+        return tree_map(lambda t: swap.get(id(t), t) if torch.is_tensor(t) else t, output)
+
+    def before_backward(self, module_id: int) -> None:
+        self._use(self._units_for_id(module_id))
+
+    def _grad_ready(self, unit: FetchUnit):
+        def on_grad(param: nn.Parameter) -> None:
+            unit.grads_missing -= 1
+            if unit.grads_missing == 0:
+                self._release([unit])
+        return on_grad
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def fetch_unit_modules(root: nn.Module, unit_classes: tuple[type, ...] = ()) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(module, its parameters) for each fetch unit, each trainable parameter in exactly one.
+
+    With `unit_classes`, every instance of those classes is one unit holding all
+    parameters below it; the remaining parameters go to the module owning them.
+    """
+    claimed: set[int] = set()
+    units = []
+
+    def take(module: nn.Module, recurse: bool) -> None:
+        params = [p for p in module.parameters(recurse=recurse)
+                  if p.requires_grad and id(p) not in claimed]
+        claimed.update(id(p) for p in params)
+        if params:
+            units.append((module, params))
+
+    if unit_classes:
+        for module in root.modules():
+            if isinstance(module, unit_classes) and module is not root:
+                take(module, recurse=True)
+    for module in root.modules():
+        take(module, recurse=False)
+    return units
