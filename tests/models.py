@@ -19,11 +19,19 @@ class TinyLM(nn.Module):
         self.sometimes = nn.Linear(dim, dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied
+        self.checkpointed = False  # run the MLP under zeromem.checkpoint
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(h)))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, use_sometimes: bool = True):
         h = self.embed(tokens)                      # (B, T, dim)
         h = h + self.frozen(h)
-        h = self.fc2(torch.tanh(self.fc1(h)))
+        if self.checkpointed:
+            from zeromem import checkpoint
+            h = checkpoint(self.mlp, h)
+        else:
+            h = self.mlp(h)
         if use_sometimes:
             h = h + self.sometimes(h)
         logits = self.head(h)                       # (B, T, vocab)

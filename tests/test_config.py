@@ -229,8 +229,6 @@ def test_underivable_auto_is_rejected_not_dropped(data, key):
      "zero_optimization.offload_optimizer.device"),
     ({"zero_optimization": {"stage": 1, "cpu_offload": True}},
      "zero_optimization.offload_optimizer.device"),
-    ({"activation_checkpointing": {"cpu_checkpointing": True}},
-     "activation_checkpointing.cpu_checkpointing"),
 ])
 def test_not_built_features_are_refused(data, key):
     message = load_error(data)

@@ -12,12 +12,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import activations
+from .activations import checkpoint
 from .comm import Comm
 from .config import Config, ConfigError
 from .distributed import ensure_process_group
 from .engine import Engine
 
-__all__ = ["initialize", "Engine", "Config", "ConfigError"]
+__all__ = ["initialize", "Engine", "Config", "ConfigError", "checkpoint"]
 __version__ = "0.1.0"
 
 
@@ -39,4 +41,8 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     ensure_process_group()
     comm = Comm(dp_group)
     cfg = Config.load(config, world_size=comm.world_size)
+    if cfg.activation_checkpointing.model_fields_set:
+        # keep a model-parallel group set earlier with zeromem.activations.configure()
+        activations.configure_from_config(cfg.activation_checkpointing,
+                                          mp_group=activations.get_config().mp_group)
     return Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler, tuple(fetch_units))

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from .activations import checkpoint_stats
 from .comm import Comm
 from .config import Config
 from .flat import FlatParamGroup, Sharding
@@ -266,6 +267,8 @@ class Engine:
                 if torch.is_tensor(t):
                     ledger.add("optimizer_states", "device", t)
         ledger.add_bytes("comm_buffers", "device", self.comm.buffer_bytes_peak)
+        for place, nbytes in checkpoint_stats().peak_bytes.items():  # peak since the last reset
+            ledger.add_bytes("activation_checkpoints", place, nbytes)
         g0 = self.groups[0] if self.groups else None
         k = optimizer_state_bytes_per_param(self.optimizer) + (
             0 if g0 is None or g0.master_aliases_params() else 4)

@@ -1,0 +1,422 @@
+"""Activation checkpointing (ZeRO-R Pa, Pa+cpu, MD) and the tensor-parallel layers it runs on.
+
+Pure tests run in this process; one spawned world of 4 gloo ranks runs every
+multi-process case (TP parity, Pa combinations, 2x2 groups).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from harness import run_distributed
+from zeromem import activations as act
+from zeromem.activations import ActivationCheckpointing, CheckpointingConfig, checkpoint
+
+HIDDEN, BATCH, BLOCKS = 32, 48, 8
+ACT_BYTES = HIDDEN * BATCH * 4  # one fp32 block input; distinct from every weight's size
+
+
+@pytest.fixture(autouse=True)
+def default_policy():
+    act.configure()
+    yield
+    act.configure()
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, p: float = 0.2):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x, scale=1.0, bias=None):
+        y = self.drop(self.fc2(self.drop(torch.relu(self.fc1(x))))) * scale
+        return y if bias is None else y + bias
+
+
+def make_blocks(n=BLOCKS, hidden=HIDDEN, seed=0) -> nn.ModuleList:
+    torch.manual_seed(seed)
+    return nn.ModuleList(Block(hidden) for _ in range(n))
+
+
+def run_stack(blocks, x, mode: str):
+    h = x
+    for b in blocks:
+        if mode == "plain":
+            h = b(h)
+        elif mode == "ours":
+            h = checkpoint(b, h)
+        else:
+            h = torch_checkpoint.checkpoint(b, h, use_reentrant=False)
+    return h
+
+
+def grads_of(x, module) -> list[torch.Tensor]:
+    out = ([x.grad.clone()] if x is not None and x.grad is not None else [])
+    out += [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    if x is not None:
+        x.grad = None
+    return out
+
+
+def assert_all_close(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+
+
+# -- gradients, arguments, RNG ------------------------------------------------
+
+def test_grads_match_without_checkpointing_with_dropout_kwargs_and_rng():
+    blocks = make_blocks()
+    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    results = {}
+    for mode in ("plain", "ours"):
+        torch.manual_seed(123)
+        run_stack(blocks, x, mode).pow(2).sum().backward()
+        after = torch.rand(3)  # recompute must not disturb the caller's RNG stream
+        results[mode] = grads_of(x, blocks) + [after]
+    assert_all_close(results["plain"], results["ours"])
+
+
+def test_kwargs_non_tensor_args_no_grad_tensors_and_tuple_outputs():
+    torch.manual_seed(0)
+    block = Block(HIDDEN)
+    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    bias = torch.randn(HIDDEN)  # a tensor argument that needs no grad
+    ids = torch.arange(BATCH)  # an integer tensor argument
+
+    def fn(x, ids, tag, scale=1.0, bias=None):
+        assert tag == "layer0"
+        y = block(x, scale=scale, bias=bias)
+        # a differentiable output, one that needs no grad, an integer one, a non-tensor
+        return y, y.detach() * 2, ids * 2, "done"
+
+    results = {}
+    for mode in ("plain", "ours"):
+        torch.manual_seed(7)
+        call = fn if mode == "plain" else (lambda *a, **k: checkpoint(fn, *a, **k))
+        y, frozen, doubled, tag = call(x, ids, "layer0", scale=0.5, bias=bias)
+        assert tag == "done" and torch.equal(doubled, ids * 2) and not doubled.requires_grad
+        (y.sum() + y.pow(2).mean()).backward()
+        results[mode] = grads_of(x, block) + [frozen.detach()]
+    assert_all_close(results["plain"], results["ours"])
+
+
+def test_params_get_grads_when_no_input_needs_grad():
+    blocks = make_blocks(n=2)
+    x = torch.randn(BATCH, HIDDEN)  # raw data: autograd alone would skip the segment
+    results = {}
+    for mode in ("plain", "ours"):
+        torch.manual_seed(3)
+        run_stack(blocks, x, mode).sum().backward()
+        results[mode] = grads_of(None, blocks)
+    assert_all_close(results["plain"], results["ours"])
+
+
+def test_no_grad_mode_keeps_nothing_and_errors_are_clear():
+    block = make_blocks(n=1)[0]
+    with torch.no_grad():
+        checkpoint(block, torch.randn(4, HIDDEN, requires_grad=True))
+    assert act.held_checkpoint_bytes() == 0
+
+    x = torch.randn(4, HIDDEN, requires_grad=True)
+    h = x * 1
+    y = checkpoint(block, h)
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
+
+    y = checkpoint(block, x * 1)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagated once"):
+        y.sum().backward()
+
+
+def test_post_accumulate_grad_hook_fires_once_per_parameter_per_backward():
+    blocks = make_blocks()
+    counts = {id(p): 0 for p in blocks.parameters()}
+    def count(p):
+        counts[id(p)] += 1
+    handles = [p.register_post_accumulate_grad_hook(count) for p in blocks.parameters()]
+    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    for step in (1, 2):
+        run_stack(blocks, x, "ours").sum().backward()
+        assert set(counts.values()) == {step}
+    for h in handles:
+        h.remove()
+
+
+# -- memory between forward and backward ------------------------------------
+
+class _StorageTracker(TorchDispatchMode):
+    """Weak references to every storage an op creates; `held_bytes` sums those still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: list[tuple[StorageWeakRef, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.refs.append((StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+    def held_bytes(self, exclude) -> int:
+        skip = {StorageWeakRef(t.untyped_storage()).cdata for t in exclude}
+        alive = {r.cdata: n for r, n in self.refs if not r.expired() and r.cdata not in skip}
+        return sum(alive.values())
+
+
+def held_between_forward_and_backward(blocks, x, mode: str) -> tuple[int, int]:
+    """(bytes of tensors created in forward and still alive, ledger bytes) before backward."""
+    tracker = _StorageTracker()
+    with tracker:
+        loss = run_stack(blocks, x, mode).sum()
+    gc.collect()
+    held = tracker.held_bytes(exclude=[x, *blocks.parameters()])
+    ledger = act.held_checkpoint_bytes()
+    loss.backward()
+    blocks.zero_grad(set_to_none=True)
+    return held, ledger
+
+
+def test_checkpointed_stack_holds_one_activation_per_block():
+    blocks = make_blocks()
+    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    held = {m: held_between_forward_and_backward(blocks, x, m) for m in ("plain", "ours", "torch")}
+    per_block = {m: h / (BLOCKS * ACT_BYTES) for m, (h, _) in held.items()}
+    print("held activations per block:", per_block)
+    # Block inputs 1..7 (x is the caller's) plus a few small scalars; the ledger counts all 8.
+    assert (BLOCKS - 1) * ACT_BYTES <= held["ours"][0] <= BLOCKS * ACT_BYTES
+    assert held["ours"][1] == BLOCKS * ACT_BYTES
+    assert held["ours"][0] <= held["torch"][0]
+    assert held["plain"][0] > 4 * held["ours"][0]
+    assert act.held_checkpoint_bytes() == 0  # backward gave everything back
+
+
+def test_cpu_checkpointing_files_bytes_under_host():
+    act.configure(cpu_checkpointing=True)
+    blocks = make_blocks(n=3)
+    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    _, ledger = held_between_forward_and_backward(blocks, x, "ours")
+    stats = act.checkpoint_stats()
+    assert ledger == 3 * ACT_BYTES and stats.peak_bytes["host"] == 3 * ACT_BYTES
+    assert stats.held_bytes == {"device": 0, "host": 0}
+
+
+# -- MD pool ------------------------------------------------------------------
+
+def test_contiguous_pool_is_reused_across_steps_and_matches_grads():
+    blocks = make_blocks()
+    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    torch.manual_seed(11)
+    run_stack(blocks, x, "ours").sum().backward()
+    reference = grads_of(x, blocks)
+
+    act.configure(contiguous_memory_optimization=True, number_checkpoints=BLOCKS)
+    pool = act._DEFAULT.store.pool
+    for _ in range(3):
+        torch.manual_seed(11)
+        run_stack(blocks, x, "ours").sum().backward()
+        assert_all_close(reference, grads_of(x, blocks))
+        assert pool.pool_bytes == BLOCKS * ACT_BYTES and pool.used_bytes == 0
+        assert act.checkpoint_stats().pool_bytes["device"] == BLOCKS * ACT_BYTES
+        if _ == 0:
+            first_ptr = pool.buffer.data_ptr()
+        assert pool.buffer.data_ptr() == first_ptr
+
+
+def test_contiguous_pool_overflow_and_missing_size_are_clear_errors():
+    with pytest.raises(ValueError, match="number_checkpoints"):
+        act.configure(contiguous_memory_optimization=True)
+    act.configure(contiguous_memory_optimization=True, number_checkpoints=BLOCKS // 2)
+    with pytest.raises(RuntimeError, match=f"pool is full.*number_checkpoints={BLOCKS // 2}"):
+        run_stack(make_blocks(), torch.randn(BATCH, HIDDEN, requires_grad=True), "ours")
+    gc.collect()
+    assert act.held_checkpoint_bytes() == 0 and act._DEFAULT.store.pool.used_bytes == 0
+
+
+# -- configuration and estimator -----------------------------------------------
+
+def test_configure_from_config_block_and_pa_without_group_logs_once(caplog):
+    block = SimpleNamespace(partition_activations=True, cpu_checkpointing=False,
+                            contiguous_memory_optimization=True, number_checkpoints=3,
+                            synchronize_checkpoint_boundary=False, profile=True)
+    config = act.configure_from_config(block)
+    assert config == act.get_config() and config.number_checkpoints == 3 and config.mp_size == 1
+
+    caplog.clear()
+    fresh = ActivationCheckpointing()  # a new object has not said it yet
+    with caplog.at_level(logging.INFO, logger="zeromem"):
+        fresh.configure(CheckpointingConfig(partition_activations=True))
+        fresh.configure(CheckpointingConfig(partition_activations=True))
+        blocks = make_blocks(n=2)
+        x = torch.randn(BATCH, HIDDEN, requires_grad=True)
+        fresh.checkpoint(blocks[0], x).sum().backward()
+    noop = [r for r in caplog.records if "model-parallel group" in r.getMessage()]
+    assert len(noop) == 1
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="zeromem"):  # the default object, profile on
+        checkpoint(blocks[1], x).sum().backward()
+    timings = [r.getMessage() for r in caplog.records]
+    assert any("forward" in m for m in timings) and any("recompute+backward" in m for m in timings)
+    assert fresh.stats().peak_bytes["device"] == ACT_BYTES  # Pa did nothing: whole input kept
+
+
+def test_estimator_reproduces_the_seed_example():
+    assert act.estimate_checkpoint_bytes(2048, 4096) == 16 * 2**20 == 16_777_216
+    assert act.estimate_checkpoint_bytes(2048, 4096, mp_size=8) == 2 * 2**20
+    assert act.estimate_checkpoint_bytes(3, 5, batch=1, bytes_per_element=4, mp_size=2) == 8 * 4
+
+
+# -- spawned world of 4: TP parity, Pa combinations, 2x2 groups ----------------
+
+class TPBlock(nn.Module):
+    """Megatron MLP: column-parallel up, row-parallel down, dropout on the replicated output."""
+
+    def __init__(self, hidden: int, group):
+        super().__init__()
+        from zeromem.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        self.fc1 = ColumnParallelLinear(hidden, 4 * hidden, group)
+        self.fc2 = RowParallelLinear(4 * hidden, hidden, group)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(F.gelu(self.fc1(x))))
+
+
+def _check_tp_parity(group, rank: int, size: int) -> None:
+    from zeromem.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    torch.manual_seed(5)
+    dense = nn.Linear(6, 8)
+    torch.manual_seed(5)
+    seeded = ColumnParallelLinear(6, 8, group)  # same seed -> the same full weight, sliced
+    rows = slice(rank * 8 // size, (rank + 1) * 8 // size)
+    assert torch.equal(seeded.weight, dense.weight[rows])
+    assert torch.equal(seeded.bias, dense.bias[rows])
+
+    torch.manual_seed(1)
+    up, down, up2, down2 = nn.Linear(6, 8), nn.Linear(8, 6), nn.Linear(6, 8), nn.Linear(8, 6)
+    tp = nn.ModuleList([ColumnParallelLinear.from_dense(up, group),
+                        RowParallelLinear.from_dense(down, group),
+                        ColumnParallelLinear.from_dense(up2, group, gather_output=True),
+                        RowParallelLinear.from_dense(down2, group, input_is_parallel=False)])
+    x = torch.randn(5, 6, requires_grad=True)
+    weights = torch.randn(5, 6)
+    ref = down2(torch.tanh(up2(down(torch.tanh(up(x))))))
+    out = tp[3](torch.tanh(tp[2](tp[1](torch.tanh(tp[0](x))))))
+    torch.testing.assert_close(out, ref)
+    (ref * weights).sum().backward()
+    x_grad, x.grad = x.grad.clone(), None
+    (out * weights).sum().backward()
+    torch.testing.assert_close(x.grad, x_grad)
+    cols = slice(rank * 8 // size, (rank + 1) * 8 // size)
+    for column, dense_up in ((tp[0], up), (tp[2], up2)):
+        torch.testing.assert_close(column.weight.grad, dense_up.weight.grad[rows])
+        torch.testing.assert_close(column.bias.grad, dense_up.bias.grad[rows])
+    for row, dense_down in ((tp[1], down), (tp[3], down2)):
+        torch.testing.assert_close(row.weight.grad, dense_down.weight.grad[:, cols])
+        torch.testing.assert_close(row.bias.grad, dense_down.bias.grad)
+
+
+_COMBOS = {"plain": None, "ckpt": {}, "Pa": {"partition_activations": True},
+           "Pa+cpu": {"partition_activations": True, "cpu_checkpointing": True},
+           "Pa+MD": {"partition_activations": True, "contiguous_memory_optimization": True},
+           "Pa+cpu+MD": {"partition_activations": True, "cpu_checkpointing": True,
+                         "contiguous_memory_optimization": True}}
+
+
+def _run_pa_combos(group, layers: int, hidden: int, batch: int) -> dict:
+    """Grads and held checkpoint bytes of each combination on one TP model."""
+    torch.manual_seed(0)
+    model = nn.ModuleList(TPBlock(hidden, group) for _ in range(layers))
+    x = torch.randn(batch, hidden, requires_grad=True)
+    out = {}
+    for name, options in _COMBOS.items():
+        act.configure(mp_group=group, number_checkpoints=layers, **(options or {}))
+        torch.manual_seed(42)
+        tracker = _StorageTracker()
+        with tracker:
+            h = x
+            for block in model:
+                h = block(h) if options is None else checkpoint(block, h)
+            loss = h.pow(2).sum()
+        del h
+        gc.collect()
+        alive = tracker.held_bytes(exclude=[x, *model.parameters()])
+        stats = act.checkpoint_stats()
+        loss.backward()
+        assert act.held_checkpoint_bytes() == 0
+        out[name] = (grads_of(x, model), (stats, alive))
+    act.configure()
+    return out
+
+
+def _world_of_four(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+    from zeromem.tensor_parallel import make_2d_groups
+    dp_group, mp_group = make_2d_groups(2, 2)
+    _, mp4 = make_2d_groups(1, 4)
+    assert dist.get_process_group_ranks(mp_group) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert dist.get_process_group_ranks(dp_group) == [rank % 2, rank % 2 + 2]
+    assert dist.get_process_group_ranks(mp4) == [0, 1, 2, 3]
+    _check_tp_parity(mp_group, dist.get_rank(mp_group), 2)
+    _check_tp_parity(mp4, rank, 4)
+    # hidden 63 x batch 33: 2079 elements per checkpoint, padded to 2080 (N=2) and 2080 (N=4)
+    layers, hidden, batch = 4, 63, 33
+    result = {}
+    for n, group in ((2, mp_group), (4, mp4)):
+        runs = _run_pa_combos(group, layers, hidden, batch)
+        for name, (grads, _) in runs.items():
+            assert_all_close(runs["plain"][0], grads)
+        result[n] = {name: stats for name, (_, stats) in runs.items()}
+    return result
+
+
+def test_tensor_parallel_and_partitioned_activations_world_of_four():
+    results = run_distributed(_world_of_four, 4)
+    layers, numel = 4, 33 * 63
+    for n, measured in results[0].items():
+        runs = {name: stats for name, (stats, _) in measured.items()}
+        alive = {name: nbytes for name, (_, nbytes) in measured.items()}
+        whole = layers * numel * 4
+        shard = layers * math.ceil(numel / n) * 4
+        print(f"N_mp={n}: ledger", {k: s.held_bytes for k, s in runs.items()}, "alive bytes", alive)
+        # What is really alive between forward and backward: the stored checkpoints (the
+        # whole MD pool when it is on; block inputs 2..4 without Pa, x being the caller's),
+        # the last output (saved by the loss's pow) and the loss.
+        last = numel * 4
+        assert alive["plain"] > 4 * whole
+        assert 3 * last + last <= alive["ckpt"] <= whole + last
+        for name in ("Pa", "Pa+cpu"):
+            assert shard + last <= alive[name] <= shard + last + 64
+        for name in ("Pa+MD", "Pa+cpu+MD"):
+            assert alive[name] <= runs[name].total_pool_bytes + last + 64
+        assert runs["ckpt"].held_bytes == {"device": whole, "host": 0}
+        assert runs["Pa"].held_bytes == {"device": shard, "host": 0}
+        assert runs["Pa+cpu"].held_bytes == {"device": 0, "host": shard}
+        assert runs["Pa+MD"].held_bytes["device"] == shard
+        pool = layers * 64 * math.ceil(shard / layers / 64)  # slots start on 64-byte boundaries
+        assert runs["Pa+MD"].pool_bytes == {"device": pool, "host": 0}
+        assert runs["Pa+cpu+MD"].pool_bytes == {"device": 0, "host": pool}
+        assert runs["Pa+cpu+MD"].held_bytes == {"device": 0, "host": shard}
+        assert whole / runs["Pa"].total_held_bytes >= n * numel / (numel + n)  # ~N_mp, less padding
+        estimate = act.estimate_checkpoint_bytes(1, numel, bytes_per_element=4, mp_size=n)
+        assert shard == layers * estimate
