@@ -51,9 +51,13 @@ class Pending:
         self.work = work
         self.finish = finish
 
-    def wait(self) -> None:
+    def wait(self, timeout=None) -> None:
+        """Block until done; `timeout` (a timedelta) raises RuntimeError when exceeded."""
         if self.work is not None:
-            self.work.wait()
+            if timeout is None:
+                self.work.wait()
+            else:
+                self.work.wait(timeout)
             self.work = None
         if self.finish is not None:
             finish, self.finish = self.finish, None

@@ -23,3 +23,25 @@ def ensure_process_group(timeout_s: float | None = None) -> None:
         dist.init_process_group("nccl", timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)
+
+
+def gather_timeout_s() -> float | None:
+    """Seconds a stage-3 gather may wait before the ranks count as diverged.
+
+    `ZEROMEM_GATHER_TIMEOUT_S` (default 300). A rank that runs a forward the others
+    do not (evaluation on rank 0 only) then fails with a message naming the module
+    and the ranks that did not follow, instead of hanging.
+    """
+    value = float(os.environ.get("ZEROMEM_GATHER_TIMEOUT_S", 300))
+    return value if value > 0 else None
+
+
+def default_store():
+    """The default process group's key-value store, or None (used only for diagnostics)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        return _get_default_store()
+    except (ImportError, RuntimeError):
+        return None

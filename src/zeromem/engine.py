@@ -31,7 +31,8 @@ from .memory import Ledger, MemoryReport, model_state_formula
 from .optim import build_optimizer, normalize_param_groups, optimizer_state_bytes_per_param
 from .precision import make_scaler
 from .schedulers import build_scheduler
-from .stage3 import FetchUnit, LiveStats, Stage3Runner, fetch_unit_modules
+from .distributed import default_store, gather_timeout_s
+from .stage3 import FetchUnit, LiveStats, Stage3Limits, Stage3Runner, fetch_unit_modules
 
 log = logging.getLogger("zeromem")
 
@@ -144,8 +145,10 @@ class Engine:
                                       group_of[id(ps[0])].numel < zero.stage3_param_persistence_threshold,
                                       self.live_params))
                         for m, ps in self.unit_modules]
-        return Stage3Runner(self.module, module_units, zero.stage3_prefetch_bucket_size,
-                            self.live_params)
+        limits = Stage3Limits(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
+                              zero.stage3_max_reuse_distance, gather_timeout_s())
+        return Stage3Runner(self.module, module_units, limits, self.live_params, self.comm,
+                            default_store())
 
     # -- training loop -------------------------------------------------------
     def forward(self, *args, **kwargs):

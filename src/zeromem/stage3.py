@@ -34,6 +34,8 @@ DeepSpeed); use `zeromem.GatheredParameters` to read it whole.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,6 +45,20 @@ from torch.utils._pytree import tree_map
 
 from .comm import Comm, Pending
 from .flat import FlatParamGroup
+
+
+class Stage3DivergenceError(RuntimeError):
+    """Ranks stopped running the same gathers (one ran a forward the others did not)."""
+
+
+@dataclass(frozen=True)
+class Stage3Limits:
+    """The stage-3 knobs of `zero_optimization`, in elements (and seconds)."""
+
+    prefetch_numel: int = 50_000_000        # stage3_prefetch_bucket_size
+    max_live_numel: int = 1_000_000_000     # stage3_max_live_parameters (bounds prefetch)
+    max_reuse_distance: int = 1_000_000_000  # stage3_max_reuse_distance
+    gather_timeout_s: float | None = None   # a gather waiting longer is a divergence
 
 
 class UnitState(enum.Enum):
@@ -63,6 +79,7 @@ class FetchUnit:
         self.full: torch.Tensor | None = None
         self.pending: Pending | None = None
         self.grads_missing = len(group.params)
+        self.name = group.slots[0].name.rpartition(".")[0] or group.slots[0].name
 
     def unshard(self) -> None:
         """Start gathering the whole flat buffer (async)."""
@@ -74,12 +91,12 @@ class FetchUnit:
         self.pending = self.comm.all_gather(self.full, g.param_shard, async_op=True)
         self.state = UnitState.GATHERING
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> None:
         """Block until gathered, then point the parameters at views of the whole buffer."""
         if self.state is UnitState.SHARDED:
             self.unshard()
         if self.state is UnitState.GATHERING:
-            self.pending.wait()
+            self.pending.wait(timedelta(seconds=timeout_s) if timeout_s else None)
             self.pending = None
             for p, slot in zip(self.group.params, self.group.slots):
                 p.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -150,15 +167,18 @@ class Stage3Runner:
     """Installs the gather/release hooks on a module tree and runs the prefetch schedule."""
 
     def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, FetchUnit]],
-                 prefetch_numel: int, stats: LiveStats):
+                 limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None):
         self.units = [u for _, u in module_units]
         self.unit_of_module: dict[int, list[FetchUnit]] = {}
         for module, unit in module_units:
             self.unit_of_module.setdefault(id(module), []).append(unit)
         self.unit_of_param = {id(p): u for u in self.units for p in u.group.params}
         self.extra_units: dict[int, list[FetchUnit]] = {}  # module id -> other units it reads
-        self.prefetch_numel = prefetch_numel
+        self.limits = limits
         self.stats = stats
+        self.comm = comm
+        self.store = store
+        self.passes = 0
         self.module_stack: list[int] = []
         self.orders: dict[str, list[FetchUnit]] = {"forward": [], "backward": []}
         self.recorded: dict[str, list[FetchUnit] | None] = {"forward": None, "backward": None}
@@ -188,6 +208,10 @@ class Stage3Runner:
     def start_pass(self, kind: str) -> None:
         """Begin a forward or backward pass: reset the position in the recorded order."""
         self.pass_kind, self.position, self.on_track = kind, 0, self.recorded[kind] is not None
+        if kind == "forward":
+            self.passes += 1
+            if self.store is not None:  # published so a stuck rank can name who diverged
+                self.store.set(f"zeromem/stage3/passes/{self.comm.rank}", str(self.passes))
         self.orders[kind] = []
         for unit in self.units:
             unit.grads_missing = len(unit.group.params)
@@ -209,26 +233,69 @@ class Stage3Runner:
             self.busy = False
 
     def _follow_order(self, units: list[FetchUnit]) -> None:
+        expected = self.recorded[self.pass_kind]
         for unit in units:
-            order = self.orders[self.pass_kind]
-            if unit not in order:
-                order.append(unit)
-                expected = self.recorded[self.pass_kind]
-                if self.on_track and (expected is None or self.position >= len(expected)
-                                      or expected[self.position] is not unit):
-                    self.on_track = False  # the order changed: gather on demand this pass
-                self.position += 1
-            unit.wait()
+            if self.on_track and (expected is None or self.position >= len(expected)
+                                  or expected[self.position] is not unit):
+                self.on_track = False  # the order changed: gather on demand this pass
+            self.orders[self.pass_kind].append(unit)
+            self.position += 1
+            self._wait(unit)
         if self.on_track:
             self._prefetch()
 
+    def _wait(self, unit: FetchUnit) -> None:
+        try:
+            unit.wait(self.limits.gather_timeout_s)
+        except RuntimeError as error:  # timeout, or a peer that closed the connection
+            raise Stage3DivergenceError(self._diagnose(unit, error)) from error
+
+    def _diagnose(self, unit: FetchUnit, error: Exception) -> str:
+        """Name the module this rank waits for and the ranks whose pass count differs."""
+        here = f"rank {self.comm.rank} waited for the parameters of '{unit.name}' " \
+               f"({self.pass_kind} pass {self.passes}, position {self.position})"
+        others = self.pass_counts()
+        behind = [r for r, n in others.items() if n != self.passes]
+        who = (f"; rank(s) {behind} are at forward pass(es) {[others[r] for r in behind]}: "
+               "they did not run this forward" if behind else "")
+        return (f"ZeRO-3 ranks diverged: {here}{who}. Every rank must run the same forward "
+                f"and backward under stage 3 (e.g. evaluate on all ranks). Cause: {error}")
+
+    def pass_counts(self) -> dict[int, int]:
+        """Forward passes each rank has started, as published in the store (empty if none)."""
+        if self.store is None:
+            return {}
+        counts = {}
+        for r in range(self.comm.world_size):
+            try:
+                counts[r] = int(self.store.get(f"zeromem/stage3/passes/{r}"))
+            except RuntimeError:
+                counts[r] = 0
+        return counts
+
     def _prefetch(self) -> None:
-        expected, budget = self.recorded[self.pass_kind], self.prefetch_numel
+        expected, budget = self.recorded[self.pass_kind], self.limits.prefetch_numel
         for unit in expected[self.position:]:
             if budget <= 0:
                 break
-            budget -= unit.group.padded_numel
-            unit.unshard()
+            if unit.state is UnitState.SHARDED:
+                if self.stats.live + unit.group.padded_numel > self.limits.max_live_numel:
+                    break  # stage3_max_live_parameters: no prefetch past the limit
+                budget -= unit.group.padded_numel
+                unit.unshard()
+
+    def _reused_soon(self, unit: FetchUnit) -> bool:
+        """Will `unit` be used again within `stage3_max_reuse_distance` elements of this pass?"""
+        if not self.on_track:
+            return False
+        budget = self.limits.max_reuse_distance
+        for later in self.recorded[self.pass_kind][self.position:]:
+            if later is unit:
+                return True
+            budget -= later.group.padded_numel
+            if budget < 0:
+                return False
+        return False
 
     # -- hooks -------------------------------------------------------------
     def _units_for(self, module: nn.Module) -> list[FetchUnit]:
@@ -262,7 +329,7 @@ class Stage3Runner:
         self.busy = True
         try:
             for unit in units:
-                if id(unit) not in in_use:
+                if id(unit) not in in_use and not self._reused_soon(unit):
                     unit.reshard()
         finally:
             self.busy = False
