@@ -30,13 +30,22 @@ def config(stage: int, gas: int, clip: float, world_size: int, **extra) -> dict:
     }
 
 
-def train_and_compare(rank: int, world_size: int, stage: int, gas: int, clip: float,
-                      extra: dict | None = None, tol: float = 1e-5) -> list[float]:
+def build(use_init: bool) -> TinyLM:
+    """TinyLM from seed 0, built whole or already partitioned under zeromem.Init."""
     torch.manual_seed(0)
-    model = TinyLM()
+    if not use_init:
+        return TinyLM()
+    with zeromem.Init():
+        return TinyLM()
+
+
+def train_and_compare(rank: int, world_size: int, stage: int, gas: int, clip: float,
+                      extra: dict | None = None, tol: float = 1e-5,
+                      use_init: bool = False) -> list[float]:
     per_rank = stage < 3  # stage 3: every rank runs the same modules
-    ref = Reference(copy.deepcopy(model), clip=clip, per_rank=per_rank)
+    ref = Reference(build(False), clip=clip, per_rank=per_rank)
     initial = copy.deepcopy(ref.model)
+    model = build(use_init)
     engine = zeromem.initialize(model, config(stage, gas, clip, world_size, **(extra or {})))
     diffs = []
     for step in range(STEPS):
@@ -57,13 +66,15 @@ def parity_matrix(rank: int, world_size: int) -> dict:
     out = {}
     for stage, gas, clip in itertools.product((0, 1, 2, 3), (1, 3), (0.0, 0.05)):
         out[(stage, gas, clip)] = train_and_compare(rank, world_size, stage, gas, clip)
+    for gas, clip in itertools.product((1, 3), (0.0, 0.05)):  # stage 3 built under Init
+        out[("init", gas, clip)] = train_and_compare(rank, world_size, 3, gas, clip, use_init=True)
     return out
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_fp32_parity_all_stages(world_size):
     results = run_distributed(parity_matrix, world_size)
-    assert len(results[0]) == 16
+    assert len(results[0]) == 20
     for diffs in results[0].values():
         assert all(d <= 1e-5 for d in diffs)
 

@@ -8,7 +8,7 @@ import torch
 
 import zeromem
 from harness import run_distributed
-from models import Reference, TinyLM, max_param_diff, micro_batch, uses_sometimes
+from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
 from zeromem.precision import DynamicScaler, LossScaleAtMinimumError
 
 
@@ -53,25 +53,27 @@ def test_consecutive_hysteresis_refills_on_every_clean_step():
 def _cfg(stage, extra):
     return {"train_micro_batch_size_per_gpu": 4,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 100}, **extra}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 100,
+                                  "stage3_param_persistence_threshold": 0}, **extra}
 
 
 def low_precision_tracks_fp32(rank, world_size):
     """bf16 and fp16 runs stay within a stated tolerance of the fp32 reference."""
     out = {}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         for name, extra in (("bf16", {"bf16": {"enabled": True}}),
                             ("fp16", {"fp16": {"enabled": True, "initial_scale_power": 8}})):
             torch.manual_seed(0)
             model = TinyLM()
-            ref = Reference(copy.deepcopy(model))
+            ref = Reference(copy.deepcopy(model), per_rank=stage < 3)
             engine = zeromem.initialize(model, _cfg(stage, extra))
             for step in range(5):
                 tokens, targets = micro_batch(step, rank, 0)
-                engine.backward(engine(tokens, targets, uses_sometimes(step, rank, 0)))
+                engine.backward(engine(tokens, targets, uses_sometimes(step, rank, 0, stage < 3)))
                 engine.step()
                 ref.step(step, world_size, 1)
-            out[(stage, name)] = (max_param_diff(engine.module, ref.model), engine.skipped_steps)
+            out[(stage, name)] = (state_dict_diff(engine.full_state_dict(), ref.model),
+                                  engine.skipped_steps)
     return out
 
 
@@ -85,23 +87,24 @@ def test_bf16_and_fp16_track_fp32():
 
 def overflow_on_one_rank(rank, world_size):
     out = {}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         torch.manual_seed(0)
         engine = zeromem.initialize(TinyLM(), _cfg(stage, {"fp16": {
             "enabled": True, "initial_scale_power": 8, "hysteresis": 1}}))
-        before = [p.detach().clone() for p in engine.module.parameters()]
+        before = engine.full_state_dict()
         tokens, targets = micro_batch(0, rank, 0)
         loss = engine(tokens, targets)
         if rank == 1:
             loss = loss * float("inf")  # inf gradients on rank 1 only
         engine.backward(loss)
         engine.step()
-        unchanged = all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+        unchanged = all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
         scale_after_overflow = engine.loss_scale
         tokens, targets = micro_batch(1, rank, 0)
         engine.backward(engine(tokens, targets))
         engine.step()
-        changed = not all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+        after = engine.full_state_dict()  # {} on ranks other than 0
+        changed = not all(torch.equal(before[k], v) for k, v in after.items()) if after else True
         out[stage] = (unchanged, scale_after_overflow, engine.skipped_steps, changed,
                       engine.global_steps)
     return out

@@ -18,8 +18,10 @@ from .comm import Comm
 from .config import Config, ConfigError
 from .distributed import ensure_process_group
 from .engine import Engine
+from .partition import GatheredParameters, Init
 
-__all__ = ["initialize", "Engine", "Config", "ConfigError", "checkpoint"]
+__all__ = ["initialize", "Engine", "Config", "ConfigError", "checkpoint", "Init",
+           "GatheredParameters"]
 __version__ = "0.1.0"
 
 

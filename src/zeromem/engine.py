@@ -28,7 +28,9 @@ from .config import Config
 from .flat import FlatParamGroup, Sharding
 from .grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
 from .memory import Ledger, MemoryReport, model_state_formula
-from .optim import build_optimizer, normalize_param_groups, optimizer_state_bytes_per_param
+from .partition import materialize
+from .offload import build_offload
+from .optim import normalize_param_groups, optimizer_state_bytes_per_param
 from .precision import make_scaler
 from .schedulers import build_scheduler
 from .distributed import default_store, gather_timeout_s
@@ -76,11 +78,16 @@ class Engine:
         self.names = {id(p): n for n, p in module.named_parameters()}
         sharding = Sharding.for_stage(self.zero_stage)
         self.groups = self._build_groups(param_groups, sharding, fetch_units)
+        materialize(self.module.parameters(), self.comm)  # frozen ones built under Init
         self.psi = sum(g.numel for g in self.groups)
-        self.optimizer = build_optimizer(config.optimizer, self.groups, param_groups, optimizer)
+        # where masters, optimizer states and parameter shards live (offload.py)
+        self.offload = build_offload(config, self.groups, comm.rank,
+                                     self.is_gradient_accumulation_boundary)
+        self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer)
         self.reducer = Reducer(self.groups, comm, overlap=config.zero_optimization.overlap_comm
                                is not False)
         self.stage3 = self._build_stage3() if sharding.params else None
+        self.offload.attach_stage3(self.stage3)  # offload_param: units swap shards in first
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
     def _make_scheduler(self, lr_scheduler: Any):
@@ -98,6 +105,7 @@ class Engine:
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
         groups = []
         for gi, params in self._partition(param_groups, sharding, fetch_units):
+            materialize(params, self.comm)  # built under zeromem.Init: whole one unit at a time
             names = [self.names[id(p)] for p in params]
             groups.append(FlatParamGroup(params, names, self.comm, sharding, gi))
         groups.sort(key=lambda g: -min(order[id(p)] for p in g.params))
@@ -215,19 +223,13 @@ class Engine:
     def _unscale_into_masters(self, norm: float) -> None:
         clip = self.config.gradient_clipping
         coef = min(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else 1.0
-        multiplier = coef / self.scaler.scale
-        for g in self.groups:
-            grad = g.grads.reduced()
-            if grad.dtype == torch.float32 and multiplier == 1.0:
-                g.master.grad = grad  # no copy needed
-            else:
-                g.master.grad = grad.to(torch.float32).mul_(multiplier)
+        self.offload.unscale_grads(self.groups, coef / self.scaler.scale)
 
     def _gather_params(self) -> None:
         bucket = int(self.config.zero_optimization.allgather_bucket_size)
+        self.offload.write_back(self.groups)  # masters -> parameter shards, wherever they live
         pendings = []
         for g in self.groups:
-            g.write_back()
             pendings += g.launch_all_gather(bucket)
         for p in pendings:
             p.wait()
@@ -256,6 +258,7 @@ class Engine:
     def memory_report(self) -> MemoryReport:
         """Bytes actually held by this rank, beside the paper's formula."""
         ledger = Ledger()
+        self.offload.file_into(ledger)  # offloaded tensors first: host / nvme, counted once
         for g in self.groups:
             ledger.add("params", "device", g.flat_param)
             ledger.add("params", "device", g.param_shard)
@@ -279,6 +282,10 @@ class Engine:
                                       self.compute_dtype.itemsize, self.config.grad_dtype.itemsize, k)
         return MemoryReport(ledger.as_dict(), formula, self.psi, self.dp_world_size,
                             self.zero_stage, self.comm.buffer_bytes_peak)
+
+    def close(self) -> None:
+        """Release offload storage now (swap files are otherwise removed at exit)."""
+        self.offload.close()
 
     def comm_report(self):
         """Bytes each collective kind moved from this rank, last step and in total."""

@@ -45,6 +45,8 @@ from torch.utils._pytree import tree_map
 
 from .comm import Comm, Pending
 from .flat import FlatParamGroup
+from .offload import OnDeviceParams
+from .partition import register_units
 
 
 class Stage3DivergenceError(RuntimeError):
@@ -70,6 +72,8 @@ class UnitState(enum.Enum):
 class FetchUnit:
     """One module's parameters: a flat group that is whole only while in use."""
 
+    param_home = OnDeviceParams()  # where the shard lives between uses; offload_param sets it
+
     def __init__(self, group: FlatParamGroup, comm: Comm, persistent: bool, stats: "LiveStats"):
         self.group = group
         self.comm = comm
@@ -80,12 +84,14 @@ class FetchUnit:
         self.pending: Pending | None = None
         self.grads_missing = len(group.params)
         self.name = group.slots[0].name.rpartition(".")[0] or group.slots[0].name
+        self.pins = 0  # GatheredParameters blocks holding the unit whole
 
     def unshard(self) -> None:
         """Start gathering the whole flat buffer (async)."""
         if self.state is not UnitState.SHARDED:
             return
         g = self.group
+        self.param_home.swap_in(g)  # offload_param: the shard comes from host or NVMe first
         self.full = torch.empty(g.padded_numel, dtype=g.param_shard.dtype, device=g.param_shard.device)
         self.stats.add(g.padded_numel)
         self.pending = self.comm.all_gather(self.full, g.param_shard, async_op=True)
@@ -104,7 +110,7 @@ class FetchUnit:
 
     def reshard(self, force: bool = False) -> None:
         """Drop the whole buffer; parameters become empty again."""
-        if self.state is UnitState.SHARDED or (self.persistent and not force):
+        if self.state is UnitState.SHARDED or ((self.persistent or self.pins) and not force):
             return
         if self.state is UnitState.GATHERING:
             self.pending.wait()
@@ -115,6 +121,25 @@ class FetchUnit:
         self.stats.add(-self.group.padded_numel)
         self.full = None
         self.state = UnitState.SHARDED
+
+
+    def pin(self) -> None:
+        """Gather and keep whole until `unpin` (GatheredParameters)."""
+        self.pins += 1
+        self.wait()
+
+    def unpin(self) -> None:
+        self.pins -= 1
+        if self.pins == 0:
+            self.reshard()
+
+    def adopt_whole(self) -> None:
+        """Make the (edited) whole buffer the truth: copy this rank's part into shard and master."""
+        g = self.group
+        part = self.full[g.shard_offset:g.shard_offset + g.shard_numel]
+        g.param_shard.copy_(part)
+        if not g.master_aliases_params():
+            g.master.copy_(part)
 
 
 class LiveStats:
@@ -195,6 +220,7 @@ class Stage3Runner:
             for p in unit.group.params:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(unit)))
         self.root = root
+        register_units(self.units)
         self.refresh()
 
     def refresh(self) -> None:

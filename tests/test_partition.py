@@ -1,0 +1,56 @@
+"""zeromem.Init builds models already partitioned; GatheredParameters reads and edits them."""
+from __future__ import annotations
+
+import torch
+
+import zeromem
+from harness import run_distributed
+from models import TinyLM, micro_batch
+from test_parity import build, config
+from test_stage3 import Deep
+from zeromem.partition import partitioned_bytes
+
+
+def init_memory_and_values(rank, world_size):
+    torch.manual_seed(0)
+    plain = Deep(width=256, depth=4)
+    full_bytes = sum(p.nbytes for p in plain.parameters())
+    torch.manual_seed(0)
+    with zeromem.Init():
+        model = Deep(width=256, depth=4)
+    held = partitioned_bytes(model)
+    engine = zeromem.initialize(model, config(3, 1, 0.0, world_size))
+    full = engine.full_state_dict()
+    same = all(torch.equal(full[k], v) for k, v in plain.state_dict().items()) if full else True
+    return held / full_bytes, same
+
+
+def test_init_partitions_while_building():
+    for ratio, same in run_distributed(init_memory_and_values, 2):
+        assert ratio <= 0.6, ratio     # each rank holds half the model (plus padding)
+        assert same                     # identical to building without Init
+
+
+def gathered_edit(rank, world_size):
+    engine = zeromem.initialize(build(use_init=True), config(3, 1, 0.0, world_size))
+    weight = engine.module.fc1.weight
+    with zeromem.GatheredParameters(weight):
+        readable = tuple(weight.shape)
+        before = weight.detach().clone()
+    with zeromem.GatheredParameters(weight, modifier_rank=0):
+        if rank == 0:
+            weight.data.fill_(0.5)     # only rank 0 edits; the edit is broadcast on exit
+    full = engine.full_state_dict()
+    edited = bool((full["fc1.weight"] == 0.5).all()) if full else True
+    tokens, targets = micro_batch(0, rank, 0)
+    engine.backward(engine(tokens, targets))
+    engine.step()                      # the edited master trains on
+    after = engine.full_state_dict()
+    moved = bool((after["fc1.weight"] != 0.5).any()) if after else True
+    return readable, tuple(weight.shape), edited, moved, before.shape
+
+
+def test_gathered_parameters_read_and_modify():
+    for readable, outside, edited, moved, shape in run_distributed(gathered_edit, 2):
+        assert readable == (7, 10) and outside == (0,)
+        assert edited and moved and tuple(shape) == (7, 10)
