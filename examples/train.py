@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 import zeromem  # noqa: E402
-from gpt import GPT, GPTConfig, count_parameters  # noqa: E402
+from gpt import GPT, Block, GPTConfig  # noqa: E402
 
 
 def load_text() -> torch.Tensor:
@@ -56,14 +56,20 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)  # same initial model on every rank
-    model = GPT(GPTConfig(block_size=args.seq, n_layer=args.layers, n_embd=args.width))
-    engine = zeromem.initialize(model, args.config)
+    shape = GPTConfig(block_size=args.seq, n_layer=args.layers, n_embd=args.width)
+    if zeromem.Config.load(args.config).zero_optimization.stage == 3:
+        with zeromem.Init():  # stage 3: no rank ever holds the whole model
+            model = GPT(shape)
+    else:
+        model = GPT(shape)
+    # stage 3 gathers one transformer block at a time (ignored by stages 0-2)
+    engine = zeromem.initialize(model, args.config, fetch_units=(Block,))
     rank, world = engine.comm.rank, engine.dp_world_size
     micro, gas = engine.config.train_micro_batch_size_per_gpu, engine.config.gradient_accumulation_steps
     data = load_text()
     generator = torch.Generator().manual_seed(1234 + rank)
     if rank == 0:
-        print(f"zeromem stage {engine.zero_stage} on {world} ranks: {count_parameters(model):,} "
+        print(f"zeromem stage {engine.zero_stage} on {world} ranks: {engine.psi:,} "
               f"parameters, {len(data):,} bytes of text, global batch {micro * gas * world} x {args.seq}")
 
     bar = tqdm(range(args.steps), disable=rank != 0, unit="step", mininterval=2.0)

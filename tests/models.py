@@ -80,11 +80,6 @@ class Reference:
         self.opt.step()
 
 
-def max_param_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((pa.detach().float() - pb.detach().float()).abs().max().item()
-               for pa, pb in zip(a.parameters(), b.parameters()))
-
-
 def state_dict_diff(full: dict, model: nn.Module) -> float:
     """Max abs difference between `engine.full_state_dict()` and `model` (0.0 when `full` is {})."""
     ref = model.state_dict()

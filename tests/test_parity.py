@@ -9,8 +9,7 @@ import torch
 
 import zeromem
 from harness import run_distributed
-from models import (Reference, TinyLM, max_param_diff, micro_batch, state_dict_diff,
-                    uses_sometimes)
+from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
 
 STEPS = 3
 

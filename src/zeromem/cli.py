@@ -1,0 +1,179 @@
+"""The `zeromem` command line: one subcommand per entry of `COMMANDS`.
+
+    zeromem estimate --params 7.5e9 --dp 64 --gpu-mem 32GB
+    zeromem plan examples/configs/gpt2-small.json --gpus 8 --gpu-mem 16GB --out config.json
+    zeromem report runs/ --out runs/report
+
+A subcommand is a `Command`: its help line, a function adding its arguments to
+its parser, and a function running it (returning the exit status). Adding one is
+one entry in `COMMANDS`; heavy imports (torch) happen inside the run functions,
+so `zeromem --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: help line, argument declaration, and the function that runs it."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---------------------------------------------------------------- estimate
+
+def _estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", required=True, help="parameter count Ψ: 7.5e9 or 7.5B")
+    parser.add_argument("--dp", type=int, required=True, help="data-parallel degree N_d")
+    parser.add_argument("--k", type=int, default=12,
+                        help="master weights + optimizer state bytes per parameter (12: Adam)")
+    parser.add_argument("--mp", type=int, default=1, help="model-parallel degree (default 1)")
+    parser.add_argument("--gpu-mem", help="memory per GPU, e.g. 32GB or 80GiB; adds 'fits'")
+    parser.add_argument("--units", choices=("GB", "GiB"), default="GB",
+                        help="GB = 1e9 bytes as in the paper (default), GiB = 2^30")
+    parser.add_argument("--offload", choices=("cpu", "nvme"),
+                        help="put master weights and optimizer states there (stages >= 1)")
+    parser.add_argument("--offload-param", choices=("cpu", "nvme"),
+                        help="put stage 3's parameter shards there too")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="for per-node host figures")
+    parser.add_argument("--largest-layer", help="parameters of the largest layer: also print "
+                                                "DeepSpeed's estimator for stages 2 and 3")
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    from .estimate import deepspeed_estimate, estimate, format_bytes, parse_count
+
+    result = estimate(args.params, args.dp, k=args.k, gpu_mem=args.gpu_mem, units=args.units,
+                      offload=args.offload, offload_param=args.offload_param, mp=args.mp,
+                      gpus_per_node=args.gpus_per_node)
+    print(result)
+    if args.largest_layer:
+        node = args.gpus_per_node
+        nodes = max(1, args.dp * args.mp // node)
+        print(f"DeepSpeed's estimator ({nodes} node(s) x {node} GPUs, 20 bytes per parameter, "
+              f"host x1.5), in {args.units}:")
+        for stage in (2, 3):
+            ds = deepspeed_estimate(result.params / args.mp, parse_count(args.largest_layer), stage,
+                                    node, nodes, args.offload is not None,
+                                    stage == 3 and args.offload_param is not None)
+            print(f"  stage {stage}: {format_bytes(ds.gpu_bytes, args.units)} per GPU, "
+                  f"{format_bytes(ds.cpu_bytes, args.units)} host per node")
+    return 0
+
+
+# ---------------------------------------------------------------- plan
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL",
+                        help="package.module:factory (built on the meta device) or a Hugging "
+                             "Face-style config .json")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    parser.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 16GB or 80GiB")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--interconnect", type=float, default=25.0,
+                        help="GB/s per GPU for data-parallel collectives (default 25)")
+    parser.add_argument("--pcie", type=float, default=16.0, help="GB/s host<->GPU (default 16)")
+    parser.add_argument("--nvme", type=float, default=3.5, help="GB/s per node (default 3.5)")
+    parser.add_argument("--tflops", type=float, default=100.0,
+                        help="achieved TFLOPS per GPU (default 100)")
+    parser.add_argument("--host-mem", help="host memory per node, e.g. 512GB (checked for offload)")
+    parser.add_argument("--seq", type=int, default=0, help="sequence length (default: the "
+                                                           "model's context, else 1024)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step")
+    parser.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--mp", type=int, default=1, help="model-parallel degree")
+    parser.add_argument("--flash", action="store_true",
+                        help="fused attention: no seq x seq score matrices stored")
+    parser.add_argument("--headroom", type=float, default=0.9,
+                        help="usable share of GPU memory (default 0.9)")
+    parser.add_argument("--units", choices=("GB", "GiB"), default="GB")
+    for dim in ("layers", "hidden", "heads", "vocab"):
+        parser.add_argument(f"--{dim}", type=int, help=f"override the model's {dim}")
+    parser.add_argument("--out", help="write the recommended DeepSpeed-style config here")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .estimate import parse_bytes
+    from .planner import Hardware, Workload, load_model, plan, shape_of
+
+    model, cfg = load_model(args.model)
+    name = Path(args.model).stem if args.model.endswith(".json") else args.model
+    shape = shape_of(model, cfg, name=name, layers=args.layers, hidden=args.hidden,
+                     heads=args.heads, vocab=args.vocab)
+    hardware = Hardware(args.gpus, parse_bytes(args.gpu_mem, args.units), args.nodes,
+                        args.interconnect * 1e9, args.pcie * 1e9, args.nvme * 1e9, args.tflops,
+                        parse_bytes(args.host_mem, args.units) if args.host_mem else None,
+                        args.headroom)
+    workload = Workload(args.micro_batch, args.seq, args.gas, args.dtype, args.mp, args.flash)
+    result = plan(shape, hardware, workload, units=args.units)
+    print(result)
+    text = json.dumps(result.config, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+        print(f"\nconfig written to {args.out}")
+    else:
+        print(f"\nconfig:\n{text}")
+    return 0
+
+
+# ---------------------------------------------------------------- report
+
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN",
+                        help="run ledger JSON(s) saved by examples/train.py, or directories")
+    parser.add_argument("--out", help="output directory (default: beside the first ledger)")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from .report import load_ledgers, write_report
+
+    first = Path(args.runs[0])
+    out = Path(args.out) if args.out else (first if first.is_dir() else first.parent)
+    png, md = write_report(load_ledgers(args.runs), out)
+    print(f"plot:  {png}\ntable: {md}")
+    return 0
+
+
+# ---------------------------------------------------------------- dispatch
+
+COMMANDS: dict[str, Command] = {
+    "estimate": Command("per-device model-state memory by ZeRO stage (paper formulas)",
+                        _estimate_arguments, _run_estimate),
+    "plan": Command("recommend a ZeRO configuration for a model on given hardware",
+                    _plan_arguments, _run_plan),
+    "report": Command("plot and tabulate saved run ledgers: measured bytes beside the formula",
+                      _report_arguments, _run_report),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `zeromem` parser with one subparser per entry of COMMANDS."""
+    parser = argparse.ArgumentParser(prog="zeromem", description="ZeRO memory tools.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        command.add_arguments(subparsers.add_parser(name, help=command.help,
+                                                    description=command.help))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `zeromem` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args) or 0
+    except (ValueError, OSError) as error:  # bad input: one line, no traceback
+        print(f"zeromem {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

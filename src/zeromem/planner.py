@@ -1,0 +1,617 @@
+"""Plan a ZeRO configuration for a real model on given hardware (`zeromem plan`).
+
+The model is built on the meta device (nothing is allocated) from a factory
+(`package.module:function`) or from a Hugging Face-style config JSON, which is
+turned into an equivalent GPT shape list. From the real parameter shapes the
+planner computes each rank's memory exactly as the engine lays it out
+(`estimate.exact_model_states`: reduce buckets, padding to N_d, fetch units and
+persistence at stage 3), adds activations (`estimate.activation_memory`) and
+buffers, predicts a step time, and recommends a setup following the seed's
+section 6:
+
+    1. the lowest stage that fits: stage 1 rather than plain data parallelism
+       when N_d > 1 (same 2Ψ traffic, paper section 7), then stage 2;
+    2. activation checkpointing before ZeRO-3 (a third more compute, but no
+       extra traffic);
+    3. ZeRO-3 only when stages 1-2 cannot fit (1.5x the traffic);
+    4. offload (CPU, then NVMe) only when nothing fits on the GPUs.
+
+Step time = compute (6Ψ + 12·L·h·s FLOPs per token, a third more with
+checkpointing, at an assumed achieved TFLOPS) against data-parallel traffic
+(2Ψ elements per step at stages 0-1, Ψ per micro-step plus Ψ at stage 2, 3Ψ per
+micro-step at stage 3, ring-scaled by (N_d - 1)/N_d, over --interconnect) and
+offload traffic over --pcie and --nvme. Printed as a range: perfect overlap
+(the largest of the three) to none (their sum). The CPU optimizer's own time
+is not modelled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import Config
+from .estimate import (ActivationMemory, ModelShape, ShapeMemory, Widths, ZeroLayout,
+                       activation_memory, estimate, exact_model_states, format_bytes,
+                       format_count, paper_activation_bytes)
+
+__all__ = ["estimate", "plan", "load_model", "shape_of", "predict_memory", "Plan", "Hardware",
+           "Workload", "Setup"]
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_ALIASES = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+    "heads": ("num_attention_heads", "n_head", "n_heads", "num_heads"),
+    "vocab": ("vocab_size", "n_vocab"),
+    "intermediate": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
+    "positions": ("max_position_embeddings", "n_positions", "block_size", "max_seq_len", "n_ctx"),
+}
+_GATED_FAMILIES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3",
+                   "olmo", "olmo2", "internlm2", "yi"}
+_ROTARY_FAMILIES = _GATED_FAMILIES | {"gpt_neox", "gptj", "falcon", "phi"}
+
+
+# ---------------------------------------------------------------- models on the meta device
+
+@dataclass(frozen=True)
+class Arch:
+    """A GPT-family architecture read from a Hugging Face-style config."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    intermediate: int
+    positions: int
+    learned_positions: bool  # a position table (GPT-2) rather than rotary embeddings
+    gated: bool  # gate/up/down MLP with RMSNorm (Llama) rather than fc/proj with LayerNorm
+    bias: bool
+    tied: bool  # output head shares the token embedding
+
+
+def arch_from_config(cfg: dict) -> Arch:
+    """Read sizes and family from a config dict (GPT-2, Llama and look-alikes)."""
+    dims = read_dims(cfg)
+    missing = [k for k in ("layers", "hidden", "heads", "vocab") if k not in dims]
+    if missing:
+        raise ValueError(f"config lacks {', '.join(missing)} (looked for "
+                         + "; ".join(f"{k}: {'/'.join(_ALIASES[k])}" for k in missing) + ")")
+    family = str(cfg.get("model_type", "")).lower()
+    gated = family in _GATED_FAMILIES or cfg.get("hidden_act") in ("silu", "swiglu")
+    rotary = family in _ROTARY_FAMILIES or any(k in cfg for k in ("rope_theta", "rotary_dim",
+                                                                  "rotary_pct", "rope_scaling"))
+    hidden = dims["hidden"]
+    return Arch(dims["layers"], hidden, dims["heads"],
+                int(cfg.get("num_key_value_heads") or dims["heads"]), dims["vocab"],
+                dims.get("intermediate", 4 * hidden), dims.get("positions", 2048), not rotary,
+                gated, bool(cfg.get("attention_bias", not gated)),
+                bool(cfg.get("tie_word_embeddings", not gated)))
+
+
+class _Attention(nn.Module):
+    def __init__(self, arch: Arch):
+        super().__init__()
+        h, kv = arch.hidden, arch.hidden // arch.heads * arch.kv_heads
+        if arch.gated:  # Llama keeps q, k, v apart
+            self.q = nn.Linear(h, h, bias=arch.bias)
+            self.k = nn.Linear(h, kv, bias=arch.bias)
+            self.v = nn.Linear(h, kv, bias=arch.bias)
+        else:  # GPT-2's fused c_attn
+            self.qkv = nn.Linear(h, h + 2 * kv, bias=arch.bias)
+        self.proj = nn.Linear(h, h, bias=arch.bias)
+
+
+class _MLP(nn.Module):
+    def __init__(self, arch: Arch):
+        super().__init__()
+        h, inner = arch.hidden, arch.intermediate
+        if arch.gated:
+            self.gate = nn.Linear(h, inner, bias=False)
+        self.fc = nn.Linear(h, inner, bias=not arch.gated)
+        self.proj = nn.Linear(inner, h, bias=not arch.gated)
+
+
+def _norm(arch: Arch) -> nn.Module:
+    return nn.RMSNorm(arch.hidden) if arch.gated else nn.LayerNorm(arch.hidden)
+
+
+class _Block(nn.Module):
+    def __init__(self, arch: Arch):
+        super().__init__()
+        self.ln_attn, self.attn = _norm(arch), _Attention(arch)
+        self.ln_mlp, self.mlp = _norm(arch), _MLP(arch)
+
+
+class ConfigGPT(nn.Module):
+    """A stand-in with the parameter shapes and module structure a config describes (no forward)."""
+
+    def __init__(self, arch: Arch):
+        super().__init__()
+        self.arch = arch
+        self.token_embedding = nn.Embedding(arch.vocab, arch.hidden)
+        if arch.learned_positions:
+            self.position_embedding = nn.Embedding(arch.positions, arch.hidden)
+        self.blocks = nn.ModuleList(_Block(arch) for _ in range(arch.layers))
+        self.ln_final = _norm(arch)
+        self.head = nn.Linear(arch.hidden, arch.vocab, bias=False)
+        if arch.tied:
+            self.head.weight = self.token_embedding.weight
+
+
+def _import_factory(spec: str):
+    target, _, name = spec.rpartition(":")
+    if target.endswith(".py"):
+        module_spec = importlib.util.spec_from_file_location(Path(target).stem, target)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module  # dataclasses look their module up here
+        module_spec.loader.exec_module(module)
+    else:
+        if str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))  # a console script does not put "." on the path
+        module = importlib.import_module(target)
+    return getattr(module, name)
+
+
+def load_model(spec: str) -> tuple[nn.Module, dict]:
+    """(model built on the meta device, its config as a dict) from a factory path or a JSON file.
+
+    `spec` is "package.module:function" (or "path/file.py:function"), called with no
+    arguments, or the path of a Hugging Face-style config JSON (nothing is downloaded).
+    """
+    if spec.endswith(".json"):
+        cfg = json.loads(Path(spec).read_text(encoding="utf-8"))
+        with torch.device("meta"):
+            return ConfigGPT(arch_from_config(cfg)), cfg
+    if ":" not in spec:
+        raise ValueError(f"MODEL must be package.module:function or a config .json, got {spec!r}")
+    with torch.device("meta"):
+        model = _import_factory(spec)()
+    return model, _config_dict(getattr(model, "config", None))
+
+
+def _config_dict(config: Any) -> dict:
+    """A model's `config` attribute (dataclass, Hugging Face config, dict, object) as a dict."""
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return dict(config) if isinstance(config, dict) else dict(getattr(config, "__dict__", {}))
+
+
+def read_dims(cfg: dict) -> dict[str, int]:
+    """Sizes found under any of their usual names (`_ALIASES`); absent ones are left out."""
+    dims = {}
+    for key, names in _ALIASES.items():
+        value = next((cfg[n] for n in names if cfg.get(n)), None)
+        if value is not None:
+            dims[key] = int(value)
+    if "intermediate" not in dims and cfg.get("mlp_ratio") and "hidden" in dims:
+        dims["intermediate"] = int(cfg["mlp_ratio"] * dims["hidden"])
+    return dims
+
+
+def _dims_from_modules(model: nn.Module) -> dict[str, int]:
+    """Fallback sizes read off the modules: embeddings and the longest ModuleList."""
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    lists = [len(m) for m in model.modules() if isinstance(m, nn.ModuleList)]
+    dims = {"layers": max(lists, default=1)}
+    if embeddings:
+        dims["hidden"] = embeddings[0].embedding_dim
+        dims["vocab"] = max(e.num_embeddings for e in embeddings)
+    return dims
+
+
+def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
+             **overrides: int | None) -> ModelShape:
+    """The planner's view of `model`: parameter sizes, fetch units and dimensions.
+
+    Dimensions come from `overrides`, then `cfg` (a model config), then the modules.
+    """
+    dims = {**_dims_from_modules(model), **read_dims(cfg or {}),
+            **{k: v for k, v in overrides.items() if v}}
+    hidden = dims.get("hidden") or 1
+    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    claimed: set[int] = set()
+    units = []
+    for module in model.modules():  # a fetch unit: a module that directly owns parameters
+        params = [p for p in module.parameters(recurse=False)
+                  if p.requires_grad and id(p) not in claimed]
+        claimed.update(id(p) for p in params)
+        if params:
+            units.append(sum(p.numel() for p in params))
+    return ModelShape(name or type(model).__name__, tuple(trainable), frozen, tuple(units),
+                      dims.get("layers", 1), hidden, dims.get("heads", max(1, hidden // 64)),
+                      dims.get("vocab", 0), dims.get("intermediate", 4 * hidden),
+                      dims.get("positions"))
+
+
+# ---------------------------------------------------------------- the engine's layout from a config
+
+def widths_for(config: Config) -> Widths:
+    """Byte widths of each model state for a validated zeromem config."""
+    compute = config.compute_dtype
+    opt = config.optimizer
+    kind = opt.type.lower() if opt else "adamw"
+    options = opt.params if opt else {}
+    if kind == "sgd":
+        states, scalars = (4 if options.get("momentum") else 0), 0
+    else:  # Adam / AdamW: m and v (and max v with amsgrad), plus a scalar `step`
+        states, scalars = (12 if options.get("amsgrad") else 8), 4
+    return Widths(compute.itemsize, config.grad_dtype.itemsize,
+                  0 if compute == torch.float32 else 4, states, scalars)
+
+
+def layout_for(config: Config) -> ZeroLayout:
+    """The grouping and partitioning knobs of a validated zeromem config."""
+    z = config.zero_optimization
+    return ZeroLayout(z.stage, int(z.reduce_bucket_size), int(z.allgather_bucket_size),
+                      int(z.stage3_param_persistence_threshold), int(z.stage3_prefetch_bucket_size),
+                      z.offload_optimizer_device, z.offload_param_device)
+
+
+def predict_memory(model: nn.Module | ModelShape, config: dict | str | Config,
+                   n_d: int) -> ShapeMemory:
+    """Per-rank bytes the engine will hold for `model` under `config` on N_d ranks."""
+    shape = model if isinstance(model, ModelShape) else shape_of(model)
+    cfg = Config.load(config, world_size=n_d)
+    return exact_model_states(shape, n_d, widths_for(cfg), layout_for(cfg))
+
+
+# ---------------------------------------------------------------- hardware, workload, setups
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machines: bandwidths in bytes/s, per GPU except NVMe (per node)."""
+
+    gpus: int
+    gpu_mem_bytes: float
+    nodes: int = 1
+    interconnect: float = 25e9  # data-parallel collectives, per GPU
+    pcie: float = 16e9  # host <-> device, per GPU
+    nvme: float = 3.5e9  # per node, shared by its GPUs
+    tflops: float = 100.0  # achieved per GPU (not peak)
+    host_mem_bytes: float | None = None  # per node; None = not checked
+    headroom: float = 0.9  # usable share of GPU memory (allocator, CUDA context, fragmentation)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return max(1, self.gpus // self.nodes)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One rank's micro-batch and the training precision."""
+
+    micro_batch: int = 1
+    seq: int = 0  # 0: the model's context length, else 1024
+    gas: int = 1  # gradient accumulation steps
+    dtype: str = "bf16"
+    mp: int = 1  # model-parallel degree (N_d = gpus / mp)
+    flash: bool = False  # fused attention: no s x s score matrices are stored
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration the planner considers."""
+
+    stage: int
+    checkpointing: str = "none"  # "none" | "gpu" | "cpu" (Pa+cpu: checkpoints in host memory)
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+    def label(self) -> str:
+        parts = [f"stage {self.stage}"]
+        if self.checkpointing != "none":
+            parts.append("ckpt" + (":cpu" if self.checkpointing == "cpu" else ""))
+        if self.offload_optimizer != "none":
+            parts.append(f"opt:{self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"param:{self.offload_param}")
+        return ", ".join(parts)
+
+
+def preference_order(n_d: int) -> list[Setup]:
+    """Setups in the order the seed's section 6 prefers them (the first that fits wins)."""
+    low = [0] if n_d == 1 else [1, 2]  # with one rank, sharding saves nothing
+    order = [Setup(s) for s in low] + [Setup(s, "gpu") for s in low]
+    if n_d > 1:
+        order += [Setup(3), Setup(3, "gpu"), Setup(3, "cpu")]
+    return order + [Setup(2, "gpu", "cpu"), Setup(3, "gpu", "cpu"), Setup(3, "gpu", "cpu", "cpu"),
+                    Setup(3, "cpu", "cpu", "cpu"), Setup(3, "cpu", "nvme", "cpu"),
+                    Setup(3, "cpu", "nvme", "nvme")]
+
+
+def layout_knobs(shape: ModelShape, setup: Setup) -> ZeroLayout:
+    """Bucket sizes the planner writes into the config.
+
+    Reduce / all-gather buckets: about 16 per model so reduction overlaps backward,
+    no smaller than hidden² (Hugging Face's "auto") and no larger than 2e8 elements
+    (the seed's constant-buffer example). Stage 3: prefetch 0.9·hidden² and
+    persistence threshold 10·hidden, Hugging Face's "auto" values.
+    """
+    h = shape.hidden
+    bucket = int(min(2e8, max(h * h, -(-shape.psi // 16))))
+    return ZeroLayout(setup.stage, bucket, bucket, 10 * h, int(0.9 * h * h),
+                      setup.offload_optimizer, setup.offload_param)
+
+
+# ---------------------------------------------------------------- evaluating one setup
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by kind of work."""
+
+    compute: float
+    comm: float
+    offload: float
+
+    @property
+    def overlapped(self) -> float:
+        return max(self.compute, self.comm, self.offload)
+
+    @property
+    def serial(self) -> float:
+        return self.compute + self.comm + self.offload
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A setup with its per-rank memory and predicted step time."""
+
+    setup: Setup
+    layout: ZeroLayout
+    states: ShapeMemory
+    activations: ActivationMemory
+    time: StepTime
+    device_bytes: float
+    host_bytes: float  # per rank
+    nvme_bytes: float  # per rank
+    fits: bool
+
+
+def step_time(shape: ModelShape, setup: Setup, states: ShapeMemory, acts: ActivationMemory,
+              hw: Hardware, work: Workload) -> StepTime:
+    """Compute, data-parallel traffic and offload traffic of one step (see module docstring)."""
+    n_d, gas = hw.gpus // work.mp, work.gas
+    tokens = work.micro_batch * work.seq * gas
+    flops = (6 * shape.psi + 12 * shape.layers * shape.hidden * work.seq) * tokens / work.mp
+    if setup.checkpointing != "none":
+        flops *= 4 / 3  # one more forward pass
+    elements = {0: 2, 1: 2, 2: gas + 1, 3: 3 * gas}[setup.stage] * shape.psi / work.mp
+    p = DTYPE_BYTES[work.dtype]
+    comm = elements * p * (n_d - 1) / n_d / hw.interconnect
+    shard = shape.psi / work.mp / n_d
+    pcie = 2 * acts.host * gas  # Pa+cpu: checkpoints go down in forward, up in backward
+    nvme = 0.0
+    if setup.offload_optimizer != "none":
+        pcie += 2 * p * shard  # gradient shard down, updated parameter shard up
+        if setup.offload_optimizer == "nvme":
+            nvme += 2 * (states.nvme_bytes - (p * shard if setup.offload_param == "nvme" else 0))
+    if setup.offload_param != "none":
+        pcie += 2 * p * shard * gas  # fetched for forward and again for backward
+        if setup.offload_param == "nvme":
+            nvme += p * shard * (2 * gas + 1)
+    offload = pcie / hw.pcie + nvme * hw.gpus_per_node / hw.nvme
+    return StepTime(flops / (hw.tflops * 1e12), comm, offload)
+
+
+def evaluate(shape: ModelShape, setup: Setup, hw: Hardware, work: Workload) -> Candidate:
+    """Per-rank memory and step time of `setup`; fits = device and host memory suffice."""
+    n_d = hw.gpus // work.mp
+    layout = layout_knobs(shape, setup)
+    p = DTYPE_BYTES[work.dtype]
+    widths = Widths(p, p, 0 if p == 4 else 4, 8, 4)  # AdamW, as the written config says
+    # Model parallelism splits (nearly) every parameter over MP ranks before ZeRO partitions.
+    states = exact_model_states(shape, n_d, widths, layout).scaled(1 / work.mp)
+    acts = activation_memory(shape, work.micro_batch, work.seq, p, setup.checkpointing != "none",
+                             work.mp, work.mp > 1, setup.checkpointing == "cpu", work.flash)
+    device = states.model_state_bytes + states.gathered_params + states.comm_buffers + acts.device
+    host = states.host_bytes + acts.host
+    fits = device <= hw.gpu_mem_bytes * hw.headroom and (
+        hw.host_mem_bytes is None or host * hw.gpus_per_node <= hw.host_mem_bytes)
+    return Candidate(setup, layout, states, acts, step_time(shape, setup, states, acts, hw, work),
+                     device, host, states.nvme_bytes, fits)
+
+
+# ---------------------------------------------------------------- recommendation
+
+@dataclass(frozen=True)
+class Plan:
+    """Every setup considered, the one recommended, why, and its DeepSpeed-style config."""
+
+    shape: ModelShape
+    hardware: Hardware
+    workload: Workload
+    candidates: tuple[Candidate, ...]
+    chosen: Candidate
+    reasons: tuple[str, ...]
+    config: dict
+    units: str = "GB"
+
+    def __str__(self) -> str:
+        return "\n".join(_describe(self))
+
+
+def plan(model: str | nn.Module | ModelShape, hardware: Hardware, workload: Workload = Workload(),
+         units: str = "GB") -> Plan:
+    """Evaluate the setups of `preference_order` for `model` and recommend the first that fits.
+
+    `model`: a factory path or config JSON (see `load_model`), a module (meta is fine) or a
+    `ModelShape`.
+    """
+    if isinstance(model, str):
+        shape = shape_of(*load_model(model), name=Path(model).stem)
+    else:
+        shape = model if isinstance(model, ModelShape) else shape_of(model)
+    if hardware.gpus % workload.mp:
+        raise ValueError(f"--gpus {hardware.gpus} is not a multiple of the model-parallel degree "
+                         f"{workload.mp}")
+    if not workload.seq:
+        workload = dataclasses.replace(workload, seq=shape.positions or 1024)
+    n_d = hardware.gpus // workload.mp
+    order = preference_order(n_d)
+    setups = ([Setup(0)] if order[0] != Setup(0) else []) + order
+    candidates = tuple(evaluate(shape, s, hardware, workload) for s in setups)
+    ranked = [c for c in candidates if c.setup in order]
+    chosen = next((c for c in ranked if c.fits), ranked[-1])
+    config = deepspeed_config(chosen, shape, workload, n_d)
+    reasons = _reasons(chosen, candidates, ranked, shape, hardware, workload, units)
+    return Plan(shape, hardware, workload, candidates, chosen,
+                tuple(reasons + _config_notes(config, n_d)), config, units)
+
+
+def _reasons(chosen: Candidate, candidates: tuple[Candidate, ...], ranked: list[Candidate],
+             shape: ModelShape, hw: Hardware, work: Workload, u: str) -> list[str]:
+    """Why `chosen`: what did not fit before it, what it costs, and what would help."""
+    usable = hw.gpu_mem_bytes * hw.headroom
+    gb = lambda b: f"{format_bytes(b, u)} {u}"  # noqa: E731
+    s = chosen.setup
+    skipped = ranked[:ranked.index(chosen)]
+    out = [f"{c.setup.label()} does not fit: {gb(c.device_bytes)} per GPU > {gb(usable)} usable"
+           + ("" if c.device_bytes > usable else " (host memory)")
+           for c in (skipped if len(skipped) <= 4 else skipped[:2] + skipped[-1:])]
+    if len(skipped) > 4:
+        out.insert(2, f"... and {len(skipped) - 3} more setups in between do not fit")
+    if not chosen.fits:
+        out.append(f"nothing fits; the last resort {s.label()} needs {gb(chosen.device_bytes)} "
+                   f"per GPU. {_gpus_needed(shape, hw, work)}")
+    else:
+        out.append(f"{s.label()} fits: {gb(chosen.device_bytes)} of {gb(usable)} usable per GPU")
+    plain = candidates[0]
+    if s.stage == 1 and plain.setup == Setup(0) and plain.fits:
+        out.append(f"plain data parallelism also fits ({gb(plain.device_bytes)}); stage 1 moves the "
+                   "same 2Ψ per step (paper section 7) and frees "
+                   f"{gb(plain.device_bytes - chosen.device_bytes)} per GPU for batch or sequence")
+    if s.stage == 2 and work.gas > 1:
+        out.append(f"stage 2 reduce-scatters every micro-step: ({work.gas}+1)Ψ per step, not 2Ψ")
+    if s.stage == 3:
+        out.append("ZeRO-3 only because stages 1-2 do not fit even with checkpointing: it moves "
+                   "3Ψ per micro-step, 1.5x plain data parallelism")
+    if s.checkpointing != "none":
+        full = activation_memory(shape, work.micro_batch, work.seq, DTYPE_BYTES[work.dtype],
+                                 mp=work.mp, flash=work.flash).device
+        out.append(f"activation checkpointing: activations {gb(full)} -> "
+                   f"{gb(chosen.activations.device)} per GPU for a third more compute"
+                   + (f"; checkpoints in host memory (Pa+cpu): {gb(chosen.activations.host)} per rank"
+                      if s.checkpointing == "cpu" else ""))
+        if work.mp == 1:
+            out.append("Pa (partition_activations) stays off: without model parallelism no "
+                       "rank holds a copy of another's checkpoints, so there is nothing to split")
+    if s.offload_optimizer != "none" or s.offload_param != "none":
+        node = hw.gpus_per_node
+        out.append(f"offload because nothing fits on the GPUs: {gb(chosen.host_bytes * node)} host "
+                   f"and {gb(chosen.nvme_bytes * node)} NVMe per node of {node} GPUs; "
+                   f"{chosen.time.offload:.3g} s of transfers per step")
+    t = chosen.time
+    out.append(f"step {t.overlapped:.3g}-{t.serial:.3g} s (full overlap to none): compute "
+               f"{t.compute:.3g} s at {hw.tflops:g} TFLOPS, data-parallel traffic {t.comm:.3g} s")
+    if t.comm > t.compute:
+        out.append("communication-bound: a faster interconnect, a larger micro-batch or more "
+                   "accumulation steps would raise throughput")
+    return out
+
+
+def _gpus_needed(shape: ModelShape, hw: Hardware, work: Workload) -> str:
+    """How many GPUs stage 3 with checkpointing would need, without offload."""
+    gpus = hw.gpus
+    while gpus < 2 ** 20:
+        gpus *= 2
+        trial = dataclasses.replace(hw, gpus=gpus, nodes=max(1, gpus // hw.gpus_per_node))
+        if evaluate(shape, Setup(3, "gpu"), trial, work).fits:
+            return f"Stage 3 with checkpointing would fit on {gpus} such GPUs without offload."
+    return "Even a million GPUs would not fit one micro-batch: shorten the sequence."
+
+
+def deepspeed_config(chosen: Candidate, shape: ModelShape, work: Workload, n_d: int) -> dict:
+    """A ready DeepSpeed-style JSON config for `chosen` (zeromem reads the same keys)."""
+    s, layout = chosen.setup, chosen.layout
+    zero: dict[str, Any] = {"stage": s.stage, "contiguous_gradients": True, "overlap_comm": True,
+                            "reduce_bucket_size": layout.reduce_bucket_numel,
+                            "allgather_bucket_size": layout.allgather_bucket_numel}
+    if s.stage == 3:
+        zero.update(stage3_prefetch_bucket_size=layout.prefetch_numel,
+                    stage3_param_persistence_threshold=layout.persistence_threshold)
+    for key, device in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_param)):
+        if device != "none":
+            zero[key] = {"device": device, "pin_memory": True,
+                         **({"nvme_path": "/local_nvme"} if device == "nvme" else {})}
+    config: dict[str, Any] = {
+        "train_batch_size": work.micro_batch * work.gas * n_d,
+        "train_micro_batch_size_per_gpu": work.micro_batch,
+        "gradient_accumulation_steps": work.gas,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95],
+                                                  "weight_decay": 0.1}},
+        "zero_optimization": zero,
+    }
+    if work.dtype != "fp32":
+        config[work.dtype] = {"enabled": True}
+    if s.checkpointing != "none":
+        config["activation_checkpointing"] = {
+            "partition_activations": work.mp > 1, "cpu_checkpointing": s.checkpointing == "cpu",
+            "contiguous_memory_optimization": True, "number_checkpoints": shape.layers}
+    return config
+
+
+def _config_notes(config: dict, n_d: int) -> list[str]:
+    """Validate `config` against zeromem's schema; name the features zeromem cannot run yet."""
+    try:
+        parsed = Config.model_validate(config, context={"world_size": n_d})
+    except Exception as error:  # a planner bug: say so rather than hand out a bad config
+        return [f"warning: the generated config does not validate: {error}"]
+    missing = parsed.unsupported_features()
+    if not missing:
+        return []
+    return ["zeromem cannot run yet: " + ", ".join(f"{f} ({k})" for f, k in missing.items())
+            + "; DeepSpeed reads the same config"]
+
+
+def _describe(p: Plan) -> list[str]:
+    s, hw, w, u = p.shape, p.hardware, p.workload, p.units
+    n_d = hw.gpus // w.mp
+    node = hw.gpus_per_node
+    acts = [activation_memory(s, w.micro_batch, w.seq, DTYPE_BYTES[w.dtype], ckpt, w.mp,
+                              flash=w.flash).device for ckpt in (False, True)]
+    paper = paper_activation_bytes(s.hidden, w.micro_batch, w.seq, s.layers)
+    width = max(len(c.setup.label()) for c in p.candidates) + 2
+    lines = [
+        f"model     {s.name}: {format_count(s.psi)} trainable parameters"
+        + (f" ({format_count(s.frozen_numel)} frozen)" if s.frozen_numel else "")
+        + f", {s.layers} layers, hidden {s.hidden}, {s.heads} heads, vocab {s.vocab}; "
+        f"{len(s.unit_numels)} fetch units, largest {format_count(s.largest_unit)}",
+        f"hardware  {hw.gpus} GPUs ({hw.nodes} node{'s' * (hw.nodes > 1)}) x "
+        f"{format_bytes(hw.gpu_mem_bytes, u)} {u} ({hw.headroom:.0%} usable), interconnect "
+        f"{hw.interconnect / 1e9:g} GB/s, PCIe {hw.pcie / 1e9:g} GB/s, NVMe {hw.nvme / 1e9:g} "
+        f"GB/s per node, {hw.tflops:g} TFLOPS per GPU assumed",
+        f"workload  micro-batch {w.micro_batch} x seq {w.seq} x accumulation {w.gas}, {w.dtype}, "
+        f"N_d = {n_d}{f', MP = {w.mp}' if w.mp > 1 else ''}: "
+        f"{w.micro_batch * w.seq * w.gas * n_d:,} tokens per step",
+        f"activations per GPU: {format_bytes(acts[0], u)} {u} without checkpointing, "
+        f"{format_bytes(acts[1], u)} {u} with (paper's rule of thumb 12·h·b·s·L x 2 B = "
+        f"{format_bytes(paper, u)} {u})",
+        "",
+        f"   {'setup':<{width}}{'states':>9}{'activ.':>9}{'buffers':>9}{'GPU ' + u:>10}"
+        f"{'host/node':>11}{'nvme/node':>11}{'step s':>20}  fits",
+    ]
+    for c in p.candidates:
+        mark = "*" if c is p.chosen else " "
+        buffers = c.states.gathered_params + c.states.comm_buffers
+        step = f"{c.time.overlapped:.3g}-{c.time.serial:.3g}"
+        lines.append(f" {mark} {c.setup.label():<{width}}" + "".join(
+            f"{format_bytes(b, u):>9}" for b in (c.states.model_state_bytes, c.activations.device,
+                                                  buffers))
+            + f"{format_bytes(c.device_bytes, u):>10}{format_bytes(c.host_bytes * node, u):>11}"
+            f"{format_bytes(c.nvme_bytes * node, u):>11}{step:>20}  {'yes' if c.fits else 'no'}")
+    lines += ["", f"recommended: {p.chosen.setup.label()}"] + [f"  - {r}" for r in p.reasons]
+    return lines
