@@ -1,0 +1,279 @@
+"""Asynchronous file I/O for NVMe offload (ZeRO-Infinity, arXiv 2104.07857, section 5).
+
+The pieces, from the bottom up:
+
+- `aligned_empty`: a uint8 host tensor whose first byte sits on a 4096-byte
+  boundary (an over-allocated tensor, sliced). O_DIRECT needs the buffer
+  address, the file offset and the length all aligned, so every buffer here is
+  `ALIGN`-aligned, every file record starts at an `ALIGN` multiple and every
+  request length is rounded up to `ALIGN`.
+- `BufferPool`: `count` such buffers carved from one arena. The arena is the
+  only host memory swapping uses; buffers are lent and returned, never grown.
+- `AsyncIO`: a thread pool that splits each request into `aio.block_size`
+  chunks and runs `os.preadv` / `os.pwritev` on them (the GIL is released during
+  the system call, so the threads overlap each other and the optimizer's
+  kernels). Threads = `intra_op_parallelism x queue_depth`, i.e. as many
+  requests in flight as DeepSpeed's libaio queues hold.
+- `SwapFile`: one preallocated file, opened with O_DIRECT when the filesystem
+  accepts it (probed with a real aligned write); otherwise buffered I/O, and
+  every write is followed by `fdatasync` so that data reaches the disk as it
+  would with direct I/O. Which mode is used is in `SwapFile.direct`.
+- `SwapSpace`: the per-rank directory `nvme_path/zeromem-rank{r}-{pid}-XXXX/` that
+  holds the files; removed by `close()`, by garbage collection or at exit.
+
+Every failure (a missing or unwritable path, ENOSPC, a short read of a
+truncated file) is an `OffloadError` naming the file, raised to the caller of
+`IOHandle.wait()`. A handle waits for all of its chunks before raising, so a
+buffer is never handed back while a transfer into it is still running.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("zeromem")
+
+ALIGN = 4096  # bytes; covers 512-byte and 4K logical sectors
+
+
+class OffloadError(RuntimeError):
+    """Offload storage failed (path, space, or I/O); the message names the file."""
+
+
+def round_up(nbytes: int, align: int = ALIGN) -> int:
+    """`nbytes` rounded up to a multiple of `align`."""
+    return -(-nbytes // align) * align
+
+
+def aligned_empty(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 host tensor of `nbytes` starting at an ALIGN boundary."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + nbytes]
+
+
+class BufferPool:
+    """`count` aligned buffers of `buffer_bytes` (rounded up to ALIGN) from one arena."""
+
+    def __init__(self, count: int, buffer_bytes: int, pin_memory: bool = False):
+        self.count = count
+        self.buffer_bytes = round_up(max(1, buffer_bytes))
+        self.arena = aligned_empty(count * self.buffer_bytes, pin_memory)
+        size = self.buffer_bytes
+        self.free = [self.arena[i * size:(i + 1) * size] for i in range(count)]
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the pool holds (the arena, alignment slack included)."""
+        return self.arena.untyped_storage().nbytes()
+
+    def acquire(self) -> torch.Tensor | None:
+        """A free buffer, or None when all are lent out."""
+        return self.free.pop() if self.free else None
+
+    def release(self, buffer: torch.Tensor) -> None:
+        self.free.append(buffer)
+
+
+class IOHandle:
+    """Chunks of one read or write in flight; `wait()` blocks and raises OffloadError."""
+
+    def __init__(self, futures: list[Future], finish: Callable[[], None] | None = None):
+        self.futures = futures
+        self.finish = finish
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self) -> None:
+        error = None
+        for f in self.futures:
+            try:
+                f.result()
+            except BaseException as e:  # keep waiting: no chunk may still write into the buffer
+                error = error or e
+        self.futures = []
+        if error is not None:
+            raise error
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+
+
+DONE = IOHandle([])
+
+
+def _failure(op: str, nbytes: int, offset: int, path: Path, e: OSError) -> OffloadError:
+    name = errno.errorcode.get(e.errno, str(e.errno))
+    return OffloadError(f"{op} of {nbytes} bytes at offset {offset} of {path} failed: "
+                        f"{os.strerror(e.errno) if e.errno else e} [{name}]")
+
+
+def _transfer(op: str, fd: int, view: memoryview, offset: int, path: Path) -> None:
+    """Move all of `view` at `offset`; a zero-length transfer is a short read/write."""
+    done, total = 0, len(view)
+    call = os.preadv if op == "read" else os.pwritev
+    while done < total:
+        try:
+            n = call(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise _failure(op, total, offset, path, e) from e
+        if n == 0:
+            raise OffloadError(f"short {op} of {path}: {done} of {total} bytes at offset {offset} "
+                               "(file truncated or device full?)")
+        done += n
+
+
+class AsyncIO:
+    """A thread pool issuing block-sized positional reads and writes."""
+
+    def __init__(self, block_size: int = 1 << 20, threads: int = 8):
+        self.block_size = round_up(block_size)
+        self.threads = max(1, threads)
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zeromem-aio")
+
+    @classmethod
+    def from_config(cls, aio) -> AsyncIO:
+        """From the `aio` config block."""
+        return cls(aio.block_size, aio.intra_op_parallelism * aio.queue_depth)
+
+    def submit(self, op: str, fd: int, buffer: torch.Tensor, offset: int, path: Path,
+               finish: Callable[[], None] | None = None) -> IOHandle:
+        """Start reading (`op` "read") or writing `buffer` (uint8, host) at `offset`."""
+        view = memoryview(buffer.numpy())
+        step = self.block_size
+        futures = [self.pool.submit(_transfer, op, fd, view[s:s + step], offset + s, path)
+                   for s in range(0, len(view), step)]
+        return IOHandle(futures, finish)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _open(path: Path, direct: bool) -> int:
+    flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
+    return os.open(path, flags, 0o600)
+
+
+class SwapFile:
+    """One preallocated swap file; reads and writes of aligned buffers at aligned offsets."""
+
+    def __init__(self, path: Path, nbytes: int, io: AsyncIO, direct: bool = True):
+        self.path = Path(path)
+        self.nbytes = round_up(max(1, nbytes))
+        self.io = io
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        self.fd = -1
+        try:
+            self.fd = self._open_probed()
+            os.posix_fallocate(self.fd, 0, self.nbytes)  # ENOSPC now, not mid-training
+        except OSError as e:
+            self.close()
+            raise _failure("allocation", self.nbytes, 0, self.path, e) from e
+
+    def _open_probed(self) -> int:
+        """Open with O_DIRECT if an aligned write through it works; else buffered."""
+        if self.direct:
+            try:
+                fd = _open(self.path, True)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+            else:
+                try:
+                    probe = aligned_empty(ALIGN).zero_()  # the buffer itself must be aligned
+                    os.pwritev(fd, [memoryview(probe.numpy())], 0)
+                    return fd
+                except OSError as e:
+                    os.close(fd)
+                    if e.errno != errno.EINVAL:
+                        raise
+            log.info("%s: O_DIRECT not supported here; buffered I/O with fdatasync", self.path)
+            self.direct = False
+        return _open(self.path, False)
+
+    def read(self, buffer: torch.Tensor, offset: int) -> IOHandle:
+        """Start reading `buffer.numel()` bytes (an ALIGN multiple) from `offset`."""
+        self._check(buffer, offset)
+        return self.io.submit("read", self.fd, buffer, offset, self.path)
+
+    def write(self, buffer: torch.Tensor, offset: int) -> IOHandle:
+        """Start writing `buffer` at `offset`; buffered mode syncs the data before `wait()` returns."""
+        self._check(buffer, offset)
+        finish = None if self.direct else self._sync
+        return self.io.submit("write", self.fd, buffer, offset, self.path, finish)
+
+    def _sync(self) -> None:
+        try:
+            os.fdatasync(self.fd)
+        except OSError as e:
+            raise _failure("fdatasync", self.nbytes, 0, self.path, e) from e
+
+    def _check(self, buffer: torch.Tensor, offset: int) -> None:
+        if offset % ALIGN or buffer.numel() % ALIGN or buffer.data_ptr() % ALIGN:
+            raise ValueError(f"{self.path}: unaligned request (offset {offset}, "
+                             f"{buffer.numel()} bytes at {buffer.data_ptr():#x})")
+        if offset + buffer.numel() > self.nbytes:
+            raise ValueError(f"{self.path}: request past the end ({offset} + {buffer.numel()} "
+                             f"> {self.nbytes})")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _remove_space(directory: Path, files: list[SwapFile], io: AsyncIO) -> None:
+    io.shutdown()
+    for f in files:
+        f.close()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class SwapSpace:
+    """This rank's swap directory under `nvme_path` and the files in it.
+
+    Created at engine start (`nvme_path/zeromem-rank{rank}-{pid}-XXXX/`), removed by
+    `close()`, when the space is garbage-collected, or at interpreter exit.
+    """
+
+    def __init__(self, nvme_path: str | os.PathLike, rank: int, io: AsyncIO, direct: bool = True):
+        root = Path(nvme_path)
+        if not root.is_dir():
+            io.shutdown()
+            what = "is not a directory" if root.exists() else "does not exist"
+            raise OffloadError(f"nvme_path {root} {what}")
+        try:  # unique per engine: several engines may share a process and a path
+            self.dir = Path(tempfile.mkdtemp(prefix=f"zeromem-rank{rank}-{os.getpid()}-", dir=root))
+        except OSError as e:
+            io.shutdown()
+            raise OffloadError(f"cannot create a swap directory under nvme_path {root}: "
+                               f"{e.strerror or e}") from e
+        self.io = io
+        self.direct = direct
+        self.files: list[SwapFile] = []
+        self._finalizer = weakref.finalize(self, _remove_space, self.dir, self.files, io)
+
+    def file(self, name: str, nbytes: int) -> SwapFile:
+        """Create and preallocate the file `name` of at least `nbytes` bytes."""
+        f = SwapFile(self.dir / name, nbytes, self.io, self.direct)
+        self.files.append(f)
+        return f
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all files (their allocated sizes)."""
+        return sum(f.nbytes for f in self.files)
+
+    def close(self) -> None:
+        """Wait for I/O in flight, close the files and remove the directory."""
+        self._finalizer()

@@ -1,0 +1,322 @@
+"""The NVMe-offloaded optimizer step of ZeRO-Infinity (arXiv 2104.07857, section 5).
+
+The rank's shard is cut into sub-groups of at most `sub_group_size` elements,
+each within one param group (`plan_sub_groups`). The swap file holds one record
+per sub-group,
+
+    [master] [state 1] [state 2] ...      each field ALIGN-aligned, fp32
+
+where the master field is on disk only when the master is not the parameter
+shard itself (in fp32 training the engine steps the parameter shard, wherever
+its home is: device memory, or a swap file at stage 3). A pool buffer holds one
+field of one sub-group, so `depth = buffer_count // (1 + states)` sub-groups
+are in flight:
+
+    read  i+1 .. i+depth-1   NVMe -> pool   (offload_optimizer.pipeline_read)
+    step  i                  torch's functional Adam/AdamW/SGD, fused CPU kernel,
+                             on pool views and the host gradient shards
+    write i-1 ...            pool -> NVMe   (offload_optimizer.pipeline_write)
+
+Buffer lifetimes: the pool lives as long as the optimizer; a sub-group holds its
+buffers from the launch of its read until its write has completed, and only then
+is the slot reused. Fresh states (step 0 of a param group) are zero-filled, not
+read (DeepSpeed's `fast_init`, always on). Host memory for optimizer state is
+therefore the pool, buffer_count x sub_group_size x 4 bytes plus alignment,
+whatever the model size. The step counter is kept per param group.
+
+A failed read or write (`OffloadError`) leaves the step half done, so the
+optimizer refuses every later step rather than train on inconsistent state.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .flat import FlatParamGroup
+from .swap import ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace, round_up
+
+_adam = importlib.import_module("torch.optim.adam")  # the functional kernels behind torch.optim
+_sgd = importlib.import_module("torch.optim.sgd")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, start + numel) of `group`'s shard, at `at` in its sub-group."""
+
+    group: FlatParamGroup
+    start: int
+    numel: int
+    at: int
+
+
+@dataclass
+class SubGroup:
+    """At most `sub_group_size` shard elements of one param group, swapped and stepped together."""
+
+    param_group: int
+    pieces: list[Piece] = field(default_factory=list)
+    numel: int = 0
+    offset: int = 0  # bytes: start of this sub-group's record in the swap file
+
+    @property
+    def field_bytes(self) -> int:
+        return round_up(self.numel * 4)
+
+
+def plan_sub_groups(groups: list[FlatParamGroup], sub_group_size: int) -> list[SubGroup]:
+    """Cut the shards of `groups` into sub-groups, in group order, never across param groups."""
+    subs: list[SubGroup] = []
+    for pg in dict.fromkeys(g.param_group_index for g in groups):
+        current = None
+        for g in (g for g in groups if g.param_group_index == pg):
+            start = 0
+            while start < g.shard_numel:
+                if current is None or current.numel == sub_group_size:
+                    current = SubGroup(pg)
+                    subs.append(current)
+                n = min(g.shard_numel - start, sub_group_size - current.numel)
+                current.pieces.append(Piece(g, start, n, current.numel))
+                current.numel += n
+                start += n
+    return subs
+
+
+def _state_fields(template: torch.optim.Optimizer) -> tuple[str, ...]:
+    groups = template.param_groups
+    if isinstance(template, (torch.optim.Adam, torch.optim.AdamW)):
+        return ("exp_avg", "exp_avg_sq") + (
+            ("max_exp_avg_sq",) if any(g["amsgrad"] for g in groups) else ())
+    if isinstance(template, torch.optim.SGD):
+        return ("momentum_buffer",) if any(g["momentum"] for g in groups) else ()
+    raise OffloadError(f"NVMe optimizer offload steps Adam, AdamW or SGD, not "
+                       f"{type(template).__name__}")
+
+
+def _adam_update(group: dict, params: list, grads: list, states: dict, step: int) -> None:
+    """torch's functional Adam/AdamW (fused CPU kernel) on views; `step` = steps taken so far."""
+    _adam.adam(params, grads, states["exp_avg"], states["exp_avg_sq"],
+               states["max_exp_avg_sq"] if group["amsgrad"] else [],
+               [torch.tensor(float(step)) for _ in params], fused=True,
+               amsgrad=group["amsgrad"], beta1=group["betas"][0], beta2=group["betas"][1],
+               lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+               maximize=group["maximize"],
+               decoupled_weight_decay=group.get("decoupled_weight_decay", False))
+
+
+def _sgd_update(group: dict, params: list, grads: list, states: dict, step: int) -> None:
+    """torch's functional SGD (fused CPU kernel); its first step creates the momentum buffers."""
+    bufs = states.get("momentum_buffer", [])
+    momentum = list(bufs) if bufs and step > 0 and group["momentum"] else [None] * len(params)
+    _sgd.sgd(params, grads, momentum, fused=True, weight_decay=group["weight_decay"],
+             momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
+             nesterov=group["nesterov"], maximize=group["maximize"])
+    if bufs and step == 0:
+        for mine, made in zip(bufs, momentum):
+            if made is not None:
+                mine.copy_(made)
+
+
+class SwappedOptimizer(torch.optim.Optimizer):
+    """Adam, AdamW or SGD whose states (and master shard) live in a swap file.
+
+    `param_groups` mirror the optimizer it replaces (LR schedulers work as usual);
+    `state` is empty except inside `resident()`. `step()` runs the sub-group
+    pipeline described in the module docstring.
+    """
+
+    def __init__(self, template: torch.optim.Optimizer, groups: list[FlatParamGroup],
+                 space: SwapSpace, host_grads: dict[int, torch.Tensor], params_home: Any,
+                 config: Any, sub_group_size: int, pin: bool):
+        super().__init__([dict(g) for g in template.param_groups], template.defaults)
+        self.update = _sgd_update if isinstance(template, torch.optim.SGD) else _adam_update
+        self.states = _state_fields(template)
+        self.master_in_file = not all(g.master_aliases_params() for g in groups)
+        self.file_fields = (("master",) if self.master_in_file else ()) + self.states
+        self.slot_fields = ("master",) + self.states
+        self.sub_groups = plan_sub_groups(groups, sub_group_size)
+        total = 0
+        for sg in self.sub_groups:
+            sg.offset, total = total, total + sg.field_bytes * len(self.file_fields)
+        self.file = space.file("optimizer.swp", total)
+        self.host_grads, self.params = host_grads, params_home
+        self.read_ahead, self.write_behind = config.pipeline_read, config.pipeline_write
+        self.depth = self._check_depth(config.buffer_count)
+        slot_bytes = max((sg.field_bytes for sg in self.sub_groups), default=ALIGN)
+        self.pool = BufferPool(self.depth * len(self.slot_fields), slot_bytes, pin)
+        self.slots = [{name: self.pool.acquire() for name in self.slot_fields}
+                      for _ in range(self.depth)]
+        self.steps = [0] * len(self.param_groups)  # optimizer steps taken, per param group
+        self.failed: BaseException | None = None
+        if self.master_in_file:
+            self._write_masters(groups)
+
+    def _check_depth(self, buffer_count: int) -> int:
+        per = len(self.slot_fields)
+        if buffer_count < per:
+            raise OffloadError(f"zero_optimization.offload_optimizer.buffer_count = {buffer_count} "
+                               f"< {per} buffers one sub-group needs (master + {list(self.states)})")
+        return buffer_count // per
+
+    def _write_masters(self, groups: list[FlatParamGroup]) -> None:
+        """Initial master values to the file, then the masters give up their memory."""
+        slot = self.slots[0]
+        for sg in self.sub_groups:
+            master = self._views(sg, slot)["master"]
+            for p in sg.pieces:
+                master[p.at:p.at + p.numel].copy_(p.group.master[p.start:p.start + p.numel])
+            self.file.write(slot["master"][:sg.field_bytes], sg.offset).wait()
+        for g in groups:
+            g.master.set_(torch.empty(0))
+
+    @staticmethod
+    def _views(sg: SubGroup, slot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: buf[:sg.numel * 4].view(torch.float32) for name, buf in slot.items()}
+
+    # -- one sub-group ------------------------------------------------------------
+    def _swap_in(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
+        """Start reading the sub-group's fields (and, fp32, prefetching its parameter shards)."""
+        handles = self._swap_in_files(sg, slot)
+        if not self.master_in_file:
+            for p in sg.pieces:
+                self.params.prefetch(p.group)
+        return handles
+
+    def _compute(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> None:
+        """Step the sub-group on its views, then store the new values into the parameter shards."""
+        views = self._views(sg, slot)
+        if not self.master_in_file:  # fp32: the master is the parameter shard
+            for p in sg.pieces:
+                self.params.load(p.group, p.start, views["master"][p.at:p.at + p.numel])
+
+        def cut(t: torch.Tensor) -> list[torch.Tensor]:
+            return [t[p.at:p.at + p.numel] for p in sg.pieces]
+
+        masters = cut(views["master"])
+        grads = [self.host_grads[id(p.group)][p.start:p.start + p.numel] for p in sg.pieces]
+        states = {name: cut(views[name]) for name in self.states}
+        self.update(self.param_groups[sg.param_group], masters, grads, states,
+                    self.steps[sg.param_group])
+        for p, m in zip(sg.pieces, masters):
+            self.params.store(p.group, p.start, m)
+
+    def _swap_out(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
+        return [self.file.write(slot[name][:sg.field_bytes], sg.offset + k * sg.field_bytes)
+                for k, name in enumerate(self.file_fields)]
+
+    # -- the pipeline -------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> None:
+        """One optimizer step over every sub-group: read ahead, step, write behind."""
+        if self.failed is not None:
+            raise OffloadError(f"NVMe offload failed earlier and the optimizer state on "
+                               f"{self.file.path} is not trustworthy: {self.failed}")
+        free, reading, writing = list(self.slots), {}, deque()
+        try:
+            self._pipeline(free, reading, writing)
+        except BaseException as e:
+            self.failed = e
+            raise
+        finally:
+            for handles in [h for _, h in reading.values()] + [h for _, h in writing]:
+                for h in handles:
+                    with contextlib.suppress(BaseException):
+                        h.wait()
+        for pg in {sg.param_group for sg in self.sub_groups}:
+            self.steps[pg] += 1
+
+    def _pipeline(self, free: list, reading: dict, writing: deque) -> None:
+        subs, next_read = self.sub_groups, 0
+
+        def reclaim(block: bool) -> None:
+            while writing and (block or all(h.done() for h in writing[0][1])):
+                slot, handles = writing.popleft()
+                for h in handles:
+                    h.wait()
+                free.append(slot)
+                block = False
+
+        for i, sg in enumerate(subs):
+            if i not in reading:
+                if not free:
+                    reclaim(block=True)
+                slot = free.pop()
+                reading[i] = (slot, self._swap_in(sg, slot))
+                next_read = i + 1
+            slot, handles = reading.pop(i)
+            for h in handles:
+                h.wait()
+            if self.read_ahead:
+                reclaim(block=False)
+                while next_read < len(subs) and free and next_read - i < self.depth:
+                    nxt = free.pop()
+                    reading[next_read] = (nxt, self._swap_in(subs[next_read], nxt))
+                    next_read += 1
+            self._compute(sg, slot)
+            writing.append((slot, self._swap_out(sg, slot)))
+            if not self.write_behind:
+                reclaim(block=True)
+        while writing:
+            reclaim(block=True)
+
+    # -- whole-state access (checkpoints, full_state_dict) --------------------------
+    def _read_fields(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> None:
+        for h in self._swap_in_files(sg, slot):
+            h.wait()
+
+    def _swap_in_files(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
+        handles = []
+        for k, name in enumerate(self.file_fields):
+            buf = slot[name][:sg.field_bytes]
+            if name != "master" and self.steps[sg.param_group] == 0:
+                buf.zero_()  # a fresh state is zeros: nothing to read
+            else:
+                handles.append(self.file.read(buf, sg.offset + k * sg.field_bytes))
+        return handles
+
+    @contextlib.contextmanager
+    def resident(self, groups: list[FlatParamGroup]) -> Iterator[None]:
+        """Masters and states in memory as torch-style `state[master]` inside the block.
+
+        On exit the (possibly replaced) tensors are written back to the file and the
+        step counters taken from `state[master]["step"]`.
+        """
+        slot = self.slots[0]
+        if self.master_in_file:
+            for g in groups:
+                g.master.set_(torch.zeros(g.shard_numel))
+        for g in groups:
+            self.state[g.master] = {
+                "step": torch.tensor(float(self.steps[g.param_group_index])),
+                **{name: torch.zeros(g.shard_numel) for name in self.states}}
+        for sg in self.sub_groups:
+            self._read_fields(sg, slot)
+            views = self._views(sg, slot)
+            for p in sg.pieces:
+                for name in self.file_fields:
+                    whole = p.group.master if name == "master" else self.state[p.group.master][name]
+                    whole[p.start:p.start + p.numel].copy_(views[name][p.at:p.at + p.numel])
+        try:
+            yield
+        finally:
+            self._write_resident(groups, slot)
+
+    def _write_resident(self, groups: list[FlatParamGroup], slot: dict[str, torch.Tensor]) -> None:
+        for g in groups:
+            self.steps[g.param_group_index] = int(self.state[g.master]["step"])
+        for sg in self.sub_groups:
+            views = self._views(sg, slot)
+            for p in sg.pieces:
+                for name in self.file_fields:
+                    whole = p.group.master if name == "master" else self.state[p.group.master][name]
+                    views[name][p.at:p.at + p.numel].copy_(whole[p.start:p.start + p.numel])
+            for h in self._swap_out(sg, slot):
+                h.wait()
+        self.state.clear()
+        if self.master_in_file:
+            for g in groups:
+                g.master.set_(torch.empty(0))
