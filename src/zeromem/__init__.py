@@ -12,16 +12,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import activations
+from . import activations, checkpointing
 from .activations import checkpoint
 from .comm import Comm
 from .config import Config, ConfigError
 from .distributed import ensure_process_group
+from .consolidate import CheckpointError
 from .engine import Engine
 from .partition import GatheredParameters, Init
 
-__all__ = ["initialize", "Engine", "Config", "ConfigError", "checkpoint", "Init",
-           "GatheredParameters"]
+__all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "checkpoint",
+           "checkpointing", "Init", "GatheredParameters"]
 __version__ = "0.1.0"
 
 

@@ -3,6 +3,7 @@
     zeromem estimate --params 7.5e9 --dp 64 --gpu-mem 32GB
     zeromem plan examples/configs/gpt2-small.json --gpus 8 --gpu-mem 16GB --out config.json
     zeromem report runs/ --out runs/report
+    zeromem consolidate checkpoints/ model.safetensors
 
 A subcommand is a `Command`: its help line, a function adding its arguments to
 its parser, and a function running it (returning the exit status). Adding one is
@@ -145,6 +146,18 @@ def _run_report(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- dispatch
 
+def _consolidate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="directory given to save_checkpoint")
+    parser.add_argument("out", metavar="OUT", help="output file: .safetensors, else torch.save")
+    parser.add_argument("--tag", help="checkpoint tag (default: the one `latest` names)")
+
+
+def _run_consolidate(args: argparse.Namespace) -> int:
+    from .consolidate import consolidate
+    print(consolidate(args.ckpt_dir, args.out, tag=args.tag))
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "estimate": Command("per-device model-state memory by ZeRO stage (paper formulas)",
                         _estimate_arguments, _run_estimate),
@@ -152,6 +165,8 @@ COMMANDS: dict[str, Command] = {
                     _plan_arguments, _run_plan),
     "report": Command("plot and tabulate saved run ledgers: measured bytes beside the formula",
                       _report_arguments, _run_report),
+    "consolidate": Command("write a checkpoint's full fp32 state dict (no GPU, no process group)",
+                           _consolidate_arguments, _run_consolidate),
 }
 
 
@@ -170,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command].run(args) or 0
-    except (ValueError, OSError) as error:  # bad input: one line, no traceback
+    except (ValueError, OSError, RuntimeError) as error:  # bad input: one line, no traceback
         print(f"zeromem {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from . import checkpoints
 from .activations import checkpoint_stats
 from .comm import Comm
 from .config import Config
@@ -253,6 +254,21 @@ class Engine:
     def get_global_grad_norm(self) -> float | None:
         """The pre-clip global gradient norm of the last step."""
         return self.grad_norm
+
+    # -- checkpoints (checkpoints.py) -------------------------------------------
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None) -> str:
+        """Atomic sharded checkpoint, loadable under any world size and stage; collective."""
+        return checkpoints.save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True) -> tuple[str, Any]:
+        """Load a checkpoint saved under any world size / stage; returns (path, client_state)."""
+        return checkpoints.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                           load_lr_scheduler_states)
+
+    def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin") -> str:
+        """Compute-dtype weights to save_dir/filename on rank 0; collective."""
+        return checkpoints.save_16bit_model(self, save_dir, filename)
 
     # -- reports ----------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

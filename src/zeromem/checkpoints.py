@@ -1,0 +1,630 @@
+"""Checkpoints that load under any world size, ZeRO stage or bucket size.
+
+Every rank writes the part of the model state it owns: its slice of each flat
+group's fp32 master and optimizer states, cut at parameter boundaries into
+*pieces* named by parameter and element range. Nothing on disk refers to a flat
+group, a bucket or a shard number, so a run with another world size, stage or
+`reduce_bucket_size` assembles each of its shards from whichever files hold the
+element ranges it needs, reading only those ranges (ZeRO paper, section 5: the
+partition is an implementation detail of training, not of the model state).
+
+On-disk layout:
+
+    save_dir/
+      latest                    text: the newest complete tag (written last, by os.replace)
+      <tag>/                    one complete checkpoint (default tag: global_step<N>)
+        manifest.json           rank 0; describes everything below (see `_build_manifest`)
+        rank00000.safetensors   rank r's pieces and RNG states, one file per rank
+        rank00001.safetensors
+        client_state.pt         rank 0, torch.save(client_state) (pickle: load only
+                                checkpoints you trust); absent when client_state is None
+      .tmp-<tag>/               a save in progress; renamed to <tag> once complete
+      .old-<tag>/               a tag being overwritten, alive between two renames
+
+Tensors in rank r's safetensors file, all 1-D; a piece of parameter P holds
+elements [offset, offset + numel) of P flattened:
+
+    master/<P>                  fp32 master piece
+    optimizer/<state>/<P>       optimizer state piece (exp_avg, ...), same range
+    module/<key>                rank 0 only: state_dict entries that are not trained
+                                parameters (buffers, frozen parameters), whole, own dtype
+    rng/cpu, rng/cuda<i>, rng/numpy   this rank's generator states (Python's in metadata)
+
+At stage 0 every rank holds the same whole state, so only rank 0 writes pieces.
+Compute-dtype parameters are not stored: loading rebuilds them from the masters
+(`_refresh_params`). Scalar optimizer state (Adam's `step`) is stored per
+parameter in the manifest. Tied weights are one parameter: stored once under
+the first name; other state_dict keys naming it are listed in `aliases`.
+
+Atomicity: ranks write into `.tmp-<tag>` and fsync; after every rank reported
+success, rank 0 writes the manifest (with every file's sha256 and size), renames
+the directory to `<tag>` and only then replaces `latest`. A crash at any moment
+leaves the previous checkpoint and `latest` intact. Loading verifies every
+file's checksum (each file by one rank, results shared) and reads all it needs
+into host memory before it changes anything in the engine.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .consolidate import (CLIENT_STATE, FORMAT, MANIFEST, VERSION, CheckpointError,
+                          Piece, SafetensorsReader, TensorSpec, checked_files, decode, encode,
+                          file_digest, overlaps, pieces_by_param, rank_file_name, read_manifest,
+                          check_tag, fsync_dir, prepare_tmp, publish, raise_problems,
+                          resolve_checkpoint, verify_file, write_latest, write_manifest,
+                          write_safetensors)
+
+log = logging.getLogger("zeromem")
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "save_16bit_model"]
+
+
+# ---------------------------------------------------------------- layout of an engine's state
+
+def group_pieces(group, rank: int) -> list[tuple[Any, int, int, int]]:
+    """(slot, start in the master shard, start in the parameter, length) that `rank` writes.
+
+    Shards are [r * S, (r + 1) * S) of the flat buffer on every rank, so any rank
+    can compute every rank's pieces. Unsharded groups are written by rank 0 only.
+    """
+    if group.shard_world == 1 and rank != 0:
+        return []
+    lo = rank * group.shard_numel if group.shard_world > 1 else 0
+    hi = lo + group.shard_numel
+    out = []
+    for slot in group.slots:
+        a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+        if b > a:
+            out.append((slot, a - lo, a - slot.offset, b - a))
+    return out
+
+# ---------------------------------------------------------------- collectives (through Comm)
+
+def _all_ranks_ok(engine, error: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed `what`; all raise together if one did."""
+    comm = engine.comm
+    flags = torch.zeros(comm.world_size, dtype=torch.int64, device=engine.device)
+    flags[comm.rank] = int(error is not None)
+    comm.all_reduce(flags, op=dist.ReduceOp.MAX, kind="checkpoint")
+    failed = [r for r, f in enumerate(flags.tolist()) if f]
+    if not failed:
+        return
+    if error is not None:
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(f"{what} failed on rank {comm.rank}: {error}") from error
+    raise CheckpointError(f"{what} failed on rank(s) {failed}; see their error")
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    try:
+        return fn(), None
+    except Exception as error:  # shared with every rank by _all_ranks_ok, then re-raised
+        return None, error
+
+
+def _collective(engine, what: str, fn: Callable[[], Any]) -> Any:
+    result, error = _attempt(fn)
+    _all_ranks_ok(engine, error, what)
+    return result
+
+
+def _share_rows(engine, row: list[int]) -> list[list[int]]:
+    """All ranks' equal-length integer rows (an all-gather done as an all-reduce)."""
+    comm = engine.comm
+    table = torch.zeros(comm.world_size, len(row), dtype=torch.int64, device=engine.device)
+    table[comm.rank] = torch.tensor(row, dtype=torch.int64)
+    comm.all_reduce(table, kind="checkpoint")
+    return table.tolist()
+
+
+def _check_same_tag(engine, tag: str) -> None:
+    """checkpoint.tag_validation: ranks must agree on the tag (Warn / Fail / Ignore)."""
+    mode = engine.config.checkpoint.tag_validation
+    if mode == "Ignore" or engine.comm.world_size == 1:
+        return
+    h = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "little")
+    hashes = {row[0] for row in _share_rows(engine, [h])}
+    if len(hashes) > 1:
+        message = f"checkpoint tag {tag!r} differs between ranks"
+        if mode == "Fail":
+            raise CheckpointError(message)
+        log.warning(message)
+
+
+def _refresh_params(engine) -> None:
+    """Rebuild the compute-dtype parameters from the fp32 masters: the write-back and
+    all-gather that end an optimizer step (offload homes and stage 3 included)."""
+    engine._gather_params()
+
+
+# ---------------------------------------------------------------- save
+
+def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
+                    client_state: Any = None) -> str:
+    """Write a checkpoint of `engine` to `save_dir/<tag>` atomically; collective.
+
+    Every rank writes its own pieces; rank 0 writes the manifest, publishes the
+    directory and updates `latest`. `tag` defaults to `global_step<N>`; an
+    existing tag is replaced. `client_state` (any picklable object) comes back
+    from `load_checkpoint`. Returns the checkpoint directory.
+    """
+    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
+    if engine.micro_steps % engine.config.gradient_accumulation_steps:
+        log.warning("saving in the middle of a gradient accumulation: gradients accumulated "
+                    "so far are not part of the checkpoint")
+    _check_same_tag(engine, tag)
+    root, rank = Path(save_dir), engine.comm.rank
+    tmp = root / f".tmp-{tag}"
+    _collective(engine, "preparing the checkpoint directory",
+                lambda: prepare_tmp(root, tmp) if rank == 0 else None)
+    try:
+        with engine.offload.resident():  # masters and optimizer states in memory (offload.py)
+            manifest = _collective(engine, "describing the checkpoint",
+                                   lambda: _build_manifest(engine, tag) if rank == 0 else None)
+            digest, error = _attempt(lambda: _write_rank_file(engine, tmp, rank))
+        rows = _share_rows(engine, _digest_row(digest, error))
+        _all_ranks_ok(engine, error, "writing the checkpoint shards")
+        client, error = _attempt(lambda: _write_client_state(tmp, client_state)
+                                 if rank == 0 else None)
+        _all_ranks_ok(engine, error, "writing client_state")
+        _collective(engine, "publishing the checkpoint",
+                    lambda: _finish(engine, root, tmp, tag, manifest, rows, client)
+                    if rank == 0 else None)
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("checkpoint saved to %s", root / tag)
+    return str(root / tag)
+
+
+def _digest_row(digest: tuple[str, int] | None, error: BaseException | None) -> list[int]:
+    if error is not None or digest is None:
+        return [0] * 33
+    return list(bytes.fromhex(digest[0])) + [digest[1]]
+
+
+def _write_rank_file(engine, tmp: Path, rank: int) -> tuple[str, int]:
+    """This rank's safetensors file: its pieces, rank 0's module tensors, its RNG states."""
+    specs: list[TensorSpec] = []
+    for g in engine.groups:
+        states = _tensor_states(engine.optimizer, g)
+        for slot, s0, _, n in group_pieces(g, rank):
+            specs.append(TensorSpec.of(f"master/{slot.name}", g.master.detach()[s0:s0 + n]))
+            for key, t in states.items():
+                specs.append(TensorSpec.of(f"optimizer/{key}/{slot.name}", t[s0:s0 + n]))
+    if rank == 0:
+        specs += [TensorSpec.of(f"module/{k}", t.detach())
+                  for k, t in _module_tensors(engine).items()]
+    rng_specs, rng_meta = _rng_state()
+    metadata = {"format": FORMAT, "rank": str(rank), **rng_meta}
+    return write_safetensors(tmp / rank_file_name(rank), specs + rng_specs, metadata)
+
+
+def _tensor_states(optimizer, group) -> dict[str, torch.Tensor]:
+    """The group's optimizer states shaped like its master (sliced into pieces on disk)."""
+    state = optimizer.state.get(group.master, {})
+    out = {}
+    for key, value in sorted(state.items()):
+        if torch.is_tensor(value) and value.dim() > 0:
+            if value.shape != group.master.shape:
+                raise CheckpointError(f"optimizer state {key!r} has shape {tuple(value.shape)}, "
+                                      f"not the master's {tuple(group.master.shape)}")
+            out[key] = value.detach()
+    return out
+
+
+def _scalar_states(optimizer, group) -> dict[str, Any]:
+    state = optimizer.state.get(group.master, {})
+    return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+
+
+def _trained_ids(engine) -> set[int]:
+    return {id(p) for g in engine.groups for p in g.params}
+
+
+def _module_tensors(engine) -> dict[str, torch.Tensor]:
+    """state_dict entries that are not trained parameters: buffers and frozen parameters."""
+    trained, seen, out = _trained_ids(engine), set(), {}
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        if not torch.is_tensor(value):
+            log.warning("state_dict entry %s is not a tensor; it is not checkpointed", key)
+        elif id(value) not in trained and id(value) not in seen:
+            seen.add(id(value))
+            out[key] = value
+    return out
+
+
+def _aliases(engine) -> tuple[list[str], dict[str, str]]:
+    """All state_dict keys, and {alias key: canonical key} for tensors reachable twice."""
+    first: dict[int, str] = {id(p): n for g in engine.groups for p, n in
+                             zip(g.params, (s.name for s in g.slots))}
+    keys, aliases = [], {}
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        if not torch.is_tensor(value):
+            continue
+        keys.append(key)
+        canonical = first.setdefault(id(value), key)
+        if canonical != key:
+            aliases[key] = canonical
+    return keys, aliases
+
+
+def _rng_state() -> tuple[list[TensorSpec], dict[str, str]]:
+    specs = [TensorSpec.of("rng/cpu", torch.get_rng_state())]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        specs += [TensorSpec.of(f"rng/cuda{i}", s)
+                  for i, s in enumerate(torch.cuda.get_rng_state_all())]
+    meta = {"python_rng": json.dumps(encode(random.getstate(), "python rng"))}
+    try:
+        import numpy as np
+    except ImportError:
+        return specs, meta
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    specs.append(TensorSpec.of("rng/numpy", torch.from_numpy(keys.astype(np.int64))))
+    meta["numpy_rng"] = json.dumps([name, int(pos), int(has_gauss), float(gauss)])
+    return specs, meta
+
+
+def _write_client_state(tmp: Path, client_state: Any) -> dict | None:
+    if client_state is None:
+        return None
+    path = tmp / CLIENT_STATE
+    with open(path, "wb") as f:
+        torch.save(client_state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    sha, size = file_digest(path)
+    return {"name": CLIENT_STATE, "sha256": sha, "bytes": size}
+
+
+def _build_manifest(engine, tag: str) -> dict:
+    """Everything but the files' checksums (added in `_finish`); rank 0."""
+    opt = engine.optimizer
+    params, tensor_states = {}, {}
+    for g in engine.groups:
+        tensor_states.update({k: str(v.dtype).removeprefix("torch.")
+                              for k, v in _tensor_states(opt, g).items()})
+        scalars = encode(_scalar_states(opt, g), "optimizer state")
+        for slot in g.slots:
+            params[slot.name] = {"shape": list(slot.shape), "param_group": g.param_group_index,
+                                 "scalar_state": scalars}
+    for g in engine.groups:
+        if _tensor_states(opt, g).keys() != tensor_states.keys():
+            raise CheckpointError(f"optimizer states differ between flat groups "
+                                  f"({sorted(tensor_states)}); cannot checkpoint them")
+    keys, aliases = _aliases(engine)
+    scheduler = engine.lr_scheduler
+    return {
+        "format": FORMAT, "version": VERSION, "tag": tag,
+        "world_size": engine.comm.world_size, "zero_stage": engine.zero_stage,
+        "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
+        "dtypes": {"compute": str(engine.compute_dtype).removeprefix("torch."),
+                   "master": "float32", "optimizer": tensor_states},
+        "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                     "skipped_steps": engine.skipped_steps},
+        "params": params,
+        "files": [],
+        "state_dict_keys": keys,
+        "aliases": aliases,
+        "module_tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                           for k, t in _module_tensors(engine).items()},
+        "optimizer": {"type": _optimizer_type(engine), "tensor_states": sorted(tensor_states),
+                      "param_groups": [encode({k: v for k, v in pg.items() if k != "params"},
+                                              f"optimizer param group {i}")
+                                       for i, pg in enumerate(opt.param_groups)]},
+        "scaler": encode(engine.scaler.state_dict(), "loss scaler state"),
+        "lr_scheduler": None if scheduler is None else encode(scheduler.state_dict(),
+                                                              "lr scheduler state"),
+        "client_state": None,
+    }
+
+
+def _finish(engine, root: Path, tmp: Path, tag: str, manifest: dict,
+            rows: list[list[int]], client: dict | None) -> None:
+    """Rank 0: complete the manifest, then publish the directory, then `latest`."""
+    for rank, row in enumerate(rows):
+        pieces = [[slot.name, p0, n] for g in engine.groups
+                  for slot, _, p0, n in group_pieces(g, rank)]
+        manifest["files"].append({"name": rank_file_name(rank), "rank": rank,
+                                  "sha256": bytes(row[:32]).hex(), "bytes": row[32],
+                                  "pieces": pieces})
+    manifest["client_state"] = client
+    write_manifest(tmp, manifest)
+    fsync_dir(tmp)
+    publish(root, tmp, tag)
+    write_latest(root, tag)
+
+
+# ---------------------------------------------------------------- load
+
+@dataclass
+class _Staged:
+    """Everything a load puts into the engine, read and checked before anything changes."""
+
+    manifest: dict
+    masters: list[torch.Tensor]  # per flat group: its new master shard, on the host
+    states: list[dict[str, Any]] | None  # per flat group: optimizer state; None keeps the current
+    module: dict[str, torch.Tensor] = field(default_factory=dict)  # buffers, frozen parameters
+    rng: dict[str, Any] | None = None  # this rank's generators; None leaves them
+    client_state: Any = None
+
+
+def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
+                    load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True) -> tuple[str, Any]:
+    """Load a checkpoint into `engine`, under any world size, stage or bucket size; collective.
+
+    `tag` defaults to the one `latest` names. Every file is checked against its
+    checksum and the manifest against the model, and everything is read into host
+    memory, before the engine changes: on any error (a `CheckpointError` naming the
+    file or parameter, raised on every rank) the engine is as it was. Returns
+    (checkpoint directory, client_state).
+    """
+    path, manifest = _collective(
+        engine, "reading the checkpoint manifest",
+        lambda: _open_checked(engine, load_dir, tag, load_optimizer_states))
+    h = int.from_bytes(hashlib.sha256(str(path).encode()).digest()[:7], "little")
+    if len({row[0] for row in _share_rows(engine, [h])}) > 1:
+        raise CheckpointError(f"ranks resolved different checkpoints (this rank: {path}); "
+                              "was `latest` replaced during the load?")
+    _verify_files(engine, path, manifest)
+    staged = _collective(engine, "reading the checkpoint",
+                         lambda: _stage(engine, path, manifest, load_optimizer_states))
+    with engine.offload.resident():  # masters and optimizer states in memory (offload.py)
+        _apply(engine, staged, load_lr_scheduler_states)
+    _refresh_params(engine)
+    engine.zero_grad()
+    log.info("loaded checkpoint %s (saved by %d ranks at stage %d)", path,
+             manifest["world_size"], manifest["zero_stage"])
+    return str(path), staged.client_state
+
+
+def _open_checked(engine, load_dir, tag, load_optimizer_states: bool) -> tuple[Path, dict]:
+    path = resolve_checkpoint(load_dir, tag)
+    manifest = read_manifest(path)
+    _check_model(engine, manifest, path / MANIFEST, load_optimizer_states)
+    return path, manifest
+
+
+def _check_model(engine, manifest: dict, file: Path, load_optimizer_states: bool) -> None:
+    """The checkpoint must hold exactly this model's parameters and buffers, same shapes."""
+    _compare("parameter", {s.name: list(s.shape) for g in engine.groups for s in g.slots},
+             {n: p["shape"] for n, p in manifest["params"].items()}, file)
+    _compare("buffer or frozen parameter",
+             {k: list(t.shape) for k, t in _module_tensors(engine).items()},
+             {k: v["shape"] for k, v in manifest["module_tensors"].items()}, file)
+    pieces_by_param(manifest)  # every parameter fully covered by pieces
+    if not load_optimizer_states:
+        return
+    saved, here = manifest["optimizer"], engine.optimizer
+    if len(saved["param_groups"]) != len(here.param_groups):
+        raise CheckpointError(f"{file}: {len(saved['param_groups'])} optimizer param groups, "
+                              f"this engine has {len(here.param_groups)}")
+    if saved["tensor_states"] and saved["type"] != _optimizer_type(engine):
+        raise CheckpointError(f"{file} holds {saved['type']} states but this engine uses "
+                              f"{_optimizer_type(engine)}; pass load_optimizer_states=False")
+
+
+def _optimizer_type(engine) -> str:
+    """The algorithm (config `optimizer.type`, else the class), whatever home runs it."""
+    block = engine.config.optimizer
+    return (block.type if block is not None else type(engine.optimizer).__name__).lower()
+
+
+def _compare(kind: str, here: dict[str, list[int]], saved: dict[str, list[int]],
+             file: Path) -> None:
+    missing = [n for n in here if n not in saved]
+    extra = [n for n in saved if n not in here]
+    if missing:
+        raise CheckpointError(f"{file} is from another model: {kind} {missing[0]!r} is not in "
+                              f"it ({len(missing)} missing: {missing[:5]})")
+    if extra:
+        raise CheckpointError(f"{file} is from another model: it has {kind} {extra[0]!r}, "
+                              f"which this model lacks ({len(extra)} unknown: {extra[:5]})")
+    for name, shape in here.items():
+        if list(saved[name]) != shape:
+            raise CheckpointError(f"{file} is from another model: {kind} {name!r} has shape "
+                                  f"{list(saved[name])} there and {shape} here")
+
+
+def _verify_files(engine, path: Path, manifest: dict) -> None:
+    """Each file is hashed by one rank (file i by rank i mod N); all ranks see all results."""
+    comm, files = engine.comm, checked_files(manifest)
+    codes = [verify_file(path / f["name"], f["sha256"], f["bytes"])
+             if i % comm.world_size == comm.rank else 0 for i, f in enumerate(files)]
+    if files:
+        codes = [sum(column) for column in zip(*_share_rows(engine, codes))]
+    raise_problems(path, files, codes)
+
+
+def _stage(engine, path: Path, manifest: dict, load_optimizer_states: bool) -> _Staged:
+    index = pieces_by_param(manifest)
+    names = manifest["optimizer"]["tensor_states"] if load_optimizer_states else []
+    dtypes = manifest["dtypes"]["optimizer"]
+    readers: dict[str, SafetensorsReader] = {}
+
+    def reader(name: str) -> SafetensorsReader:
+        if name not in readers:
+            readers[name] = SafetensorsReader(path / name)
+        return readers[name]
+
+    try:
+        masters, states = [], []
+        for g in engine.groups:
+            tensors = {"master": torch.zeros(g.shard_numel, dtype=torch.float32)}
+            tensors.update({k: torch.zeros(g.shard_numel, dtype=getattr(torch, dtypes[k]))
+                            for k in names})
+            _read_shard(g, index, reader, tensors)
+            masters.append(tensors.pop("master"))
+            if load_optimizer_states:
+                states.append({**tensors, **_scalar_state(engine, g, manifest)})
+        module = {k: reader(rank_file_name(0)).read(f"module/{k}").view(v["shape"])
+                  for k, v in manifest["module_tensors"].items()}
+        rng = _read_rng(reader, manifest, engine.comm.rank)
+    finally:
+        for r in readers.values():
+            r.close()
+    client = None
+    if manifest.get("client_state"):  # pickle: the checksum above vouches for the file
+        client = torch.load(path / CLIENT_STATE, map_location="cpu", weights_only=False)
+    return _Staged(manifest, masters, states if load_optimizer_states else None, module, rng,
+                   client)
+
+
+def _read_shard(group, index: dict[str, list[Piece]], reader: Callable[[str], SafetensorsReader],
+                tensors: dict[str, torch.Tensor]) -> None:
+    """Fill this rank's shard of each tensor from whichever files hold the needed ranges."""
+    for slot in group.slots:
+        s0, p0, n = group.owned_slice(slot)
+        for piece, src, dst, m in overlaps(index[slot.name], p0, n):
+            file = reader(piece.file)
+            at = s0 + dst
+            for kind, shard in tensors.items():
+                key = f"master/{slot.name}" if kind == "master" else f"optimizer/{kind}/{slot.name}"
+                file.read(key, src, m, out=shard[at:at + m])
+
+
+def _scalar_state(engine, group, manifest: dict) -> dict[str, Any]:
+    """The scalar optimizer state (Adam's step) the group's parameters had; they must agree."""
+    saved = [manifest["params"][s.name]["scalar_state"] for s in group.slots]
+    if any(s != saved[0] for s in saved):
+        names = [s.name for s in group.slots]
+        raise CheckpointError(f"parameters {names} had different scalar optimizer states "
+                              f"({saved[0]} vs others); they cannot share one flat group")
+    state = decode(saved[0])
+    for key, data in saved[0].items():  # tensors go back to the device they were saved from
+        if isinstance(data, dict) and data.get("device", "cpu") != "cpu":
+            state[key] = state[key].to(engine.device)
+    return state
+
+
+def _read_rng(reader, manifest: dict, rank: int) -> dict[str, Any] | None:
+    if rank >= manifest["world_size"]:
+        log.info("rank %d had no rank in the saved run (world size %d); its RNG is not restored",
+                 rank, manifest["world_size"])
+        return None
+    file = reader(rank_file_name(rank))
+    rng = {"cpu": file.read("rng/cpu"),
+           "cuda": [file.read(k) for k in sorted(file.keys()) if k.startswith("rng/cuda")],
+           "python": decode(json.loads(file.metadata["python_rng"]))}
+    if "rng/numpy" in file.keys():
+        rng["numpy"] = (file.read("rng/numpy"), json.loads(file.metadata["numpy_rng"]))
+    return rng
+
+
+def _apply(engine, staged: _Staged, load_lr_scheduler_states: bool) -> None:
+    """Put a staged checkpoint into the engine; nothing here reads a file."""
+    m = staged.manifest
+    with torch.no_grad():
+        for g, master in zip(engine.groups, staged.masters):
+            g.master.copy_(master.view_as(g.master))
+        state_dict = engine.module.state_dict(keep_vars=True)
+        for key, value in staged.module.items():
+            state_dict[key].copy_(value)
+    if staged.states is not None:
+        for g, state in zip(engine.groups, staged.states):
+            engine.optimizer.state[g.master] = {
+                k: v.to(g.master.device) if torch.is_tensor(v) and v.dim() else v
+                for k, v in state.items()}
+        for group, saved in zip(engine.optimizer.param_groups, m["optimizer"]["param_groups"]):
+            group.update(decode(saved))
+        engine.scaler.load_state_dict(decode(m["scaler"]))
+    if load_lr_scheduler_states:
+        _load_scheduler(engine, m)
+    _load_counters(engine, m)
+    if staged.rng is not None:
+        _set_rng(staged.rng)
+
+
+def _load_scheduler(engine, manifest: dict) -> None:
+    saved, scheduler = manifest["lr_scheduler"], engine.lr_scheduler
+    if saved is not None and scheduler is not None:
+        scheduler.load_state_dict(decode(saved))
+        # The optimizer's lr must be the schedule's even when its own state was not loaded.
+        for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    elif saved is not None or scheduler is not None:
+        log.warning("lr scheduler state not restored: the %s has no lr scheduler",
+                    "engine" if scheduler is None else "checkpoint")
+
+
+def _load_counters(engine, manifest: dict) -> None:
+    counters, gas = manifest["counters"], engine.config.gradient_accumulation_steps
+    engine.global_steps = counters["global_steps"]
+    engine.skipped_steps = counters["skipped_steps"]
+    # With another accumulation count the saved micro-step count would misplace boundaries.
+    engine.micro_steps = (counters["micro_steps"] if manifest["gradient_accumulation_steps"] == gas
+                          else counters["global_steps"] * gas)
+
+
+def _set_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if rng["cuda"] and torch.cuda.is_available():
+        for i, state in enumerate(rng["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, i)
+    random.setstate(rng["python"])
+    if "numpy" in rng:
+        import numpy as np
+        keys, (name, pos, has_gauss, gauss) = rng["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+# ---------------------------------------------------------------- 16-bit model
+
+def save_16bit_model(engine, save_dir: str | os.PathLike,
+                     filename: str = "pytorch_model.bin") -> str:
+    """Save the model's weights in the compute dtype to `save_dir/filename` (rank 0); collective.
+
+    Keys as `module.state_dict()`; trained parameters are the fp32 masters cast to
+    the compute dtype, gathered one flat group at a time; buffers and frozen
+    parameters as held. `.safetensors` names give a safetensors file (tied
+    weights stored once, aliases in the metadata), others a torch.save file. At
+    stage 3 this needs `zero_optimization.stage3_gather_16bit_weights_on_model_save`.
+    """
+    if engine.zero_stage == 3 and not \
+            engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        raise CheckpointError(
+            "save_16bit_model at ZeRO stage 3 must gather the partitioned parameters onto "
+            "rank 0, which zeromem does only when "
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save is true; set it, or "
+            "call save_checkpoint and run `zeromem consolidate CKPT_DIR OUT`")
+    from .consolidate import write_state_dict
+
+    with engine.offload.resident():
+        state = _gathered_state_dict(engine, engine.compute_dtype)
+    path = Path(save_dir) / filename
+    _collective(engine, "saving the 16-bit model",
+                lambda: write_state_dict(path, state) if engine.comm.rank == 0 else None)
+    return str(path)
+
+
+def _gathered_state_dict(engine, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The whole state dict on rank 0 (trained parameters: masters in `dtype`); {} elsewhere."""
+    rank, gathered = engine.comm.rank, {}
+    for g in engine.groups:
+        whole = g.master.detach().float().contiguous()
+        if g.shard_world > 1:
+            shard, whole = whole, torch.empty(g.padded_numel, dtype=torch.float32,
+                                              device=whole.device)
+            engine.comm.all_gather(whole, shard)
+        if rank == 0:
+            for p, s in zip(g.params, g.slots):
+                gathered[id(p)] = whole[s.offset:s.offset + s.numel].view(s.shape).to(
+                    device="cpu", dtype=dtype, copy=True)
+    if rank != 0:
+        return {}
+    return {key: gathered[id(t)] if id(t) in gathered else t.detach().cpu().clone()
+            for key, t in engine.module.state_dict(keep_vars=True).items() if torch.is_tensor(t)}

@@ -1,0 +1,575 @@
+"""Checkpoints: resume parity across (stage, world size), atomic saves, consolidation, bad input.
+
+Spawning a world costs seconds, so every multi-rank case runs inside one of two
+spawned worlds (2 and 4 ranks) prepared by the module fixture `worlds`; world
+size 1 runs in this process (no process group). A global batch is always G
+micro-batches, split over however many ranks a run has, so runs of different
+world sizes train on exactly the same data and must agree with one reference.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import zeromem
+from harness import run_distributed
+from models import Reference, TinyLM, micro_batch, uses_sometimes
+from zeromem import checkpoints as ckpt
+from zeromem.checkpoints import (CheckpointError, group_pieces, load_checkpoint,
+                                   save_16bit_model, save_checkpoint)
+from zeromem.consolidate import (CHUNK_BYTES, Piece, SafetensorsReader, TensorSpec,
+                                 check_coverage, consolidate, decode, encode, load_consolidated,
+                                 overlaps, write_safetensors)
+from zeromem.flat import FlatParamGroup, Sharding
+from zeromem.schedulers import WarmupLR
+
+G = 4  # micro-batches per optimizer step, whatever the world size
+SAVE_AT, RESUME = 2, 2  # optimizer steps before the save, and after the load
+SAVE_BUCKET, LOAD_BUCKET = 100, 37  # different buckets: different flat groups on load
+
+# (stage, world size) that saves -> (stage, world size) that resumes. A stage-3 case is one line.
+RESUME_CASES = [
+    ((2, 2), (2, 1)),  # 2 ranks -> 1
+    ((1, 1), (1, 4)),  # 1 rank -> 4
+    ((2, 2), (0, 2)),  # stage 2 -> 0
+    ((0, 2), (1, 2)),  # stage 0 -> 1
+    ((1, 2), (2, 2)),  # stage 1 -> 2
+    ((0, 1), (2, 2)),  # 1 rank at stage 0 -> 2 ranks at stage 2
+    ((2, 2), (3, 2)),  # stage 2 -> 3
+    ((3, 2), (1, 1)),  # stage 3 on 2 ranks -> stage 1 on 1
+    ((3, 2), (0, 2)),  # stage 3 -> 0
+]
+
+
+class BufferedLM(TinyLM):
+    """TinyLM (tied head, frozen layer) with a buffer, which checkpoints must carry too."""
+
+    def __init__(self, dim: int = 10, extra: bool = False):
+        super().__init__(dim=dim)
+        self.register_buffer("position", torch.arange(5.0))
+        if extra:
+            self.extra = nn.Linear(dim, 2)
+
+
+def config(stage: int, world_size: int, bucket: int = SAVE_BUCKET, **extra) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": G // world_size,
+        "gradient_clipping": 0.05,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                     "warmup_num_steps": 5,
+                                                     "warmup_type": "linear"}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+                              "allgather_bucket_size": 50},
+        **extra,
+    }
+
+
+def train(engine, rank: int, world_size: int, steps) -> None:
+    """Rank r runs micro-batches r*gas .. r*gas+gas-1 of each global batch of G."""
+    gas = G // world_size
+    for step in steps:
+        for micro in range(gas):
+            j = rank * gas + micro
+            tokens, targets = micro_batch(step, j, 0)
+            engine.backward(engine(tokens, targets, uses_sometimes(step, j, 0)))
+            engine.step()
+
+
+def reference(steps: int) -> list[list[torch.Tensor]]:
+    """Parameters after each step of one uninterrupted process on the global batch."""
+    torch.manual_seed(0)
+    ref = Reference(BufferedLM(), lr=1e-2, clip=0.05)
+    schedule = WarmupLR(ref.opt, 1e-3, 1e-2, 5, "linear")
+    out = []
+    for step in range(steps):
+        ref.step(step, G, 1)
+        schedule.step()
+        out.append([p.detach().clone() for p in ref.model.parameters()])
+    return out
+
+
+def case_dir(root: Path, stage: int, world_size: int) -> Path:
+    return root / f"s{stage}w{world_size}"
+
+
+# ---------------------------------------------------------------- jobs run inside a world
+
+def save_source(rank: int, world_size: int, root: Path, stage: int) -> None:
+    torch.manual_seed(0)
+    engine = zeromem.initialize(BufferedLM(), config(stage, world_size))
+    train(engine, rank, world_size, range(SAVE_AT))
+    engine.save_checkpoint(case_dir(root, stage, world_size), client_state={"position": SAVE_AT})
+    full = engine.full_state_dict()
+    if rank == 0:
+        torch.save(full, case_dir(root, stage, world_size) / "full_state_dict.pt")
+
+
+def resume(rank: int, world_size: int, root: Path, source: tuple, stage: int) -> list[float]:
+    torch.manual_seed(100 + rank)  # another initialisation: the load must replace all of it
+    engine = zeromem.initialize(BufferedLM(), config(stage, world_size, LOAD_BUCKET))
+    engine.module.position.fill_(-1.0)
+    path, client = engine.load_checkpoint(case_dir(root, *source))
+    assert client == {"position": SAVE_AT} and path.endswith(f"global_step{SAVE_AT}")
+    assert engine.global_steps == SAVE_AT and engine.micro_steps == SAVE_AT * (G // world_size)
+    assert torch.equal(engine.module.position, torch.arange(5.0))
+    expected = reference(SAVE_AT + RESUME)
+    diffs = []
+    for step in range(SAVE_AT, SAVE_AT + RESUME):
+        train(engine, rank, world_size, [step])
+        diffs.append(max((p.detach() - q).abs().max().item()
+                         for p, q in zip(engine.module.parameters(), expected[step])))
+    assert max(diffs) <= 1e-5, f"{source} -> {(stage, world_size)}: {diffs}"
+    assert engine.get_lr()[0] == pytest.approx(1e-3 + (1e-2 - 1e-3) * (SAVE_AT + RESUME) / 5)
+    return diffs
+
+
+def failing_rank_keeps_previous(rank: int, world_size: int, root: Path) -> str:
+    """One rank fails while writing its shard: every rank raises, nothing is published."""
+    torch.manual_seed(0)
+    engine = zeromem.initialize(BufferedLM(), config(2, world_size))
+    train(engine, rank, world_size, range(1))
+    save_dir = root / "failing"
+    save_checkpoint(engine, save_dir, tag="first")
+    train(engine, rank, world_size, range(1, 2))
+    real = ckpt._write_rank_file
+
+    def fail_on_rank_1(engine, tmp, rank):
+        real(engine, tmp, rank)
+        if rank == 1:
+            raise OSError("disk full (injected)")
+
+    ckpt._write_rank_file = fail_on_rank_1
+    try:
+        with pytest.raises(CheckpointError) as error:
+            save_checkpoint(engine, save_dir, tag="second")
+    finally:
+        ckpt._write_rank_file = real
+    assert (save_dir / "latest").read_text() == "first"
+    engine.comm.barrier()
+    assert sorted(os.listdir(save_dir)) == ["first", "latest"]
+    assert load_checkpoint(engine, save_dir)[0].endswith("first")
+    return str(error.value)
+
+
+def corrupt_file_fails_everywhere(rank: int, world_size: int, root: Path) -> str:
+    """A bad file checked by rank 1 only still stops rank 0, with the same message."""
+    source, bad = case_dir(root, 2, 2), root / "corrupt-2ranks"
+    if rank == 0:
+        shutil.copytree(source, bad)
+        flip_byte(bad / f"global_step{SAVE_AT}" / "rank00001.safetensors")
+    torch.manual_seed(0)
+    engine = zeromem.initialize(BufferedLM(), config(1, world_size))
+    before = engine_snapshot(engine)
+    engine.comm.barrier()
+    with pytest.raises(CheckpointError, match="rank00001.safetensors is corrupted") as error:
+        load_checkpoint(engine, bad)
+    assert_same_snapshot(before, engine_snapshot(engine))
+    return str(error.value)
+
+
+def rng_and_fp16_round_trip(rank: int, world_size: int, root: Path) -> None:
+    """Same world: generators, loss scaler and fp16 parameters come back exactly."""
+    extra = {"fp16": {"enabled": True, "initial_scale_power": 8}}
+    torch.manual_seed(0)
+    engine = zeromem.initialize(BufferedLM(), config(1, world_size, **extra))
+    train(engine, rank, world_size, range(2))
+    save_checkpoint(engine, root / "fp16", tag="t")
+    draws = (torch.rand(3), random.random())
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    scaler = engine.scaler.state_dict()
+    torch.manual_seed(5)
+    other = zeromem.initialize(BufferedLM(), config(2, world_size, LOAD_BUCKET, **extra))
+    load_checkpoint(other, root / "fp16")
+    assert torch.equal(torch.rand(3), draws[0]) and random.random() == draws[1]
+    assert other.scaler.state_dict() == scaler
+    assert all(torch.equal(p, q) for p, q in zip(other.module.parameters(), params))
+    assert other.module.fc1.weight.dtype == torch.float16
+
+
+def sixteen_bit_model(rank: int, world_size: int, root: Path) -> None:
+    """Stage 3 gathers only with the flag; the file equals full_state_dict() in bf16."""
+    torch.manual_seed(0)
+    engine = zeromem.initialize(BufferedLM(), config(3, world_size, bf16={"enabled": True}))
+    with pytest.raises(CheckpointError, match="stage3_gather_16bit_weights_on_model_save"):
+        save_16bit_model(engine, root / "16bit")
+    torch.manual_seed(0)
+    flag = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    engine = zeromem.initialize(BufferedLM(), config(3, world_size, bf16={"enabled": True},
+                                                     zero_optimization=flag))
+    train(engine, rank, world_size, range(1))
+    full = engine.full_state_dict()
+    for name in ("model.bin", "model.safetensors"):
+        path = save_16bit_model(engine, root / "16bit", name)
+        if rank == 0:
+            saved = load_consolidated(path)
+            assert list(saved) == list(full) and saved["fc1.weight"].dtype == torch.bfloat16
+            assert all(torch.equal(saved[k].float(), full[k].to(saved[k].dtype).float())
+                       for k in full)
+
+
+def run_jobs(rank: int, world_size: int, root: Path, jobs: list) -> dict:
+    return {name: fn(rank, world_size, root, *args) for name, fn, args in jobs}
+
+
+def run_world(world_size: int, root: Path, jobs: list) -> dict:
+    if world_size == 1:
+        return run_jobs(0, 1, root, jobs)
+    return run_distributed(run_jobs, world_size, root, jobs, timeout_s=240)[0]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> tuple[Path, dict]:
+    """Saves, then resumes, each in the world of its size, in as few worlds as possible."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    extra = {2: [("fail", failing_rank_keeps_previous, ()), ("rng", rng_and_fp16_round_trip, ()),
+                 ("16bit", sixteen_bit_model, ())]}
+    sizes = sorted({s[1] for s, _ in RESUME_CASES} | {d[1] for _, d in RESUME_CASES} | set(extra))
+    results, done = {}, set()
+    for ws in sizes:
+        jobs = [(f"save {s}", save_source, (s[0],)) for s in sorted({s for s, _ in RESUME_CASES})
+                if s[1] == ws]
+        jobs += extra.get(ws, [])
+        ready = [c for c in RESUME_CASES if c[1][1] == ws and c[0][1] <= ws]
+        jobs += [(c, resume, (c[0], c[1][0])) for c in ready]
+        if ws == 2:  # needs the 2-rank source saved above
+            jobs.append(("corrupt", corrupt_file_fails_everywhere, ()))
+        results.update(run_world(ws, root, jobs))
+        done.update(ready)
+    for ws in sizes:  # resumes onto fewer ranks than the save had
+        jobs = [(c, resume, (c[0], c[1][0])) for c in RESUME_CASES
+                if c not in done and c[1][1] == ws]
+        if jobs:
+            results.update(run_world(ws, root, jobs))
+    return root, results
+
+
+# ---------------------------------------------------------------- multi-rank behaviour
+
+@pytest.mark.parametrize("case", RESUME_CASES,
+                         ids=lambda c: f"s{c[0][0]}w{c[0][1]}-s{c[1][0]}w{c[1][1]}")
+def test_resume_parity(worlds, case):
+    _, results = worlds
+    assert max(results[case]) <= 1e-5
+
+
+def test_failure_on_one_rank_publishes_nothing(worlds):
+    assert "writing the checkpoint shards failed on rank(s) [1]" in worlds[1]["fail"]
+
+
+def test_corrupt_file_checked_by_another_rank_stops_all(worlds):
+    assert "rank00001.safetensors" in worlds[1]["corrupt"]
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_consolidate_equals_full_state_dict(worlds, tmp_path, suffix):
+    from zeromem.cli import main
+    source = case_dir(worlds[0], 3, 2)  # a 2-rank stage-3 checkpoint
+    full = torch.load(source / "full_state_dict.pt", weights_only=True)
+    out = tmp_path / f"model{suffix}"
+    assert main(["consolidate", str(source), str(out)]) == 0  # the command line, no process group
+    saved = load_consolidated(out)
+    assert list(saved) == list(full)
+    for key, value in full.items():
+        assert saved[key].dtype == value.dtype and torch.equal(saved[key], value), key
+    assert saved["head.weight"] is saved["embed.weight"]  # tied: one tensor, two keys
+    manifest = json.loads((source / f"global_step{SAVE_AT}" / "manifest.json").read_text())
+    assert manifest["aliases"] == {"head.weight": "embed.weight"}
+    if suffix == ".safetensors":
+        from safetensors.torch import load_file
+        assert "head.weight" not in load_file(out)  # stored once
+    else:  # the streamed archive is a valid zip (CRCs filled in)
+        import zipfile
+        with zipfile.ZipFile(out) as zf:
+            assert zf.testzip() is None
+
+
+# ---------------------------------------------------------------- saving atomically (one rank)
+
+def small_engine(stage: int = 1, model: nn.Module | None = None):
+    torch.manual_seed(0)
+    return zeromem.initialize(model or BufferedLM(), config(stage, 1))
+
+
+def params_of(engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+CRASH_POINTS = [(point, after) for point in ("_write_rank_file", "_write_client_state",
+                                             "write_manifest", "publish", "write_latest")
+                for after in (False, True) if (point, after) != ("write_latest", True)]
+
+
+@pytest.mark.parametrize("point, after", CRASH_POINTS,
+                         ids=[f"{'after' if a else 'before'}-{p.strip('_')}"
+                              for p, a in CRASH_POINTS])
+def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, point, after):
+    engine = small_engine()
+    train(engine, 0, 1, range(1))
+    save_checkpoint(engine, tmp_path, tag="a", client_state={"a": 1})
+    expected = params_of(engine)
+    train(engine, 0, 1, range(1, 2))
+    real = getattr(ckpt, point)
+
+    def crash(*args, **kwargs):
+        if after:
+            real(*args, **kwargs)
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(ckpt, point, crash)
+    with pytest.raises(CheckpointError, match="injected"):
+        save_checkpoint(engine, tmp_path, tag="b", client_state={"b": 2})
+    monkeypatch.undo()
+    assert (tmp_path / "latest").read_text() == "a"
+    assert not (tmp_path / ".tmp-b").exists()
+    fresh = small_engine(stage=2)
+    path, client = load_checkpoint(fresh, tmp_path)
+    assert path.endswith("a") and client == {"a": 1}
+    assert all(torch.equal(p, q) for p, q in zip(params_of(fresh), expected))
+
+
+def test_crash_while_overwriting_a_tag_keeps_it_loadable(tmp_path, monkeypatch):
+    engine = small_engine()
+    save_checkpoint(engine, tmp_path, tag="a")
+    expected = params_of(engine)
+    train(engine, 0, 1, range(1))
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):  # the second rename (new directory into place) never happens
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("power cut (injected)")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(CheckpointError):
+        save_checkpoint(engine, tmp_path, tag="a")
+    monkeypatch.undo()
+    assert not (tmp_path / "a").exists() and (tmp_path / ".old-a").is_dir()
+    fresh = small_engine()
+    assert load_checkpoint(fresh, tmp_path)[0].endswith(".old-a")
+    assert all(torch.equal(p, q) for p, q in zip(params_of(fresh), expected))
+    save_checkpoint(engine, tmp_path, tag="a")  # a later save of that tag cleans up
+    assert sorted(os.listdir(tmp_path)) == ["a", "latest"]
+
+
+def test_stale_temporary_directory_is_replaced(tmp_path):
+    (tmp_path / ".tmp-global_step0").mkdir(parents=True)
+    (tmp_path / ".tmp-global_step0" / "junk").write_text("left by a crash")
+    path = save_checkpoint(small_engine(), tmp_path)
+    assert sorted(os.listdir(path)) == ["manifest.json", "rank00000.safetensors"]
+    assert not (tmp_path / ".tmp-global_step0").exists()
+
+
+# ---------------------------------------------------------------- bad input (one rank)
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-10])
+
+
+def disk_snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns,
+                                       p.read_bytes() if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def engine_snapshot(engine) -> list:
+    state = [t.clone() for s in engine.optimizer.state.values() for t in s.values()
+             if torch.is_tensor(t)]
+    return ([g.master.clone() for g in engine.groups] + params_of(engine) + state
+            + [torch.tensor([engine.global_steps, engine.micro_steps])])
+
+
+def assert_same_snapshot(a: list, b: list) -> None:
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+TAG = f"global_step{SAVE_AT}"
+BAD_INPUTS = {
+    "missing shard": (lambda d: (d / TAG / "rank00001.safetensors").unlink(), {}, None,
+                      r"rank00001.safetensors is missing"),
+    "truncated shard": (lambda d: truncate(d / TAG / "rank00000.safetensors"), {}, None,
+                        r"rank00000.safetensors is truncated"),
+    "corrupted shard": (lambda d: flip_byte(d / TAG / "rank00001.safetensors"), {}, None,
+                        r"rank00001.safetensors is corrupted"),
+    "corrupted client state": (lambda d: flip_byte(d / TAG / "client_state.pt"), {}, None,
+                               r"client_state.pt is corrupted"),
+    "other shapes": (None, {"dim": 12}, None, r"parameter '[\w.]+' has shape \[[\d, ]+\] there"),
+    "other names": (None, {"extra": True}, None, r"parameter 'extra\.(weight|bias)' is not in it"),
+    "unknown tag": (None, {}, "global_step99", r"unknown checkpoint tag 'global_step99'"),
+    "no latest": (lambda d: (d / "latest").unlink(), {}, None, r"no 'latest' file"),
+    "broken manifest": (lambda d: truncate(d / TAG / "manifest.json"), {}, None,
+                        r"manifest.json cannot be read"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_a_clear_error_and_changes_nothing(worlds, tmp_path, case):
+    mutate, model_args, tag, message = BAD_INPUTS[case]
+    bad = tmp_path / "ckpt"
+    shutil.copytree(case_dir(worlds[0], 2, 2), bad)
+    if mutate:
+        mutate(bad)
+    engine = small_engine(2, BufferedLM(**model_args))
+    train(engine, 0, 1, range(1))
+    disk, state = disk_snapshot(bad), engine_snapshot(engine)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(engine, bad, tag=tag)
+    assert disk_snapshot(bad) == disk
+    assert_same_snapshot(state, engine_snapshot(engine))
+
+
+def test_optimizer_mismatch_and_skipping_optimizer_states(worlds):
+    source = case_dir(worlds[0], 2, 2)
+    torch.manual_seed(0)
+    sgd = zeromem.initialize(BufferedLM(), {**config(2, 1), "optimizer": {
+        "type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}})
+    with pytest.raises(CheckpointError, match="adamw states but this engine uses sgd"):
+        load_checkpoint(sgd, source)
+    load_checkpoint(sgd, source, load_optimizer_states=False)
+    full = torch.load(source / "full_state_dict.pt", weights_only=True)
+    assert torch.equal(sgd.module.fc1.weight, full["fc1.weight"])
+    assert sgd.get_lr() == [pytest.approx(1e-3 + 9e-3 * SAVE_AT / 5)]  # the scheduler's state
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_offloaded_optimizer_states_round_trip(tmp_path, device):
+    """Masters and states offloaded to host or NVMe are saved and loaded like any other."""
+    (tmp_path / "swap").mkdir()
+    offload = {"offload_optimizer": {"device": device, "nvme_path": str(tmp_path / "swap")}}
+    torch.manual_seed(0)
+    engine = zeromem.initialize(BufferedLM(), config(2, 1, zero_optimization={
+        "stage": 2, "reduce_bucket_size": SAVE_BUCKET, **offload}))
+    train(engine, 0, 1, range(2))
+    save_checkpoint(engine, tmp_path / "ckpt")
+    torch.manual_seed(1)
+    plain = small_engine(stage=1)  # no offload, other layout
+    load_checkpoint(plain, tmp_path / "ckpt")
+    train(engine, 0, 1, range(2, 4))
+    train(plain, 0, 1, range(2, 4))
+    assert max((p - q).abs().max().item()
+               for p, q in zip(params_of(engine), params_of(plain))) <= 1e-6
+
+
+# ---------------------------------------------------------------- consolidate's memory
+
+def test_consolidate_memory_is_bounded_by_the_largest_tensor(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(6)])  # 6 x 16 MiB
+    engine = zeromem.initialize(model, {"train_micro_batch_size_per_gpu": 1, "optimizer": {
+        "type": "SGD", "params": {"lr": 0.1}}})
+    save_checkpoint(engine, tmp_path / "big")
+    del engine, model
+    largest = 2048 * 2048 * 4
+    script = textwrap.dedent("""
+        import sys
+        import torch, safetensors.torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from zeromem.consolidate import consolidate
+        with FakeTensorMode():  # torch's one-time set-up of fake tensors (~70 MiB of code)
+            torch.empty(1)
+        status = lambda key: int(next(l.split()[1] for l in open("/proc/self/status")
+                                      if l.startswith(key))) * 1024
+        for out in sys.argv[2:]:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak resident set size (VmHWM)
+            before = status("VmRSS:")
+            consolidate(sys.argv[1], out)
+            print(status("VmHWM:") - before)
+    """)
+    outs = [tmp_path / "big.safetensors", tmp_path / "big.pt"]
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "big"), *map(str, outs)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    for out, peak in zip(outs, map(int, run.stdout.split())):
+        print(f"consolidate {out.suffix}: peak +{peak / 2**20:.1f} MiB, largest tensor "
+              f"{largest / 2**20:.0f} MiB, model {6 * largest / 2**20:.0f} MiB")
+        assert peak <= largest, f"{out.suffix}: peak {peak} bytes > largest tensor {largest}"
+        assert out.stat().st_size >= 6 * largest
+
+
+# ---------------------------------------------------------------- pure logic
+
+def test_overlaps_and_coverage():
+    pieces = [Piece("w", 0, 4, "a"), Piece("w", 4, 3, "b"), Piece("w", 7, 5, "c")]
+    check_coverage("w", pieces, 12)
+    got = [(p.file, src, dst, n) for p, src, dst, n in overlaps(pieces, 3, 6)]
+    assert got == [("a", 3, 0, 1), ("b", 0, 1, 3), ("c", 0, 4, 2)]
+    with pytest.raises(CheckpointError, match=r"no piece for elements \[4, 5\)"):
+        check_coverage("w", [pieces[0], Piece("w", 5, 7, "c")], 12)
+    with pytest.raises(CheckpointError, match="has 13 elements but its pieces cover 12"):
+        check_coverage("w", pieces, 13)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_group_pieces_tile_every_parameter(world_size, sharded):
+    shapes = [(3, 5), (7,), (2, 2, 2)]
+    covered = {i: [] for i in range(len(shapes))}
+    for rank in range(world_size):
+        comm = SimpleNamespace(rank=rank, world_size=world_size)
+        params = [nn.Parameter(torch.randn(s)) for s in shapes]
+        group = FlatParamGroup(params, [str(i) for i in range(len(shapes))], comm,
+                               Sharding(optimizer=sharded, grads=False, params=False), 0)
+        for slot, s0, p0, n in group_pieces(group, rank):
+            assert group.owned_slice(slot) == (s0, p0, n)  # what this rank really owns
+            covered[int(slot.name)].append(Piece(slot.name, p0, n))
+    for i, shape in enumerate(shapes):
+        pieces = sorted(covered[i], key=lambda p: p.offset)
+        check_coverage(str(i), pieces, torch.Size(shape).numel())
+
+
+def test_streamed_safetensors_are_standard_and_read_by_range(tmp_path):
+    from safetensors.torch import load_file
+    big = torch.arange(CHUNK_BYTES // 4 + 10, dtype=torch.float32)
+    tensors = {"a": torch.randn(3, 4), "b": torch.tensor([1, 2, 3]), "c": big,
+               "d": torch.randn(5).to(torch.bfloat16), "e": torch.zeros(0)}
+    specs = [TensorSpec.of(k, v) for k, v in tensors.items()]
+    specs[2] = TensorSpec("c", torch.float32, tuple(big.shape), lambda: [big[:7], big[7:]])
+    write_safetensors(tmp_path / "x.safetensors", specs, {"k": "v"})
+    loaded = load_file(tmp_path / "x.safetensors")
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    with SafetensorsReader(tmp_path / "x.safetensors") as reader:
+        assert reader.metadata["k"] == "v"
+        assert torch.equal(reader.read("a", 5, 4), tensors["a"].flatten()[5:9])
+        chunks = [c.clone() for c in reader.read_chunks("c", 3, big.numel() - 3)]  # reused buffer
+        assert len(chunks) == 2 and torch.equal(torch.cat(chunks), big[3:])
+        with pytest.raises(CheckpointError, match="outside tensor 'b'"):
+            reader.read("b", 2, 2)
+        with pytest.raises(CheckpointError, match="no tensor 'zz'"):
+            reader.read("zz")
+
+
+def test_json_codec_round_trip():
+    state = {"step": torch.tensor(3.0), "betas": (0.9, 0.999), "n": None,
+             "lrs": [1e-3, float("inf")], 1: "int key"}
+    back = decode(json.loads(json.dumps(encode(state, "state"))))
+    assert back["betas"] == (0.9, 0.999) and back[1] == "int key" and back["lrs"][1] == float("inf")
+    assert torch.equal(back["step"], state["step"]) and back["step"].dtype == torch.float32
+    with pytest.raises(CheckpointError, match="cannot store state.fn: a function"):
+        encode({"fn": lambda: 0}, "state")
+
+
+def test_tags_must_be_plain_names(tmp_path):
+    engine = small_engine()
+    for tag in ("", "../up", ".hidden", "latest"):
+        with pytest.raises(CheckpointError, match="plain, non-hidden directory name"):
+            save_checkpoint(engine, tmp_path, tag=tag)
