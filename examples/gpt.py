@@ -90,6 +90,7 @@ class GPT(nn.Module):
         self.ln_final = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.token_embedding.weight  # tied: one tensor, two uses
+        self.checkpoint_blocks = False  # recompute each block in backward (zeromem.checkpoint)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -105,7 +106,11 @@ class GPT(nn.Module):
         positions = torch.arange(seq, device=tokens.device)  # (T,)
         x = self.token_embedding(tokens) + self.position_embedding(positions)  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint_blocks:
+                from zeromem import checkpoint
+                x = checkpoint(block, x)  # keeps only x; Pa / Pa+cpu / MD from the config
+            else:
+                x = block(x)
         logits = self.head(self.ln_final(x))  # (B, T, V)
         # Cross-entropy in fp32 whatever the compute dtype, so losses compare across systems.
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

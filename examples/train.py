@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--report", default="runs/demo.json")
+    parser.add_argument("--checkpoint-activations", action="store_true",
+                        help="recompute each block in backward (zeromem.checkpoint)")
     args = parser.parse_args()
 
     torch.manual_seed(0)  # same initial model on every rank
@@ -62,6 +64,7 @@ def main() -> None:
             model = GPT(shape)
     else:
         model = GPT(shape)
+    model.checkpoint_blocks = args.checkpoint_activations
     # stage 3 gathers one transformer block at a time (ignored by stages 0-2)
     engine = zeromem.initialize(model, args.config, fetch_units=(Block,))
     rank, world = engine.comm.rank, engine.dp_world_size

@@ -65,3 +65,44 @@ def test_memory_and_communication_match_the_paper(world_size):
         assert moved[stage] == pytest.approx(moved[0], rel=0.10)
     # stage 3 gathers parameters in forward and again in backward: 1.5x
     assert moved[3] == pytest.approx(1.5 * moved[0], rel=0.10)
+
+
+class Stack(nn.Module):
+    """`depth` equal layers: a bigger model, the same unit and bucket sizes."""
+
+    def __init__(self, depth: int, width: int = 64):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def buffer_peaks(rank, world_size):
+    """Peak temporary communication bytes (CB) of stages 1-3 for two model sizes."""
+    out = {}
+    for stage in (1, 2, 3):
+        for depth in (4, 16):
+            torch.manual_seed(0)
+            engine = zeromem.initialize(Stack(depth), {
+                "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": stage, "reduce_bucket_size": 8192,
+                                      "allgather_bucket_size": 4096,
+                                      "stage3_param_persistence_threshold": 0}})
+            for _ in range(2):
+                engine.backward(engine(torch.randn(2, 64)))
+                engine.step()
+            out[(stage, depth)] = (engine.comm.buffer_bytes_peak, engine.psi)
+    return out
+
+
+def test_communication_buffers_do_not_grow_with_the_model():
+    peaks = run_distributed(buffer_peaks, 2)[0]
+    for stage in (1, 2, 3):
+        (small, psi_small), (big, psi_big) = peaks[(stage, 4)], peaks[(stage, 16)]
+        assert psi_big == 4 * psi_small
+        assert small == big > 0, (stage, small, big)  # set by the bucket keys, not the model
+        assert big <= 4 * 8192 * 4  # at most two buckets in flight, each with its receive buffer

@@ -17,6 +17,7 @@ Gradient reduction itself happens earlier, during `backward()` (grads.py).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any, Callable, Iterable
 
 import torch
@@ -229,11 +230,14 @@ class Engine:
     def _gather_params(self) -> None:
         bucket = int(self.config.zero_optimization.allgather_bucket_size)
         self.offload.write_back(self.groups)  # masters -> parameter shards, wherever they live
-        pendings = []
+        in_flight: deque = deque()
         for g in self.groups:
-            pendings += g.launch_all_gather(bucket)
-        for p in pendings:
-            p.wait()
+            for pending in g.launch_all_gather(bucket):
+                in_flight.append(pending)
+                if len(in_flight) > 2:  # two buckets in flight: overlap with constant buffers
+                    in_flight.popleft().wait()
+        for pending in in_flight:
+            pending.wait()
         if self.stage3 is not None:
             self.stage3.refresh()
 
@@ -292,10 +296,11 @@ class Engine:
         for place, nbytes in checkpoint_stats().peak_bytes.items():  # peak since the last reset
             ledger.add_bytes("activation_checkpoints", place, nbytes)
         g0 = self.groups[0] if self.groups else None
-        k = optimizer_state_bytes_per_param(self.optimizer) + (
-            0 if g0 is None or g0.master_aliases_params() else 4)
+        master_bytes = 0 if g0 is None or g0.master_aliases_params() else 4
+        k = optimizer_state_bytes_per_param(self.optimizer) + master_bytes
         formula = model_state_formula(self.psi, self.dp_world_size, self.zero_stage,
-                                      self.compute_dtype.itemsize, self.config.grad_dtype.itemsize, k)
+                                      self.compute_dtype.itemsize, self.config.grad_dtype.itemsize,
+                                      k, master_bytes)
         return MemoryReport(ledger.as_dict(), formula, self.psi, self.dp_world_size,
                             self.zero_stage, self.comm.buffer_bytes_peak)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -105,17 +106,21 @@ class FlatParamGroup:
         if not self.master_aliases_params():
             self.param_shard.copy_(self.master)
 
-    def launch_all_gather(self, bucket_numel: int) -> list[Pending]:
-        """All-gather the updated shards into `flat_param`, at most `bucket_numel` per collective."""
+    def launch_all_gather(self, bucket_numel: int) -> Iterator[Pending]:
+        """All-gather the updated shards into `flat_param`, at most `bucket_numel` per collective.
+
+        A generator: each chunk's buffer is allocated only when the caller asks for
+        the next collective, so the caller bounds how many are in flight (CB).
+        """
         if self.shard_world == 1 or self.flat_param is None:
-            return []  # nothing to gather: stage 0, or stage 3 (gathered when used)
+            return  # nothing to gather: stage 0, or stage 3 (gathered when used)
         n, shard = self.shard_world, self.shard_numel
         if self.padded_numel <= bucket_numel:
             # In place: this rank's shard already sits at its slot of the output (NCCL and gloo allow it).
-            return [self.comm.all_gather(self.flat_param, self.param_shard, async_op=True)]
+            yield self.comm.all_gather(self.flat_param, self.param_shard, async_op=True)
+            return
         # Chunk the shard so no single collective exceeds the bucket (constant buffers).
         chunk = max(1, bucket_numel // n)
-        pendings = []
         full = self.flat_param.view(n, shard)
         for start in range(0, shard, chunk):
             end = min(start + chunk, shard)
@@ -127,8 +132,7 @@ class FlatParamGroup:
                 self.comm.release_buffer(out)
 
             pending = self.comm.all_gather(out.view(-1), self.param_shard[start:end], async_op=True)
-            pendings.append(Pending(pending.work, scatter_back))
-        return pendings
+            yield Pending(pending.work, scatter_back)
 
     # -- views ------------------------------------------------------------
     def owned_slice(self, slot: ParamSlot) -> tuple[int, int, int]:
