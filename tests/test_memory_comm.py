@@ -7,6 +7,7 @@ from torch import nn
 
 import zeromem
 from harness import run_distributed
+from test_stage3 import Deep
 from zeromem.memory import model_state_formula
 
 
@@ -67,26 +68,13 @@ def test_memory_and_communication_match_the_paper(world_size):
     assert moved[3] == pytest.approx(1.5 * moved[0], rel=0.10)
 
 
-class Stack(nn.Module):
-    """`depth` equal layers: a bigger model, the same unit and bucket sizes."""
-
-    def __init__(self, depth: int, width: int = 64):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x.pow(2).mean()
-
-
 def buffer_peaks(rank, world_size):
     """Peak temporary communication bytes (CB) of stages 1-3 for two model sizes."""
     out = {}
     for stage in (1, 2, 3):
         for depth in (4, 16):
             torch.manual_seed(0)
-            engine = zeromem.initialize(Stack(depth), {
+            engine = zeromem.initialize(Deep(width=64, depth=depth), {
                 "train_micro_batch_size_per_gpu": 2,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                 "zero_optimization": {"stage": stage, "reduce_bucket_size": 8192,
