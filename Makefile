@@ -21,4 +21,15 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
-.PHONY: install demo test
+# Benchmarks (not tests): DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed and zeromem side by side.
+.venv-bench/.installed: pyproject.toml
+	python3 -m venv .venv-bench
+	.venv-bench/bin/pip install -q torch==2.13.0 numpy deepspeed
+	.venv-bench/bin/pip install -q -e .
+	touch $@
+
+bench: .venv-bench/.installed
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv-bench/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_collectives.py
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv-bench/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_zero.py
+
+.PHONY: install demo test bench

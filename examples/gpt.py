@@ -113,7 +113,7 @@ class GPT(nn.Module):
                 x = block(x)
         logits = self.head(self.ln_final(x))  # (B, T, V)
         # Cross-entropy in fp32 whatever the compute dtype, so losses compare across systems.
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def count_parameters(model: nn.Module) -> int:
