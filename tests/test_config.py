@@ -230,9 +230,18 @@ def test_underivable_auto_is_rejected_not_dropped(data, key):
     ({"zero_optimization": {"stage": 1, "cpu_offload": True}},
      "zero_optimization.offload_optimizer.device"),
 ])
-def test_not_built_features_are_refused(data, key):
+def test_not_built_features_are_refused(monkeypatch, data, key):
+    monkeypatch.setattr(config_module, "NOT_BUILT", {"offload_optimizer"})  # the gate itself
     message = load_error(data)
     assert key in message and "is not supported yet" in message
+
+
+def test_offload_blocks_load_now_that_offload_is_built():
+    config = Config.load({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/tmp"}, "offload_param": {"device": "cpu"}}})
+    zero = config.zero_optimization
+    assert (zero.offload_optimizer_device, zero.offload_param_device) == ("nvme", "cpu")
+    assert config.unsupported_features() == {}
 
 
 def test_offload_param_not_built(monkeypatch):
@@ -259,7 +268,8 @@ def test_stage_3_loads_with_overlap_on_by_default():
     assert config.zero_optimization.stage == 3 and config.zero_optimization.overlap_comm is True
 
 
-def test_unsupported_features_report():
+def test_unsupported_features_report(monkeypatch):
+    monkeypatch.setattr(config_module, "NOT_BUILT", {"offload_optimizer"})
     config = Config.model_validate({"zero_optimization": {"stage": 3, "offload_optimizer": {
         "device": "cpu"}}})  # model_validate skips the gate; load would refuse
     assert config.unsupported_features() == {
@@ -425,3 +435,17 @@ def test_config_pickles_with_its_provenance():
     config = Config.load({"zero_optimization": {"reduce_bucket_size": "auto"}}, hidden_size=16)
     copy = pickle.loads(pickle.dumps(config))
     assert copy == config and copy.describe() == config.describe()
+
+
+# ---------------------------------------------------------------- keys zeromem handles its own way
+
+def test_numerics_changing_knobs_are_refused_and_layout_knobs_warned(caplog):
+    from zeromem.knobs import check_knobs
+    with pytest.raises(ConfigError, match="prescale_gradients"):
+        check_knobs(Config.load({"prescale_gradients": True}))
+    with pytest.raises(ConfigError, match="zero_optimization.reduce_scatter"):
+        check_knobs(Config.load({"zero_optimization": {"stage": 2, "reduce_scatter": False}}))
+    with caplog.at_level("WARNING", logger="zeromem"):
+        check_knobs(Config.load({"zero_optimization": {"contiguous_gradients": False}}))
+    assert "contiguous_gradients" in caplog.text
+    check_knobs(Config.load({}))  # defaults: silent

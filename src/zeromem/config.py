@@ -34,7 +34,7 @@ logger = logging.getLogger("zeromem")
 
 # Features the engine cannot run yet; Config.load rejects configs that use them.
 # Remove a name here when the feature lands.
-NOT_BUILT: set[str] = {"offload_optimizer", "offload_param"}
+NOT_BUILT: set[str] = set()
 # DeepSpeed features zeromem does not plan to implement; rejected rather than ignored.
 OUT_OF_SCOPE: frozenset[str] = frozenset({"zeropp", "mics", "elastic_checkpoint"})
 

@@ -63,7 +63,7 @@ def _empty_like_shard(g: FlatParamGroup) -> torch.Tensor:
 
 
 class GradsToHost:
-    """A group's gradient buffer whose reduced shard is copied to host after each boundary reduction."""
+    """A gradient buffer that copies its reduced shard to host after a boundary reduction."""
 
     def __init__(self, inner: Any, host: torch.Tensor, is_boundary: Callable[[], bool]):
         self.inner = inner
@@ -197,7 +197,8 @@ class NvmeParams(OnDeviceParams):
         biggest = max((g.shard_numel for g in groups), default=0)
         if biggest > config.buffer_size:
             raise OffloadError(f"a parameter shard of {biggest} elements exceeds "
-                               f"zero_optimization.offload_param.buffer_size = {config.buffer_size}")
+                               "zero_optimization.offload_param.buffer_size = "
+                               f"{config.buffer_size}")
         self.pool = BufferPool(config.buffer_count, max(self.nbytes.values(), default=1), pin)
         self.file = space.file("params.swp", total)
         self.lookahead = max(1, config.buffer_count // 2)
@@ -493,7 +494,7 @@ class OnHost(OnDevice):
 
     def build_optimizer(self, config: Any, param_groups: list[dict],
                         factory: Callable | None) -> torch.optim.Optimizer:
-        """The config's optimizer with torch's fastest CPU kernel (`CPU_KERNEL`) unless one is set."""
+        """The config's optimizer with torch's fastest CPU kernel (`CPU_KERNEL`) unless set."""
         if factory is None and config is not None and not {"fused", "foreach"} & set(config.params):
             cls = OPTIMIZERS.get(config.type.lower())
             if cls is not None:
@@ -537,7 +538,7 @@ class OnNvme(OnHost):
         super().__init__(groups, params_home, pin, is_boundary)
 
     def _place_masters(self, groups: list[FlatParamGroup]) -> None:
-        """Masters stay put until SwappedOptimizer writes them to the file (fp32: they are the shards)."""
+        """Masters stay until SwappedOptimizer writes them to its file (fp32: they are shards)."""
 
     def build_optimizer(self, config: Any, param_groups: list[dict],
                         factory: Callable | None) -> torch.optim.Optimizer:
@@ -584,6 +585,9 @@ def build_offload(config: Any, groups: list[FlatParamGroup], rank: int,
     """The offload policy the config asks for (the optimizer home, holding the parameter home)."""
     zero = config.zero_optimization
     spaces: dict[str, SwapSpace] = {}
+    if config.aio.use_gds and "nvme" in (zero.offload_optimizer_device, zero.offload_param_device):
+        log.warning("aio.use_gds: GPUDirect Storage is not implemented; I/O goes through host "
+                    "buffers")
 
     def space_for(block: Any) -> SwapSpace:
         if block.nvme_path not in spaces:

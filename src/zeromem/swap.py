@@ -207,7 +207,7 @@ class SwapFile:
         return self.io.submit("read", self.fd, buffer, offset, self.path)
 
     def write(self, buffer: torch.Tensor, offset: int) -> IOHandle:
-        """Start writing `buffer` at `offset`; buffered mode syncs the data before `wait()` returns."""
+        """Start writing `buffer` at `offset`; buffered mode syncs before `wait()` returns."""
         self._check(buffer, offset)
         finish = None if self.direct else self._sync
         return self.io.submit("write", self.fd, buffer, offset, self.path, finish)

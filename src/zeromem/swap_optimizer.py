@@ -121,6 +121,30 @@ def _sgd_update(group: dict, params: list, grads: list, states: dict, step: int)
                 mine.copy_(made)
 
 
+class SwappedState(dict):
+    """`SwappedOptimizer.state`: filled only inside `resident()`; a lookup outside it raises.
+
+    Iterating it outside (the memory ledger does) sees nothing: the states are on
+    disk. Looking a master up outside raises instead of answering "no state", so a
+    checkpoint can never be written without its optimizer states by mistake.
+    """
+
+    resident = False
+
+    def _check(self) -> None:
+        if not self.resident:
+            raise OffloadError("the optimizer states are in NVMe swap files; read or write them "
+                               "inside `with engine.offload.resident():`")
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._check()
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._check()
+        return super().__getitem__(key)
+
+
 class SwappedOptimizer(torch.optim.Optimizer):
     """Adam, AdamW or SGD whose states (and master shard) live in a swap file.
 
@@ -152,14 +176,26 @@ class SwappedOptimizer(torch.optim.Optimizer):
                       for _ in range(self.depth)]
         self.steps = [0] * len(self.param_groups)  # optimizer steps taken, per param group
         self.failed: BaseException | None = None
+        self.state = SwappedState()
         if self.master_in_file:
             self._write_masters(groups)
+
+    def state_dict(self) -> dict:
+        """torch's state dict; only inside `resident()` (outside, the states are on disk)."""
+        self.state._check()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load inside `resident()`; the states reach the swap file when the block ends."""
+        self.state._check()
+        super().load_state_dict(state_dict)
 
     def _check_depth(self, buffer_count: int) -> int:
         per = len(self.slot_fields)
         if buffer_count < per:
             raise OffloadError(f"zero_optimization.offload_optimizer.buffer_count = {buffer_count} "
-                               f"< {per} buffers one sub-group needs (master + {list(self.states)})")
+                               f"< {per} buffers one sub-group needs "
+                               f"(master + {list(self.states)})")
         return buffer_count // per
 
     def _write_masters(self, groups: list[FlatParamGroup]) -> None:
@@ -286,6 +322,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         step counters taken from `state[master]["step"]`.
         """
         slot = self.slots[0]
+        self.state.resident = True
         if self.master_in_file:
             for g in groups:
                 g.master.set_(torch.zeros(g.shard_numel))
@@ -316,7 +353,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
                     views[name][p.at:p.at + p.numel].copy_(whole[p.start:p.start + p.numel])
             for h in self._swap_out(sg, slot):
                 h.wait()
-        self.state.clear()
+        self.state = SwappedState()  # load_state_dict may have replaced the dict
         if self.master_in_file:
             for g in groups:
                 g.master.set_(torch.empty(0))

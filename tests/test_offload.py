@@ -1,0 +1,270 @@
+"""CPU and NVMe offload: parity with plain training, the host-memory bound, clear I/O errors."""
+from __future__ import annotations
+
+import copy
+import errno
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import zeromem
+from harness import run_distributed
+from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
+from test_parity import config
+from zeromem.offload import OffloadError
+from zeromem.swap import ALIGN, AsyncIO, BufferPool, SwapFile, SwapSpace, aligned_empty
+from zeromem.swap_optimizer import plan_sub_groups
+
+STEPS = 3
+SUB_GROUP = 37  # elements: TinyLM's shard is cut into many sub-groups, so the pipeline runs
+
+
+def nvme(path: str, **extra) -> dict:
+    return {"device": "nvme", "nvme_path": path, "buffer_count": 9, "pipeline_read": True,
+            "pipeline_write": True, **extra}
+
+
+def offload_cases(path: str) -> list[tuple[int, int, float, dict]]:
+    """(stage, gas, clip, zero_optimization extras) for every offload mode."""
+    cpu = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    opt = {"offload_optimizer": nvme(path), "sub_group_size": SUB_GROUP}
+    params = {**opt, "offload_param": {"device": "nvme", "nvme_path": path, "buffer_count": 3}}
+    return [(1, 1, 0.0, cpu), (2, 2, 0.05, cpu), (3, 1, 0.0, cpu),
+            (1, 2, 0.0, opt), (2, 1, 0.05, opt), (3, 2, 0.0, opt),
+            (3, 1, 0.05, params),
+            (3, 1, 0.0, {"offload_optimizer": {"device": "cpu"},
+                         "offload_param": {"device": "nvme", "nvme_path": path}}),
+            (3, 1, 0.0, {"offload_optimizer": {"device": "cpu"},
+                         "offload_param": {"device": "cpu"}}),
+            (3, 1, 0.0, {"offload_param": {"device": "nvme", "nvme_path": path}})]
+
+
+def train(rank: int, world_size: int, stage: int, gas: int, clip: float, zero: dict,
+          extra: dict | None = None):
+    """Train TinyLM beside the single-process reference; (engine, max diff per step)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    ref = Reference(copy.deepcopy(model), clip=clip, per_rank=stage < 3)
+    cfg = config(stage, gas, clip, world_size, **(extra or {}))
+    cfg["zero_optimization"].update(zero)
+    engine = zeromem.initialize(model, cfg)
+    diffs = []
+    for step in range(STEPS):
+        for micro in range(gas):
+            tokens, targets = micro_batch(step, rank, micro)
+            engine.backward(engine(tokens, targets, uses_sometimes(step, rank, micro, stage < 3)))
+            engine.step()
+        ref.step(step, world_size, gas)
+        with engine.offload.resident():  # swapped masters / shards in memory for the read
+            diffs.append(state_dict_diff(engine.full_state_dict(), ref.model))
+    return engine, diffs
+
+
+def check_ledger(engine, zero: dict) -> dict:
+    """Offloaded bytes are filed under host / nvme; NVMe host memory within the pool bound."""
+    held = engine.memory_report().held
+    device = zero.get("offload_optimizer", {}).get("device", "none")
+    out = {"held": held}
+    if device == "none":
+        assert held["optimizer_states"].get("device", 0) > 0, held
+    elif device == "cpu":
+        assert held["master_params"].get("host", 0) > 0, held
+        assert held["optimizer_states"].get("host", 0) > 0, held
+        assert held["optimizer_states"].get("device", 0) == 0, held
+        assert held["grads"].get("host", 0) > 0, held
+    else:
+        opt = engine.optimizer
+        block = zero["offload_optimizer"]
+        bound = block["buffer_count"] * (-(-zero["sub_group_size"] * 4 // ALIGN) * ALIGN) + ALIGN
+        assert held["optimizer_states"]["host"] == opt.pool.nbytes <= bound, (held, bound)
+        assert held["optimizer_states"]["nvme"] == opt.file.nbytes > 0, held
+        assert opt.file.path.exists() and os.path.getsize(opt.file.path) == opt.file.nbytes
+        out["pool"], out["bound"] = opt.pool.nbytes, bound
+    if zero.get("offload_param", {}).get("device") == "cpu":
+        assert held["params"]["host"] > 0, held
+    if zero.get("offload_param", {}).get("device") == "nvme":
+        assert held["params"]["nvme"] > 0, held
+        out["counts"] = dict(engine.offload.params.counts)
+        assert out["counts"]["read_ahead"] > 0, out["counts"]  # followed the recorded order
+    return out
+
+
+def offload_matrix(rank: int, world_size: int, path: str) -> dict:
+    out = {}
+    for i, (stage, gas, clip, zero) in enumerate(offload_cases(path)):
+        engine, diffs = train(rank, world_size, stage, gas, clip, zero)
+        assert max(diffs) <= 1e-5, (i, stage, zero, diffs)
+        out[i] = {"diffs": diffs, **check_ledger(engine, zero)}
+        dirs = [s.dir for s in engine.offload.spaces]
+        engine.close()
+        assert not any(d.exists() for d in dirs), dirs  # files removed at close
+    if world_size == 2:
+        out["bf16"] = bf16_master_diff(rank, world_size, path)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_offload_parity_and_host_bound(world_size, tmp_path):
+    results = run_distributed(offload_matrix, world_size, str(tmp_path))
+    assert results[0].pop("bf16", 0.0) <= 1e-3
+    for case in results[0].values():
+        assert max(case["diffs"]) <= 1e-5
+    assert os.listdir(tmp_path) == []
+
+
+def bf16_master_diff(rank: int, world_size: int, path: str) -> float:
+    """bf16: the fp32 master lives in the swap file (and the bf16 shard in another);
+    after training it matches the masters of the same run without offload."""
+    zero = {"offload_optimizer": nvme(path), "sub_group_size": SUB_GROUP,
+            "offload_param": {"device": "nvme", "nvme_path": path}}
+    masters = []
+    for z in ({}, zero):
+        torch.manual_seed(0)
+        cfg = config(3, 1, 0.0, world_size, bf16={"enabled": True})
+        cfg["zero_optimization"].update(z)
+        engine = zeromem.initialize(TinyLM(), cfg)
+        for step in range(STEPS):
+            tokens, targets = micro_batch(step, rank, 0)
+            engine.backward(engine(tokens, targets))
+            engine.step()
+        with engine.offload.resident():
+            masters.append(engine.full_state_dict())
+        engine.close()
+    return max((masters[0][k] - masters[1][k]).abs().max().item() for k in masters[0]) \
+        if rank == 0 else 0.0
+
+
+# ---------------------------------------------------------------- without a process group
+
+def small_engine(path, **opt):
+    torch.manual_seed(0)
+    cfg = config(2, 1, 0.0, 1)
+    cfg["zero_optimization"].update({"offload_optimizer": nvme(str(path), **opt),
+                                     "sub_group_size": SUB_GROUP})
+    return zeromem.initialize(TinyLM(), cfg)
+
+
+def one_step(engine, step: int = 0) -> None:
+    tokens, targets = micro_batch(step, 0, 0)
+    engine.backward(engine(tokens, targets))
+    engine.step()
+
+
+def test_plan_sub_groups_covers_shards_within_param_groups():
+    groups = [SimpleNamespace(shard_numel=n, param_group_index=pg)
+              for n, pg in ((50, 0), (7, 1), (30, 0), (100, 1))]
+    subs = plan_sub_groups(groups, 40)
+    assert all(0 < sg.numel <= 40 for sg in subs)
+    assert all(p.group.param_group_index == sg.param_group for sg in subs for p in sg.pieces)
+    for g in groups:
+        pieces = sorted((p.start, p.numel) for sg in subs for p in sg.pieces if p.group is g)
+        assert pieces[0][0] == 0 and sum(n for _, n in pieces) == g.shard_numel
+        assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))
+    assert [sg.numel for sg in subs] == [40, 40, 40, 40, 27]  # 50+30 and 7+100 elements
+
+
+def test_buffers_are_aligned_and_bounded():
+    pool = BufferPool(3, 5000)
+    assert pool.buffer_bytes == 2 * ALIGN and pool.nbytes == 6 * ALIGN + ALIGN
+    bufs = [pool.acquire() for _ in range(3)]
+    assert pool.acquire() is None and all(b.data_ptr() % ALIGN == 0 for b in bufs)
+    assert aligned_empty(100).data_ptr() % ALIGN == 0
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_swap_file_round_trip(tmp_path, monkeypatch, direct):
+    syncs = []
+    if not direct:  # a filesystem that refuses O_DIRECT: buffered I/O, and every write synced
+        real_open, real_sync = os.open, os.fdatasync
+
+        def no_direct(path, flags, *args):
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", no_direct)
+        monkeypatch.setattr(os, "fdatasync", lambda fd: syncs.append(fd) or real_sync(fd))
+    io = AsyncIO(block_size=ALIGN, threads=4)  # several chunks per request
+    f = SwapFile(tmp_path / "t.swp", 5 * ALIGN, io)
+    data = aligned_empty(3 * ALIGN).copy_(torch.randint(0, 256, (3 * ALIGN,), dtype=torch.uint8))
+    f.write(data, ALIGN).wait()
+    back = aligned_empty(3 * ALIGN)
+    f.read(back, ALIGN).wait()
+    assert torch.equal(data, back) and f.direct is direct and bool(syncs) is not direct
+    f.close()
+    io.shutdown()
+
+
+def test_missing_or_unwritable_nvme_path_is_a_clear_error(tmp_path):
+    missing, a_file = tmp_path / "missing", tmp_path / "file"
+    a_file.write_text("")
+    for path, words in ((missing, "does not exist"), (a_file, "is not a directory"),
+                        ("/proc", "cannot create a swap directory")):
+        with pytest.raises(OffloadError, match=words) as info:
+            small_engine(path)
+        assert str(path) in str(info.value)
+    with pytest.raises(OffloadError, match="cannot create"):
+        SwapSpace("/proc/self", 0, AsyncIO())
+
+
+def test_full_disk_fails_the_step_and_every_later_one(tmp_path, monkeypatch):
+    engine = small_engine(tmp_path)
+    one_step(engine)
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with pytest.raises(OffloadError, match="ENOSPC") as info:
+        one_step(engine, 1)
+    assert str(engine.optimizer.file.path) in str(info.value)
+    monkeypatch.undo()
+    with pytest.raises(OffloadError, match="failed earlier"):
+        one_step(engine, 2)  # half-written state is never trained on
+    engine.close()
+
+
+def test_truncated_swap_file_is_a_short_read(tmp_path):
+    engine = small_engine(tmp_path, buffer_count=3)  # no pipelining: one sub-group at a time
+    one_step(engine)
+    os.truncate(engine.optimizer.file.path, ALIGN)
+    with pytest.raises(OffloadError, match="short read") as info:
+        one_step(engine, 1)
+    assert str(engine.optimizer.file.path) in str(info.value)
+    engine.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_too_few_buffers_for_one_sub_group(tmp_path):
+    with pytest.raises(OffloadError, match="buffer_count = 2"):
+        small_engine(tmp_path, buffer_count=2)
+    assert os.listdir(tmp_path) == []  # the half-built engine's files are gone
+
+
+def test_states_only_inside_resident_and_written_back(tmp_path):
+    """Outside `resident()` a lookup raises; inside, torch-style state that load_state_dict
+    writes back to the swap file; a scheduler drives the swapped optimizer's lr."""
+    engine = small_engine(tmp_path)
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    one_step(engine)
+    sched.step()
+    master = engine.groups[0].master
+    with pytest.raises(OffloadError, match="resident"):
+        engine.optimizer.state.get(master)
+    with pytest.raises(OffloadError, match="resident"):
+        engine.optimizer.state_dict()
+    with engine.offload.resident():
+        saved = copy.deepcopy(engine.optimizer.state_dict())
+    assert saved["state"][0]["step"] == 1 and saved["param_groups"][0]["lr"] == 5e-3
+    one_step(engine, 1)
+    with engine.offload.resident():
+        assert int(engine.optimizer.state[master]["step"]) == 2
+        engine.optimizer.load_state_dict(saved)
+    with engine.offload.resident():  # read back from the file
+        again = engine.optimizer.state_dict()
+    for k, state in saved["state"].items():
+        for name, value in state.items():
+            assert torch.equal(again["state"][k][name], value), (k, name)
+    engine.close()
