@@ -19,6 +19,7 @@ from .config import Config, ConfigError
 from .distributed import ensure_process_group
 from .consolidate import CheckpointError
 from .engine import Engine
+from .knobs import check_knobs
 from .partition import GatheredParameters, Init
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "checkpoint",
@@ -44,6 +45,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     ensure_process_group()
     comm = Comm(dp_group)
     cfg = Config.load(config, world_size=comm.world_size)
+    check_knobs(cfg)
     if cfg.activation_checkpointing.model_fields_set:
         # keep a model-parallel group set earlier with zeromem.activations.configure()
         activations.configure_from_config(cfg.activation_checkpointing,
