@@ -20,10 +20,11 @@ from .distributed import ensure_process_group
 from .consolidate import CheckpointError
 from .engine import Engine
 from .knobs import check_knobs
+from .swap import OffloadError
 from .partition import GatheredParameters, Init
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "checkpoint",
-           "checkpointing", "Init", "GatheredParameters"]
+           "checkpointing", "Init", "GatheredParameters", "OffloadError"]
 __version__ = "0.1.0"
 
 

@@ -314,6 +314,10 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict (keys as `module.state_dict()`) on rank 0; {} elsewhere."""
+        with self.offload.resident():  # masters swapped out to NVMe come back for the read
+            return self._full_state_dict()
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
         full: dict[int, torch.Tensor] = {}
         for g in self.groups:
             master = g.master.detach().float()

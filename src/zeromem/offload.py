@@ -459,8 +459,22 @@ class OnDevice:
         if runner is not None:
             self.params.attach_stage3(runner)
 
-    def resident(self) -> contextlib.AbstractContextManager:
+    resident_depth = 0  # nested resident() blocks (full_state_dict inside a checkpoint save)
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
         """Every master, optimizer state and parameter shard in memory inside the block."""
+        if self.resident_depth:
+            yield
+            return
+        self.resident_depth += 1
+        try:
+            with self._make_resident():
+                yield
+        finally:
+            self.resident_depth -= 1
+
+    def _make_resident(self) -> contextlib.AbstractContextManager:
         return self.params.resident()
 
     def file_into(self, ledger) -> None:
@@ -562,7 +576,7 @@ class OnNvme(OnHost):
         self.params.flush()  # the step stored every sub-group's new values already
 
     @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
+    def _make_resident(self) -> Iterator[None]:
         with self.params.resident(), self.optimizer.resident(self.groups):
             yield
 
