@@ -54,3 +54,17 @@ def test_gathered_parameters_read_and_modify():
     for readable, outside, edited, moved, shape in run_distributed(gathered_edit, 2):
         assert readable == (7, 10) and outside == (0,)
         assert edited and moved and tuple(shape) == (7, 10)
+
+
+def test_meta_device_model_is_materialised_like_an_ordinary_build():
+    torch.manual_seed(0)
+    plain = Deep(width=16, depth=3)
+    with torch.device("meta"):
+        model = Deep(width=16, depth=3)
+    torch.manual_seed(0)  # the same draws, in the same module order
+    engine = zeromem.initialize(model, config(3, 1, 0.0, 1))  # no process group: world size 1
+    full = engine.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in plain.state_dict().items())
+    engine.backward(engine(torch.randn(2, 16)))
+    engine.step()
+    assert engine.global_steps == 1

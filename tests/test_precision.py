@@ -116,3 +116,14 @@ def test_overflow_on_one_rank_skips_the_step_everywhere():
             assert unchanged, f"stage {stage}: parameters moved on an overflow step"
             assert scale == 128  # 2**8 halved once (hysteresis 1)
             assert skipped == 1 and changed and steps == 2
+
+
+def test_wall_clock_breakdown_logs_phase_times(caplog):
+    torch.manual_seed(0)
+    engine = zeromem.initialize(TinyLM(), {**_cfg(1, {}), "wall_clock_breakdown": True,
+                                           "steps_per_print": 1})
+    tokens, targets = micro_batch(0, 0, 0)
+    with caplog.at_level("INFO", logger="zeromem"):
+        engine.backward(engine(tokens, targets))
+        engine.step()
+    assert "forward" in caplog.text and "backward" in caplog.text and " ms" in caplog.text

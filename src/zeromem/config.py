@@ -9,19 +9,22 @@ world_size once the world size is known; and refuses features in `NOT_BUILT`.
 Defaults are DeepSpeed's *code* defaults, which differ from its docs in places
 (gradient_clipping 0.0 = off, stage3_prefetch_bucket_size 5e7). Integer fields accept
 whole floats such as 5e8. Every failure is a `ConfigError` naming the dotted key.
+
+This module holds the block models, `Config.load`, `describe` and the feature gate; the
+rules applied around them (error messages, key renames, "auto", the batch triple) live in
+`zeromem.config_rules`, and `ConfigError` and `resolve_batch` are re-exported from here.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 import inspect
 import json
 import logging
 import os
 import sys
 from functools import cache
-from typing import Annotated, Any, Callable, ClassVar, Literal, get_args, get_type_hints
+from typing import Annotated, Any, Callable, ClassVar, Literal, get_type_hints
 
 import torch
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool,
@@ -29,6 +32,9 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 from pydantic_core import PydanticCustomError
 
 from zeromem import schedulers
+from zeromem.config_rules import (AIO_RENAMED, BATCH_KEYS, TOP_LEVEL_RENAMED, ZERO_RENAMED,
+                                  ConfigError, humanise, map_cpu_offload, map_renamed_keys,
+                                  resolve_auto, resolve_batch, unknown_key_message)
 
 logger = logging.getLogger("zeromem")
 
@@ -37,10 +43,6 @@ logger = logging.getLogger("zeromem")
 NOT_BUILT: set[str] = set()
 # DeepSpeed features zeromem does not plan to implement; rejected rather than ignored.
 OUT_OF_SCOPE: frozenset[str] = frozenset({"zeropp", "mics", "elastic_checkpoint"})
-
-
-class ConfigError(ValueError):
-    """An invalid config; the message names the offending key by its dotted path."""
 
 
 def _numeric(kind: str) -> BeforeValidator:
@@ -63,62 +65,6 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-# ---------------------------------------------------------------- error messages
-
-def _unknown_key_message(key: str, path: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}?" if close else "valid keys: " + ", ".join(sorted(valid))
-    return f"unknown key {key!r} at {path}; {hint}"
-
-
-def _block_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    """The model class found by following field names `loc` down from `root`."""
-    block: type[BaseModel] | None = root
-    for name in loc:
-        field = block.model_fields.get(name) if block else None
-        if field is None:
-            return None
-        candidates = (field.annotation, *get_args(field.annotation))
-        block = next((c for c in candidates
-                      if isinstance(c, type) and issubclass(c, BaseModel)), None)
-    return block
-
-
-_MUST_BE = {
-    "literal_error": "one of {expected}", "int_type": "an integer", "int_parsing": "an integer",
-    "int_from_float": "a whole number", "float_type": "a number", "float_parsing": "a number",
-    "bool_type": "true or false", "bool_parsing": "true or false", "string_type": "a string",
-    "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
-    "greater_than_equal": ">= {ge}", "greater_than": "> {gt}",
-    "less_than_equal": "<= {le}", "less_than": "< {lt}",
-}
-
-
-def _describe_error(err: dict, root: type[BaseModel], prefix: tuple = ()) -> str:
-    loc = (*prefix, *err["loc"])
-    path = ".".join(str(part) for part in loc)
-    kind, ctx = err["type"], err.get("ctx") or {}
-    if kind == "extra_forbidden":
-        block = _block_at(root, err["loc"][:-1])
-        return _unknown_key_message(str(loc[-1]), path, list(block.model_fields) if block else [])
-    if kind == "missing":
-        return f"{path} is required"
-    if kind == "value_error":
-        error = ctx["error"]
-        return str(error) if isinstance(error, ConfigError) or not path else f"{path}: {error}"
-    if kind in _MUST_BE:
-        ctx = {k: str(v).replace(" or ", ", ") for k, v in ctx.items()}
-        return f"{path} must be {_MUST_BE[kind].format(**ctx)}, got {err['input']!r}"
-    return f"{path}: {err['msg']} (got {err.get('input')!r})"
-
-
-def _humanise(error: ValidationError, root: type[BaseModel], prefix: tuple = ()) -> str:
-    lines = list(dict.fromkeys(_describe_error(e, root, prefix) for e in error.errors()))
-    if len(lines) == 1:
-        return lines[0]
-    return f"{len(lines)} problems in the config:\n  - " + "\n  - ".join(lines)
-
-
 # ---------------------------------------------------------------- blocks
 
 class _Block(BaseModel):
@@ -135,19 +81,7 @@ class _Block(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _map_renamed_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not cls._renamed.keys() & data.keys():
-            return data
-        data = dict(data)
-        for old, (new, deprecated) in cls._renamed.items():
-            if old not in data:
-                continue
-            if new in data:
-                raise ValueError(f"{old!r} and {new!r} name the same setting; give only {new!r}")
-            if deprecated:
-                where = f"{cls._section}." if cls._section else ""
-                logger.warning("config key %s%s is deprecated; use %s%s", where, old, where, new)
-            data[new] = data.pop(old)
-        return data
+        return map_renamed_keys(data, cls._renamed, cls._section)
 
 
 class OptimizerConfig(_Block):
@@ -174,7 +108,7 @@ class OptimizerConfig(_Block):
                  if name != "params" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         for key in params:
             if key not in valid:
-                raise ConfigError(_unknown_key_message(key, f"optimizer.params.{key}", valid))
+                raise ConfigError(unknown_key_message(key, f"optimizer.params.{key}", valid))
         self.params = params
         return self
 
@@ -231,7 +165,7 @@ class SchedulerConfig(_Block):
         try:
             checked = model.model_validate(self.params)
         except ValidationError as error:
-            raise ConfigError(_humanise(error, model, ("scheduler", "params"))) from None
+            raise ConfigError(humanise(error, model, ("scheduler", "params"))) from None
         self.params = checked.model_dump(exclude_unset=True)
         return self
 
@@ -295,20 +229,11 @@ class OffloadParamConfig(_OffloadBlock):
     max_in_cpu: Int = Field(1_000_000_000, ge=0)  # parameter elements kept in CPU with NVMe
 
 
-# Stage-3 keys that DeepSpeed also accepts without the "stage3_" prefix.
-_STAGE3_SHORT = ("prefetch_bucket_size", "param_persistence_threshold",
-                 "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
-                 "gather_16bit_weights_on_model_save", "module_granularity_threshold",
-                 "use_all_reduce_for_fetch_params")
-
-
 class ZeroConfig(_Block):
     """`zero_optimization`: which model states are partitioned, and the buffer sizes."""
 
     _section = "zero_optimization"
-    _renamed = {**{short: (f"stage3_{short}", False) for short in _STAGE3_SHORT},
-                "stage3_gather_fp16_weights_on_model_save":
-                    ("stage3_gather_16bit_weights_on_model_save", True)}
+    _renamed = ZERO_RENAMED
 
     stage: Literal[0, 1, 2, 3] = 0  # 0 off; 1 optimizer states; 2 + gradients; 3 + parameters
     contiguous_gradients: Bool = True  # copy grads into a contiguous buffer as produced
@@ -350,30 +275,7 @@ class ZeroConfig(_Block):
     @classmethod
     def _map_cpu_offload(cls, data: Any) -> Any:
         """Map DeepSpeed's deprecated boolean offload keys onto the offload blocks."""
-        legacy = ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")
-        if not isinstance(data, dict) or not any(key in data for key in legacy):
-            return data
-        data = dict(data)
-        pin = data.pop("cpu_offload_use_pin_memory", None)
-        mapped = False
-        for old, new in (("cpu_offload", "offload_optimizer"),
-                         ("cpu_offload_param", "offload_param")):
-            if old not in data:
-                continue
-            if new in data:
-                raise ValueError(f"{old!r} (deprecated) and {new!r} cannot both be given; "
-                                 f"keep {new!r}")
-            value = data.pop(old)
-            if not isinstance(value, bool):
-                raise ValueError(f"{old} must be true or false, got {value!r}")
-            logger.warning("config key zero_optimization.%s is deprecated; use %s.device", old, new)
-            if value:
-                data[new] = {"device": "cpu", "pin_memory": bool(pin)}
-                mapped = True
-        if pin is not None and not mapped:
-            raise ValueError("cpu_offload_use_pin_memory only applies with cpu_offload or "
-                             "cpu_offload_param; set offload_*.pin_memory instead")
-        return data
+        return map_cpu_offload(data)
 
     @model_validator(mode="after")
     def _check_stage_rules(self) -> ZeroConfig:
@@ -402,8 +304,7 @@ class AioConfig(_Block):
     """`aio`: asynchronous NVMe I/O settings."""
 
     _section = "aio"
-    # DeepSpeed renamed thread_count (PR #7056) and now silently ignores the old name.
-    _renamed = {"thread_count": ("intra_op_parallelism", True)}
+    _renamed = AIO_RENAMED
 
     block_size: Int = Field(1_048_576, ge=1)  # bytes per I/O request
     queue_depth: Int = Field(8, ge=1)  # libaio queue depth
@@ -442,94 +343,6 @@ class CheckpointConfig(_Block):
     @classmethod
     def _normalise_case(cls, value: Any) -> Any:
         return value.capitalize() if isinstance(value, str) else value
-
-
-# ---------------------------------------------------------------- "auto" values
-
-_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-# zero_optimization keys whose "auto" HF Transformers derives from the model's hidden
-# size: key -> (rule as text, rule).
-_AUTO_FROM_HIDDEN: dict[str, tuple[str, Callable[[int], int]]] = {
-    "reduce_bucket_size": ("hidden_size**2", lambda h: h * h),
-    "stage3_prefetch_bucket_size": ("0.9 * hidden_size**2", lambda h: int(0.9 * h * h)),
-    "stage3_param_persistence_threshold": ("10 * hidden_size", lambda h: 10 * h),
-}
-
-
-def _canonical_zero_key(key: str) -> str:
-    return ZeroConfig._renamed.get(key, (key,))[0]
-
-
-def _resolve_auto(data: dict, hidden_size: int | None, path: str = "") -> tuple[dict, list[str]]:
-    """Copy of `data` with every "auto" resolved; also the dotted paths that were derived.
-
-    Batch keys are dropped (the batch rules derive them); hidden-size keys are computed;
-    anything else is an error, because DeepSpeed would silently fall back to a default.
-    """
-    resolved, derived = {}, []
-    for key, value in data.items():
-        dotted = f"{path}{key}"
-        if isinstance(value, dict):
-            resolved[key], inner = _resolve_auto(value, hidden_size, f"{dotted}.")
-            derived += inner
-        elif not (isinstance(value, str) and value == "auto"):
-            resolved[key] = value
-        elif dotted in _BATCH_KEYS:
-            derived.append(dotted)
-        elif path == "zero_optimization." and _canonical_zero_key(key) in _AUTO_FROM_HIDDEN:
-            canonical = _canonical_zero_key(key)
-            text, rule = _AUTO_FROM_HIDDEN[canonical]
-            if hidden_size is None:
-                raise ConfigError(f'{dotted} is "auto", which is derived from the model as {text}; '
-                                  "pass Config.load(..., hidden_size=...) or give a number")
-            resolved[key] = rule(hidden_size)
-            derived.append(path + canonical)
-        elif dotted == "gradient_clipping":
-            raise ConfigError('gradient_clipping is "auto", which HF Transformers fills from '
-                              "TrainingArguments.max_grad_norm; zeromem has no such source, "
-                              "so give a number (0.0 turns clipping off)")
-        else:
-            raise ConfigError(f'{dotted} is "auto", a Hugging Face placeholder zeromem cannot '
-                              "derive (only the batch keys and, given hidden_size, "
-                              "reduce_bucket_size, stage3_prefetch_bucket_size and "
-                              "stage3_param_persistence_threshold can be); give an explicit value")
-    return resolved, derived
-
-
-def resolve_batch(train: int | None, micro: int | None, gas: int | None,
-                  world_size: int) -> tuple[int, int, int]:
-    """(train_batch_size, micro, gradient_accumulation_steps) by DeepSpeed's rules, in order."""
-
-    def exact(divisor_text: str, divisor: int) -> int:
-        if train % divisor:
-            raise ConfigError(f"train_batch_size ({train}) is not divisible by {divisor_text} "
-                              f"= {divisor}; DeepSpeed would floor to {train // divisor} and "
-                              "then fail")
-        return train // divisor
-
-    if train and micro and gas:
-        pass
-    elif train and micro:
-        gas = exact(f"train_micro_batch_size_per_gpu × world_size = {micro} × {world_size}",
-                    micro * world_size)
-    elif train and gas:
-        micro = exact(f"world_size × gradient_accumulation_steps = {world_size} × {gas}",
-                      world_size * gas)
-    elif micro and gas:
-        train = micro * gas * world_size
-    elif train:
-        gas, micro = 1, exact(f"world_size = {world_size}", world_size)
-    elif micro:
-        gas, train = 1, micro * world_size
-    else:
-        raise ConfigError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be "
-                          'provided (as a number: "auto" batch keys are derived from the others)')
-    if train != micro * gas * world_size:
-        raise ConfigError(
-            f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu × "
-            f"gradient_accumulation_steps × world_size = {micro} × {gas} × {world_size} = "
-            f"{micro * gas * world_size}")
-    return train, micro, gas
 
 
 # ---------------------------------------------------------------- features not built
@@ -581,7 +394,7 @@ def check_supported(config: Config) -> None:
 class Config(_Block):
     """A DeepSpeed JSON config, validated. Build it with `Config.load`."""
 
-    _renamed = {"bfloat16": ("bf16", False)}
+    _renamed = TOP_LEVEL_RENAMED
     _raw: dict | None = PrivateAttr(default=None)  # the input as given, for re-resolving
     _hidden_size: int | None = PrivateAttr(default=None)  # what resolved hidden-size "auto"s
 
@@ -614,7 +427,7 @@ class Config(_Block):
             return handler(data)
         raw = copy.deepcopy(data)
         hidden_size = (info.context or {}).get("hidden_size")
-        data, derived = _resolve_auto(data, hidden_size)
+        data, derived = resolve_auto(data, hidden_size)
         config = handler(data)
         config._raw, config._hidden_size = raw, hidden_size
         for path in derived:
@@ -632,8 +445,8 @@ class Config(_Block):
                               "zero_optimization.stage 2")
         world_size = (info.context or {}).get("world_size")
         if world_size is not None:
-            given = [getattr(self, key) for key in _BATCH_KEYS]
-            for key, value in zip(_BATCH_KEYS, resolve_batch(*given, world_size)):
+            given = [getattr(self, key) for key in BATCH_KEYS]
+            for key, value in zip(BATCH_KEYS, resolve_batch(*given, world_size)):
                 if getattr(self, key) is None:
                     setattr(self, key, value)
                     self._derived.add(key)
@@ -670,7 +483,7 @@ class Config(_Block):
                 data, context={"world_size": world_size, "hidden_size": hidden_size})
             check_supported(config)
         except ValidationError as error:
-            message = _humanise(error, cls)
+            message = humanise(error, cls)
             raise ConfigError(f"{origin}: {message}" if origin else message) from None
         except ConfigError as error:
             raise ConfigError(f"{origin}: {error}" if origin else str(error)) from None

@@ -30,10 +30,11 @@ from .config import Config
 from .flat import FlatParamGroup, Sharding
 from .grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
 from .memory import Ledger, MemoryReport, model_state_formula
-from .partition import materialize
+from .partition import materialize, materialize_meta
 from .offload import build_offload
 from .optim import normalize_param_groups, optimizer_state_bytes_per_param
 from .precision import make_scaler
+from .timers import PhaseTimers
 from .schedulers import build_scheduler
 from .distributed import default_store, gather_timeout_s
 from .stage3 import FetchUnit, LiveStats, Stage3Limits, Stage3Runner, fetch_unit_modules
@@ -69,12 +70,14 @@ class Engine:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if comm.backend == "nccl" else torch.device("cpu")
         self.compute_dtype = config.compute_dtype
+        materialize_meta(module, self.device)  # a model built on the meta device
         self.module = module.to(self.device, dtype=self.compute_dtype)
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
         self.grad_norm: float | None = None
         self.scaler = make_scaler(config.fp16)
+        self.timers = PhaseTimers(config.wall_clock_breakdown, self.device)
 
         param_groups = normalize_param_groups(module, model_parameters)
         self.names = {id(p): n for n, p in module.named_parameters()}
@@ -167,20 +170,22 @@ class Engine:
             cast = lambda x: x.half() if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
-        return self.module(*args, **kwargs)
+        with self.timers("forward"):
+            return self.module(*args, **kwargs)
 
     __call__ = forward
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied."""
         scale = self.scaler.scale / (self.config.gradient_accumulation_steps * self.dp_world_size)
-        self.reducer.start_backward(self.is_gradient_accumulation_boundary())
-        if self.stage3 is not None:
-            self.stage3.start_pass("backward")
-        (loss.float() * scale).backward()
-        self.reducer.finish_backward()
-        if self.stage3 is not None:
-            self.stage3.finish_pass()
+        with self.timers("backward"):
+            self.reducer.start_backward(self.is_gradient_accumulation_boundary())
+            if self.stage3 is not None:
+                self.stage3.start_pass("backward")
+            (loss.float() * scale).backward()
+            self.reducer.finish_backward()
+            if self.stage3 is not None:
+                self.stage3.finish_pass()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -191,6 +196,14 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        with self.timers("step"):
+            self._optimizer_step()
+        if self.global_steps % max(1, self.config.steps_per_print or 10) == 0:
+            log.info("step %d: lr %s, grad norm %.4g, loss scale %g, skipped %d%s",
+                     self.global_steps, self.get_lr(), self.grad_norm, self.loss_scale,
+                     self.skipped_steps, self.timers.summary())
+
+    def _optimizer_step(self) -> None:
         norm = self._global_grad_norm()                          # 1. norm
         overflow = not torch.isfinite(torch.tensor(norm))
         self.grad_norm = norm
@@ -208,9 +221,6 @@ class Engine:
         self.zero_grad()
         self.global_steps += 1
         self.comm.end_step()
-        if self.global_steps % max(1, self.config.steps_per_print or 10) == 0:
-            log.info("step %d: lr %s, grad norm %.4g, loss scale %g, skipped %d",
-                     self.global_steps, self.get_lr(), norm, self.loss_scale, self.skipped_steps)
 
     def _global_grad_norm(self) -> float:
         """L2 norm of the averaged, unscaled gradient of the whole model (padding holds zeros)."""
@@ -282,6 +292,8 @@ class Engine:
         for g in self.groups:
             ledger.add("params", "device", g.flat_param)
             ledger.add("params", "device", g.param_shard)
+        for unit in self.stage3.units if self.stage3 is not None else []:
+            ledger.add("params", "device", unit.full)  # persistent (small) units stay whole
         for p in self.module.parameters():
             ledger.add("params", "device", p)  # frozen parameters (flat ones already counted)
         for g in self.groups:

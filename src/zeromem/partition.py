@@ -97,6 +97,23 @@ def materialize(params: Iterable[nn.Parameter], comm: Comm) -> None:
             del _SHARDS[p]
 
 
+def materialize_meta(module: nn.Module, device: torch.device) -> None:
+    """Give a model built on the meta device real storage, module by module.
+
+    Each module with meta tensors gets `to_empty` on `device` and its own
+    `reset_parameters()`, in module order, so standard layers get the values an
+    ordinary build would under the same seed (custom init schemes are not replayed).
+    The whole model exists once before sharding; to bound memory while building,
+    use `zeromem.Init` instead.
+    """
+    for m in module.modules():
+        own = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+        if any(t.is_meta for t in own):
+            m.to_empty(device=device, recurse=False)
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+
 def partitioned_bytes(module: nn.Module) -> int:
     """Bytes this rank holds for `module`'s parameters (shards and whole ones)."""
     return sum(_SHARDS[p].shard.nbytes if p in _SHARDS else p.nbytes for p in module.parameters())

@@ -1,0 +1,241 @@
+"""The rules `zeromem.config` applies around its pydantic blocks (REFERENCE.md section 2).
+
+Kept apart from the block models so each can be read alone; nothing here imports
+`zeromem.config`, which re-exports the public names (`ConfigError`, `resolve_batch`).
+
+- error messages: turning a pydantic `ValidationError` into one `ConfigError` message that
+  names the dotted key, with "did you mean ...?" for unknown keys;
+- key aliases and legacy renames: the renaming tables of the blocks, the generic rename
+  step every block runs before validation, and DeepSpeed's deprecated `cpu_offload*` keys;
+- "auto" values: the Hugging Face placeholder, resolved where it can be derived (the batch
+  keys, the hidden-size keys) and refused elsewhere;
+- the batch triple: train = micro x gas x world_size, by DeepSpeed's rules.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from typing import Any, Callable, get_args
+
+from pydantic import BaseModel, ValidationError
+
+logger = logging.getLogger("zeromem")
+
+
+class ConfigError(ValueError):
+    """An invalid config; the message names the offending key by its dotted path."""
+
+    __module__ = "zeromem.config"  # its public home, which re-exports it
+
+
+# ---------------------------------------------------------------- error messages
+
+def unknown_key_message(key: str, path: str, valid: list[str]) -> str:
+    """`key` at dotted `path` is not one of `valid`: suggest the closest, else list them."""
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else "valid keys: " + ", ".join(sorted(valid))
+    return f"unknown key {key!r} at {path}; {hint}"
+
+
+def _block_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model class found by following field names `loc` down from `root`."""
+    block: type[BaseModel] | None = root
+    for name in loc:
+        field = block.model_fields.get(name) if block else None
+        if field is None:
+            return None
+        candidates = (field.annotation, *get_args(field.annotation))
+        block = next((c for c in candidates
+                      if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return block
+
+
+_MUST_BE = {
+    "literal_error": "one of {expected}", "int_type": "an integer", "int_parsing": "an integer",
+    "int_from_float": "a whole number", "float_type": "a number", "float_parsing": "a number",
+    "bool_type": "true or false", "bool_parsing": "true or false", "string_type": "a string",
+    "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
+    "greater_than_equal": ">= {ge}", "greater_than": "> {gt}",
+    "less_than_equal": "<= {le}", "less_than": "< {lt}",
+}
+
+
+def _describe_error(err: dict, root: type[BaseModel], prefix: tuple = ()) -> str:
+    loc = (*prefix, *err["loc"])
+    path = ".".join(str(part) for part in loc)
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        block = _block_at(root, err["loc"][:-1])
+        return unknown_key_message(str(loc[-1]), path, list(block.model_fields) if block else [])
+    if kind == "missing":
+        return f"{path} is required"
+    if kind == "value_error":
+        error = ctx["error"]
+        return str(error) if isinstance(error, ConfigError) or not path else f"{path}: {error}"
+    if kind in _MUST_BE:
+        ctx = {k: str(v).replace(" or ", ", ") for k, v in ctx.items()}
+        return f"{path} must be {_MUST_BE[kind].format(**ctx)}, got {err['input']!r}"
+    return f"{path}: {err['msg']} (got {err.get('input')!r})"
+
+
+def humanise(error: ValidationError, root: type[BaseModel], prefix: tuple = ()) -> str:
+    """One message for all of `error`'s problems, keys dotted from `root` (after `prefix`)."""
+    lines = list(dict.fromkeys(_describe_error(e, root, prefix) for e in error.errors()))
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} problems in the config:\n  - " + "\n  - ".join(lines)
+
+
+# ---------------------------------------------------------------- key aliases and renames
+
+# Stage-3 keys that DeepSpeed also accepts without the "stage3_" prefix.
+_STAGE3_SHORT = ("prefetch_bucket_size", "param_persistence_threshold",
+                 "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+                 "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+                 "use_all_reduce_for_fetch_params")
+
+# Renaming tables, legacy key -> (current key, deprecated?), one per block that has any.
+ZERO_RENAMED: dict[str, tuple[str, bool]] = {
+    **{short: (f"stage3_{short}", False) for short in _STAGE3_SHORT},
+    "stage3_gather_fp16_weights_on_model_save": ("stage3_gather_16bit_weights_on_model_save", True)}
+# DeepSpeed renamed thread_count (PR #7056) and now silently ignores the old name.
+AIO_RENAMED: dict[str, tuple[str, bool]] = {"thread_count": ("intra_op_parallelism", True)}
+TOP_LEVEL_RENAMED: dict[str, tuple[str, bool]] = {"bfloat16": ("bf16", False)}
+
+
+def map_renamed_keys(data: Any, renamed: dict[str, tuple[str, bool]], section: str) -> Any:
+    """`data` with the legacy keys of `renamed` under their current names (warning if deprecated).
+
+    `section` is the block's dotted path, for the warning. Giving both names is an error.
+    """
+    if not isinstance(data, dict) or not renamed.keys() & data.keys():
+        return data
+    data = dict(data)
+    for old, (new, deprecated) in renamed.items():
+        if old not in data:
+            continue
+        if new in data:
+            raise ValueError(f"{old!r} and {new!r} name the same setting; give only {new!r}")
+        if deprecated:
+            where = f"{section}." if section else ""
+            logger.warning("config key %s%s is deprecated; use %s%s", where, old, where, new)
+        data[new] = data.pop(old)
+    return data
+
+
+def map_cpu_offload(data: Any) -> Any:
+    """Map DeepSpeed's deprecated boolean offload keys onto the offload blocks."""
+    legacy = ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")
+    if not isinstance(data, dict) or not any(key in data for key in legacy):
+        return data
+    data = dict(data)
+    pin = data.pop("cpu_offload_use_pin_memory", None)
+    mapped = False
+    for old, new in (("cpu_offload", "offload_optimizer"),
+                     ("cpu_offload_param", "offload_param")):
+        if old not in data:
+            continue
+        if new in data:
+            raise ValueError(f"{old!r} (deprecated) and {new!r} cannot both be given; "
+                             f"keep {new!r}")
+        value = data.pop(old)
+        if not isinstance(value, bool):
+            raise ValueError(f"{old} must be true or false, got {value!r}")
+        logger.warning("config key zero_optimization.%s is deprecated; use %s.device", old, new)
+        if value:
+            data[new] = {"device": "cpu", "pin_memory": bool(pin)}
+            mapped = True
+    if pin is not None and not mapped:
+        raise ValueError("cpu_offload_use_pin_memory only applies with cpu_offload or "
+                         "cpu_offload_param; set offload_*.pin_memory instead")
+    return data
+
+
+# ---------------------------------------------------------------- "auto" values
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# zero_optimization keys whose "auto" HF Transformers derives from the model's hidden
+# size: key -> (rule as text, rule).
+_AUTO_FROM_HIDDEN: dict[str, tuple[str, Callable[[int], int]]] = {
+    "reduce_bucket_size": ("hidden_size**2", lambda h: h * h),
+    "stage3_prefetch_bucket_size": ("0.9 * hidden_size**2", lambda h: int(0.9 * h * h)),
+    "stage3_param_persistence_threshold": ("10 * hidden_size", lambda h: 10 * h),
+}
+
+
+def _canonical_zero_key(key: str) -> str:
+    return ZERO_RENAMED.get(key, (key,))[0]
+
+
+def resolve_auto(data: dict, hidden_size: int | None, path: str = "") -> tuple[dict, list[str]]:
+    """Copy of `data` with every "auto" resolved; also the dotted paths that were derived.
+
+    Batch keys are dropped (the batch rules derive them); hidden-size keys are computed;
+    anything else is an error, because DeepSpeed would silently fall back to a default.
+    """
+    resolved, derived = {}, []
+    for key, value in data.items():
+        dotted = f"{path}{key}"
+        if isinstance(value, dict):
+            resolved[key], inner = resolve_auto(value, hidden_size, f"{dotted}.")
+            derived += inner
+        elif not (isinstance(value, str) and value == "auto"):
+            resolved[key] = value
+        elif dotted in BATCH_KEYS:
+            derived.append(dotted)
+        elif path == "zero_optimization." and _canonical_zero_key(key) in _AUTO_FROM_HIDDEN:
+            canonical = _canonical_zero_key(key)
+            text, rule = _AUTO_FROM_HIDDEN[canonical]
+            if hidden_size is None:
+                raise ConfigError(f'{dotted} is "auto", which is derived from the model as {text}; '
+                                  "pass Config.load(..., hidden_size=...) or give a number")
+            resolved[key] = rule(hidden_size)
+            derived.append(path + canonical)
+        elif dotted == "gradient_clipping":
+            raise ConfigError('gradient_clipping is "auto", which HF Transformers fills from '
+                              "TrainingArguments.max_grad_norm; zeromem has no such source, "
+                              "so give a number (0.0 turns clipping off)")
+        else:
+            raise ConfigError(f'{dotted} is "auto", a Hugging Face placeholder zeromem cannot '
+                              "derive (only the batch keys and, given hidden_size, "
+                              "reduce_bucket_size, stage3_prefetch_bucket_size and "
+                              "stage3_param_persistence_threshold can be); give an explicit value")
+    return resolved, derived
+
+
+def resolve_batch(train: int | None, micro: int | None, gas: int | None,
+                  world_size: int) -> tuple[int, int, int]:
+    """(train_batch_size, micro, gradient_accumulation_steps) by DeepSpeed's rules, in order."""
+
+    def exact(divisor_text: str, divisor: int) -> int:
+        if train % divisor:
+            raise ConfigError(f"train_batch_size ({train}) is not divisible by {divisor_text} "
+                              f"= {divisor}; DeepSpeed would floor to {train // divisor} and "
+                              "then fail")
+        return train // divisor
+
+    if train and micro and gas:
+        pass
+    elif train and micro:
+        gas = exact(f"train_micro_batch_size_per_gpu × world_size = {micro} × {world_size}",
+                    micro * world_size)
+    elif train and gas:
+        micro = exact(f"world_size × gradient_accumulation_steps = {world_size} × {gas}",
+                      world_size * gas)
+    elif micro and gas:
+        train = micro * gas * world_size
+    elif train:
+        gas, micro = 1, exact(f"world_size = {world_size}", world_size)
+    elif micro:
+        gas, train = 1, micro * world_size
+    else:
+        raise ConfigError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be "
+                          'provided (as a number: "auto" batch keys are derived from the others)')
+    if train != micro * gas * world_size:
+        raise ConfigError(
+            f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu × "
+            f"gradient_accumulation_steps × world_size = {micro} × {gas} × {world_size} = "
+            f"{micro * gas * world_size}")
+    return train, micro, gas
+
