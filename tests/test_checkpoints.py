@@ -29,7 +29,7 @@ from zeromem import checkpoints as ckpt
 from zeromem.checkpoints import (CheckpointError, group_pieces, load_checkpoint,
                                    save_16bit_model, save_checkpoint)
 from zeromem.consolidate import (CHUNK_BYTES, Piece, SafetensorsReader, TensorSpec,
-                                 check_coverage, consolidate, decode, encode, load_consolidated,
+                                 check_coverage, decode, encode, load_consolidated,
                                  overlaps, write_safetensors)
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.schedulers import WarmupLR

@@ -5,7 +5,7 @@ import torch
 
 import zeromem
 from harness import run_distributed
-from models import TinyLM, micro_batch
+from models import micro_batch
 from test_parity import build, config
 from test_stage3 import Deep
 from zeromem.partition import partitioned_bytes
