@@ -17,6 +17,7 @@ Gradient reduction itself happens earlier, during `backward()` (grads.py).
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from typing import Any, Callable, Iterable
 
@@ -27,17 +28,17 @@ from . import checkpoints
 from .activations import checkpoint_stats
 from .comm import Comm
 from .config import Config
+from .distributed import default_store, gather_timeout_s
 from .flat import FlatParamGroup, Sharding
 from .grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
 from .memory import Ledger, MemoryReport, model_state_formula
-from .partition import materialize, materialize_meta
 from .offload import build_offload
 from .optim import normalize_param_groups, optimizer_state_bytes_per_param
+from .partition import materialize, materialize_meta
 from .precision import make_scaler
-from .timers import PhaseTimers
 from .schedulers import build_scheduler
-from .distributed import default_store, gather_timeout_s
 from .stage3 import FetchUnit, LiveStats, Stage3Limits, Stage3Runner, fetch_unit_modules
+from .timers import PhaseTimers
 
 log = logging.getLogger("zeromem")
 
@@ -151,13 +152,15 @@ class Engine:
         return parts
 
     def _build_stage3(self) -> Stage3Runner:
+        """One FetchUnit per (module, flat group); small units stay whole (persistent)."""
         zero = self.config.zero_optimization
         group_of = {id(g.params[0]): g for g in self.groups}
         self.live_params = LiveStats()
-        module_units = [(m, FetchUnit(group_of[id(ps[0])], self.comm,
-                                      group_of[id(ps[0])].numel < zero.stage3_param_persistence_threshold,
-                                      self.live_params))
-                        for m, ps in self.unit_modules]
+        module_units = []
+        for module, params in self.unit_modules:
+            group = group_of[id(params[0])]
+            persistent = group.numel < zero.stage3_param_persistence_threshold
+            module_units.append((module, FetchUnit(group, self.comm, persistent, self.live_params)))
         limits = Stage3Limits(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
                               zero.stage3_max_reuse_distance, gather_timeout_s())
         return Stage3Runner(self.module, module_units, limits, self.live_params, self.comm,
@@ -205,7 +208,7 @@ class Engine:
 
     def _optimizer_step(self) -> None:
         norm = self._global_grad_norm()                          # 1. norm
-        overflow = not torch.isfinite(torch.tensor(norm))
+        overflow = not math.isfinite(norm)
         self.grad_norm = norm
         if overflow:                                             # 2. skip
             self.skipped_steps += 1
