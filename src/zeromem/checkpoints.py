@@ -46,10 +46,8 @@ into host memory before it changes anything in the engine.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,12 +56,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .consolidate import (CLIENT_STATE, FORMAT, MANIFEST, VERSION, CheckpointError,
-                          Piece, SafetensorsReader, TensorSpec, checked_files, decode, encode,
+from .checkpoint_state import (counters_state, param_groups_state, read_rng, restore_counters,
+                               restore_param_groups, restore_rng, restore_scaler,
+                               restore_scheduler, rng_state, saved_scalar_state, scalar_states,
+                               scaler_state, scheduler_state)
+from .consolidate import (CLIENT_STATE, FORMAT, MANIFEST, VERSION, Piece, checked_files, encode,
                           file_digest, overlaps, pieces_by_param, rank_file_name, read_manifest,
                           check_tag, fsync_dir, prepare_tmp, publish, raise_problems,
-                          resolve_checkpoint, verify_file, write_latest, write_manifest,
-                          write_safetensors)
+                          resolve_checkpoint, verify_file, write_latest, write_manifest)
+from .tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
 
 log = logging.getLogger("zeromem")
 
@@ -208,7 +209,7 @@ def _write_rank_file(engine, tmp: Path, rank: int) -> tuple[str, int]:
     if rank == 0:
         specs += [TensorSpec.of(f"module/{k}", t.detach())
                   for k, t in _module_tensors(engine).items()]
-    rng_specs, rng_meta = _rng_state()
+    rng_specs, rng_meta = rng_state()
     metadata = {"format": FORMAT, "rank": str(rank), **rng_meta}
     return write_safetensors(tmp / rank_file_name(rank), specs + rng_specs, metadata)
 
@@ -224,11 +225,6 @@ def _tensor_states(optimizer, group) -> dict[str, torch.Tensor]:
                                       f"not the master's {tuple(group.master.shape)}")
             out[key] = value.detach()
     return out
-
-
-def _scalar_states(optimizer, group) -> dict[str, Any]:
-    state = optimizer.state.get(group.master, {})
-    return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)}
 
 
 def _trained_ids(engine) -> set[int]:
@@ -262,22 +258,6 @@ def _aliases(engine) -> tuple[list[str], dict[str, str]]:
     return keys, aliases
 
 
-def _rng_state() -> tuple[list[TensorSpec], dict[str, str]]:
-    specs = [TensorSpec.of("rng/cpu", torch.get_rng_state())]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        specs += [TensorSpec.of(f"rng/cuda{i}", s)
-                  for i, s in enumerate(torch.cuda.get_rng_state_all())]
-    meta = {"python_rng": json.dumps(encode(random.getstate(), "python rng"))}
-    try:
-        import numpy as np
-    except ImportError:
-        return specs, meta
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    specs.append(TensorSpec.of("rng/numpy", torch.from_numpy(keys.astype(np.int64))))
-    meta["numpy_rng"] = json.dumps([name, int(pos), int(has_gauss), float(gauss)])
-    return specs, meta
-
-
 def _write_client_state(tmp: Path, client_state: Any) -> dict | None:
     if client_state is None:
         return None
@@ -297,7 +277,7 @@ def _build_manifest(engine, tag: str) -> dict:
     for g in engine.groups:
         tensor_states.update({k: str(v.dtype).removeprefix("torch.")
                               for k, v in _tensor_states(opt, g).items()})
-        scalars = encode(_scalar_states(opt, g), "optimizer state")
+        scalars = encode(scalar_states(opt, g), "optimizer state")
         for slot in g.slots:
             params[slot.name] = {"shape": list(slot.shape), "param_group": g.param_group_index,
                                  "scalar_state": scalars}
@@ -306,15 +286,13 @@ def _build_manifest(engine, tag: str) -> dict:
             raise CheckpointError(f"optimizer states differ between flat groups "
                                   f"({sorted(tensor_states)}); cannot checkpoint them")
     keys, aliases = _aliases(engine)
-    scheduler = engine.lr_scheduler
     return {
         "format": FORMAT, "version": VERSION, "tag": tag,
         "world_size": engine.comm.world_size, "zero_stage": engine.zero_stage,
         "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
         "dtypes": {"compute": str(engine.compute_dtype).removeprefix("torch."),
                    "master": "float32", "optimizer": tensor_states},
-        "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                     "skipped_steps": engine.skipped_steps},
+        "counters": counters_state(engine),
         "params": params,
         "files": [],
         "state_dict_keys": keys,
@@ -322,12 +300,9 @@ def _build_manifest(engine, tag: str) -> dict:
         "module_tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                            for k, t in _module_tensors(engine).items()},
         "optimizer": {"type": _optimizer_type(engine), "tensor_states": sorted(tensor_states),
-                      "param_groups": [encode({k: v for k, v in pg.items() if k != "params"},
-                                              f"optimizer param group {i}")
-                                       for i, pg in enumerate(opt.param_groups)]},
-        "scaler": encode(engine.scaler.state_dict(), "loss scaler state"),
-        "lr_scheduler": None if scheduler is None else encode(scheduler.state_dict(),
-                                                              "lr scheduler state"),
+                      "param_groups": param_groups_state(engine)},
+        "scaler": scaler_state(engine),
+        "lr_scheduler": scheduler_state(engine),
         "client_state": None,
     }
 
@@ -470,10 +445,10 @@ def _stage(engine, path: Path, manifest: dict, load_optimizer_states: bool) -> _
             _read_shard(g, index, reader, tensors)
             masters.append(tensors.pop("master"))
             if load_optimizer_states:
-                states.append({**tensors, **_scalar_state(engine, g, manifest)})
+                states.append({**tensors, **saved_scalar_state(engine, g, manifest)})
         module = {k: reader(rank_file_name(0)).read(f"module/{k}").view(v["shape"])
                   for k, v in manifest["module_tensors"].items()}
-        rng = _read_rng(reader, manifest, engine.comm.rank)
+        rng = read_rng(reader, manifest, engine.comm.rank)
     finally:
         for r in readers.values():
             r.close()
@@ -497,34 +472,6 @@ def _read_shard(group, index: dict[str, list[Piece]], reader: Callable[[str], Sa
                 file.read(key, src, m, out=shard[at:at + m])
 
 
-def _scalar_state(engine, group, manifest: dict) -> dict[str, Any]:
-    """The scalar optimizer state (Adam's step) the group's parameters had; they must agree."""
-    saved = [manifest["params"][s.name]["scalar_state"] for s in group.slots]
-    if any(s != saved[0] for s in saved):
-        names = [s.name for s in group.slots]
-        raise CheckpointError(f"parameters {names} had different scalar optimizer states "
-                              f"({saved[0]} vs others); they cannot share one flat group")
-    state = decode(saved[0])
-    for key, data in saved[0].items():  # tensors go back to the device they were saved from
-        if isinstance(data, dict) and data.get("device", "cpu") != "cpu":
-            state[key] = state[key].to(engine.device)
-    return state
-
-
-def _read_rng(reader, manifest: dict, rank: int) -> dict[str, Any] | None:
-    if rank >= manifest["world_size"]:
-        log.info("rank %d had no rank in the saved run (world size %d); its RNG is not restored",
-                 rank, manifest["world_size"])
-        return None
-    file = reader(rank_file_name(rank))
-    rng = {"cpu": file.read("rng/cpu"),
-           "cuda": [file.read(k) for k in sorted(file.keys()) if k.startswith("rng/cuda")],
-           "python": decode(json.loads(file.metadata["python_rng"]))}
-    if "rng/numpy" in file.keys():
-        rng["numpy"] = (file.read("rng/numpy"), json.loads(file.metadata["numpy_rng"]))
-    return rng
-
-
 def _apply(engine, staged: _Staged, load_lr_scheduler_states: bool) -> None:
     """Put a staged checkpoint into the engine; nothing here reads a file."""
     m = staged.manifest
@@ -539,47 +486,13 @@ def _apply(engine, staged: _Staged, load_lr_scheduler_states: bool) -> None:
             engine.optimizer.state[g.master] = {
                 k: v.to(g.master.device) if torch.is_tensor(v) and v.dim() else v
                 for k, v in state.items()}
-        for group, saved in zip(engine.optimizer.param_groups, m["optimizer"]["param_groups"]):
-            group.update(decode(saved))
-        engine.scaler.load_state_dict(decode(m["scaler"]))
+        restore_param_groups(engine, m)
+        restore_scaler(engine, m)
     if load_lr_scheduler_states:
-        _load_scheduler(engine, m)
-    _load_counters(engine, m)
+        restore_scheduler(engine, m)
+    restore_counters(engine, m)
     if staged.rng is not None:
-        _set_rng(staged.rng)
-
-
-def _load_scheduler(engine, manifest: dict) -> None:
-    saved, scheduler = manifest["lr_scheduler"], engine.lr_scheduler
-    if saved is not None and scheduler is not None:
-        scheduler.load_state_dict(decode(saved))
-        # The optimizer's lr must be the schedule's even when its own state was not loaded.
-        for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
-    elif saved is not None or scheduler is not None:
-        log.warning("lr scheduler state not restored: the %s has no lr scheduler",
-                    "engine" if scheduler is None else "checkpoint")
-
-
-def _load_counters(engine, manifest: dict) -> None:
-    counters, gas = manifest["counters"], engine.config.gradient_accumulation_steps
-    engine.global_steps = counters["global_steps"]
-    engine.skipped_steps = counters["skipped_steps"]
-    # With another accumulation count the saved micro-step count would misplace boundaries.
-    engine.micro_steps = (counters["micro_steps"] if manifest["gradient_accumulation_steps"] == gas
-                          else counters["global_steps"] * gas)
-
-
-def _set_rng(rng: dict[str, Any]) -> None:
-    torch.set_rng_state(rng["cpu"])
-    if rng["cuda"] and torch.cuda.is_available():
-        for i, state in enumerate(rng["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(state, i)
-    random.setstate(rng["python"])
-    if "numpy" in rng:
-        import numpy as np
-        keys, (name, pos, has_gauss, gauss) = rng["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        restore_rng(staged.rng)
 
 
 # ---------------------------------------------------------------- 16-bit model
@@ -601,7 +514,7 @@ def save_16bit_model(engine, save_dir: str | os.PathLike,
             "rank 0, which zeromem does only when "
             "zero_optimization.stage3_gather_16bit_weights_on_model_save is true; set it, or "
             "call save_checkpoint and run `zeromem consolidate CKPT_DIR OUT`")
-    from .consolidate import write_state_dict
+    from .tensor_files import write_state_dict
 
     with engine.offload.resident():
         state = _gathered_state_dict(engine, engine.compute_dtype)

@@ -2,7 +2,8 @@
 
 The model is built on the meta device (nothing is allocated) from a factory
 (`package.module:function`) or from a Hugging Face-style config JSON, which is
-turned into an equivalent GPT shape list. From the real parameter shapes the
+turned into an equivalent GPT shape list (`model_shapes.py`; `load_model` and
+`shape_of` are re-exported here). From the real parameter shapes the
 planner computes each rank's memory exactly as the engine lays it out
 (`estimate.exact_model_states`: reduce buckets, padding to N_d, fetch units and
 persistence at stage 3), adds activations (`estimate.activation_memory`) and
@@ -27,10 +28,6 @@ is not modelled.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
-import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,198 +39,12 @@ from .config import Config
 from .estimate import (ActivationMemory, ModelShape, ShapeMemory, Widths, ZeroLayout,
                        activation_memory, estimate, exact_model_states, format_bytes,
                        format_count, paper_activation_bytes)
+from .model_shapes import load_model, shape_of
 
 __all__ = ["estimate", "plan", "load_model", "shape_of", "predict_memory", "Plan", "Hardware",
            "Workload", "Setup"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_ALIASES = {
-    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
-    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
-    "heads": ("num_attention_heads", "n_head", "n_heads", "num_heads"),
-    "vocab": ("vocab_size", "n_vocab"),
-    "intermediate": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
-    "positions": ("max_position_embeddings", "n_positions", "block_size", "max_seq_len", "n_ctx"),
-}
-_GATED_FAMILIES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3",
-                   "olmo", "olmo2", "internlm2", "yi"}
-_ROTARY_FAMILIES = _GATED_FAMILIES | {"gpt_neox", "gptj", "falcon", "phi"}
-
-
-# ---------------------------------------------------------------- models on the meta device
-
-@dataclass(frozen=True)
-class Arch:
-    """A GPT-family architecture read from a Hugging Face-style config."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    intermediate: int
-    positions: int
-    learned_positions: bool  # a position table (GPT-2) rather than rotary embeddings
-    gated: bool  # gate/up/down MLP with RMSNorm (Llama) rather than fc/proj with LayerNorm
-    bias: bool
-    tied: bool  # output head shares the token embedding
-
-
-def arch_from_config(cfg: dict) -> Arch:
-    """Read sizes and family from a config dict (GPT-2, Llama and look-alikes)."""
-    dims = read_dims(cfg)
-    missing = [k for k in ("layers", "hidden", "heads", "vocab") if k not in dims]
-    if missing:
-        raise ValueError(f"config lacks {', '.join(missing)} (looked for "
-                         + "; ".join(f"{k}: {'/'.join(_ALIASES[k])}" for k in missing) + ")")
-    family = str(cfg.get("model_type", "")).lower()
-    gated = family in _GATED_FAMILIES or cfg.get("hidden_act") in ("silu", "swiglu")
-    rotary = family in _ROTARY_FAMILIES or any(k in cfg for k in ("rope_theta", "rotary_dim",
-                                                                  "rotary_pct", "rope_scaling"))
-    hidden = dims["hidden"]
-    return Arch(dims["layers"], hidden, dims["heads"],
-                int(cfg.get("num_key_value_heads") or dims["heads"]), dims["vocab"],
-                dims.get("intermediate", 4 * hidden), dims.get("positions", 2048), not rotary,
-                gated, bool(cfg.get("attention_bias", not gated)),
-                bool(cfg.get("tie_word_embeddings", not gated)))
-
-
-class _Attention(nn.Module):
-    def __init__(self, arch: Arch):
-        super().__init__()
-        h, kv = arch.hidden, arch.hidden // arch.heads * arch.kv_heads
-        if arch.gated:  # Llama keeps q, k, v apart
-            self.q = nn.Linear(h, h, bias=arch.bias)
-            self.k = nn.Linear(h, kv, bias=arch.bias)
-            self.v = nn.Linear(h, kv, bias=arch.bias)
-        else:  # GPT-2's fused c_attn
-            self.qkv = nn.Linear(h, h + 2 * kv, bias=arch.bias)
-        self.proj = nn.Linear(h, h, bias=arch.bias)
-
-
-class _MLP(nn.Module):
-    def __init__(self, arch: Arch):
-        super().__init__()
-        h, inner = arch.hidden, arch.intermediate
-        if arch.gated:
-            self.gate = nn.Linear(h, inner, bias=False)
-        self.fc = nn.Linear(h, inner, bias=not arch.gated)
-        self.proj = nn.Linear(inner, h, bias=not arch.gated)
-
-
-def _norm(arch: Arch) -> nn.Module:
-    return nn.RMSNorm(arch.hidden) if arch.gated else nn.LayerNorm(arch.hidden)
-
-
-class _Block(nn.Module):
-    def __init__(self, arch: Arch):
-        super().__init__()
-        self.ln_attn, self.attn = _norm(arch), _Attention(arch)
-        self.ln_mlp, self.mlp = _norm(arch), _MLP(arch)
-
-
-class ConfigGPT(nn.Module):
-    """A stand-in with the parameter shapes and module structure a config describes (no forward)."""
-
-    def __init__(self, arch: Arch):
-        super().__init__()
-        self.arch = arch
-        self.token_embedding = nn.Embedding(arch.vocab, arch.hidden)
-        if arch.learned_positions:
-            self.position_embedding = nn.Embedding(arch.positions, arch.hidden)
-        self.blocks = nn.ModuleList(_Block(arch) for _ in range(arch.layers))
-        self.ln_final = _norm(arch)
-        self.head = nn.Linear(arch.hidden, arch.vocab, bias=False)
-        if arch.tied:
-            self.head.weight = self.token_embedding.weight
-
-
-def _import_factory(spec: str):
-    target, _, name = spec.rpartition(":")
-    if target.endswith(".py"):
-        module_spec = importlib.util.spec_from_file_location(Path(target).stem, target)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_spec.name] = module  # dataclasses look their module up here
-        module_spec.loader.exec_module(module)
-    else:
-        if str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))  # a console script does not put "." on the path
-        module = importlib.import_module(target)
-    return getattr(module, name)
-
-
-def load_model(spec: str) -> tuple[nn.Module, dict]:
-    """(model built on the meta device, its config as a dict) from a factory path or a JSON file.
-
-    `spec` is "package.module:function" (or "path/file.py:function"), called with no
-    arguments, or the path of a Hugging Face-style config JSON (nothing is downloaded).
-    """
-    if spec.endswith(".json"):
-        cfg = json.loads(Path(spec).read_text(encoding="utf-8"))
-        with torch.device("meta"):
-            return ConfigGPT(arch_from_config(cfg)), cfg
-    if ":" not in spec:
-        raise ValueError(f"MODEL must be package.module:function or a config .json, got {spec!r}")
-    with torch.device("meta"):
-        model = _import_factory(spec)()
-    return model, _config_dict(getattr(model, "config", None))
-
-
-def _config_dict(config: Any) -> dict:
-    """A model's `config` attribute (dataclass, Hugging Face config, dict, object) as a dict."""
-    if dataclasses.is_dataclass(config):
-        return dataclasses.asdict(config)
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    return dict(config) if isinstance(config, dict) else dict(getattr(config, "__dict__", {}))
-
-
-def read_dims(cfg: dict) -> dict[str, int]:
-    """Sizes found under any of their usual names (`_ALIASES`); absent ones are left out."""
-    dims = {}
-    for key, names in _ALIASES.items():
-        value = next((cfg[n] for n in names if cfg.get(n)), None)
-        if value is not None:
-            dims[key] = int(value)
-    if "intermediate" not in dims and cfg.get("mlp_ratio") and "hidden" in dims:
-        dims["intermediate"] = int(cfg["mlp_ratio"] * dims["hidden"])
-    return dims
-
-
-def _dims_from_modules(model: nn.Module) -> dict[str, int]:
-    """Fallback sizes read off the modules: embeddings and the longest ModuleList."""
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    lists = [len(m) for m in model.modules() if isinstance(m, nn.ModuleList)]
-    dims = {"layers": max(lists, default=1)}
-    if embeddings:
-        dims["hidden"] = embeddings[0].embedding_dim
-        dims["vocab"] = max(e.num_embeddings for e in embeddings)
-    return dims
-
-
-def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
-             **overrides: int | None) -> ModelShape:
-    """The planner's view of `model`: parameter sizes, fetch units and dimensions.
-
-    Dimensions come from `overrides`, then `cfg` (a model config), then the modules.
-    """
-    dims = {**_dims_from_modules(model), **read_dims(cfg or {}),
-            **{k: v for k, v in overrides.items() if v}}
-    hidden = dims.get("hidden") or 1
-    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    claimed: set[int] = set()
-    units = []
-    for module in model.modules():  # a fetch unit: a module that directly owns parameters
-        params = [p for p in module.parameters(recurse=False)
-                  if p.requires_grad and id(p) not in claimed]
-        claimed.update(id(p) for p in params)
-        if params:
-            units.append(sum(p.numel() for p in params))
-    return ModelShape(name or type(model).__name__, tuple(trainable), frozen, tuple(units),
-                      dims.get("layers", 1), hidden, dims.get("heads", max(1, hidden // 64)),
-                      dims.get("vocab", 0), dims.get("intermediate", 4 * hidden),
-                      dims.get("positions"))
 
 
 # ---------------------------------------------------------------- the engine's layout from a config
