@@ -68,3 +68,20 @@ def test_meta_device_model_is_materialised_like_an_ordinary_build():
     engine.backward(engine(torch.randn(2, 16)))
     engine.step()
     assert engine.global_steps == 1
+
+
+def gpt_under_init(rank, world_size):
+    from gpt import GPT, Block, GPTConfig  # re-initialises its children with self.apply(...)
+    shape = GPTConfig(block_size=16, n_layer=2, n_embd=32)
+    torch.manual_seed(0)
+    plain = GPT(shape)
+    torch.manual_seed(0)
+    with zeromem.Init():
+        model = GPT(shape)
+    engine = zeromem.initialize(model, config(3, 1, 0.0, world_size), fetch_units=(Block,))
+    full = engine.full_state_dict()
+    return all(torch.equal(full[k], v) for k, v in plain.state_dict().items()) if full else True
+
+
+def test_init_sees_whole_parameters_in_a_parents_apply_init():
+    assert all(run_distributed(gpt_under_init, 2))

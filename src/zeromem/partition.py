@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
+from torch.overrides import TorchFunctionMode
 
 from .comm import Comm
 from .distributed import ensure_process_group
@@ -89,6 +90,16 @@ def _gather_whole(p: nn.Parameter, comm: Comm) -> torch.Tensor:
     return whole[:entry.numel].view(entry.shape).to(p.dtype)
 
 
+def _reshard(p: nn.Parameter, comm: Comm) -> None:
+    """Copy this rank's part of whole `p` back into its shard; `p` becomes empty again."""
+    entry = _SHARDS[p]
+    size = entry.shard.numel()
+    flat = torch.zeros(size * comm.world_size, dtype=p.dtype, device=p.device)
+    flat[:entry.numel].copy_(p.detach().reshape(-1))
+    entry.shard.copy_(flat[comm.rank * size:(comm.rank + 1) * size])
+    p.data = p.data.new_empty(0)
+
+
 def materialize(params: Iterable[nn.Parameter], comm: Comm) -> None:
     """Give parameters built under `Init` their whole values again (collective)."""
     for p in params:
@@ -135,24 +146,34 @@ class Init:
         self.enabled = enabled
         self.built: list[weakref.ref] = []
         self.handles = []
+        self.mode = _WholeWhileTouched(self)
+        self.busy = False  # partitioning now: the mode must let our own tensor ops through
 
     def __enter__(self) -> Init:
         if self.enabled:
             self.handles = [
                 module_hooks.register_module_module_registration_hook(self._on_child),
                 module_hooks.register_module_parameter_registration_hook(self._on_param)]
+            self.mode.__enter__()
         return self
 
     def _on_child(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
         if child is not None:
-            for p in child.parameters():
-                _partition(p, self.comm)
+            self.busy = True
+            try:
+                for p in child.parameters():
+                    _partition(p, self.comm)
+            finally:
+                self.busy = False
 
     def _on_param(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None:
             self.built.append(weakref.ref(param))
 
     def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        self.mode.__exit__(None, None, None)
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -161,6 +182,36 @@ class Init:
             p = ref()
             if p is not None:
                 _partition(p, self.comm)
+
+
+class _WholeWhileTouched(TorchFunctionMode):
+    """Under `Init`: an op on an already-partitioned parameter sees it whole.
+
+    A parent's constructor may re-initialise its children after attaching them
+    (`self.apply(init_weights)`, as GPT-style models do). Such an op gathers the
+    parameter, runs, and in-place results go back into this rank's shard; every
+    rank runs the same constructor, so the gathers match and the RNG draws are
+    those of an ordinary build.
+    """
+
+    def __init__(self, init: Init):
+        super().__init__()
+        self.init = init
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        touched = [a for a in (*args, *kwargs.values())
+                   if isinstance(a, nn.Parameter) and a in _SHARDS]
+        if self.init.busy or not touched:
+            return func(*args, **kwargs)
+        comm = self.init.comm
+        for p in touched:
+            p.data = _gather_whole(p, comm)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            for p in touched:
+                _reshard(p, comm)
 
 
 class GatheredParameters:
@@ -205,9 +256,4 @@ class GatheredParameters:
         for p in self.loose:
             if src is not None:
                 self.comm.broadcast(p.data, src)
-            entry = _SHARDS[p]
-            size = entry.shard.numel()
-            flat = torch.zeros(size * self.comm.world_size, dtype=p.dtype, device=p.device)
-            flat[:entry.numel].copy_(p.detach().reshape(-1))
-            entry.shard.copy_(flat[self.comm.rank * size:(self.comm.rank + 1) * size])
-            p.data = p.data.new_empty(0)
+            _reshard(p, self.comm)
