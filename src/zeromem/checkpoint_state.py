@@ -133,6 +133,57 @@ def restore_scheduler(engine, manifest: dict) -> None:
                     "engine" if scheduler is None else "checkpoint")
 
 
+# ---------------------------------------------------------------- fit to the engine, before applying
+
+def check_states(engine, manifest: dict, load_optimizer_states: bool,
+                 load_lr_scheduler_states: bool) -> None:
+    """The saved optimizer options and scheduler state must fit this engine's (same keys,
+    compatible types), so that the restores above cannot fail or plant a bad value
+    half-way through a load. The manifest's own schema was checked on reading."""
+    if load_optimizer_states:
+        for i, (group, saved) in enumerate(zip(engine.optimizer.param_groups,
+                                               manifest["optimizer"]["param_groups"])):
+            here = {k: v for k, v in group.items() if k != "params"}
+            check_like(decode(saved), here, f"optimizer.param_groups[{i}]")
+    scheduler, saved = engine.lr_scheduler, manifest["lr_scheduler"]
+    if load_lr_scheduler_states and scheduler is not None and saved is not None:
+        check_like(decode(saved), scheduler.state_dict(), "lr_scheduler")
+
+
+def check_like(saved: Any, here: Any, where: str) -> None:
+    """`saved` has the structure of `here`: same keys, same lengths, compatible leaf types.
+
+    Numbers stand for numbers (int or float; not bool), None for any plain value.
+    """
+    if here is None or saved is None:
+        if isinstance(saved, (dict, list, tuple)) or torch.is_tensor(saved):
+            raise CheckpointError(f"manifest field {where}: expected a plain value, "
+                                  f"got a {type(saved).__name__}")
+        return
+    if isinstance(here, dict):
+        _need(isinstance(saved, dict), saved, here, where)
+        if set(saved) != set(here):
+            raise CheckpointError(f"manifest field {where}: keys {sorted(map(str, saved))} do not "
+                                  f"match this engine's {sorted(map(str, here))}")
+        for k in here:
+            check_like(saved[k], here[k], f"{where}.{k}")
+    elif isinstance(here, (list, tuple)):
+        _need(type(saved) is type(here) and len(saved) == len(here), saved, here, where)
+        for i, (a, b) in enumerate(zip(saved, here)):
+            check_like(a, b, f"{where}[{i}]")
+    elif isinstance(here, bool) or isinstance(here, str) or torch.is_tensor(here):
+        _need(type(saved) is type(here) or torch.is_tensor(saved) and torch.is_tensor(here),
+              saved, here, where)
+    elif isinstance(here, (int, float)):
+        _need(isinstance(saved, (int, float)) and not isinstance(saved, bool), saved, here, where)
+
+
+def _need(ok: bool, saved: Any, here: Any, where: str) -> None:
+    if not ok:
+        raise CheckpointError(f"manifest field {where}: {saved!r} is not like this engine's "
+                              f"{here!r} ({type(here).__name__})")
+
+
 # ---------------------------------------------------------------- step counters
 
 def counters_state(engine) -> dict[str, int]:

@@ -16,8 +16,9 @@ On-disk layout:
         manifest.json           rank 0; describes everything below (see `_build_manifest`)
         rank00000.safetensors   rank r's pieces and RNG states, one file per rank
         rank00001.safetensors
-        client_state.pt         rank 0, torch.save(client_state) (pickle: load only
-                                checkpoints you trust); absent when client_state is None
+        client_state.pt         rank 0, torch.save(client_state); absent when None. Loaded
+                                with weights_only=True (dicts, lists, numbers, strings,
+                                tensors) unless load_checkpoint(trust_client_state=True)
       .tmp-<tag>/               a save in progress; renamed to <tag> once complete
       .old-<tag>/               a tag being overwritten, alive between two renames
 
@@ -48,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +58,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .checkpoint_state import (counters_state, param_groups_state, read_rng, restore_counters,
+from .checkpoint_state import (check_states, counters_state, param_groups_state, read_rng, restore_counters,
                                restore_param_groups, restore_rng, restore_scaler,
                                restore_scheduler, rng_state, saved_scalar_state, scalar_states,
                                scaler_state, scheduler_state)
@@ -339,7 +341,8 @@ class _Staged:
 
 def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
                     load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True) -> tuple[str, Any]:
+                    load_lr_scheduler_states: bool = True,
+                    trust_client_state: bool = False) -> tuple[str, Any]:
     """Load a checkpoint into `engine`, under any world size, stage or bucket size; collective.
 
     `tag` defaults to the one `latest` names. Every file is checked against its
@@ -347,17 +350,25 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     memory, before the engine changes: on any error (a `CheckpointError` naming the
     file or parameter, raised on every rank) the engine is as it was. Returns
     (checkpoint directory, client_state).
+
+    Only paths inside `load_dir` are followed. `client_state` is unpickled with
+    `weights_only=True` (containers, numbers, strings, tensors): a checkpoint
+    directory someone else can write cannot run code in this process. Pass
+    `trust_client_state=True` for client state holding other objects, and only
+    for checkpoints you wrote yourself.
     """
     path, manifest = _collective(
         engine, "reading the checkpoint manifest",
-        lambda: _open_checked(engine, load_dir, tag, load_optimizer_states))
+        lambda: _open_checked(engine, load_dir, tag, load_optimizer_states,
+                              load_lr_scheduler_states))
     h = int.from_bytes(hashlib.sha256(str(path).encode()).digest()[:7], "little")
     if len({row[0] for row in _share_rows(engine, [h])}) > 1:
         raise CheckpointError(f"ranks resolved different checkpoints (this rank: {path}); "
                               "was `latest` replaced during the load?")
     _verify_files(engine, path, manifest)
     staged = _collective(engine, "reading the checkpoint",
-                         lambda: _stage(engine, path, manifest, load_optimizer_states))
+                         lambda: _stage(engine, path, manifest, load_optimizer_states,
+                                        trust_client_state))
     with engine.offload.resident():  # masters and optimizer states in memory (offload.py)
         _apply(engine, staged, load_lr_scheduler_states)
     _refresh_params(engine)
@@ -367,10 +378,12 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     return str(path), staged.client_state
 
 
-def _open_checked(engine, load_dir, tag, load_optimizer_states: bool) -> tuple[Path, dict]:
+def _open_checked(engine, load_dir, tag, load_optimizer_states: bool,
+                  load_lr_scheduler_states: bool) -> tuple[Path, dict]:
     path = resolve_checkpoint(load_dir, tag)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path)  # the whole schema
     _check_model(engine, manifest, path / MANIFEST, load_optimizer_states)
+    check_states(engine, manifest, load_optimizer_states, load_lr_scheduler_states)
     return path, manifest
 
 
@@ -425,7 +438,8 @@ def _verify_files(engine, path: Path, manifest: dict) -> None:
     raise_problems(path, files, codes)
 
 
-def _stage(engine, path: Path, manifest: dict, load_optimizer_states: bool) -> _Staged:
+def _stage(engine, path: Path, manifest: dict, load_optimizer_states: bool,
+           trust_client_state: bool) -> _Staged:
     index = pieces_by_param(manifest)
     names = manifest["optimizer"]["tensor_states"] if load_optimizer_states else []
     dtypes = manifest["dtypes"]["optimizer"]
@@ -453,10 +467,27 @@ def _stage(engine, path: Path, manifest: dict, load_optimizer_states: bool) -> _
         for r in readers.values():
             r.close()
     client = None
-    if manifest.get("client_state"):  # pickle: the checksum above vouches for the file
-        client = torch.load(path / CLIENT_STATE, map_location="cpu", weights_only=False)
+    if manifest.get("client_state"):
+        client = _read_client_state(path / CLIENT_STATE, trust_client_state)
     return _Staged(manifest, masters, states if load_optimizer_states else None, module, rng,
                    client)
+
+
+def _read_client_state(file: Path, trust: bool) -> Any:
+    """The client state; arbitrary pickled objects only when the caller trusts the file.
+
+    The checksum does not vouch for it: the manifest holding the checksum lives in
+    the same directory, so whoever can write one can write both.
+    """
+    if trust:
+        return torch.load(file, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{file} holds objects other than containers, numbers, strings and tensors, which "
+            "could run code when loaded; pass load_checkpoint(..., trust_client_state=True) "
+            f"only if you trust who wrote this checkpoint ({str(error).splitlines()[0]})") from None
 
 
 def _read_shard(group, index: dict[str, list[Piece]], reader: Callable[[str], SafetensorsReader],

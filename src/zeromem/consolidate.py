@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .leftovers import OWNER, reclaim_stale, write_owner
+from .manifest import validate_manifest
 from .tensor_files import (CHUNK_BYTES, CheckpointError, SafetensorsReader, TensorSpec,
                            shape_numel, write_output)
 # Re-exported: these lived here before tensor_files.py; tests and callers import them from here.
@@ -53,11 +55,13 @@ def file_digest(path: Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-OK, MISSING, WRONG_SIZE, WRONG_SHA256 = 0, 1, 2, 3
+OK, MISSING, WRONG_SIZE, WRONG_SHA256, OUTSIDE = 0, 1, 2, 3, 4
 
 
 def verify_file(path: Path, sha256: str, nbytes: int) -> int:
     """OK, or why `path` does not match the manifest's checksum and size."""
+    if not is_inside(path.parent, path):
+        return OUTSIDE
     if not path.is_file():
         return MISSING
     if path.stat().st_size != nbytes:
@@ -68,6 +72,8 @@ def verify_file(path: Path, sha256: str, nbytes: int) -> int:
 def describe_problem(code: int, path: Path, nbytes: int) -> str:
     if code == MISSING:
         return f"checkpoint file {path} is missing (the manifest lists it)"
+    if code == OUTSIDE:
+        return f"checkpoint file {path} is a link to {path.resolve()}, outside the checkpoint"
     if code == WRONG_SIZE:
         size = path.stat().st_size if path.is_file() else "?"
         return (f"checkpoint file {path} is truncated or was altered: {size} bytes, "
@@ -169,16 +175,38 @@ def overlaps(pieces: list[Piece], start: int, numel: int) -> Iterator[tuple[Piec
 
 # ---------------------------------------------------------------- resolving and reading
 
+def is_inside(root: Path, path: Path) -> bool:
+    """Whether `path`, links followed, lies in `root` (links followed too)."""
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # a link loop
+        return False
+
+
 def resolve_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
-    """The directory of checkpoint `tag` (default: the one `latest` names) under `load_dir`."""
+    """The directory of checkpoint `tag` (default: the one `latest` names) under `load_dir`.
+
+    Only a plain name directly under `load_dir` is followed (no `..`, separators,
+    absolute paths, or links leading elsewhere): a checkpoint directory someone
+    else can write must not make the load read files outside it.
+    """
     root = Path(load_dir)
     if tag is None:
         latest = root / LATEST
         if not latest.is_file():
             raise CheckpointError(f"no {LATEST!r} file in {root}: pass tag= explicitly "
                                   f"(tags found: {available_tags(root)})")
+        if not is_inside(root, latest):
+            raise CheckpointError(f"{latest} is a link to {latest.resolve()}, outside {root}")
         tag = latest.read_text().strip()
+        _check_loaded_tag(tag, f"{latest} names tag {tag!r}")
+    else:
+        _check_loaded_tag(str(tag), f"tag {str(tag)!r}")
     path = root / str(tag)
+    for candidate in (path, root / f".old-{tag}"):
+        if candidate.exists() and not is_inside(root, candidate):
+            raise CheckpointError(f"checkpoint {candidate} is a link to {candidate.resolve()}, "
+                                  f"outside {root}; refusing to follow it")
     if (path / MANIFEST).is_file():
         return path
     old = root / f".old-{tag}"
@@ -202,15 +230,21 @@ def available_tags(root: Path) -> list[str]:
 def read_manifest(path: Path) -> dict:
     """The parsed manifest of checkpoint directory `path`, with its format checked."""
     file = path / MANIFEST
+    if file.exists() and not is_inside(path, file):
+        raise CheckpointError(f"{file} is a link to {file.resolve()}, outside the checkpoint")
     try:
-        manifest = json.loads(file.read_text())
+        text = file.read_text()
+        manifest = json.loads(text)
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{file} cannot be read: {error}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not a zeromem checkpoint manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        what = manifest.get("format", "missing") if isinstance(manifest, dict) else "missing"
+        raise CheckpointError(f"{file} is not a zeromem checkpoint manifest "
+                              f"(field format: {what!r})")
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{file} has format version {manifest.get('version')}; this "
                               f"zeromem reads version {VERSION}")
+    validate_manifest(text, file)  # every field, before anything reads or applies one
     return manifest
 
 
@@ -226,19 +260,40 @@ def checked_files(manifest: dict) -> list[dict]:
 # Writers fill `.tmp-<tag>`; `publish` renames it into place; `latest` changes last
 # (`resolve_checkpoint` above is the reading side, with the `.old-<tag>` fallback).
 
+def _check_loaded_tag(tag: str, what: str) -> None:
+    """A tag to load must be a plain name in the directory, as `check_tag` makes saved ones."""
+    if not _plain_name(tag) or tag == LATEST:
+        raise CheckpointError(f"{what}: a checkpoint tag must be a plain, non-hidden directory "
+                              "name (no '..', '/', absolute path); refusing to follow it")
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0") \
+        and os.sep not in name and not os.path.isabs(name)
+
+
 def check_tag(tag: str) -> str:
     """`tag` if it is a plain directory name that cannot clash with the protocol's own."""
-    if not tag or tag.startswith(".") or tag == LATEST or "/" in tag or os.sep in tag:
+    if not _plain_name(tag) or tag == LATEST:
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain, non-hidden directory "
                               f"name other than {LATEST!r}")
     return tag
 
 
+TMP_PREFIX = ".tmp-"
+
+
 def prepare_tmp(root: Path, tmp: Path) -> None:
-    """A fresh, empty `.tmp-<tag>` directory (a stale one from a stopped save is removed)."""
+    """A fresh `.tmp-<tag>` directory owned by this process.
+
+    `.tmp-*` directories of saves whose process is gone (killed mid-save: each one
+    a whole checkpoint's size) are removed first; a live run's are left alone.
+    """
     root.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that stopped
+    reclaim_stale(root, TMP_PREFIX, keep=tmp)
+    shutil.rmtree(tmp, ignore_errors=True)  # this tag's, left by a save that stopped
     tmp.mkdir()
+    write_owner(tmp)
 
 
 def write_manifest(tmp: Path, manifest: dict) -> None:
@@ -252,6 +307,7 @@ def write_manifest(tmp: Path, manifest: dict) -> None:
 def publish(root: Path, tmp: Path, tag: str) -> None:
     """Rename the finished directory to `<tag>`; an existing tag is moved aside first."""
     final, old = root / tag, root / f".old-{tag}"
+    (tmp / OWNER).unlink(missing_ok=True)  # a published checkpoint belongs to no process
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)  # between these renames, loading falls back to .old-<tag>

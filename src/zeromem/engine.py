@@ -278,10 +278,14 @@ class Engine:
         return checkpoints.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True) -> tuple[str, Any]:
-        """Load a checkpoint saved under any world size / stage; returns (path, client_state)."""
+                        load_lr_scheduler_states: bool = True,
+                        trust_client_state: bool = False) -> tuple[str, Any]:
+        """Load a checkpoint saved under any world size / stage; returns (path, client_state).
+
+        `trust_client_state=True` unpickles arbitrary objects in client_state.pt
+        (only for checkpoints you trust; see `checkpoints.load_checkpoint`)."""
         return checkpoints.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                           load_lr_scheduler_states)
+                                           load_lr_scheduler_states, trust_client_state)
 
     def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin") -> str:
         """Compute-dtype weights to save_dir/filename on rank 0; collective."""

@@ -19,7 +19,9 @@ The pieces, from the bottom up:
   every write is followed by `fdatasync` so that data reaches the disk as it
   would with direct I/O. Which mode is used is in `SwapFile.direct`.
 - `SwapSpace`: the per-rank directory `nvme_path/zeromem-rank{r}-{pid}-XXXX/` that
-  holds the files; removed by `close()`, by garbage collection or at exit.
+  holds the files; removed by `close()`, by garbage collection or at exit. A
+  process killed by a signal removes nothing, so each directory records its
+  owner (`leftovers.py`) and a new space removes those of processes that are gone.
 
 Every failure (a missing or unwritable path, ENOSPC, a short read of a
 truncated file) is an `OffloadError` naming the file, raised to the caller of
@@ -40,7 +42,11 @@ from typing import Callable
 
 import torch
 
+from .leftovers import reclaim_stale, write_owner
+
 log = logging.getLogger("zeromem")
+
+SPACE_PREFIX = "zeromem-rank"
 
 ALIGN = 4096  # bytes; covers 512-byte and 4K logical sectors
 
@@ -252,8 +258,11 @@ class SwapSpace:
             io.shutdown()
             what = "is not a directory" if root.exists() else "does not exist"
             raise OffloadError(f"nvme_path {root} {what}")
+        reclaim_stale(root, SPACE_PREFIX)  # left by killed runs: each as large as its offload
         try:  # unique per engine: several engines may share a process and a path
-            self.dir = Path(tempfile.mkdtemp(prefix=f"zeromem-rank{rank}-{os.getpid()}-", dir=root))
+            self.dir = Path(tempfile.mkdtemp(prefix=f"{SPACE_PREFIX}{rank}-{os.getpid()}-",
+                                             dir=root))
+            write_owner(self.dir)
         except OSError as e:
             io.shutdown()
             raise OffloadError(f"cannot create a swap directory under nvme_path {root}: "
