@@ -109,7 +109,7 @@ def test_client_state_objects_need_an_explicit_opt_in(tmp_path):
 
 def _hostile_cases(tmp: Path) -> dict:
     """name -> (edit of a copy of the good checkpoint `root`, tag to load)."""
-    outside = tmp / "outside.safetensors"
+    outside, evil = tmp / "outside.safetensors", tmp / "cases" / "evil"  # evil: beside each root
     good = lambda root: root / "good"  # noqa: E731
 
     def file_name(name):
@@ -121,14 +121,14 @@ def _hostile_cases(tmp: Path) -> dict:
 
     return {
         "tag ../evil": (None, "../evil"),
-        "tag absolute": (None, str(tmp / "evil")),
+        "tag absolute": (None, str(evil)),
         "tag sub/../../evil": (None, "sub/../../evil"),
         "tag ..": (None, ".."),
         "tag .": (None, "."),
         "latest ../evil": (lambda root: (root / "latest").write_text("../evil"), None),
-        "latest absolute": (lambda root: (root / "latest").write_text(str(tmp / "evil")), None),
+        "latest absolute": (lambda root: (root / "latest").write_text(str(evil)), None),
         "latest link outside": (lambda root: link(root / "latest", tmp / "evil-latest"), None),
-        "tag dir link outside": (lambda root: (root / "link").symlink_to(tmp / "evil"), "link"),
+        "tag dir link outside": (lambda root: (root / "link").symlink_to(evil), "link"),
         "file ../../outside": (file_name("../../outside.safetensors"), None),
         "file absolute": (file_name(str(outside)), None),
         "file in subdir": (file_name("sub/rank00000.safetensors"), None),
@@ -137,7 +137,7 @@ def _hostile_cases(tmp: Path) -> dict:
         "shard link outside": (lambda root: link(good(root) / "rank00000.safetensors", outside),
                                None),
         "manifest link outside": (lambda root: link(good(root) / "manifest.json",
-                                                    tmp / "evil" / "manifest.json"), None),
+                                                    evil / "manifest.json"), None),
     }
 
 
@@ -145,7 +145,7 @@ def test_load_refuses_paths_outside_the_checkpoint(tmp_path):
     engine = engine_of(stage=1)
     train(engine, 0, 1, range(1))
     save_checkpoint(engine, tmp_path / "source", tag="good", client_state={"a": 1})
-    save_checkpoint(engine, tmp_path, tag="evil", client_state={"a": 1})  # a real one, outside
+    save_checkpoint(engine, tmp_path / "cases", tag="evil", client_state={"a": 1})  # outside
     (tmp_path / "evil-latest").write_text("good")
     shutil.copy(tmp_path / "source" / "good" / "rank00000.safetensors",
                 tmp_path / "outside.safetensors")
