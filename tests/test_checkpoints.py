@@ -72,9 +72,44 @@ def config(stage: int, world_size: int, bucket: int = SAVE_BUCKET, **extra) -> d
                                                      "warmup_num_steps": 5,
                                                      "warmup_type": "linear"}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
-                              "allgather_bucket_size": 50},
+                              "allgather_bucket_size": 50, **PARTITION_ALL},
         **extra,
     }
+
+
+# Stage 3 keeps units under the threshold (default 100k elements: all of BufferedLM) whole;
+# 0 partitions every unit, so stage-3 saves and loads really see parameter shards.
+PARTITION_ALL = {"stage3_param_persistence_threshold": 0}
+
+
+def assert_partitioned(engine) -> None:
+    """At stage 3 on several ranks, every unit holds only its shard between uses."""
+    if engine.zero_stage != 3 or engine.comm.world_size == 1:
+        return
+    units = engine.stage3.units
+    assert units and not any(u.persistent for u in units)
+    assert all(u.group.param_shard.numel() < u.group.numel for u in units)
+
+
+def shard_diff(engine, expected: dict[str, torch.Tensor]) -> float:
+    """Max difference of this rank's master shard from its slice of the expected parameters
+    (what each rank holds, so every rank checks; parameters are empty at stage 3)."""
+    diffs = [0.0]
+    for g in engine.groups:
+        for slot in g.slots:
+            s0, p0, n = g.owned_slice(slot)
+            want = expected[slot.name].flatten()[p0:p0 + n]
+            diffs.append((g.master.detach()[s0:s0 + n] - want).abs().max().item() if n else 0.0)
+    return max(diffs)
+
+
+def assert_shards_match(engine, full: dict[str, torch.Tensor], dtype=torch.float32) -> None:
+    """This rank's master shard equals its slice of a whole state dict (`dtype` on disk)."""
+    for g in engine.groups:
+        for slot in g.slots:
+            s0, p0, n = g.owned_slice(slot)
+            mine = g.master.detach()[s0:s0 + n].to(dtype)
+            assert torch.equal(mine, full[slot.name].flatten()[p0:p0 + n]), slot.name
 
 
 def train(engine, rank: int, world_size: int, steps) -> None:
@@ -84,20 +119,21 @@ def train(engine, rank: int, world_size: int, steps) -> None:
         for micro in range(gas):
             j = rank * gas + micro
             tokens, targets = micro_batch(step, j, 0)
-            engine.backward(engine(tokens, targets, uses_sometimes(step, j, 0)))
+            # Same on every rank: stage 3 with partitioned units gathers each module collectively.
+            engine.backward(engine(tokens, targets, uses_sometimes(step, j, 0, per_rank=False)))
             engine.step()
 
 
-def reference(steps: int) -> list[list[torch.Tensor]]:
+def reference(steps: int) -> list[dict[str, torch.Tensor]]:
     """Parameters after each step of one uninterrupted process on the global batch."""
     torch.manual_seed(0)
-    ref = Reference(BufferedLM(), lr=1e-2, clip=0.05)
+    ref = Reference(BufferedLM(), lr=1e-2, clip=0.05, per_rank=False)
     schedule = WarmupLR(ref.opt, 1e-3, 1e-2, 5, "linear")
     out = []
     for step in range(steps):
         ref.step(step, G, 1)
         schedule.step()
-        out.append([p.detach().clone() for p in ref.model.parameters()])
+        out.append({n: p.detach().clone() for n, p in ref.model.named_parameters()})
     return out
 
 
@@ -111,17 +147,24 @@ def save_source(rank: int, world_size: int, root: Path, stage: int) -> None:
     torch.manual_seed(0)
     engine = zeromem.initialize(BufferedLM(), config(stage, world_size))
     train(engine, rank, world_size, range(SAVE_AT))
+    assert_partitioned(engine)
     engine.save_checkpoint(case_dir(root, stage, world_size), client_state={"position": SAVE_AT})
     full = engine.full_state_dict()
     if rank == 0:
         torch.save(full, case_dir(root, stage, world_size) / "full_state_dict.pt")
+    engine.comm.barrier()
+    assert_shards_match(engine, torch.load(case_dir(root, stage, world_size) /
+                                           "full_state_dict.pt", weights_only=True))
 
 
 def resume(rank: int, world_size: int, root: Path, source: tuple, stage: int) -> list[float]:
     torch.manual_seed(100 + rank)  # another initialisation: the load must replace all of it
     engine = zeromem.initialize(BufferedLM(), config(stage, world_size, LOAD_BUCKET))
     engine.module.position.fill_(-1.0)
+    assert_partitioned(engine)
     path, client = engine.load_checkpoint(case_dir(root, *source))
+    assert_shards_match(engine, torch.load(case_dir(root, *source) / "full_state_dict.pt",
+                                           weights_only=True))
     assert client == {"position": SAVE_AT} and path.endswith(f"global_step{SAVE_AT}")
     assert engine.global_steps == SAVE_AT and engine.micro_steps == SAVE_AT * (G // world_size)
     assert torch.equal(engine.module.position, torch.arange(5.0))
@@ -129,8 +172,7 @@ def resume(rank: int, world_size: int, root: Path, source: tuple, stage: int) ->
     diffs = []
     for step in range(SAVE_AT, SAVE_AT + RESUME):
         train(engine, rank, world_size, [step])
-        diffs.append(max((p.detach() - q).abs().max().item()
-                         for p, q in zip(engine.module.parameters(), expected[step])))
+        diffs.append(shard_diff(engine, expected[step]))
     assert max(diffs) <= 1e-5, f"{source} -> {(stage, world_size)}: {diffs}"
     assert engine.get_lr()[0] == pytest.approx(1e-3 + (1e-2 - 1e-3) * (SAVE_AT + RESUME) / 5)
     return diffs
@@ -206,10 +248,11 @@ def sixteen_bit_model(rank: int, world_size: int, root: Path) -> None:
     with pytest.raises(CheckpointError, match="stage3_gather_16bit_weights_on_model_save"):
         save_16bit_model(engine, root / "16bit")
     torch.manual_seed(0)
-    flag = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    flag = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True, **PARTITION_ALL}
     engine = zeromem.initialize(BufferedLM(), config(3, world_size, bf16={"enabled": True},
                                                      zero_optimization=flag))
     train(engine, rank, world_size, range(1))
+    assert_partitioned(engine)
     full = engine.full_state_dict()
     for name in ("model.bin", "model.safetensors"):
         path = save_16bit_model(engine, root / "16bit", name)
@@ -218,6 +261,8 @@ def sixteen_bit_model(rank: int, world_size: int, root: Path) -> None:
             assert list(saved) == list(full) and saved["fc1.weight"].dtype == torch.bfloat16
             assert all(torch.equal(saved[k].float(), full[k].to(saved[k].dtype).float())
                        for k in full)
+        engine.comm.barrier()  # every rank checks its own shard against the file
+        assert_shards_match(engine, load_consolidated(path), torch.bfloat16)
 
 
 def run_jobs(rank: int, world_size: int, root: Path, jobs: list) -> dict:
