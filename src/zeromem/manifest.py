@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
 
 import torch
