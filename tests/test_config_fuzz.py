@@ -67,7 +67,7 @@ def wrong_values(field: FieldInfo) -> list:
         return [True, "not-a-choice", 99, *objects]
     if base is str:
         return [1, True, *objects]
-    if typing.get_origin(base) is tuple:  # Adam's betas
+    if typing.get_origin(base) is list:  # Adam's betas
         return [0.9, "0.9", [0.9], [0.9, 0.99, 0.999], [True, 0.9], [0.9, 1.0], [-0.1, 0.9],
                 [0.9, math.nan], {"a": 1}, None]
     if base is dict or typing.get_origin(base) is dict:
@@ -182,6 +182,6 @@ def test_deepspeed_spellings_still_load():
                          '"betas": [0.9, 0.999], "eps": 1e-8}}}', world_size=2)
     assert config.zero_optimization.reduce_bucket_size == 500_000_000
     assert config.train_batch_size == 4
-    assert config.optimizer.params["betas"] == (0.9, 0.999)
+    assert config.optimizer.params["betas"] == [0.9, 0.999]
     assert Config.load({"zero_optimization": {"reduce_bucket_size": "auto"}},
                        hidden_size=8).zero_optimization.reduce_bucket_size == 64

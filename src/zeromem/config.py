@@ -115,7 +115,7 @@ _Beta = Annotated[Float, Field(ge=0, lt=1)]
 # would surface as a torch traceback (or not at all: torch takes lr "0.01" until step()).
 _OPTIMIZER_PARAM_RULES: dict[str, Any] = {
     "lr": Annotated[Float, Field(ge=0)], "eps": Annotated[Float, Field(gt=0)],
-    "betas": Annotated[tuple[_Beta, _Beta], BeforeValidator(_pair)],
+    "betas": Annotated[list[_Beta], BeforeValidator(_pair)],  # a list, as torch got it before
     "weight_decay": Annotated[Float, Field(ge=0)], "momentum": Annotated[Float, Field(ge=0)],
     "dampening": Annotated[Float, Field(ge=0)],
     **{name: Bool for name in ("amsgrad", "nesterov", "maximize", "capturable", "differentiable",
