@@ -115,9 +115,9 @@ def fuzz_cases() -> list[tuple[str, dict]]:
             cases.append((key, data))
     for key, field, context in keyword_fields():
         for value in wrong_values(field):
-            block = key.split(".")[0]
-            data = {block: {**context[block],
-                            "params": {**context[block].get("params", {}), key.split(".")[-1]: value}}}
+            block, _, arg = key.split(".")
+            params = {**context[block].get("params", {}), arg: value}
+            data = {block: {**context[block], "params": params}}
             cases.append((key, data))
     return cases
 

@@ -637,7 +637,8 @@ def _parse_json(text: str, origin: str) -> dict:
     except (ValueError, RecursionError) as error:  # also a number past Python's digit limit
         raise ConfigError(f"{origin}: not valid JSON: {error}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{origin}: the top level must be a JSON object, got {type(data).__name__}")
+        raise ConfigError(f"{origin}: the top level must be a JSON object, "
+                          f"got {type(data).__name__}")
     try:
         _check_duplicates(data, "")
     except ConfigError as error:
