@@ -21,6 +21,7 @@ import copy
 import inspect
 import json
 import logging
+import math
 import os
 import sys
 from functools import cache
@@ -34,7 +35,7 @@ from pydantic_core import PydanticCustomError
 from zeromem import schedulers
 from zeromem.config_rules import (AIO_RENAMED, BATCH_KEYS, TOP_LEVEL_RENAMED, ZERO_RENAMED,
                                   ConfigError, humanise, map_cpu_offload, map_renamed_keys,
-                                  resolve_auto, resolve_batch, unknown_key_message)
+                                  resolve_auto, resolve_batch)
 
 logger = logging.getLogger("zeromem")
 
@@ -45,16 +46,33 @@ NOT_BUILT: set[str] = set()
 OUT_OF_SCOPE: frozenset[str] = frozenset({"zeropp", "mics", "elastic_checkpoint"})
 
 
+# Largest magnitude a number may have: sizes and counts end up in int64 tensors and C
+# size_t, and anything beyond is a typo (a 400-digit batch size), not a setting.
+NUMBER_LIMIT = 2**63 - 1
+
+
 def _numeric(kind: str) -> BeforeValidator:
-    """Reject booleans and strings where a number is expected (pydantic's lax mode takes them)."""
+    """Reject booleans and strings where a number is expected (pydantic's lax mode takes them),
+    NaN and infinities (JSON's NaN/Infinity literals), and numbers beyond NUMBER_LIMIT."""
 
     def check(value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise PydanticCustomError(f"{kind}_type", "Input should be a valid {kind}",
                                       {"kind": kind})
+        if isinstance(value, float) and not math.isfinite(value):
+            raise PydanticCustomError("finite_number", "Input should be a finite number")
+        if abs(value) > NUMBER_LIMIT:
+            raise PydanticCustomError("number_too_large", "Input should be at most 2**63 - 1")
         return value
 
     return BeforeValidator(check)
+
+
+def _not_bool(value: Any) -> Any:
+    """Reject booleans before an integer Literal: pydantic's lax mode takes true as 1."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
 
 
 Int = Annotated[int, _numeric("int")]  # whole floats like 5e8 become ints
@@ -84,6 +102,39 @@ class _Block(BaseModel):
         return map_renamed_keys(data, cls._renamed, cls._section)
 
 
+def _pair(value: Any) -> Any:
+    """A JSON list of exactly two items (Adam's betas); pydantic would name a missing index."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise PydanticCustomError("pair_type", "Input should be a pair")
+    return value
+
+
+_Beta = Annotated[Float, Field(ge=0, lt=1)]
+# Rules for the torch optimizers' keywords, by name; a keyword not named here keeps its
+# torch type check. DeepSpeed passes these straight to the constructor, whose own checks
+# would surface as a torch traceback (or not at all: torch takes lr "0.01" until step()).
+_OPTIMIZER_PARAM_RULES: dict[str, Any] = {
+    "lr": Annotated[Float, Field(ge=0)], "eps": Annotated[Float, Field(gt=0)],
+    "betas": Annotated[list[_Beta], BeforeValidator(_pair)],  # a list, as torch got it before
+    "weight_decay": Annotated[Float, Field(ge=0)], "momentum": Annotated[Float, Field(ge=0)],
+    "dampening": Annotated[Float, Field(ge=0)],
+    **{name: Bool for name in ("amsgrad", "nesterov", "maximize", "capturable", "differentiable",
+                               "decoupled_weight_decay")},
+    "foreach": Bool | None, "fused": Bool | None,
+}
+
+
+@cache
+def _optimizer_params_model(torch_class: type[torch.optim.Optimizer]) -> type[BaseModel]:
+    """A strict pydantic model of the optimizer's keyword arguments, built from its signature."""
+    fields = {}
+    for arg, p in inspect.signature(torch_class).parameters.items():
+        if arg != "params" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            fields[arg] = (_OPTIMIZER_PARAM_RULES.get(arg, Any), None)
+    return create_model(f"{torch_class.__name__}Params",
+                        __config__=ConfigDict(extra="forbid"), **fields)
+
+
 class OptimizerConfig(_Block):
     """`optimizer`: a torch optimizer named the DeepSpeed way, with its constructor keywords."""
 
@@ -104,12 +155,12 @@ class OptimizerConfig(_Block):
         params = dict(self.params)
         if self.type in ("Adam", "AdamW"):
             self._map_deepspeed_adam_keys(params)
-        valid = [name for name, p in inspect.signature(self.torch_class).parameters.items()
-                 if name != "params" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        for key in params:
-            if key not in valid:
-                raise ConfigError(unknown_key_message(key, f"optimizer.params.{key}", valid))
-        self.params = params
+        model = _optimizer_params_model(self.torch_class)
+        try:
+            checked = model.model_validate(params)
+        except ValidationError as error:
+            raise ConfigError(humanise(error, model, ("optimizer", "params"))) from None
+        self.params = checked.model_dump(exclude_unset=True)
         return self
 
     def _map_deepspeed_adam_keys(self, params: dict[str, Any]) -> None:
@@ -142,7 +193,9 @@ def _scheduler_params_model(name: str) -> type[BaseModel]:
     for arg, p in inspect.signature(cls.__init__).parameters.items():
         if arg in ("self", "optimizer", "last_batch_iteration"):  # resume via state_dict instead
             continue
-        hint = {float: Float, int: Int}.get(hints[arg], hints[arg])
+        # every numeric keyword is a step count, a learning rate or a ratio: none is negative
+        hint = {float: Annotated[Float, Field(ge=0)],
+                int: Annotated[Int, Field(ge=0)]}.get(hints[arg], hints[arg])
         fields[arg] = (hint, ... if p.default is p.empty else p.default)
     return create_model(f"{name}Params", __config__=ConfigDict(extra="forbid"), **fields)
 
@@ -176,7 +229,8 @@ class FP16Config(_Block):
     enabled: Bool = False
     auto_cast: Bool = False  # cast module inputs to fp16
     loss_scale: Float = Field(0.0, ge=0)  # 0 = dynamic scaling; > 0 = this static scale
-    initial_scale_power: Int = Field(16, ge=0)  # dynamic scale starts at 2**power
+    initial_scale_power: Int = Field(16, ge=0, le=127)  # dynamic scale starts at 2**power
+    # (le=127: a larger scale is not a finite fp32 number, and 2**1024 overflows a float)
     loss_scale_window: Int = Field(1000, ge=1)  # clean steps before the scale doubles
     hysteresis: Int = Field(2, ge=1)  # overflows tolerated before the scale halves
     consecutive_hysteresis: Bool = False  # refill hysteresis on every clean step
@@ -235,7 +289,8 @@ class ZeroConfig(_Block):
     _section = "zero_optimization"
     _renamed = ZERO_RENAMED
 
-    stage: Literal[0, 1, 2, 3] = 0  # 0 off; 1 optimizer states; 2 + gradients; 3 + parameters
+    # 0 off; 1 optimizer states; 2 + gradients; 3 + parameters (true is not stage 1)
+    stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_not_bool)] = 0
     contiguous_gradients: Bool = True  # copy grads into a contiguous buffer as produced
     reduce_scatter: Bool = True  # reduce-scatter grads instead of all-reduce
     reduce_bucket_size: Int = Field(500_000_000, ge=1)  # elements reduced per bucket
@@ -261,7 +316,7 @@ class ZeroConfig(_Block):
     zero_quantized_nontrainable_weights: Bool = False  # store frozen weights quantized
     zero_quantized_gradients: Bool = False  # ZeRO++ qgZ: quantized grad all-to-all
     zeropp_loco_param: dict[str, Any] | None = None  # ZeRO++ LoCo {err_beta, reset_T}
-    mics_shard_size: Int = -1  # MiCS shard group size; -1 = off
+    mics_shard_size: Int = Field(-1, ge=-1)  # MiCS shard group size; -1 = off
     mics_hierarchical_params_gather: Bool = False  # MiCS hierarchical gather
     memory_efficient_linear: Bool = True  # stage-3 linear implementation
     override_module_apply: Bool = True  # gather params inside Module.apply
@@ -362,6 +417,15 @@ def _zeropp_key(config: Config) -> str | None:
     return f"zero_optimization.{used[0]}" if used else None
 
 
+def _mics_key(config: Config) -> str | None:
+    zero = config.zero_optimization
+    if zero.mics_shard_size > 0:
+        return "zero_optimization.mics_shard_size"
+    # a MiCS option on its own still says the user expects MiCS's gather schedule
+    return ("zero_optimization.mics_hierarchical_params_gather"
+            if zero.mics_hierarchical_params_gather else None)
+
+
 # Feature name -> the config key that turns it on in `config`, or None when unused.
 _FEATURE_KEYS: dict[str, Callable[[Config], str | None]] = {
     "stage3": lambda c: "zero_optimization.stage" if c.zero_optimization.stage == 3 else None,
@@ -371,8 +435,7 @@ _FEATURE_KEYS: dict[str, Callable[[Config], str | None]] = {
     if c.zero_optimization.offload_param_device != "none" else None,
     "activation_checkpointing": _activation_checkpointing_key,
     "zeropp": _zeropp_key,
-    "mics": lambda c: "zero_optimization.mics_shard_size"
-    if c.zero_optimization.mics_shard_size > 0 else None,
+    "mics": _mics_key,
     "elastic_checkpoint": lambda c: "zero_optimization.elastic_checkpoint"
     if c.zero_optimization.elastic_checkpoint else None,
 }
@@ -439,10 +502,6 @@ class Config(_Block):
     def _check_cross_block_rules(self, info: Any) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled cannot both be true")
-        if self.fp16.fp16_master_weights_and_grads and (
-                not self.fp16.enabled or self.zero_optimization.stage != 2):
-            raise ConfigError("fp16.fp16_master_weights_and_grads needs fp16.enabled and "
-                              "zero_optimization.stage 2")
         world_size = (info.context or {}).get("world_size")
         if world_size is not None:
             given = [getattr(self, key) for key in BATCH_KEYS]
@@ -466,6 +525,8 @@ class Config(_Block):
         if isinstance(source, Config):
             data = source._raw if source._raw is not None else source.model_dump(exclude_unset=True)
             hidden_size = hidden_size if hidden_size is not None else source._hidden_size
+        elif isinstance(source, str) and source.lstrip().startswith("{"):
+            data = _parse_json(source, "JSON text")  # a config given inline, not a path
         elif isinstance(source, (str, os.PathLike)):
             origin = os.fspath(source)
             data = _read_json(origin)
@@ -536,14 +597,61 @@ def _describe_block(block: _Block, prefix: str, lines: list[str]) -> None:
         lines.append(f"{path:<56} {value!r:<24} {source}")
 
 
+class _DuplicateKeys(dict):
+    """A JSON object that named some keys more than once (kept: the last value of each)."""
+
+    duplicates: list[str]
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    # json keeps the last of duplicate keys silently; DeepSpeed refuses them. The hook sees
+    # one object at a time, innermost first, so it marks the object and _check_duplicates
+    # finds its dotted path afterwards.
+    data = dict(pairs)
+    if len(data) == len(pairs):
+        return data
+    keys = [key for key, _ in pairs]
+    marked = _DuplicateKeys(data)
+    marked.duplicates = [key for i, key in enumerate(keys) if key in keys[:i]]
+    return marked
+
+
+def _check_duplicates(value: Any, path: str) -> None:
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_duplicates(item, f"{path}{i}.")
+    if not isinstance(value, dict):
+        return
+    if isinstance(value, _DuplicateKeys):
+        key = value.duplicates[0]
+        raise ConfigError(f"{path}{key} is given more than once; give each key once (JSON "
+                          "parsers keep the last silently, DeepSpeed refuses the file)")
+    for key, item in value.items():
+        _check_duplicates(item, f"{path}{key}.")
+
+
+def _parse_json(text: str, origin: str) -> dict:
+    """The JSON object in `text`, refusing duplicate keys; `origin` names it in errors."""
+    try:
+        data = json.loads(text, object_pairs_hook=_refuse_duplicates)
+    except (ValueError, RecursionError) as error:  # also a number past Python's digit limit
+        raise ConfigError(f"{origin}: not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: the top level must be a JSON object, "
+                          f"got {type(data).__name__}")
+    try:
+        _check_duplicates(data, "")
+    except ConfigError as error:
+        raise ConfigError(f"{origin}: {error}") from None
+    return dict(data)
+
+
 def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+            text = handle.read()
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}: not valid JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a JSON object, got {type(data).__name__}")
-    return data
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text: {error}") from None
+    return _parse_json(text, path)

@@ -58,6 +58,8 @@ _MUST_BE = {
     "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
     "greater_than_equal": ">= {ge}", "greater_than": "> {gt}",
     "less_than_equal": "<= {le}", "less_than": "< {lt}",
+    "finite_number": "a finite number", "number_too_large": "at most 2**63 - 1 in magnitude",
+    "pair_type": "a pair [first, second]",
 }
 
 
@@ -75,8 +77,14 @@ def _describe_error(err: dict, root: type[BaseModel], prefix: tuple = ()) -> str
         return str(error) if isinstance(error, ConfigError) or not path else f"{path}: {error}"
     if kind in _MUST_BE:
         ctx = {k: str(v).replace(" or ", ", ") for k, v in ctx.items()}
-        return f"{path} must be {_MUST_BE[kind].format(**ctx)}, got {err['input']!r}"
-    return f"{path}: {err['msg']} (got {err.get('input')!r})"
+        return f"{path} must be {_MUST_BE[kind].format(**ctx)}, got {_shown(err['input'])}"
+    return f"{path}: {err['msg']} (got {_shown(err.get('input'))})"
+
+
+def _shown(value: Any) -> str:
+    """repr of a bad value, cut short: a 400-digit number should not drown the message."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}...({len(text)} characters)"
 
 
 def humanise(error: ValidationError, root: type[BaseModel], prefix: tuple = ()) -> str:

@@ -1,9 +1,13 @@
-"""DeepSpeed config keys that zeromem accepts but does not act on the same way.
+"""Every config key, accounted for: read by code, refused, warned about, or gated.
 
-Nothing is silently ignored: a key that would change the numbers (gradient
-pre-scaling, a separate communication dtype) is refused when set away from its
-default; a key that only tunes a layout or schedule zeromem always chooses for
-itself is accepted with one warning saying what zeromem does instead.
+Nothing is silently ignored. `READ` names the modules that act on each key (a test
+checks their source mentions it). A key that would change the numbers if zeromem
+honoured it the DeepSpeed way is in `REFUSED`: an error when set away from its
+default. A key that only tunes a layout, schedule or log zeromem always chooses for
+itself is in `WARNED`: one warning when set away from its default. Keys of whole
+features zeromem does not implement are in `GATED` and refused by
+`config.check_supported`. A default value is always silent. A test walks the schema
+and fails for a key in none of these lists.
 """
 from __future__ import annotations
 
@@ -13,6 +17,48 @@ from .config import Config, ConfigError
 
 log = logging.getLogger("zeromem")
 
+# dotted key -> the modules (under src/zeromem) that act on it
+READ: dict[str, tuple[str, ...]] = {
+    "train_batch_size": ("config_rules",), "train_micro_batch_size_per_gpu": ("config_rules",),
+    "gradient_accumulation_steps": ("engine",), "gradient_clipping": ("engine",),
+    "steps_per_print": ("engine",), "wall_clock_breakdown": ("engine",),
+    "optimizer.type": ("optim",), "optimizer.params": ("optim",),
+    "scheduler.type": ("schedulers",), "scheduler.params": ("schedulers",),
+    "fp16.enabled": ("config", "precision"), "fp16.auto_cast": ("engine",),
+    **{f"fp16.{key}": ("precision",) for key in (
+        "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+        "consecutive_hysteresis", "min_loss_scale")},
+    "bf16.enabled": ("config",), "data_types.grad_accum_dtype": ("config",),
+    **{f"zero_optimization.{key}": ("engine",) for key in (
+        "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+        "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance")},
+    "zero_optimization.sub_group_size": ("offload",),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("checkpoints",),
+    **{f"zero_optimization.offload_{block}.{key}": ("offload",) for block in ("param", "optimizer")
+       for key in ("device", "nvme_path", "pin_memory", "buffer_count")},
+    "zero_optimization.offload_param.buffer_size": ("param_offload",),
+    "zero_optimization.offload_optimizer.pipeline_read": ("swap_optimizer",),
+    "zero_optimization.offload_optimizer.pipeline_write": ("swap_optimizer",),
+    "zero_optimization.offload_optimizer.ratio": ("offload",),
+    "aio.block_size": ("swap",), "aio.queue_depth": ("swap",),
+    "aio.intra_op_parallelism": ("swap",), "aio.use_gds": ("offload",),
+    **{f"activation_checkpointing.{key}": ("activations",) for key in (
+        "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+        "number_checkpoints", "synchronize_checkpoint_boundary", "profile")},
+    "checkpoint.tag_validation": ("checkpoints",),
+}
+
+# dotted key -> the zeromem feature (config.OUT_OF_SCOPE / NOT_BUILT) it turns on
+GATED: dict[str, str] = {
+    **{f"zero_optimization.{key}": "zeropp" for key in (
+        "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+        "zero_quantized_gradients", "zeropp_loco_param")},
+    "zero_optimization.mics_shard_size": "mics",
+    "zero_optimization.mics_hierarchical_params_gather": "mics",
+    "zero_optimization.elastic_checkpoint": "elastic_checkpoint",
+}
+
 # dotted key -> what zeromem does instead (refused when not at its default)
 REFUSED = {
     "prescale_gradients": "gradients are averaged by scaling the loss by 1/(N_d x accumulation)",
@@ -21,6 +67,18 @@ REFUSED = {
                                "(the compute dtype by default)",
     "zero_optimization.reduce_scatter": "stages 1-3 always reduce-scatter (all-to-all on gloo)",
     "zero_optimization.allgather_partitions": "updated partitions are always all-gathered",
+    "fp16.fp16_master_weights_and_grads": "master weights and gradients are always fp32; fp16 "
+                                          "masters would change every update",
+    "bf16.immediate_grad_update": "gradients accumulate in data_types.grad_accum_dtype; set it "
+                                  "to 'fp32' to accumulate each micro-step in fp32",
+    "zero_optimization.load_from_fp32_weights": "checkpoints always restore the fp32 masters; "
+                                                "masters rebuilt from 16-bit weights would lose "
+                                                "precision",
+    "checkpoint.load_universal": "DeepSpeed universal checkpoints cannot be read; zeromem's own "
+                                 "checkpoints load under any world size or stage",
+    "checkpoint.use_node_local_storage": "checkpoints need one directory every rank can read "
+                                         "(shared storage); per-node copies could not be "
+                                         "loaded back",
 }
 
 # dotted key -> why zeromem does not need it (warned when not at its default)
@@ -33,20 +91,42 @@ WARNED = {
                                                              "(stage3_param_persistence_threshold)",
     "zero_optimization.stage3_module_granularity_threshold": "use fetch_units= in initialize",
     "zero_optimization.memory_efficient_linear": "no patched linear: none is needed",
+    "zero_optimization.offload_optimizer.fast_init": "NVMe optimizer state is always "
+                                                     "initialised tile by tile",
+    "zero_optimization.offload_param.max_in_cpu": "NVMe parameters are staged only through "
+                                                  "offload_param.buffer_count buffers",
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": "parameters are always "
+                                                                "fetched by all-gather",
+    "zero_optimization.override_module_apply": "Module.apply always sees whole parameters "
+                                               "under zeromem.Init",
+    "zero_optimization.legacy_stage1": "there is one stage-1 implementation",
+    "zero_optimization.pipeline_loading_checkpoint": "there is no pipeline parallelism",
+    "zero_optimization.log_trace_cache_warnings": "stage-3 messages go to the 'zeromem' "
+                                                  "logger; set its level instead",
+    "checkpoint.parallel_write.pipeline_stage": "there is no pipeline parallelism; each rank "
+                                                "writes its own files",
+    "zero_allow_untested_optimizer": "any torch optimizer factory is accepted",
+    "zero_force_ds_cpu_optimizer": "offloaded shards are always stepped by torch.optim",
+    "aio.single_submit": "requests are split into aio.block_size chunks for a thread pool",
+    "aio.overlap_events": "the thread pool always overlaps requests",
 }
 
 
-def _default(config: Config, dotted: str):
+def non_default(config: Config, dotted: str) -> bool:
+    """Whether the key at `dotted` is set away from its default (False under an absent block)."""
     block_path, _, name = dotted.rpartition(".")
-    block = config.value_at(block_path)
-    return type(block).model_fields[name].default
+    block = config.value_at(block_path) if block_path else config
+    if block is None:
+        return False
+    field = type(block).model_fields[name]
+    return getattr(block, name) != field.get_default(call_default_factory=True)
 
 
 def check_knobs(config: Config) -> None:
     """Refuse or warn about keys whose DeepSpeed meaning zeromem does not reproduce."""
     for key, instead in REFUSED.items():
-        if config.value_at(key) != _default(config, key):
+        if non_default(config, key):
             raise ConfigError(f"{key} = {config.value_at(key)!r} is not supported: {instead}")
     for key, why in WARNED.items():
-        if config.value_at(key) != _default(config, key):
+        if non_default(config, key):
             log.warning("%s = %r has no effect in zeromem: %s", key, config.value_at(key), why)
