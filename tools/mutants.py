@@ -49,7 +49,7 @@ if __name__ == "__main__":
     child = ctx.Process(target=where, args=(queue,))
     child.start()
     child.join()
-    print(queue.get())
+    print(queue.get() if child.exitcode == 0 else f"the spawned child failed ({child.exitcode})")
 """
 
 
@@ -96,7 +96,9 @@ def check_import_path() -> None:
     """Fail unless a spawned child imports zeromem from the copy, not the installed package."""
     with tempfile.TemporaryDirectory(prefix="mutant-probe-") as tmp:
         copy = copy_src(Path(tmp))
-        out = subprocess.run([sys.executable, "-c", PROBE], env=environment(copy), cwd=tmp,
+        probe = Path(tmp) / "probe.py"  # a file: spawn re-imports the main module by its path
+        probe.write_text(PROBE)
+        out = subprocess.run([sys.executable, str(probe)], env=environment(copy), cwd=tmp,
                              capture_output=True, text=True, timeout=120)
         where = out.stdout.strip()
         if not where.startswith(str(copy / "src")):
