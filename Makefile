@@ -1,5 +1,6 @@
 # make demo: a 2-rank ZeRO training run on CPU with a memory report.
 # make test: the test suite. Both set up .venv on first use.
+# make mutants: every known-bad edit in tests/mutants/*.json must fail its tests (tools/mutants.py).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAGE ?= 2
@@ -21,6 +22,9 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
+mutants: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) tools/mutants.py
+
 # Benchmarks (not tests): DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed and zeromem side by side.
 .venv-bench/.installed: pyproject.toml
 	python3 -m venv .venv-bench
@@ -32,4 +36,4 @@ bench: .venv-bench/.installed
 	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv-bench/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_collectives.py
 	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv-bench/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_zero.py
 
-.PHONY: install demo test bench
+.PHONY: install demo test mutants bench

@@ -56,15 +56,27 @@ def uses_sometimes(step: int, rank: int, micro: int, per_rank: bool = True) -> b
 
 
 class Reference:
-    """Single-process training on the whole global batch, with torch.optim and clip_grad_norm_."""
+    """Single-process training on the whole global batch, with torch.optim and clip_grad_norm_.
+
+    `optimizer="sgd"` uses SGD with `momentum` and no weight decay: unlike AdamW it sees the
+    gradient's magnitude, so a missing 1/N_d, 1/accumulation or 1/loss-scale shows up.
+    `data(step, rank, micro)` gives the micro-batches (default `micro_batch`); `last_norm`
+    is the pre-clip global gradient norm of the last step.
+    """
 
     def __init__(self, model: nn.Module, lr: float = 1e-2, clip: float = 0.0,
-                 weight_decay: float = 0.01, per_rank: bool = True):
+                 weight_decay: float = 0.01, per_rank: bool = True, optimizer: str = "adamw",
+                 momentum: float = 0.9, data=micro_batch):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        if optimizer == "sgd":
+            self.opt = torch.optim.SGD(self.params, lr=lr, momentum=momentum)
+        else:
+            self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.clip = clip
         self.per_rank = per_rank
+        self.data = data
+        self.last_norm = 0.0
 
     def step(self, step: int, world_size: int, gas: int) -> None:
         for p in self.params:  # a parameter no micro-batch reaches gets a zero gradient, as in ZeRO
@@ -72,9 +84,11 @@ class Reference:
         n = world_size * gas
         for rank in range(world_size):
             for micro in range(gas):
-                tokens, targets = micro_batch(step, rank, micro)
+                tokens, targets = self.data(step, rank, micro)
                 loss = self.model(tokens, targets, uses_sometimes(step, rank, micro, self.per_rank))
                 (loss / n).backward()
+        # max_norm inf: only measures (clip_grad_norm_ with the real clip below scales too)
+        self.last_norm = float(torch.nn.utils.clip_grad_norm_(self.params, float("inf")))
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.opt.step()

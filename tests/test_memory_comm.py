@@ -1,5 +1,16 @@
-"""Measured model-state bytes against the paper's formula, and bytes moved per step."""
+"""Measured model-state bytes against the paper's formula, and bytes moved per step.
+
+Two measurements do not trust the engine's own ledger:
+
+- bytes sent: `wchar` of /proc/self/io, summed over the process's threads, counts what
+  gloo writes to its TCP sockets (checked: an all-reduce of B bytes on 2 ranks raises it
+  by B, an all-gather by B/2 of the output per rank; `rchar` does not see gloo's reads);
+- bytes held: a census of every live tensor the garbage collector can reach, each
+  untyped storage counted once by its data pointer.
+"""
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -18,6 +29,24 @@ def test_formula_reproduces_paper_figure_1():
     assert totals == pytest.approx([120, 31.4, 16.6, 1.875], rel=5e-3)
 
 
+def bytes_sent() -> int:
+    """Bytes this process has written (sockets included) so far, from /proc/self/io."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+def live_storage_bytes() -> int:
+    """Bytes of every distinct storage behind a live tensor reachable by the collector."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance(): isinstance reads __class__, which deprecated proxies warn on
+        if issubclass(type(obj), torch.Tensor) and obj.device.type != "meta":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 class Wide(nn.Module):
     """~2.1M parameters, so buckets and padding are negligible next to model states."""
 
@@ -33,6 +62,8 @@ class Wide(nn.Module):
 def measure(rank, world_size):
     out = {}
     for stage in (0, 1, 2, 3):
+        engine = None
+        baseline = live_storage_bytes()  # no engine alive: what the test itself holds
         torch.manual_seed(0)
         engine = zeromem.initialize(Wide(), {
             "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
@@ -40,19 +71,41 @@ def measure(rank, world_size):
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
         for _ in range(2):
             x = torch.randn(2, 1024, dtype=torch.bfloat16)
+            sent = bytes_sent()
             engine.backward(engine(x))
             engine.step()
+            sent = bytes_sent() - sent
+        del x
+        held = live_storage_bytes() - baseline
         report = engine.memory_report()
         comm = engine.comm_report()
         out[stage] = (report.model_state_bytes(), report.formula_bytes(), report.psi,
-                      sum(comm.last_step.values()), str(report))
+                      sum(comm.last_step.values()), str(report), sent, held)
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_memory_and_communication_match_the_paper(world_size):
-    result = run_distributed(measure, world_size)[0]
-    for stage, (held, formula, psi, _, table) in result.items():
+    results = run_distributed(measure, world_size)
+    n = world_size
+    psi = results[0][0][2]
+    for rank, result in enumerate(results):  # every rank, measured without the ledger
+        sent = {s: r[5] for s, r in result.items()}
+        census = {s: r[6] for s, r in result.items()}
+        # bf16 gradients all-reduced (stage 0), reduce-scattered + gathered (1, 2); stage 3
+        # gathers parameters in forward and backward too: 3 x (N-1)/N x 2 Psi
+        wire = [2 * (n - 1) / n * 2 * psi] * 3 + [3 * (n - 1) / n * 2 * psi]
+        for stage in range(4):
+            assert sent[stage] == pytest.approx(wire[stage], rel=0.005), (rank, stage, sent)
+            ledger = result[stage][3]
+            assert ledger == pytest.approx(sent[stage], rel=0.005), (rank, stage, ledger, sent)
+        # bf16 params + bf16 grads + fp32 master + Adam's two fp32 states, as the paper shards them
+        model_states = [16, 4 + 12 / n, 2 + 14 / n, 16 / n]
+        for stage in range(4):
+            assert census[stage] == pytest.approx(model_states[stage] * psi, rel=0.01), (
+                rank, stage, census[stage] / psi)
+    result = results[0]
+    for stage, (held, formula, psi, _, table, *_) in result.items():
         assert psi > 1_000_000
         assert held == pytest.approx(formula, rel=0.10), f"stage {stage}:\n{table}"
     expected = [16, 4 + 12 / world_size, 2 + 14 / world_size, 16 / world_size]
@@ -60,7 +113,6 @@ def test_memory_and_communication_match_the_paper(world_size):
         assert result[stage][0] / result[stage][2] == pytest.approx(ratio, rel=0.10)
     # stages 1 and 2 move the same bytes per step as plain data parallelism (paper section 7)
     moved = {s: r[3] for s, r in result.items()}
-    n = world_size
     assert moved[0] == pytest.approx(2 * (n - 1) / n * 2 * result[0][2], rel=0.01)
     for stage in (1, 2):
         assert moved[stage] == pytest.approx(moved[0], rel=0.10)
