@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -81,6 +82,12 @@ class Comm:
         self._steps = 0
         self.buffer_bytes = 0  # temporary communication buffers alive now (CB)
         self.buffer_bytes_peak = 0
+        # Every async Work not yet known finished, with the tensors it reads or writes.
+        # A gloo worker thread that drops the last reference to a finished Work frees its
+        # tensors, which needs the GIL; during interpreter shutdown that is a C++ terminate
+        # (SIGABRT). So `close()` waits for each of them and drops them here, in Python.
+        self._in_flight: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
+        self._closed = False
 
     # -- ledger ------------------------------------------------------------
     def _count(self, kind: str, nbytes: float) -> None:
@@ -104,6 +111,42 @@ class Comm:
     def report(self) -> CommReport:
         return CommReport(dict(self._last_step), dict(self._total_bytes), self._steps)
 
+    # -- lifetime ------------------------------------------------------------
+    def _track(self, work, *tensors: torch.Tensor):
+        """Remember an async `work` and its tensors until it is seen finished (see __init__)."""
+        if work is not None:
+            self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
+            self._in_flight.append((work, tensors))
+        return work
+
+    def in_flight(self) -> int:
+        """Async collectives issued and not yet seen finished."""
+        return sum(not w.is_completed() for w, _ in self._in_flight)
+
+    def close(self, barrier_timeout_s: float = 10.0) -> None:
+        """Wait for every async collective, drop it and its tensors, then meet the other ranks.
+
+        The barrier (bounded: a peer that died must not hold this rank) makes sure no
+        rank leaves while another still runs a collective with it. `barrier_timeout_s`
+        0 skips it (a rank that was told to stop).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        pending, self._in_flight = self._in_flight, []
+        for work, _ in pending:
+            try:
+                work.wait(timedelta(seconds=barrier_timeout_s or 1.0))
+            except RuntimeError:  # a peer gone: nothing left to wait for
+                pass
+        del pending
+        if self.world_size > 1 and barrier_timeout_s > 0 and dist.is_initialized():
+            try:
+                dist.barrier(group=self.group, async_op=True).wait(
+                    timedelta(seconds=barrier_timeout_s))
+            except RuntimeError:
+                pass
+
     # -- collectives -------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
                    kind: str = "all_reduce") -> Pending:
@@ -112,7 +155,8 @@ class Comm:
             return DONE
         n = self.world_size
         self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
-        return self._handle(dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op))
+        return self._handle(dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op),
+                            tensor)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        async_op: bool = False) -> Pending:
@@ -124,11 +168,12 @@ class Comm:
         self._count("reduce_scatter", (n - 1) / n * input.numel() * input.element_size())
         if self.backend == "nccl":
             return self._handle(_reduce_scatter_tensor(output, input, group=self.group,
-                                                           async_op=async_op))
+                                                       async_op=async_op), output, input)
         # gloo: all-to-all of the chunks, then sum the N chunks that arrived here.
         received = torch.empty_like(input)
         self.note_buffer(received)
-        work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
+        work = self._track(dist.all_to_all_single(received, input, group=self.group,
+                                                  async_op=async_op), received, input)
 
         def finish() -> None:
             torch.sum(received.view(n, -1), dim=0, out=output)
@@ -148,7 +193,7 @@ class Comm:
         n = self.world_size
         self._count("all_gather", (n - 1) / n * output.numel() * output.element_size())
         return self._handle(_all_gather_tensor(output, input, group=self.group,
-                                                        async_op=async_op))
+                                               async_op=async_op), output, input)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int, async_op: bool = False) -> Pending:
         """Broadcast from group rank `src_rank`."""
@@ -156,12 +201,12 @@ class Comm:
             return DONE
         self._count("broadcast", tensor.numel() * tensor.element_size() * (self.rank == src_rank))
         src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
-        return self._handle(dist.broadcast(tensor, src=src, group=self.group, async_op=async_op))
+        return self._handle(dist.broadcast(tensor, src=src, group=self.group, async_op=async_op),
+                            tensor)
 
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
-    @staticmethod
-    def _handle(work) -> Pending:
-        return Pending(work) if work is not None else DONE
+    def _handle(self, work, *tensors: torch.Tensor) -> Pending:
+        return Pending(self._track(work, *tensors)) if work is not None else DONE
