@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import zeromem
-from zeromem.distributed import collective_timeout_s, gather_timeout_s
 from harness import run_distributed
 
 SCRIPT = Path(__file__).parent / "faults_script.py"
@@ -100,6 +99,7 @@ def test_ranks_with_different_configs_or_models_fail_on_every_rank():
 
 
 def test_timeouts_come_from_config_and_environment(monkeypatch):
+    from zeromem.distributed import collective_timeout_s, gather_timeout_s
     config = zeromem.Config.load({**BASE, "zeromem": {"timeout_s": 30, "gather_timeout_s": 0}})
     monkeypatch.delenv("ZEROMEM_TIMEOUT_S", raising=False)
     monkeypatch.delenv("ZEROMEM_GATHER_TIMEOUT_S", raising=False)
