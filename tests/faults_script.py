@@ -84,11 +84,12 @@ def main() -> None:
         time.sleep(60)
     elif mode == "frozen":
         engine = build({"zeromem": {"timeout_s": 3}})
+        step(engine, 0)
         if engine.comm.rank == 1:
-            time.sleep(30)
+            time.sleep(30)  # frozen after one step: rank 0 must name it
         began = time.monotonic()
         try:
-            step(engine, 0)
+            step(engine, 1)
         except RuntimeError as error:
             print(f"failed after {time.monotonic() - began:.1f}s: {error}", flush=True)
             os._exit(3)

@@ -16,7 +16,7 @@ from . import activations, checkpointing
 from .activations import checkpoint
 from .comm import Comm
 from .config import Config, ConfigError
-from .distributed import LIFECYCLE, ensure_process_group, shutdown
+from .distributed import LIFECYCLE, default_store, ensure_process_group, shutdown
 from .consolidate import CheckpointError
 from .engine import Engine
 from .knobs import check_knobs
@@ -46,7 +46,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     unit (e.g. a transformer block); by default each module owning parameters is one.
     """
     ensure_process_group(Config.load(config).zeromem.timeout_s)
-    comm = Comm(dp_group)
+    comm = Comm(dp_group, default_store())
     cfg = Config.load(config, world_size=comm.world_size)
     check_knobs(cfg)
     check_ranks_agree(cfg, model, comm)  # before any collective that a mismatch would hang

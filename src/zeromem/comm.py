@@ -45,20 +45,31 @@ class CommReport:
         return "\n".join(rows)
 
 
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete: a rank stopped answering (named when it can be known)."""
+
+
 class Pending:
     """An in-flight collective; `wait()` blocks, then runs the finishing step (if any)."""
 
-    def __init__(self, work: dist.Work | None, finish: Callable[[], None] | None = None):
+    def __init__(self, work: dist.Work | None, finish: Callable[[], None] | None = None,
+                 explain: Callable[[RuntimeError], RuntimeError] | None = None):
         self.work = work
         self.finish = finish
+        self.explain = explain  # turns a timeout into an error naming the silent ranks
 
     def wait(self, timeout=None) -> None:
         """Block until done; `timeout` (a timedelta) raises RuntimeError when exceeded."""
         if self.work is not None:
-            if timeout is None:
-                self.work.wait()
-            else:
-                self.work.wait(timeout)
+            try:
+                if timeout is None:
+                    self.work.wait()
+                else:
+                    self.work.wait(timeout)
+            except RuntimeError as error:
+                if self.explain is None or timeout is not None:  # the caller diagnoses its own
+                    raise
+                raise self.explain(error) from error
             self.work = None
         if self.finish is not None:
             finish, self.finish = self.finish, None
@@ -71,8 +82,9 @@ DONE = Pending(None)
 class Comm:
     """Collectives over one data-parallel process group, with byte accounting."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, store=None):
         self.group = group
+        self.store = store  # the default group's store: names silent ranks after a timeout
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.backend = dist.get_backend(group) if dist.is_initialized() else "none"
@@ -155,8 +167,8 @@ class Comm:
             return DONE
         n = self.world_size
         self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
-        return self._handle(dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op),
-                            tensor)
+        return self._handle(self._sync(lambda: dist.all_reduce(
+            tensor, op=op, group=self.group, async_op=async_op)), tensor)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        async_op: bool = False) -> Pending:
@@ -172,14 +184,14 @@ class Comm:
         # gloo: all-to-all of the chunks, then sum the N chunks that arrived here.
         received = torch.empty_like(input)
         self.note_buffer(received)
-        work = self._track(dist.all_to_all_single(received, input, group=self.group,
-                                                  async_op=async_op), received, input)
+        work = self._track(self._sync(lambda: dist.all_to_all_single(
+            received, input, group=self.group, async_op=async_op)), received, input)
 
         def finish() -> None:
             torch.sum(received.view(n, -1), dim=0, out=output)
             self.release_buffer(received)
 
-        pending = Pending(work if async_op else None, finish)
+        pending = Pending(work if async_op else None, finish, self.explain)
         if not async_op:
             pending.wait()
         return pending
@@ -192,8 +204,8 @@ class Comm:
             return DONE
         n = self.world_size
         self._count("all_gather", (n - 1) / n * output.numel() * output.element_size())
-        return self._handle(_all_gather_tensor(output, input, group=self.group,
-                                               async_op=async_op), output, input)
+        return self._handle(self._sync(lambda: _all_gather_tensor(
+            output, input, group=self.group, async_op=async_op)), output, input)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int, async_op: bool = False) -> Pending:
         """Broadcast from group rank `src_rank`."""
@@ -201,12 +213,40 @@ class Comm:
             return DONE
         self._count("broadcast", tensor.numel() * tensor.element_size() * (self.rank == src_rank))
         src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
-        return self._handle(dist.broadcast(tensor, src=src, group=self.group, async_op=async_op),
-                            tensor)
+        return self._handle(self._sync(lambda: dist.broadcast(
+            tensor, src=src, group=self.group, async_op=async_op)), tensor)
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            self._sync(lambda: dist.barrier(group=self.group))
 
     def _handle(self, work, *tensors: torch.Tensor) -> Pending:
-        return Pending(self._track(work, *tensors)) if work is not None else DONE
+        """Async: a tracked handle. Sync (work None): already done, or raised (explained)."""
+        return Pending(self._track(work, *tensors), explain=self.explain) if work is not None \
+            else DONE
+
+    def _sync(self, run: Callable[[], object]):
+        """Run a blocking collective; a timeout becomes a CollectiveTimeoutError."""
+        try:
+            return run()
+        except RuntimeError as error:
+            raise self.explain(error) from error
+
+    def explain(self, error: RuntimeError, answer_s: float = 3.0) -> RuntimeError:
+        """Name the ranks that stopped answering: each rank that times out says so in the
+        store; the ranks that do not say so within `answer_s` are the silent ones."""
+        if self.store is None or "timed out" not in str(error).lower():
+            return error
+        me = dist.get_rank()
+        key = f"zeromem/timed_out/{self._steps}/{{}}"
+        self.store.set(key.format(me), "1")
+        others = [r for r in range(dist.get_world_size()) if r != me]
+        try:
+            self.store.wait([key.format(r) for r in others], timedelta(seconds=answer_s))
+        except RuntimeError:  # some ranks did not time out: they are the silent ones
+            pass
+        silent = [r for r in others if not self.store.check([key.format(r)])]
+        who = (f"rank(s) {silent} stopped answering (they did not time out themselves: "
+               "frozen, or dead)" if silent else "every rank timed out (network or a hang)")
+        return CollectiveTimeoutError(f"rank {me}: a collective at optimizer step "
+                                      f"{self._steps} did not complete: {who}. Cause: {error}")
