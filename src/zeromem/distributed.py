@@ -18,6 +18,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -104,6 +105,7 @@ class Lifecycle:
     def __init__(self) -> None:
         self.engines: weakref.WeakSet = weakref.WeakSet()
         self.owns_group = False
+        self.failed = False  # an uncaught exception is ending the process
         self._installed = False
 
     def register(self, engine) -> None:
@@ -115,7 +117,14 @@ class Lifecycle:
         if self._installed:
             return
         self._installed = True
-        atexit.register(self.shutdown)
+        atexit.register(self._at_exit)
+        previous_hook = sys.excepthook
+
+        def note_failure(*exc_info) -> None:  # an uncaught error: peers may never reach a barrier
+            self.failed = True
+            previous_hook(*exc_info)
+
+        sys.excepthook = note_failure
         main = threading.current_thread() is threading.main_thread()
         if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a user's handler wins
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -139,6 +148,10 @@ class Lifecycle:
         if destroy_group and self.owns_group and dist.is_initialized():
             self.owns_group = False
             dist.destroy_process_group()
+
+    def _at_exit(self) -> None:
+        """Interpreter exit: meet the other ranks unless this one dies of an uncaught error."""
+        self.shutdown(barrier_timeout_s=0 if self.failed else 10.0)
 
     def _on_sigterm(self, signum: int, frame) -> None:
         """Close engines (swap files removed) without waiting for peers, then die of SIGTERM."""
