@@ -53,6 +53,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--report", default="runs/demo.json")
+    parser.add_argument("--save-dir", default="runs/checkpoints", help="training checkpoints")
+    parser.add_argument("--save-every", type=int, default=0, help="steps between checkpoints; 0 = none")
+    parser.add_argument("--resume", default="none",
+                        help="'auto': continue from --save-dir/latest if it exists (e.g. after "
+                             "torchrun --max-restarts relaunched the job); 'none': start fresh")
     parser.add_argument("--checkpoint-activations", action="store_true",
                         help="recompute each block in backward (zeromem.checkpoint)")
     args = parser.parse_args()
@@ -70,14 +75,19 @@ def main() -> None:
     rank, world = engine.comm.rank, engine.dp_world_size
     micro, gas = engine.config.train_micro_batch_size_per_gpu, engine.config.gradient_accumulation_steps
     data = load_text()
+    start_step = 0
+    if args.resume == "auto" and (Path(args.save_dir) / "latest").exists():
+        _, client = engine.load_checkpoint(args.save_dir)
+        start_step = client["next_step"]
     generator = torch.Generator().manual_seed(1234 + rank)
     if rank == 0:
         print(f"zeromem stage {engine.zero_stage} on {world} ranks: {engine.psi:,} "
               f"parameters, {len(data):,} bytes of text, global batch {micro * gas * world} x {args.seq}")
 
-    bar = tqdm(range(args.steps), disable=rank != 0, unit="step", mininterval=2.0)
+    bar = tqdm(range(start_step, args.steps), disable=rank != 0, unit="step", mininterval=2.0)
     start, tokens_seen = time.perf_counter(), 0
-    for _ in bar:
+    for step in bar:
+        generator.manual_seed(1234 + 1_000_003 * rank + step)  # same batches after a resume
         for _ in range(gas):
             tokens, targets = batch(data, micro, args.seq, generator)
             loss = engine(tokens, targets)
@@ -90,6 +100,8 @@ def main() -> None:
             dist.all_gather(rss, torch.tensor([rss_mb()]), group=engine.comm.group)
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}",
                         rss_mb="/".join(f"{float(r):.0f}" for r in rss))
+        if args.save_every and (step + 1) % args.save_every == 0:
+            engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1})
 
     report, comm = engine.memory_report(), engine.comm_report()
     reports = [None] * world
@@ -111,8 +123,7 @@ def main() -> None:
             "steps": engine.global_steps, "final_loss": loss.item(),
             "memory": reports, "comm": comm.to_dict()}, indent=2))
         print(f"\nrun ledger saved to {args.report}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    zeromem.shutdown()  # collectives finished and dropped, then the group ends: a clean exit
 
 
 if __name__ == "__main__":

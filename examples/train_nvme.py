@@ -123,8 +123,7 @@ def main() -> None:
     train(engine, args)
     check_ledger(engine, args, world)
     engine.close()  # removes this rank's swap directory
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    zeromem.shutdown()  # collectives finished and dropped, then the group ends: a clean exit
 
 
 if __name__ == "__main__":

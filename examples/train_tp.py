@@ -98,7 +98,7 @@ def main() -> None:
         print(f"checkpointed inputs between forward and backward: {dict(held['pa'])} bytes "
               f"(without Pa: {full} bytes, 1/N_mp = {full // args.mp})")
         print(engine.memory_report())
-    dist.destroy_process_group()
+    zeromem.shutdown()  # collectives finished and dropped, then the group ends: a clean exit
 
 
 if __name__ == "__main__":

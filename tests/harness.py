@@ -27,14 +27,20 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
     torch.set_num_threads(1)
+    import zeromem
+    finished = False
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=60))
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
+        finished = True
     except BaseException:  # carried back to the parent, which re-raises
         queue.put((rank, "error", traceback.format_exc()))
     finally:
+        # Engines' collectives finished and dropped, ranks met (not after an error: the
+        # others may never come), and only then the group goes: a clean exit, never SIGABRT.
+        zeromem.shutdown(barrier_timeout_s=10 if finished else 0)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -68,14 +74,18 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
             results[rank] = payload
         else:
             errors.append(f"rank {rank} failed:\n{payload}")
-    for p in procs:
-        p.join(timeout=5)
+    killed = set()
+    for r, p in enumerate(procs):
+        p.join(timeout=15)
         if p.is_alive():
             p.kill()
+            killed.add(r)
     for r, p in enumerate(procs):
-        if r not in results and p.exitcode not in (0, None) and not any(
-                e.startswith(f"rank {r} ") for e in errors):
-            errors.append(f"rank {r} died with exit code {p.exitcode}")
+        if r in killed or p.exitcode in (0, None) or any(e.startswith(f"rank {r} ") for e in errors):
+            continue
+        # a rank that finished its work and then died at exit (e.g. SIGABRT) is a failure too
+        when = "after finishing" if r in results else "before finishing"
+        errors.append(f"rank {r} died with exit code {p.exitcode} {when}")
     if errors:
         raise AssertionError("\n".join(errors))
     if len(results) < world_size:

@@ -16,15 +16,17 @@ from . import activations, checkpointing
 from .activations import checkpoint
 from .comm import Comm
 from .config import Config, ConfigError
-from .distributed import ensure_process_group
+from .distributed import LIFECYCLE, default_store, ensure_process_group, shutdown
 from .consolidate import CheckpointError
 from .engine import Engine
 from .knobs import check_knobs
 from .swap import OffloadError
 from .partition import GatheredParameters, Init
+from .rank_check import RankMismatchError, check_ranks_agree
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "checkpoint",
-           "checkpointing", "Init", "GatheredParameters", "OffloadError"]
+           "checkpointing", "Init", "GatheredParameters", "OffloadError", "RankMismatchError",
+           "shutdown"]
 __version__ = "0.1.0"
 
 
@@ -43,12 +45,15 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     `fetch_units` (stage 3): module classes whose instances are gathered as one
     unit (e.g. a transformer block); by default each module owning parameters is one.
     """
-    ensure_process_group()
-    comm = Comm(dp_group)
+    ensure_process_group(Config.load(config).zeromem.timeout_s)
+    comm = Comm(dp_group, default_store())
     cfg = Config.load(config, world_size=comm.world_size)
     check_knobs(cfg)
+    check_ranks_agree(cfg, model, comm)  # before any collective that a mismatch would hang
     if cfg.activation_checkpointing.model_fields_set:
         # keep a model-parallel group set earlier with zeromem.activations.configure()
         activations.configure_from_config(cfg.activation_checkpointing,
                                           mp_group=activations.get_config().mp_group)
-    return Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler, tuple(fetch_units))
+    engine = Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler, tuple(fetch_units))
+    LIFECYCLE.register(engine)  # closed at exit / SIGTERM unless closed before
+    return engine

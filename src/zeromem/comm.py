@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -44,20 +45,31 @@ class CommReport:
         return "\n".join(rows)
 
 
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete: a rank stopped answering (named when it can be known)."""
+
+
 class Pending:
     """An in-flight collective; `wait()` blocks, then runs the finishing step (if any)."""
 
-    def __init__(self, work: dist.Work | None, finish: Callable[[], None] | None = None):
+    def __init__(self, work: dist.Work | None, finish: Callable[[], None] | None = None,
+                 explain: Callable[[RuntimeError], RuntimeError] | None = None):
         self.work = work
         self.finish = finish
+        self.explain = explain  # turns a timeout into an error naming the silent ranks
 
     def wait(self, timeout=None) -> None:
         """Block until done; `timeout` (a timedelta) raises RuntimeError when exceeded."""
         if self.work is not None:
-            if timeout is None:
-                self.work.wait()
-            else:
-                self.work.wait(timeout)
+            try:
+                if timeout is None:
+                    self.work.wait()
+                else:
+                    self.work.wait(timeout)
+            except RuntimeError as error:
+                if self.explain is None or timeout is not None:  # the caller diagnoses its own
+                    raise
+                raise self.explain(error) from error
             self.work = None
         if self.finish is not None:
             finish, self.finish = self.finish, None
@@ -70,8 +82,9 @@ DONE = Pending(None)
 class Comm:
     """Collectives over one data-parallel process group, with byte accounting."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, store=None):
         self.group = group
+        self.store = store  # the default group's store: names silent ranks after a timeout
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.backend = dist.get_backend(group) if dist.is_initialized() else "none"
@@ -81,6 +94,12 @@ class Comm:
         self._steps = 0
         self.buffer_bytes = 0  # temporary communication buffers alive now (CB)
         self.buffer_bytes_peak = 0
+        # Every async Work not yet known finished, with the tensors it reads or writes.
+        # A gloo worker thread that drops the last reference to a finished Work frees its
+        # tensors, which needs the GIL; during interpreter shutdown that is a C++ terminate
+        # (SIGABRT). So `close()` waits for each of them and drops them here, in Python.
+        self._in_flight: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
+        self._closed = False
 
     # -- ledger ------------------------------------------------------------
     def _count(self, kind: str, nbytes: float) -> None:
@@ -104,6 +123,42 @@ class Comm:
     def report(self) -> CommReport:
         return CommReport(dict(self._last_step), dict(self._total_bytes), self._steps)
 
+    # -- lifetime ------------------------------------------------------------
+    def _track(self, work, *tensors: torch.Tensor):
+        """Remember an async `work` and its tensors until it is seen finished (see __init__)."""
+        if work is not None:
+            self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
+            self._in_flight.append((work, tensors))
+        return work
+
+    def in_flight(self) -> int:
+        """Async collectives issued and not yet seen finished."""
+        return sum(not w.is_completed() for w, _ in self._in_flight)
+
+    def close(self, barrier_timeout_s: float = 10.0) -> None:
+        """Wait for every async collective, drop it and its tensors, then meet the other ranks.
+
+        The barrier (bounded: a peer that died must not hold this rank) makes sure no
+        rank leaves while another still runs a collective with it. `barrier_timeout_s`
+        0 skips it (a rank that was told to stop).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        pending, self._in_flight = self._in_flight, []
+        for work, _ in pending:
+            try:
+                work.wait(timedelta(seconds=barrier_timeout_s or 1.0))
+            except RuntimeError:  # a peer gone: nothing left to wait for
+                pass
+        del pending
+        if self.world_size > 1 and barrier_timeout_s > 0 and dist.is_initialized():
+            try:
+                dist.barrier(group=self.group, async_op=True).wait(
+                    timedelta(seconds=barrier_timeout_s))
+            except RuntimeError:
+                pass
+
     # -- collectives -------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
                    kind: str = "all_reduce") -> Pending:
@@ -112,7 +167,8 @@ class Comm:
             return DONE
         n = self.world_size
         self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
-        return self._handle(dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op))
+        return self._handle(self._sync(lambda: dist.all_reduce(
+            tensor, op=op, group=self.group, async_op=async_op)), tensor)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        async_op: bool = False) -> Pending:
@@ -124,17 +180,18 @@ class Comm:
         self._count("reduce_scatter", (n - 1) / n * input.numel() * input.element_size())
         if self.backend == "nccl":
             return self._handle(_reduce_scatter_tensor(output, input, group=self.group,
-                                                           async_op=async_op))
+                                                       async_op=async_op), output, input)
         # gloo: all-to-all of the chunks, then sum the N chunks that arrived here.
         received = torch.empty_like(input)
         self.note_buffer(received)
-        work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
+        work = self._track(self._sync(lambda: dist.all_to_all_single(
+            received, input, group=self.group, async_op=async_op)), received, input)
 
         def finish() -> None:
             torch.sum(received.view(n, -1), dim=0, out=output)
             self.release_buffer(received)
 
-        pending = Pending(work if async_op else None, finish)
+        pending = Pending(work if async_op else None, finish, self.explain)
         if not async_op:
             pending.wait()
         return pending
@@ -147,8 +204,8 @@ class Comm:
             return DONE
         n = self.world_size
         self._count("all_gather", (n - 1) / n * output.numel() * output.element_size())
-        return self._handle(_all_gather_tensor(output, input, group=self.group,
-                                                        async_op=async_op))
+        return self._handle(self._sync(lambda: _all_gather_tensor(
+            output, input, group=self.group, async_op=async_op)), output, input)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int, async_op: bool = False) -> Pending:
         """Broadcast from group rank `src_rank`."""
@@ -156,12 +213,40 @@ class Comm:
             return DONE
         self._count("broadcast", tensor.numel() * tensor.element_size() * (self.rank == src_rank))
         src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
-        return self._handle(dist.broadcast(tensor, src=src, group=self.group, async_op=async_op))
+        return self._handle(self._sync(lambda: dist.broadcast(
+            tensor, src=src, group=self.group, async_op=async_op)), tensor)
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            self._sync(lambda: dist.barrier(group=self.group))
 
-    @staticmethod
-    def _handle(work) -> Pending:
-        return Pending(work) if work is not None else DONE
+    def _handle(self, work, *tensors: torch.Tensor) -> Pending:
+        """Async: a tracked handle. Sync (work None): already done, or raised (explained)."""
+        return Pending(self._track(work, *tensors), explain=self.explain) if work is not None \
+            else DONE
+
+    def _sync(self, run: Callable[[], object]):
+        """Run a blocking collective; a timeout becomes a CollectiveTimeoutError."""
+        try:
+            return run()
+        except RuntimeError as error:
+            raise self.explain(error) from error
+
+    def explain(self, error: RuntimeError, answer_s: float = 3.0) -> RuntimeError:
+        """Name the ranks that stopped answering: each rank that times out says so in the
+        store; the ranks that do not say so within `answer_s` are the silent ones."""
+        if self.store is None or "timed out" not in str(error).lower():
+            return error
+        me = dist.get_rank()
+        key = f"zeromem/timed_out/{self._steps}/{{}}"
+        self.store.set(key.format(me), "1")
+        others = [r for r in range(dist.get_world_size()) if r != me]
+        try:
+            self.store.wait([key.format(r) for r in others], timedelta(seconds=answer_s))
+        except RuntimeError:  # some ranks did not time out: they are the silent ones
+            pass
+        silent = [r for r in others if not self.store.check([key.format(r)])]
+        who = (f"rank(s) {silent} stopped answering (they did not time out themselves: "
+               "frozen, or dead)" if silent else "every rank timed out (network or a hang)")
+        return CollectiveTimeoutError(f"rank {me}: a collective at optimizer step "
+                                      f"{self._steps} did not complete: {who}. Cause: {error}")

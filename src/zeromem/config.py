@@ -400,6 +400,17 @@ class CheckpointConfig(_Block):
         return value.capitalize() if isinstance(value, str) else value
 
 
+class TimeoutsConfig(_Block):
+    """`zeromem`: how long a rank waits for the others (zeromem's own keys, not DeepSpeed's).
+
+    The environment variables ZEROMEM_TIMEOUT_S / ZEROMEM_GATHER_TIMEOUT_S, when set,
+    override these (an operator can change them without editing the job's file).
+    """
+
+    timeout_s: Float = Field(600.0, gt=0)  # a collective waiting longer fails (process group timeout)
+    gather_timeout_s: Float = Field(300.0, ge=0)  # a stage-3 gather waiting longer is a divergence; 0 = off
+
+
 # ---------------------------------------------------------------- features not built
 
 def _activation_checkpointing_key(config: Config) -> str | None:
@@ -482,6 +493,7 @@ class Config(_Block):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    zeromem: TimeoutsConfig = Field(default_factory=TimeoutsConfig)  # waits for other ranks
 
     @model_validator(mode="wrap")
     @classmethod

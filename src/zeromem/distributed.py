@@ -1,39 +1,87 @@
-"""Creating the default process group from torchrun's environment when none exists."""
+"""The process group's life: creating it from torchrun's environment, and ending it cleanly.
+
+Timeouts come from the config's `zeromem` block (`timeout_s`, `gather_timeout_s`);
+the environment variables ZEROMEM_TIMEOUT_S / ZEROMEM_GATHER_TIMEOUT_S, when set,
+override it. Precedence: environment, then config, then the defaults (600 s / 300 s).
+
+Shutdown. A gloo worker thread that frees a finished collective's tensors during
+interpreter shutdown needs the GIL and C++ terminates the process (SIGABRT), so a
+finished job looks failed to torchrun. `Lifecycle.shutdown` therefore runs while
+Python is still whole (at exit, on SIGTERM, or when called): it closes every live
+engine (each waits for and drops its collectives in flight, removes swap files),
+meets the other ranks, and destroys the default group if zeromem created it.
+"""
 from __future__ import annotations
 
+import atexit
+import gc
+import logging
 import os
+import signal
+import sys
+import threading
+import time
+import weakref
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger("zeromem")
 
-def ensure_process_group(timeout_s: float | None = None) -> None:
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_GATHER_TIMEOUT_S = 300.0
+INIT_ATTEMPTS = 3  # a restarted job's group can fail to form at the first try
+
+
+def collective_timeout_s(config_value: float | None = None) -> float:
+    """Seconds a collective waits for a rank that died or diverged: env, config, default."""
+    env = os.environ.get("ZEROMEM_TIMEOUT_S")
+    if env:
+        return float(env)
+    return float(config_value) if config_value is not None else DEFAULT_TIMEOUT_S
+
+
+def gather_timeout_s(config_value: float | None = None) -> float | None:
+    """Seconds a stage-3 gather may wait before the ranks count as diverged (None = no limit).
+
+    A rank that runs a forward the others do not (evaluation on rank 0 only) then
+    fails with a message naming the module and the ranks that did not follow.
+    Env ZEROMEM_GATHER_TIMEOUT_S, then config `zeromem.gather_timeout_s`, then 300.
+    """
+    env = os.environ.get("ZEROMEM_GATHER_TIMEOUT_S")
+    value = float(env) if env else (DEFAULT_GATHER_TIMEOUT_S if config_value is None
+                                    else float(config_value))
+    return value if value > 0 else None
+
+
+def ensure_process_group(timeout_s: float | None = None) -> bool:
     """Initialise the default group (NCCL with CUDA, else gloo) if torchrun launched us.
 
-    Without torchrun's variables and without a group, nothing is created: zeromem
-    then runs as world size 1. `ZEROMEM_TIMEOUT_S` bounds how long a collective
-    waits for a rank that died or diverged (default 600 s).
+    Returns True when this call created it. Without torchrun's variables and without
+    a group, nothing is created: zeromem then runs as world size 1. A failed attempt
+    (a restarted job whose peers are not all up yet) is retried a few times.
     """
     if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return
-    timeout = timedelta(seconds=timeout_s or float(os.environ.get("ZEROMEM_TIMEOUT_S", 600)))
+        return False
+    timeout = timedelta(seconds=collective_timeout_s(timeout_s))
+    backend = "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", timeout=timeout)
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
-
-
-def gather_timeout_s() -> float | None:
-    """Seconds a stage-3 gather may wait before the ranks count as diverged.
-
-    `ZEROMEM_GATHER_TIMEOUT_S` (default 300). A rank that runs a forward the others
-    do not (evaluation on rank 0 only) then fails with a message naming the module
-    and the ranks that did not follow, instead of hanging.
-    """
-    value = float(os.environ.get("ZEROMEM_GATHER_TIMEOUT_S", 300))
-    return value if value > 0 else None
+        backend = "nccl"
+    for attempt in range(1, INIT_ATTEMPTS + 1):
+        try:
+            dist.init_process_group(backend, timeout=timeout)
+            break
+        except (RuntimeError, ValueError) as error:  # DistStoreError / DistNetworkError
+            if attempt == INIT_ATTEMPTS:
+                raise
+            log.warning("process group did not form (attempt %d of %d): %s; retrying",
+                        attempt, INIT_ATTEMPTS, error)
+            time.sleep(attempt)
+    LIFECYCLE.owns_group = True
+    LIFECYCLE.install_handlers()
+    return True
 
 
 def default_store():
@@ -45,3 +93,78 @@ def default_store():
         return _get_default_store()
     except (ImportError, RuntimeError):
         return None
+
+
+class Lifecycle:
+    """The engines alive in this process, and whether zeromem created the default group.
+
+    One per process (held by this module as LIFECYCLE) because what it answers to
+    is per process: interpreter exit and signals.
+    """
+
+    def __init__(self) -> None:
+        self.engines: weakref.WeakSet = weakref.WeakSet()
+        self.owns_group = False
+        self.failed = False  # an uncaught exception is ending the process
+        self._installed = False
+
+    def register(self, engine) -> None:
+        """Close `engine` at shutdown unless it was closed before."""
+        self.engines.add(engine)
+
+    def install_handlers(self) -> None:
+        """At exit and on SIGTERM (torchrun's stop signal), shut down cleanly."""
+        if self._installed:
+            return
+        self._installed = True
+        atexit.register(self._at_exit)
+        previous_hook = sys.excepthook
+
+        def note_failure(*exc_info) -> None:  # an uncaught error: peers may never reach a barrier
+            self.failed = True
+            previous_hook(*exc_info)
+
+        sys.excepthook = note_failure
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a user's handler wins
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def shutdown(self, barrier_timeout_s: float = 10.0, destroy_group: bool = True) -> None:
+        """Close live engines, meet the other ranks, destroy the group zeromem created.
+
+        The barrier is bounded: a rank leaving after an error must not wait for
+        peers that will never arrive. `barrier_timeout_s` 0 skips it.
+        """
+        for engine in list(self.engines):
+            engine.close(barrier_timeout_s=0)  # one barrier below, over every rank
+        self.engines = weakref.WeakSet()
+        if barrier_timeout_s > 0 and dist.is_initialized() and dist.get_world_size() > 1:
+            try:  # no rank leaves while another still runs a collective with it
+                dist.barrier(async_op=True).wait(timedelta(seconds=barrier_timeout_s))
+            except RuntimeError:
+                log.warning("shutdown: not every rank reached the exit barrier in %gs",
+                            barrier_timeout_s)
+        gc.collect()  # finished Works and their tensors are freed here, holding the GIL
+        if destroy_group and self.owns_group and dist.is_initialized():
+            self.owns_group = False
+            dist.destroy_process_group()
+
+    def _at_exit(self) -> None:
+        """Interpreter exit: meet the other ranks unless this one dies of an uncaught error."""
+        self.shutdown(barrier_timeout_s=0 if self.failed else 10.0)
+
+    def _on_sigterm(self, signum: int, frame) -> None:
+        """Close engines (swap files removed) without waiting for peers, then die of SIGTERM."""
+        try:
+            self.shutdown(barrier_timeout_s=0, destroy_group=False)  # peers may be gone
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+LIFECYCLE = Lifecycle()
+
+
+def shutdown(barrier_timeout_s: float = 10.0) -> None:
+    """Close every live engine and end the group zeromem created (also run at exit)."""
+    LIFECYCLE.shutdown(barrier_timeout_s)

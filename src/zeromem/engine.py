@@ -162,7 +162,8 @@ class Engine:
             persistent = group.numel < zero.stage3_param_persistence_threshold
             module_units.append((module, FetchUnit(group, self.comm, persistent, self.live_params)))
         limits = Stage3Limits(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
-                              zero.stage3_max_reuse_distance, gather_timeout_s())
+                              zero.stage3_max_reuse_distance,
+                              gather_timeout_s(self.config.zeromem.gather_timeout_s))
         return Stage3Runner(self.module, module_units, limits, self.live_params, self.comm,
                             default_store())
 
@@ -323,8 +324,10 @@ class Engine:
         return MemoryReport(ledger.as_dict(), formula, self.psi, self.dp_world_size,
                             self.zero_stage, self.comm.buffer_bytes_peak)
 
-    def close(self) -> None:
-        """Release offload storage now (swap files are otherwise removed at exit)."""
+    def close(self, barrier_timeout_s: float = 10.0) -> None:
+        """Finish and drop collectives in flight, meet the other ranks (bounded wait),
+        and release offload storage (swap files). Also run at exit and on SIGTERM."""
+        self.comm.close(barrier_timeout_s)
         self.offload.close()
 
     def comm_report(self):

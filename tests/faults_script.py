@@ -1,0 +1,99 @@
+"""A tiny training job for the launch-path tests of test_faults.py (run under torchrun).
+
+    faults_script.py MODE OUT_DIR
+
+MODE: `train` (6 steps, checkpoint every step, resume from `latest`; with
+KILL_AT_STEP set, rank 1 kills itself there on the first attempt), `exit` (train,
+then leave without any cleanup: zeromem's exit path must end the group),
+`sigterm` (NVMe offload; print the swap directory, then wait to be stopped),
+`frozen` (rank 1 stops answering; the others must fail within the config timeout).
+Rank 0 writes `losses.json` (step -> loss) into OUT_DIR.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import zeromem
+
+STEPS = 6
+
+
+def build(config_extra: dict) -> zeromem.Engine:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": 2, "overlap_comm": True},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, **config_extra}
+    return zeromem.initialize(model, config)
+
+
+def step(engine: zeromem.Engine, index: int) -> float:
+    """One optimizer step on data drawn from (rank, step): the same after a resume."""
+    g = torch.Generator().manual_seed(1000 * engine.comm.rank + index)
+    x = torch.randn(2, 8, generator=g)
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def train(out: Path) -> None:
+    engine = build({})
+    ckpt = out / "ckpt"
+    start = 0
+    if (ckpt / "latest").exists():
+        _, client = engine.load_checkpoint(ckpt)
+        start = client["next_step"]
+    losses_file = out / "losses.json"
+    losses = json.loads(losses_file.read_text()) if losses_file.exists() else {}
+    kill_at = int(os.environ.get("KILL_AT_STEP", -1))
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    for i in range(start, STEPS):
+        if i == kill_at and first_attempt and engine.comm.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        losses[str(i)] = step(engine, i)
+        engine.save_checkpoint(ckpt, client_state={"next_step": i + 1})
+        if engine.comm.rank == 0:
+            losses_file.write_text(json.dumps(losses))
+    zeromem.shutdown()
+
+
+def main() -> None:
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    if mode == "train":
+        train(out)
+    elif mode == "exit":
+        engine = build({})
+        for i in range(3):
+            step(engine, i)
+        zeromem.shutdown()
+        import torch.distributed as dist
+        print("group after shutdown:", dist.is_initialized(), flush=True)
+    elif mode == "sigterm":
+        engine = build({"zero_optimization": {"stage": 2, "offload_optimizer": {
+            "device": "nvme", "nvme_path": str(out)}}})
+        step(engine, 0)
+        print("ready", flush=True)
+        time.sleep(60)
+    elif mode == "frozen":
+        engine = build({"zeromem": {"timeout_s": 3}})
+        step(engine, 0)
+        if engine.comm.rank == 1:
+            time.sleep(30)  # frozen after one step: rank 0 must name it
+        began = time.monotonic()
+        try:
+            step(engine, 1)
+        except RuntimeError as error:
+            print(f"failed after {time.monotonic() - began:.1f}s: {error}", flush=True)
+            os._exit(3)
+
+
+if __name__ == "__main__":
+    main()
