@@ -22,6 +22,7 @@ READ: dict[str, tuple[str, ...]] = {
     "train_batch_size": ("config_rules",), "train_micro_batch_size_per_gpu": ("config_rules",),
     "gradient_accumulation_steps": ("engine",), "gradient_clipping": ("engine",),
     "steps_per_print": ("engine",), "wall_clock_breakdown": ("engine",),
+    "zeromem.timeout_s": ("__init__",), "zeromem.gather_timeout_s": ("engine",),
     "optimizer.type": ("optim",), "optimizer.params": ("optim",),
     "scheduler.type": ("schedulers",), "scheduler.params": ("schedulers",),
     "fp16.enabled": ("config", "precision"), "fp16.auto_cast": ("engine",),
