@@ -187,7 +187,7 @@ def run_cases(rank: int, world_size: int) -> dict:
         try:
             # numpy arrays: torch tensors would travel as shared memory the ended rank took away
             results[name] = tree_map(lambda v: v.numpy() if torch.is_tensor(v) else v, case(rank))
-        except Exception:  # one broken case must not hide the others' results
+        except Exception:  # noqa: BLE001 (one broken case must not hide the others' results)
             results[name] = traceback.format_exc()
     return results
 
@@ -218,7 +218,7 @@ def rounded(state: dict, precision: str) -> dict:
 
 def test_initialize_gives_every_rank_rank0_parameters_and_buffers(ranks):
     per_rank = case(ranks, "seeded")
-    for (stage, precision), _ in per_rank[0].items():
+    for stage, precision in per_rank[0]:
         expected = rounded(build(seed=1).state_dict(), precision)  # rank 0 built from seed 1
         for r, result in enumerate(per_rank):
             diff = max_diff(result[stage, precision]["init"], expected)
@@ -227,7 +227,7 @@ def test_initialize_gives_every_rank_rank0_parameters_and_buffers(ranks):
 
 def test_evaluation_before_the_first_step_matches_rank0_model_on_every_rank(ranks):
     per_rank = case(ranks, "seeded")
-    for (stage, precision), _ in per_rank[0].items():
+    for stage, precision in per_rank[0]:
         dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         with torch.no_grad():
             expected = build(seed=1).eval().to(dtype)(batch(99, 0).to(dtype)).float()
