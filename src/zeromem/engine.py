@@ -32,6 +32,7 @@ from .distributed import default_store, gather_timeout_s
 from .flat import FlatParamGroup, Sharding
 from .grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
 from .memory import Ledger, MemoryReport, model_state_formula
+from .module_state import LoadIntoMasters, broadcast_from_rank0
 from .offload import build_offload
 from .optim import normalize_param_groups, optimizer_state_bytes_per_param
 from .partition import materialize, materialize_meta
@@ -58,7 +59,15 @@ def _bucket_params(params: list[nn.Parameter], bucket_numel: int) -> list[list[n
 
 
 class Engine:
-    """Wraps a module and trains it with ZeRO stage 0, 1, 2 or 3. Built by `zeromem.initialize`."""
+    """Wraps a module and trains it with ZeRO stage 0, 1, 2 or 3. Built by `zeromem.initialize`.
+
+    At construction rank 0's parameters and buffers are broadcast to every
+    data-parallel rank (as DDP and DeepSpeed do); buffers are not broadcast again,
+    so BatchNorm statistics then follow each rank's own batches (rank 0's are
+    checkpointed). The fp32 masters start from the module's own (fp32) values, and
+    `engine.module.load_state_dict(...)` reaches them at full precision, at every
+    stage (module_state.py).
+    """
 
     def __init__(self, module: nn.Module, config: Config, comm: Comm,
                  model_parameters: Iterable | None = None,
@@ -72,7 +81,9 @@ class Engine:
             if comm.backend == "nccl" else torch.device("cpu")
         self.compute_dtype = config.compute_dtype
         materialize_meta(module, self.device)  # a model built on the meta device
-        self.module = module.to(self.device, dtype=self.compute_dtype)
+        # The user's dtype is kept until the flat groups read the fp32 masters from it.
+        self.module = module.to(self.device)
+        broadcast_from_rank0(self.module, comm)  # ranks need not be seeded alike
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -85,6 +96,7 @@ class Engine:
         sharding = Sharding.for_stage(self.zero_stage)
         self.groups = self._build_groups(param_groups, sharding, fetch_units)
         materialize(self.module.parameters(), self.comm)  # frozen ones built under Init
+        self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
         self.psi = sum(g.numel for g in self.groups)
         # where masters, optimizer states and parameter shards live (offload.py)
         self.offload = build_offload(config, self.groups, comm.rank,
@@ -94,6 +106,7 @@ class Engine:
                                is not False)
         self.stage3 = self._build_stage3() if sharding.params else None
         self.offload.attach_stage3(self.stage3)  # offload_param: units swap shards in first
+        self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
     def _make_scheduler(self, lr_scheduler: Any):
@@ -113,7 +126,8 @@ class Engine:
         for gi, params in self._partition(param_groups, sharding, fetch_units):
             materialize(params, self.comm)  # built under zeromem.Init: whole one unit at a time
             names = [self.names[id(p)] for p in params]
-            groups.append(FlatParamGroup(params, names, self.comm, sharding, gi))
+            groups.append(FlatParamGroup(params, names, self.comm, sharding, gi,
+                                         self.compute_dtype))
         groups.sort(key=lambda g: -min(order[id(p)] for p in g.params))
         grad_dtype = self.config.grad_dtype
         if sharding.grads:

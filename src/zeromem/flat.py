@@ -60,10 +60,14 @@ class FlatParamGroup:
     Owns: `flat_param` (compute dtype, whole; None at stage 3), `param_shard`, the master shard (fp32; an alias of
     the parameter shard when the compute dtype is already fp32), and a gradient
     buffer object that decides how gradients are held and reduced.
+
+    `params` arrive in the user's dtype and are cast to `dtype` (the compute dtype)
+    here, so that the master shard keeps the user's own fp32 values rather than
+    their bf16/fp16 rounding (as FSDP2's mixed precision does).
     """
 
     def __init__(self, params: list[nn.Parameter], names: list[str], comm: Comm,
-                 sharding: Sharding, param_group_index: int):
+                 sharding: Sharding, param_group_index: int, dtype: torch.dtype | None = None):
         self.params = params
         self.comm = comm
         self.param_group_index = param_group_index
@@ -81,7 +85,10 @@ class FlatParamGroup:
         self.shard_offset = comm.rank * self.shard_numel if sharding.optimizer else 0
 
         p0 = params[0]
-        self.flat_param = torch.zeros(self.padded_numel, dtype=p0.dtype, device=p0.device)
+        dtype = dtype or p0.dtype
+        # Read before the parameters are rounded to the compute dtype (issue 10, item 7).
+        master = self._own_fp32_values(params) if dtype != torch.float32 else None
+        self.flat_param = torch.zeros(self.padded_numel, dtype=dtype, device=p0.device)
         for p, slot in zip(params, self.slots):
             view = self.flat_param[slot.offset:slot.offset + slot.numel].view(slot.shape)
             view.copy_(p.detach())
@@ -89,13 +96,24 @@ class FlatParamGroup:
         self.param_shard = self.flat_param[self.shard_offset:self.shard_offset + self.shard_numel]
         if sharding.params:
             # Stage 3: only the shard persists; stage3.FetchUnit gathers the whole on demand.
+            # The parameters let go of the whole buffer now, so that memory matches the
+            # units' SHARDED state from `initialize` on (issue 10, item 3).
             self.param_shard = self.param_shard.clone()
             self.flat_param = None
-        if self.param_shard.dtype == torch.float32:
-            self.master = self.param_shard  # fp32 training: no second copy
-        else:
-            self.master = self.param_shard.detach().float()
+            empty = self.param_shard.new_empty(0)
+            for p in params:
+                p.data = empty
+        self.master = self.param_shard if master is None else master  # fp32: no second copy
         self.grads = None  # set by grads.attach(); see grads.py
+
+    def _own_fp32_values(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """This rank's master shard from the parameters' own values, in fp32 (padding zero)."""
+        master = torch.zeros(self.shard_numel, dtype=torch.float32, device=params[0].device)
+        for p, slot in zip(params, self.slots):
+            start, at, n = self.owned_slice(slot)
+            if n:
+                master[start:start + n].copy_(p.detach().reshape(-1)[at:at + n])
+        return master
 
     # -- after the optimizer step -----------------------------------------
     def master_aliases_params(self) -> bool:

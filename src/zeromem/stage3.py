@@ -137,9 +137,12 @@ class FetchUnit:
         """Make the (edited) whole buffer the truth: copy this rank's part into shard and master."""
         g = self.group
         part = self.full[g.shard_offset:g.shard_offset + g.shard_numel]
-        g.param_shard.copy_(part)
         if not g.master_aliases_params():
-            g.master.copy_(part)
+            # Elements the modifier left alone keep the master's low bits (their
+            # compute-dtype value is still the shard's): only edits are rounded.
+            changed = part != g.param_shard
+            g.master.copy_(torch.where(changed, part.float(), g.master.to(part.device)))
+        g.param_shard.copy_(part)
 
 
 class LiveStats:

@@ -1,0 +1,112 @@
+"""The user's module and the engine's copies of it stay one model.
+
+Two moments at which they could part (issue 10):
+
+- At `initialize`, ranks may hold different values (a script that does not seed
+  every rank alike). As DDP and DeepSpeed do at construction, rank 0's
+  parameters and buffers are broadcast to every data-parallel rank
+  (`broadcast_from_rank0`): in the user's own dtype, before flattening (so the
+  fp32 masters built next are identical), one tensor at a time and in place, so
+  no rank ever holds more than the model once, and at stage 3 this happens
+  before sharding. Parameters built under `zeromem.Init` are already
+  partitioned (empty here) and identical by construction; they are skipped.
+
+  Buffers are broadcast at `initialize` only, as DeepSpeed does (DDP's default
+  re-broadcasts them before every forward). Afterwards each rank updates its own
+  (BatchNorm running statistics follow that rank's micro-batches) and
+  checkpoints keep rank 0's; use `nn.SyncBatchNorm` for statistics over the
+  global batch.
+
+- `engine.module.load_state_dict(...)` makes torch copy the incoming values into
+  the compute-dtype parameters only, while the optimizer steps the fp32 masters,
+  whose next write-back would silently restore the old weights (and at stage 3
+  the parameters are empty between gathers). `LoadIntoMasters` hooks every
+  module: a load-state-dict pre-hook captures the incoming tensors of the
+  module's trained parameters (full precision, before any rounding) and, where a
+  stage-3 parameter is empty, hands torch an empty value in their place; when the
+  outermost `load_state_dict` finishes, this rank's part of each captured value
+  goes into its master and, at stage 3, into its parameter shard. No collective
+  runs, so a load on one rank only changes that rank, as in torch.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm import Comm
+from .flat import FlatParamGroup, ParamSlot
+
+
+def broadcast_from_rank0(module: nn.Module, comm: Comm) -> None:
+    """Give every rank rank 0's parameters and buffers (in place; collective)."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.numel():  # empty: partitioned under zeromem.Init, identical already
+                comm.broadcast(tensor.data, 0)
+
+
+class LoadIntoMasters:
+    """Weights loaded into the module reach the fp32 masters (and stage-3 shards)."""
+
+    def __init__(self, module: nn.Module, groups: list[FlatParamGroup], offload: Any):
+        self.offload = offload  # offload.OnDevice and subclasses: masters and shards wherever they live
+        self.slot_of: dict[int, tuple[FlatParamGroup, ParamSlot]] = {
+            id(p): (g, slot) for g in groups for p, slot in zip(g.params, g.slots)}
+        self.top: nn.Module | None = None  # the module whose load_state_dict is running
+        self.loaded: dict[int, torch.Tensor] = {}  # parameter id -> incoming value, this load
+        self.handles = []
+        for m in module.modules():
+            own = [(name, p) for name, p in m.named_parameters(recurse=False, remove_duplicate=False)
+                   if id(p) in self.slot_of]  # a tied weight is loaded under each of its names
+            self.handles.append(m.register_load_state_dict_pre_hook(partial(self._capture, own)))
+            self.handles.append(m.register_load_state_dict_post_hook(self._finish))
+
+    def _capture(self, own: list[tuple[str, nn.Parameter]], module: nn.Module,
+                 state_dict: dict, prefix: str, local_metadata: dict, *_) -> None:
+        if prefix == "":  # torch calls the outermost module with an empty prefix
+            self.top, self.loaded = module, {}
+        if own and local_metadata.get("assign_to_params_buffers"):
+            raise RuntimeError(
+                f"load_state_dict(assign=True) on '{type(module).__name__}' would replace "
+                "parameters that zeromem keeps as views of its flat buffers; load without assign")
+        for name, p in own:
+            value = state_dict.get(prefix + name)
+            slot = self.slot_of[id(p)][1]
+            if not torch.is_tensor(value) or value.shape != slot.shape:
+                continue  # torch reports the missing key or the size mismatch
+            self.loaded[id(p)] = value
+            if p.numel() == 0 < slot.numel:
+                # Stage 3 between gathers: the shard is the only copy. torch's copy into
+                # the empty parameter must neither fail nor count as a mismatch.
+                state_dict[prefix + name] = value.new_empty(0)
+
+    def _finish(self, module: nn.Module, incompatible_keys: Any) -> None:
+        if module is not self.top:
+            return
+        loaded, self.top, self.loaded = self.loaded, None, {}
+        if loaded:
+            self._write(loaded)
+
+    def _write(self, loaded: dict[int, torch.Tensor]) -> None:
+        """This rank's part of each loaded value into its master, then into its shard."""
+        with torch.no_grad():
+            with self.offload.resident():  # masters swapped out to NVMe come back for the write
+                for pid, value in loaded.items():
+                    g, slot = self.slot_of[pid]
+                    start, at, n = g.owned_slice(slot)
+                    if n and not g.master_aliases_params():
+                        g.master[start:start + n].copy_(value.detach().reshape(-1)[at:at + n])
+            params = self.offload.params  # the parameter home (param_offload.py)
+            for pid, value in loaded.items():
+                g, slot = self.slot_of[pid]
+                start, at, n = g.owned_slice(slot)
+                if n and g.flat_param is None:  # stage 3: torch's copy did not reach the shard
+                    params.store(g, start, value.detach().reshape(-1)[at:at + n])
+            params.flush()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
