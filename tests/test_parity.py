@@ -161,8 +161,6 @@ def differently_seeded_init(rank: int, world_size: int) -> None:
         assert own_view_diff(engine, ref.model) <= 1e-5, f"rank {rank} stage {stage}: diverged"
 
 
-@pytest.mark.xfail(strict=True, reason="needs the broadcast of rank 0's parameters at initialize "
-                   "(issue 10 item 1, core's branch); un-xfail after that merge")
 def test_differently_seeded_ranks_start_from_rank_0():
     run_distributed(differently_seeded_init, 2)
 

@@ -53,10 +53,12 @@ class Pending:
     """An in-flight collective; `wait()` blocks, then runs the finishing step (if any)."""
 
     def __init__(self, work: dist.Work | None, finish: Callable[[], None] | None = None,
-                 explain: Callable[[RuntimeError], RuntimeError] | None = None):
+                 explain: Callable[[RuntimeError], RuntimeError] | None = None,
+                 forget: Callable[[dist.Work], None] | None = None):
         self.work = work
         self.finish = finish
         self.explain = explain  # turns a timeout into an error naming the silent ranks
+        self.forget = forget  # the Comm that tracks `work` drops it (and its tensors) once done
 
     def wait(self, timeout=None) -> None:
         """Block until done; `timeout` (a timedelta) raises RuntimeError when exceeded."""
@@ -70,6 +72,8 @@ class Pending:
                 if self.explain is None or timeout is not None:  # the caller diagnoses its own
                     raise
                 raise self.explain(error) from error
+            if self.forget is not None:
+                self.forget(self.work)
             self.work = None
         if self.finish is not None:
             finish, self.finish = self.finish, None
@@ -131,6 +135,11 @@ class Comm:
             self._in_flight.append((work, tensors))
         return work
 
+    def _forget(self, work) -> None:
+        """`work` was waited on: its tensors are the caller's again (a gathered unit must be
+        freed when it is resharded, not when the next collective is issued)."""
+        self._in_flight = [(w, t) for w, t in self._in_flight if w is not work]
+
     def in_flight(self) -> int:
         """Async collectives issued and not yet seen finished."""
         return sum(not w.is_completed() for w, _ in self._in_flight)
@@ -191,7 +200,7 @@ class Comm:
             torch.sum(received.view(n, -1), dim=0, out=output)
             self.release_buffer(received)
 
-        pending = Pending(work if async_op else None, finish, self.explain)
+        pending = Pending(work if async_op else None, finish, self.explain, self._forget)
         if not async_op:
             pending.wait()
         return pending
@@ -222,8 +231,8 @@ class Comm:
 
     def _handle(self, work, *tensors: torch.Tensor) -> Pending:
         """Async: a tracked handle. Sync (work None): already done, or raised (explained)."""
-        return Pending(self._track(work, *tensors), explain=self.explain) if work is not None \
-            else DONE
+        return Pending(self._track(work, *tensors), explain=self.explain,
+                       forget=self._forget) if work is not None else DONE
 
     def _sync(self, run: Callable[[], object]):
         """Run a blocking collective; a timeout becomes a CollectiveTimeoutError."""

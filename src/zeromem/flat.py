@@ -150,7 +150,7 @@ class FlatParamGroup:
                 self.comm.release_buffer(out)
 
             pending = self.comm.all_gather(out.view(-1), self.param_shard[start:end], async_op=True)
-            yield Pending(pending.work, scatter_back)
+            yield Pending(pending.work, scatter_back, forget=pending.forget)
 
     # -- views ------------------------------------------------------------
     def owned_slice(self, slot: ParamSlot) -> tuple[int, int, int]:

@@ -22,6 +22,10 @@ from .config import Config, ConfigError
 from .partition import _SHARDS  # parameters built under Init keep their whole shape there
 
 SHOWN = 8  # differing keys / parameters listed in the message
+# Keys that may differ by rank without changing the numbers: each node (or rank) may
+# name its own local disk for swap files.
+LOCAL_KEYS = ("zero_optimization.offload_optimizer.nvme_path",
+              "zero_optimization.offload_param.nvme_path")
 
 
 class RankMismatchError(ConfigError):
@@ -40,6 +44,8 @@ def config_items(config: Config) -> dict[str, str]:
             flat[prefix] = json.dumps(value, sort_keys=True, default=str)
 
     walk("", config.model_dump())
+    for key in LOCAL_KEYS:
+        flat.pop(key, None)
     return flat
 
 
