@@ -24,8 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from . import checkpoints
-from .activations import checkpoint_stats
+from . import activations, checkpoints
 from .comm import Comm
 from .config import Config
 from .distributed import default_store, gather_timeout_s
@@ -78,6 +77,8 @@ class Engine:
         self.grad_norm: float | None = None
         self.scaler = make_scaler(config.fp16)
         self.timers = PhaseTimers(config.wall_clock_breakdown, self.device)
+        # this engine's policy and byte ledger, active while its forward/backward run
+        self.activation_checkpointing = activations.for_engine(config.activation_checkpointing)
 
         param_groups = normalize_param_groups(module, model_parameters)
         self.names = {id(p): n for n, p in module.named_parameters()}
@@ -172,7 +173,7 @@ class Engine:
             cast = lambda x: x.half() if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
-        with self.timers("forward"):
+        with self.timers("forward"), self.activation_checkpointing.active():
             return self.module(*args, **kwargs)
 
     __call__ = forward
@@ -180,7 +181,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied."""
         scale = self.scaler.scale / (self.config.gradient_accumulation_steps * self.dp_world_size)
-        with self.timers("backward"):
+        with self.timers("backward"), self.activation_checkpointing.active():
             self.reducer.start_backward(self.is_gradient_accumulation_boundary())
             if self.stage3 is not None:
                 self.stage3.start_pass("backward")
@@ -341,7 +342,8 @@ class Engine:
                 if torch.is_tensor(t):
                     ledger.add("optimizer_states", "device", t)
         ledger.add_bytes("comm_buffers", "device", self.comm.buffer_bytes_peak)
-        for place, nbytes in checkpoint_stats().peak_bytes.items():  # peak since the last reset
+        peaks = self.activation_checkpointing.stats().peak_bytes  # peak since the last reset
+        for place, nbytes in peaks.items():
             ledger.add_bytes("activation_checkpoints", place, nbytes)
         g0 = self.groups[0] if self.groups else None
         master_bytes = 0 if g0 is None or g0.master_aliases_params() else 4
