@@ -617,3 +617,34 @@ def test_tags_must_be_plain_names(tmp_path):
     for tag in ("", "../up", ".hidden", "latest"):
         with pytest.raises(CheckpointError, match="plain, non-hidden directory name"):
             engine.save_checkpoint(tmp_path, tag=tag)
+
+
+def test_checkpointed_pieces_are_stateful_and_round_trip():
+    """Scaler, scheduler, counters and RNG each offer state_dict / load_state_dict."""
+    from zeromem.precision import DynamicScaler, NoScaler, StaticScaler
+    from zeromem.schedulers import WarmupLR
+    from zeromem.training_state import RngState, Stateful, StepCounters
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    for thing in (NoScaler(), StaticScaler(8.0), DynamicScaler(), WarmupLR(optimizer, 0.0, 0.1, 5),
+                  StepCounters(2), RngState()):
+        assert isinstance(thing, Stateful), type(thing).__name__
+
+    counters = StepCounters(gradient_accumulation_steps=2)
+    for micro in range(7):
+        boundary = counters.at_boundary()
+        counters.advance_micro()
+        if boundary:
+            counters.advance_global(skipped=micro == 1)
+    assert (counters.global_steps, counters.micro_steps, counters.skipped_steps) == (3, 7, 1)
+    assert counters.mid_accumulation()
+    same, other = StepCounters(2), StepCounters(4)
+    same.load_state_dict(counters.state_dict())
+    other.load_state_dict(counters.state_dict())
+    assert same.micro_steps == 7 and other.micro_steps == 3 * 4  # boundaries kept under 4
+
+    rng = RngState()
+    saved = rng.state_dict()
+    first = (torch.rand(3), random.random())
+    rng.load_state_dict(saved)
+    assert torch.equal(torch.rand(3), first[0]) and random.random() == first[1]
