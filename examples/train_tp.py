@@ -85,9 +85,9 @@ def main() -> None:
     held = {}
     for step in range(args.steps):
         tokens, targets = batch(data, 8, args.seq, generator)
-        zeromem.checkpointing.reset_peak_checkpoint_bytes()
+        engine.activation_checkpointing.reset_peak()
         loss = engine(tokens, targets)
-        held["pa"] = zeromem.checkpointing.checkpoint_stats().held_bytes
+        held["pa"] = engine.activation_checkpointing.stats().held_bytes
         engine.backward(loss)
         engine.step()
         if rank == 0 and step % 10 == 0:

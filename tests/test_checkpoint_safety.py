@@ -24,7 +24,7 @@ import torch
 
 from test_checkpoints import BufferedLM, config, train
 import zeromem
-from zeromem.checkpoints import CheckpointError, load_checkpoint, save_checkpoint
+from zeromem.checkpoints import CheckpointError
 from zeromem.consolidate import file_digest
 
 
@@ -85,9 +85,9 @@ def test_client_state_objects_need_an_explicit_opt_in(tmp_path):
     train(engine, 0, 1, range(1))
     ordinary = {"step": 3, "name": "run-a", "lrs": [1e-3, 2.5], "pair": (1, "x"),
                 "t": torch.arange(4.0), "nested": {"none": None, "flag": True}}
-    tag_dir = Path(save_checkpoint(engine, tmp_path, client_state=ordinary))
+    tag_dir = Path(engine.save_checkpoint(tmp_path, client_state=ordinary))
     fresh = engine_of(seed=1)
-    _, client = load_checkpoint(fresh, tmp_path)  # ordinary state: loaded by default
+    _, client = fresh.load_checkpoint(tmp_path)  # ordinary state: loaded by default
     assert_same(client, ordinary)
 
     marker = tmp_path / "pwned"
@@ -97,7 +97,7 @@ def test_client_state_objects_need_an_explicit_opt_in(tmp_path):
     victim = engine_of(seed=2)
     before = full_snapshot(victim)
     with pytest.raises(CheckpointError, match="trust_client_state=True"):
-        load_checkpoint(victim, tmp_path)
+        victim.load_checkpoint(tmp_path)
     assert not marker.exists(), "unpickling ran code from the checkpoint directory"
     assert_same(before, full_snapshot(victim))
     _, client = victim.load_checkpoint(tmp_path, trust_client_state=True)  # the opt-in
@@ -144,8 +144,8 @@ def _hostile_cases(tmp: Path) -> dict:
 def test_load_refuses_paths_outside_the_checkpoint(tmp_path):
     engine = engine_of(stage=1)
     train(engine, 0, 1, range(1))
-    save_checkpoint(engine, tmp_path / "source", tag="good", client_state={"a": 1})
-    save_checkpoint(engine, tmp_path / "cases", tag="evil", client_state={"a": 1})  # outside
+    engine.save_checkpoint(tmp_path / "source", tag="good", client_state={"a": 1})
+    engine.save_checkpoint(tmp_path / "cases", tag="evil", client_state={"a": 1})  # outside
     (tmp_path / "evil-latest").write_text("good")
     shutil.copy(tmp_path / "source" / "good" / "rank00000.safetensors",
                 tmp_path / "outside.safetensors")
@@ -158,7 +158,7 @@ def test_load_refuses_paths_outside_the_checkpoint(tmp_path):
         if edit:
             edit(root)
         try:
-            load_checkpoint(victim, root, tag=tag)
+            victim.load_checkpoint(root, tag=tag)
         except CheckpointError as error:
             if any(w in str(error) for w in ("outside", "refusing", "files[0]", "client_state")):
                 refused.append(name)
@@ -212,7 +212,7 @@ def test_damaged_manifest_is_refused_naming_the_field_and_changes_nothing(tmp_pa
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8}}  # a dynamic scaler's state too
     engine = engine_of(**fp16)
     train(engine, 0, 1, range(2))
-    tag_dir = Path(save_checkpoint(engine, tmp_path / "ckpt", client_state={"a": 1}))
+    tag_dir = Path(engine.save_checkpoint(tmp_path / "ckpt", client_state={"a": 1}))
     manifest = json.loads((tag_dir / "manifest.json").read_text())
     victim = engine_of(seed=4, **fp16)
     train(victim, 0, 1, range(1))
@@ -223,7 +223,7 @@ def test_damaged_manifest_is_refused_naming_the_field_and_changes_nothing(tmp_pa
         field = next(k for k in reversed(path)  # encoding tags name no field
                      if isinstance(k, str) and not k.startswith("__"))
         try:
-            load_checkpoint(victim, tmp_path / "ckpt")
+            victim.load_checkpoint(tmp_path / "ckpt")
         except CheckpointError as error:
             if field not in str(error):
                 unclear.append(f"{kind} {path}: {error}")
@@ -236,7 +236,7 @@ def test_damaged_manifest_is_refused_naming_the_field_and_changes_nothing(tmp_pa
           f"{len(cases) - len(unclear)} / {len(cases)}")
     assert not unclear, f"{len(unclear)} of {len(cases)}: " + "\n".join(unclear[:20])
     (tag_dir / "manifest.json").write_text(json.dumps(manifest))
-    load_checkpoint(victim, tmp_path / "ckpt")  # the undamaged manifest still loads
+    victim.load_checkpoint(tmp_path / "ckpt")  # the undamaged manifest still loads
     assert victim.scaler.state_dict() == engine.scaler.state_dict()
 
 
@@ -267,7 +267,7 @@ def test_leftovers_of_a_killed_run_are_reclaimed_and_a_live_runs_kept(tmp_path):
         assert held.is_dir(), "the holder process did not start"
         engine = engine_of(stage=1)
         mine = SwapSpace(tmp_path / "nvme", 1, AsyncIO(threads=1))
-        save_checkpoint(engine, tmp_path / "ckpt", tag="a")
+        engine.save_checkpoint(tmp_path / "ckpt", tag="a")
         assert held.is_dir() and (tmp_path / "ckpt" / ".tmp-killed").is_dir()  # live: kept
         mine.close()
     finally:
@@ -278,7 +278,7 @@ def test_leftovers_of_a_killed_run_are_reclaimed_and_a_live_runs_kept(tmp_path):
     again = SwapSpace(tmp_path / "nvme", 1, AsyncIO(threads=1))
     assert not held.exists(), "a dead process's swap directory was not reclaimed"
     again.close()
-    save_checkpoint(engine, tmp_path / "ckpt", tag="b")
+    engine.save_checkpoint(tmp_path / "ckpt", tag="b")
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["a", "b", "latest"]
     assert os.listdir(tmp_path / "nvme") == []
 

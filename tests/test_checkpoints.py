@@ -26,8 +26,7 @@ import zeromem
 from harness import run_distributed
 from models import Reference, TinyLM, micro_batch, uses_sometimes
 from zeromem import checkpoints as ckpt
-from zeromem.checkpoints import (CheckpointError, group_pieces, load_checkpoint,
-                                   save_16bit_model, save_checkpoint)
+from zeromem.checkpoints import CheckpointError, group_pieces
 from zeromem.consolidate import (CHUNK_BYTES, Piece, SafetensorsReader, TensorSpec,
                                  check_coverage, decode, encode, load_consolidated,
                                  overlaps, write_safetensors)
@@ -184,7 +183,7 @@ def failing_rank_keeps_previous(rank: int, world_size: int, root: Path) -> str:
     engine = zeromem.initialize(BufferedLM(), config(2, world_size))
     train(engine, rank, world_size, range(1))
     save_dir = root / "failing"
-    save_checkpoint(engine, save_dir, tag="first")
+    engine.save_checkpoint(save_dir, tag="first")
     train(engine, rank, world_size, range(1, 2))
     real = ckpt._write_rank_file
 
@@ -196,13 +195,13 @@ def failing_rank_keeps_previous(rank: int, world_size: int, root: Path) -> str:
     ckpt._write_rank_file = fail_on_rank_1
     try:
         with pytest.raises(CheckpointError) as error:
-            save_checkpoint(engine, save_dir, tag="second")
+            engine.save_checkpoint(save_dir, tag="second")
     finally:
         ckpt._write_rank_file = real
     assert (save_dir / "latest").read_text() == "first"
     engine.comm.barrier()
     assert sorted(os.listdir(save_dir)) == ["first", "latest"]
-    assert load_checkpoint(engine, save_dir)[0].endswith("first")
+    assert engine.load_checkpoint(save_dir)[0].endswith("first")
     return str(error.value)
 
 
@@ -217,7 +216,7 @@ def corrupt_file_fails_everywhere(rank: int, world_size: int, root: Path) -> str
     before = engine_snapshot(engine)
     engine.comm.barrier()
     with pytest.raises(CheckpointError, match="rank00001.safetensors is corrupted") as error:
-        load_checkpoint(engine, bad)
+        engine.load_checkpoint(bad)
     assert_same_snapshot(before, engine_snapshot(engine))
     return str(error.value)
 
@@ -228,13 +227,13 @@ def rng_and_fp16_round_trip(rank: int, world_size: int, root: Path) -> None:
     torch.manual_seed(0)
     engine = zeromem.initialize(BufferedLM(), config(1, world_size, **extra))
     train(engine, rank, world_size, range(2))
-    save_checkpoint(engine, root / "fp16", tag="t")
+    engine.save_checkpoint(root / "fp16", tag="t")
     draws = (torch.rand(3), random.random())
     params = [p.detach().clone() for p in engine.module.parameters()]
     scaler = engine.scaler.state_dict()
     torch.manual_seed(5)
     other = zeromem.initialize(BufferedLM(), config(2, world_size, LOAD_BUCKET, **extra))
-    load_checkpoint(other, root / "fp16")
+    other.load_checkpoint(root / "fp16")
     assert torch.equal(torch.rand(3), draws[0]) and random.random() == draws[1]
     assert other.scaler.state_dict() == scaler
     assert all(torch.equal(p, q) for p, q in zip(other.module.parameters(), params))
@@ -246,7 +245,7 @@ def sixteen_bit_model(rank: int, world_size: int, root: Path) -> None:
     torch.manual_seed(0)
     engine = zeromem.initialize(BufferedLM(), config(3, world_size, bf16={"enabled": True}))
     with pytest.raises(CheckpointError, match="stage3_gather_16bit_weights_on_model_save"):
-        save_16bit_model(engine, root / "16bit")
+        engine.save_16bit_model(root / "16bit")
     torch.manual_seed(0)
     flag = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True, **PARTITION_ALL}
     engine = zeromem.initialize(BufferedLM(), config(3, world_size, bf16={"enabled": True},
@@ -255,7 +254,7 @@ def sixteen_bit_model(rank: int, world_size: int, root: Path) -> None:
     assert_partitioned(engine)
     full = engine.full_state_dict()
     for name in ("model.bin", "model.safetensors"):
-        path = save_16bit_model(engine, root / "16bit", name)
+        path = engine.save_16bit_model(root / "16bit", name)
         if rank == 0:
             saved = load_consolidated(path)
             assert list(saved) == list(full) and saved["fc1.weight"].dtype == torch.bfloat16
@@ -363,7 +362,7 @@ CRASH_POINTS = [(point, after) for point in ("_write_rank_file", "_write_client_
 def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, point, after):
     engine = small_engine()
     train(engine, 0, 1, range(1))
-    save_checkpoint(engine, tmp_path, tag="a", client_state={"a": 1})
+    engine.save_checkpoint(tmp_path, tag="a", client_state={"a": 1})
     expected = params_of(engine)
     train(engine, 0, 1, range(1, 2))
     real = getattr(ckpt, point)
@@ -375,19 +374,19 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, point, aft
 
     monkeypatch.setattr(ckpt, point, crash)
     with pytest.raises(CheckpointError, match="injected"):
-        save_checkpoint(engine, tmp_path, tag="b", client_state={"b": 2})
+        engine.save_checkpoint(tmp_path, tag="b", client_state={"b": 2})
     monkeypatch.undo()
     assert (tmp_path / "latest").read_text() == "a"
     assert not (tmp_path / ".tmp-b").exists()
     fresh = small_engine(stage=2)
-    path, client = load_checkpoint(fresh, tmp_path)
+    path, client = fresh.load_checkpoint(tmp_path)
     assert path.endswith("a") and client == {"a": 1}
     assert all(torch.equal(p, q) for p, q in zip(params_of(fresh), expected))
 
 
 def test_crash_while_overwriting_a_tag_keeps_it_loadable(tmp_path, monkeypatch):
     engine = small_engine()
-    save_checkpoint(engine, tmp_path, tag="a")
+    engine.save_checkpoint(tmp_path, tag="a")
     expected = params_of(engine)
     train(engine, 0, 1, range(1))
     real_rename, calls = os.rename, []
@@ -400,20 +399,20 @@ def test_crash_while_overwriting_a_tag_keeps_it_loadable(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "rename", rename)
     with pytest.raises(CheckpointError):
-        save_checkpoint(engine, tmp_path, tag="a")
+        engine.save_checkpoint(tmp_path, tag="a")
     monkeypatch.undo()
     assert not (tmp_path / "a").exists() and (tmp_path / ".old-a").is_dir()
     fresh = small_engine()
-    assert load_checkpoint(fresh, tmp_path)[0].endswith(".old-a")
+    assert fresh.load_checkpoint(tmp_path)[0].endswith(".old-a")
     assert all(torch.equal(p, q) for p, q in zip(params_of(fresh), expected))
-    save_checkpoint(engine, tmp_path, tag="a")  # a later save of that tag cleans up
+    engine.save_checkpoint(tmp_path, tag="a")  # a later save of that tag cleans up
     assert sorted(os.listdir(tmp_path)) == ["a", "latest"]
 
 
 def test_stale_temporary_directory_is_replaced(tmp_path):
     (tmp_path / ".tmp-global_step0").mkdir(parents=True)
     (tmp_path / ".tmp-global_step0" / "junk").write_text("left by a crash")
-    path = save_checkpoint(small_engine(), tmp_path)
+    path = small_engine().save_checkpoint(tmp_path)
     assert sorted(os.listdir(path)) == ["manifest.json", "rank00000.safetensors"]
     assert not (tmp_path / ".tmp-global_step0").exists()
 
@@ -477,7 +476,7 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(worlds, tmp_path, case):
     train(engine, 0, 1, range(1))
     disk, state = disk_snapshot(bad), engine_snapshot(engine)
     with pytest.raises(CheckpointError, match=message):
-        load_checkpoint(engine, bad, tag=tag)
+        engine.load_checkpoint(bad, tag=tag)
     assert disk_snapshot(bad) == disk
     assert_same_snapshot(state, engine_snapshot(engine))
 
@@ -488,8 +487,8 @@ def test_optimizer_mismatch_and_skipping_optimizer_states(worlds):
     sgd = zeromem.initialize(BufferedLM(), {**config(2, 1), "optimizer": {
         "type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}})
     with pytest.raises(CheckpointError, match="adamw states but this engine uses sgd"):
-        load_checkpoint(sgd, source)
-    load_checkpoint(sgd, source, load_optimizer_states=False)
+        sgd.load_checkpoint(source)
+    sgd.load_checkpoint(source, load_optimizer_states=False)
     full = torch.load(source / "full_state_dict.pt", weights_only=True)
     assert torch.equal(sgd.module.fc1.weight, full["fc1.weight"])
     assert sgd.get_lr() == [pytest.approx(1e-3 + 9e-3 * SAVE_AT / 5)]  # the scheduler's state
@@ -504,10 +503,10 @@ def test_offloaded_optimizer_states_round_trip(tmp_path, device):
     engine = zeromem.initialize(BufferedLM(), config(2, 1, zero_optimization={
         "stage": 2, "reduce_bucket_size": SAVE_BUCKET, **offload}))
     train(engine, 0, 1, range(2))
-    save_checkpoint(engine, tmp_path / "ckpt")
+    engine.save_checkpoint(tmp_path / "ckpt")
     torch.manual_seed(1)
     plain = small_engine(stage=1)  # no offload, other layout
-    load_checkpoint(plain, tmp_path / "ckpt")
+    plain.load_checkpoint(tmp_path / "ckpt")
     train(engine, 0, 1, range(2, 4))
     train(plain, 0, 1, range(2, 4))
     assert max((p - q).abs().max().item()
@@ -521,7 +520,7 @@ def test_consolidate_memory_is_bounded_by_the_largest_tensor(tmp_path):
     model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(6)])  # 6 x 16 MiB
     engine = zeromem.initialize(model, {"train_micro_batch_size_per_gpu": 1, "optimizer": {
         "type": "SGD", "params": {"lr": 0.1}}})
-    save_checkpoint(engine, tmp_path / "big")
+    engine.save_checkpoint(tmp_path / "big")
     del engine, model
     largest = 2048 * 2048 * 4
     script = textwrap.dedent("""
@@ -617,4 +616,35 @@ def test_tags_must_be_plain_names(tmp_path):
     engine = small_engine()
     for tag in ("", "../up", ".hidden", "latest"):
         with pytest.raises(CheckpointError, match="plain, non-hidden directory name"):
-            save_checkpoint(engine, tmp_path, tag=tag)
+            engine.save_checkpoint(tmp_path, tag=tag)
+
+
+def test_checkpointed_pieces_are_stateful_and_round_trip():
+    """Scaler, scheduler, counters and RNG each offer state_dict / load_state_dict."""
+    from zeromem.precision import DynamicScaler, NoScaler, StaticScaler
+    from zeromem.schedulers import WarmupLR
+    from zeromem.training_state import RngState, Stateful, StepCounters
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    for thing in (NoScaler(), StaticScaler(8.0), DynamicScaler(), WarmupLR(optimizer, 0.0, 0.1, 5),
+                  StepCounters(2), RngState()):
+        assert isinstance(thing, Stateful), type(thing).__name__
+
+    counters = StepCounters(gradient_accumulation_steps=2)
+    for micro in range(7):
+        boundary = counters.at_boundary()
+        counters.advance_micro()
+        if boundary:
+            counters.advance_global(skipped=micro == 1)
+    assert (counters.global_steps, counters.micro_steps, counters.skipped_steps) == (3, 7, 1)
+    assert counters.mid_accumulation()
+    same, other = StepCounters(2), StepCounters(4)
+    same.load_state_dict(counters.state_dict())
+    other.load_state_dict(counters.state_dict())
+    assert same.micro_steps == 7 and other.micro_steps == 3 * 4  # boundaries kept under 4
+
+    rng = RngState()
+    saved = rng.state_dict()
+    first = (torch.rand(3), random.random())
+    rng.load_state_dict(saved)
+    assert torch.equal(torch.rand(3), first[0]) and random.random() == first[1]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import activations, checkpointing
+from . import checkpointing
 from .activations import checkpoint
 from .comm import Comm
 from .config import Config, ConfigError
@@ -50,10 +50,6 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     cfg = Config.load(config, world_size=comm.world_size)
     check_knobs(cfg)
     check_ranks_agree(cfg, model, comm)  # before any collective that a mismatch would hang
-    if cfg.activation_checkpointing.model_fields_set:
-        # keep a model-parallel group set earlier with zeromem.activations.configure()
-        activations.configure_from_config(cfg.activation_checkpointing,
-                                          mp_group=activations.get_config().mp_group)
     engine = Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler, tuple(fetch_units))
     LIFECYCLE.register(engine)  # closed at exit / SIGTERM unless closed before
     return engine

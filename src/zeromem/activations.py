@@ -30,11 +30,17 @@ segment can be backpropagated once (no `retain_graph`), and a parameter used in
 several segments (or also outside them) accumulates once per use.
 
 All mutable state lives in one `ActivationCheckpointing` object (policy, stores,
-byte ledger); the module-level functions act on a default instance.
+byte ledger). The engine owns one, built from its config (`for_engine`), and makes
+it the active one while its forward and backward run (`active()`, a context
+variable, so nothing process-wide is mutated). The module-level functions act on
+the active instance, and outside any engine on the default instance that
+DeepSpeed's `checkpointing.configure` sets: that edge is the only place a default
+lives.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import math
 import time
@@ -505,12 +511,38 @@ class ActivationCheckpointing:
     def stats(self) -> CheckpointStats:
         return self.ledger.snapshot()
 
+    def held_bytes(self, place: str | None = None) -> int:
+        """Bytes held in stored checkpoints now: at `place` ("device" / "host"), or in total."""
+        held = self.ledger.held
+        return sum(held.values()) if place is None else held[place]
+
+    def reset_peak(self) -> None:
+        """Start a new peak measurement from the bytes held now."""
+        self.ledger.reset_peak()
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make `checkpoint()` use this instance inside the block (the engine's forward and
+        backward); the previous one is back afterwards, also after an error."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
 
 def _name(function: Callable) -> str:
     return getattr(function, "__qualname__", type(function).__name__)
 
 
-_DEFAULT = ActivationCheckpointing()
+_DEFAULT = ActivationCheckpointing()  # DeepSpeed's `checkpointing.configure` edge only
+_ACTIVE: contextvars.ContextVar[ActivationCheckpointing | None] = contextvars.ContextVar(
+    "zeromem_activation_checkpointing", default=None)
+
+
+def current() -> ActivationCheckpointing:
+    """The instance `checkpoint` uses now: the running engine's, else the default."""
+    return _ACTIVE.get() or _DEFAULT
 
 
 def configure(mp_group: Any = None, partition_activations: bool = False,
@@ -529,16 +561,37 @@ _FIELDS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_opti
            "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
 
 
-def configure_from_config(block: Any, mp_group: Any = None) -> CheckpointingConfig:
-    """Set the policy from an `activation_checkpointing` config block (DeepSpeed's key names)."""
+def config_from_block(block: Any, mp_group: Any = None) -> CheckpointingConfig:
+    """The policy an `activation_checkpointing` config block (DeepSpeed's key names) gives."""
     defaults = CheckpointingConfig()
     values = {name: getattr(block, name, getattr(defaults, name)) for name in _FIELDS}
-    return configure(mp_group=mp_group, **values)
+    return CheckpointingConfig(mp_group=mp_group, **values)
+
+
+def configure_from_config(block: Any, mp_group: Any = None) -> CheckpointingConfig:
+    """Set the default policy from an `activation_checkpointing` config block."""
+    config = config_from_block(block, mp_group)
+    _DEFAULT.configure(config)
+    return config
+
+
+def for_engine(block: Any) -> ActivationCheckpointing:
+    """An engine's own instance, built from its `activation_checkpointing` block.
+
+    A block that sets any key gives the whole policy, with the model-parallel group
+    given to `configure` (a group is not JSON); a block that sets none keeps the
+    policy `configure` set before `initialize`, as DeepSpeed's users expect. The
+    default's policy is read once here, never changed.
+    """
+    edge = _DEFAULT.config
+    if getattr(block, "model_fields_set", None):
+        return ActivationCheckpointing(config_from_block(block, mp_group=edge.mp_group))
+    return ActivationCheckpointing(edge)
 
 
 def get_config() -> CheckpointingConfig:
     """The policy `checkpoint` uses now."""
-    return _DEFAULT.config
+    return current().config
 
 
 def checkpoint(function: Callable, *args: Any, preserve_rng_state: bool = True,
@@ -555,23 +608,25 @@ def checkpoint(function: Callable, *args: Any, preserve_rng_state: bool = True,
     described in the module docstring.
     """
     del use_reentrant
-    return _DEFAULT.checkpoint(function, *args, preserve_rng_state=preserve_rng_state, **kwargs)
+    return current().checkpoint(function, *args, preserve_rng_state=preserve_rng_state,
+                                **kwargs)
 
 
 def checkpoint_stats() -> CheckpointStats:
-    """Bytes held in stored checkpoints by place, their peaks and the MD pool sizes."""
-    return _DEFAULT.stats()
+    """Bytes held in stored checkpoints by place, their peaks and the MD pool sizes, of the
+    active instance (outside an engine the default; an engine's own is
+    `engine.activation_checkpointing`)."""
+    return current().stats()
 
 
 def held_checkpoint_bytes(place: str | None = None) -> int:
-    """Bytes held in stored checkpoints now: at `place` ("device" / "host"), or in total."""
-    held = _DEFAULT.ledger.held
-    return sum(held.values()) if place is None else held[place]
+    """Bytes held in stored checkpoints of the active instance now, at `place` or in total."""
+    return current().held_bytes(place)
 
 
 def reset_peak_checkpoint_bytes() -> None:
-    """Start a new peak measurement from the bytes held now."""
-    _DEFAULT.ledger.reset_peak()
+    """Start a new peak measurement of the active instance from the bytes held now."""
+    current().reset_peak()
 
 
 def estimate_checkpoint_bytes(seq: int, hidden: int, batch: int = 1, bytes_per_element: int = 2,

@@ -1,10 +1,11 @@
 """The small training state a checkpoint holds besides the sharded tensors: RNGs,
 scalar optimizer state and param-group options, loss scaler, lr scheduler, step counters.
 
-Each kind has a capture and a restore. At save, each rank's generator states go
-into its own safetensors file (`rng/cpu`, `rng/cuda<i>`, `rng/numpy`; Python's in
-the metadata); the rest is JSON (`consolidate.encode`) in rank 0's manifest (see
-`checkpoints.py` for the layout). At load, `read_rng` and `saved_scalar_state`
+Each kind has a capture and a restore, over the `Stateful` objects of a
+`TrainingState` (scaler, lr scheduler, counters, RNG) or the optimizer. At save,
+each rank's generator states go into its own safetensors file (`rng/cpu`,
+`rng/cuda<i>`, `rng/numpy`; Python's in the metadata); the rest is JSON
+(`consolidate.encode`) in rank 0's manifest (see `checkpoints.py` for the layout). At load, `read_rng` and `saved_scalar_state`
 read while the checkpoint is staged; the restores run only after everything was
 read and checked (`checkpoints._apply`), so a failed load changes nothing. The
 masters and per-element optimizer states (the pieces) stay in `checkpoints.py`.
@@ -13,38 +14,35 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from typing import Any
 
 import torch
 
 from .consolidate import decode, encode, rank_file_name
 from .tensor_files import CheckpointError, TensorSpec
+from .training_state import StepCounters, Stateful, TrainingState
 
 log = logging.getLogger("zeromem")
 
 
 # ---------------------------------------------------------------- random number generators
 
-def rng_state() -> tuple[list[TensorSpec], dict[str, str]]:
-    """This rank's generator states: tensors for its safetensors file, and metadata strings."""
-    specs = [TensorSpec.of("rng/cpu", torch.get_rng_state())]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        specs += [TensorSpec.of(f"rng/cuda{i}", s)
-                  for i, s in enumerate(torch.cuda.get_rng_state_all())]
-    meta = {"python_rng": json.dumps(encode(random.getstate(), "python rng"))}
-    try:
+def rng_to_file(state: dict[str, Any]) -> tuple[list[TensorSpec], dict[str, str]]:
+    """`RngState.state_dict()` as tensors for this rank's safetensors file and metadata strings."""
+    specs = [TensorSpec.of("rng/cpu", state["cpu"])]
+    specs += [TensorSpec.of(f"rng/cuda{i}", s) for i, s in enumerate(state["cuda"])]
+    meta = {"python_rng": json.dumps(encode(state["python"], "python rng"))}
+    if "numpy" in state:
         import numpy as np
-    except ImportError:
-        return specs, meta
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    specs.append(TensorSpec.of("rng/numpy", torch.from_numpy(keys.astype(np.int64))))
-    meta["numpy_rng"] = json.dumps([name, int(pos), int(has_gauss), float(gauss)])
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        specs.append(TensorSpec.of("rng/numpy", torch.from_numpy(keys.astype(np.int64))))
+        meta["numpy_rng"] = json.dumps([name, int(pos), int(has_gauss), float(gauss)])
     return specs, meta
 
 
 def read_rng(reader, manifest: dict, rank: int) -> dict[str, Any] | None:
-    """The generator states `rank` saved, or None when the saved run had no such rank."""
+    """The generator states `rank` saved (as `RngState.state_dict()` gives them), or None
+    when the saved run had no such rank."""
     if rank >= manifest["world_size"]:
         log.info("rank %d had no rank in the saved run (world size %d); its RNG is not restored",
                  rank, manifest["world_size"])
@@ -54,21 +52,11 @@ def read_rng(reader, manifest: dict, rank: int) -> dict[str, Any] | None:
            "cuda": [file.read(k) for k in sorted(file.keys()) if k.startswith("rng/cuda")],
            "python": decode(json.loads(file.metadata["python_rng"]))}
     if "rng/numpy" in file.keys():
-        rng["numpy"] = (file.read("rng/numpy"), json.loads(file.metadata["numpy_rng"]))
-    return rng
-
-
-def restore_rng(rng: dict[str, Any]) -> None:
-    """Set this process's generators to the states `read_rng` returned."""
-    torch.set_rng_state(rng["cpu"])
-    if rng["cuda"] and torch.cuda.is_available():
-        for i, state in enumerate(rng["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(state, i)
-    random.setstate(rng["python"])
-    if "numpy" in rng:
         import numpy as np
-        keys, (name, pos, has_gauss, gauss) = rng["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        name, pos, has_gauss, gauss = json.loads(file.metadata["numpy_rng"])
+        keys = file.read("rng/numpy").numpy().astype(np.uint32)
+        rng["numpy"] = (name, keys, pos, has_gauss, gauss)
+    return rng
 
 
 # ---------------------------------------------------------------- optimizer: scalars and options
@@ -79,7 +67,7 @@ def scalar_states(optimizer, group) -> dict[str, Any]:
     return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)}
 
 
-def saved_scalar_state(engine, group, manifest: dict) -> dict[str, Any]:
+def saved_scalar_state(device: torch.device, group, manifest: dict) -> dict[str, Any]:
     """The scalar optimizer state (Adam's step) the group's parameters had; they must agree."""
     saved = [manifest["params"][s.name]["scalar_state"] for s in group.slots]
     if any(s != saved[0] for s in saved):
@@ -89,44 +77,43 @@ def saved_scalar_state(engine, group, manifest: dict) -> dict[str, Any]:
     state = decode(saved[0])
     for key, data in saved[0].items():  # tensors go back to the device they were saved from
         if isinstance(data, dict) and data.get("device", "cpu") != "cpu":
-            state[key] = state[key].to(engine.device)
+            state[key] = state[key].to(device)
     return state
 
 
-def param_groups_state(engine) -> list[Any]:
+def param_groups_state(optimizer) -> list[Any]:
     """Each optimizer param group's options (lr, betas, ...) as the manifest's JSON."""
     return [encode({k: v for k, v in pg.items() if k != "params"}, f"optimizer param group {i}")
-            for i, pg in enumerate(engine.optimizer.param_groups)]
+            for i, pg in enumerate(optimizer.param_groups)]
 
 
-def restore_param_groups(engine, manifest: dict) -> None:
-    for group, saved in zip(engine.optimizer.param_groups, manifest["optimizer"]["param_groups"]):
+def restore_param_groups(optimizer, manifest: dict) -> None:
+    for group, saved in zip(optimizer.param_groups, manifest["optimizer"]["param_groups"]):
         group.update(decode(saved))
 
 
 # ---------------------------------------------------------------- loss scaler and lr scheduler
 
-def scaler_state(engine) -> Any:
+def scaler_state(scaler: Stateful) -> Any:
     """The loss scaler's state as the manifest's JSON."""
-    return encode(engine.scaler.state_dict(), "loss scaler state")
+    return encode(scaler.state_dict(), "loss scaler state")
 
 
-def restore_scaler(engine, manifest: dict) -> None:
-    engine.scaler.load_state_dict(decode(manifest["scaler"]))
+def restore_scaler(scaler: Stateful, manifest: dict) -> None:
+    scaler.load_state_dict(decode(manifest["scaler"]))
 
 
-def scheduler_state(engine) -> Any:
+def scheduler_state(scheduler: Stateful | None) -> Any:
     """The lr scheduler's state as the manifest's JSON; None without a scheduler."""
-    scheduler = engine.lr_scheduler
     return None if scheduler is None else encode(scheduler.state_dict(), "lr scheduler state")
 
 
-def restore_scheduler(engine, manifest: dict) -> None:
-    saved, scheduler = manifest["lr_scheduler"], engine.lr_scheduler
+def restore_scheduler(scheduler, optimizer, manifest: dict) -> None:
+    saved = manifest["lr_scheduler"]
     if saved is not None and scheduler is not None:
         scheduler.load_state_dict(decode(saved))
         # The optimizer's lr must be the schedule's even when its own state was not loaded.
-        for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr()):
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr
     elif saved is not None or scheduler is not None:
         log.warning("lr scheduler state not restored: the %s has no lr scheduler",
@@ -135,17 +122,17 @@ def restore_scheduler(engine, manifest: dict) -> None:
 
 # ---------------------------------------------------------------- fit to the engine, before applying
 
-def check_states(engine, manifest: dict, load_optimizer_states: bool,
+def check_states(state: TrainingState, manifest: dict, load_optimizer_states: bool,
                  load_lr_scheduler_states: bool) -> None:
     """The saved optimizer options and scheduler state must fit this engine's (same keys,
     compatible types), so that the restores above cannot fail or plant a bad value
     half-way through a load. The manifest's own schema was checked on reading."""
     if load_optimizer_states:
-        for i, (group, saved) in enumerate(zip(engine.optimizer.param_groups,
+        for i, (group, saved) in enumerate(zip(state.optimizer.param_groups,
                                                manifest["optimizer"]["param_groups"])):
             here = {k: v for k, v in group.items() if k != "params"}
             check_like(decode(saved), here, f"optimizer.param_groups[{i}]")
-    scheduler, saved = engine.lr_scheduler, manifest["lr_scheduler"]
+    scheduler, saved = state.lr_scheduler, manifest["lr_scheduler"]
     if load_lr_scheduler_states and scheduler is not None and saved is not None:
         check_like(decode(saved), scheduler.state_dict(), "lr_scheduler")
 
@@ -186,15 +173,16 @@ def _need(ok: bool, saved: Any, here: Any, where: str) -> None:
 
 # ---------------------------------------------------------------- step counters
 
-def counters_state(engine) -> dict[str, int]:
-    return {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps}
+_COUNTS = ("global_steps", "micro_steps", "skipped_steps")
 
 
-def restore_counters(engine, manifest: dict) -> None:
-    counters, gas = manifest["counters"], engine.config.gradient_accumulation_steps
-    engine.global_steps = counters["global_steps"]
-    engine.skipped_steps = counters["skipped_steps"]
-    # With another accumulation count the saved micro-step count would misplace boundaries.
-    engine.micro_steps = (counters["micro_steps"] if manifest["gradient_accumulation_steps"] == gas
-                          else counters["global_steps"] * gas)
+def counters_state(counters: StepCounters) -> dict[str, int]:
+    """The manifest's `counters` (its top-level `gradient_accumulation_steps` is the rest)."""
+    state = counters.state_dict()
+    return {k: state[k] for k in _COUNTS}
+
+
+def restore_counters(counters: StepCounters, manifest: dict) -> None:
+    counters.load_state_dict({**{k: manifest["counters"][k] for k in _COUNTS},
+                              "gradient_accumulation_steps":
+                                  manifest["gradient_accumulation_steps"]})

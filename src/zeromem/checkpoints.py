@@ -33,7 +33,7 @@ elements [offset, offset + numel) of P flattened:
 
 At stage 0 every rank holds the same whole state, so only rank 0 writes pieces.
 Compute-dtype parameters are not stored: loading rebuilds them from the masters
-(`_refresh_params`). Scalar optimizer state (Adam's `step`) is stored per
+(`TrainingState.refresh_params`). Scalar optimizer state (Adam's `step`) is stored per
 parameter in the manifest. Tied weights are one parameter: stored once under
 the first name; other state_dict keys naming it are listed in `aliases`.
 
@@ -42,7 +42,12 @@ success, rank 0 writes the manifest (with every file's sha256 and size), renames
 the directory to `<tag>` and only then replaces `latest`. A crash at any moment
 leaves the previous checkpoint and `latest` intact. Loading verifies every
 file's checksum (each file by one rank, results shared) and reads all it needs
-into host memory before it changes anything in the engine.
+into host memory before it changes anything in the state.
+
+Boundary: the functions here receive a `TrainingState` (training_state.py) that
+the engine builds: module, flat groups, optimizer, comm, and the scaler, lr
+scheduler, step counters and RNG as `Stateful` objects. They never see the
+engine; after a load they ask the state to `refresh_params`.
 """
 from __future__ import annotations
 
@@ -58,15 +63,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .checkpoint_state import (check_states, counters_state, param_groups_state, read_rng, restore_counters,
-                               restore_param_groups, restore_rng, restore_scaler,
-                               restore_scheduler, rng_state, saved_scalar_state, scalar_states,
+from .checkpoint_state import (check_states, counters_state, param_groups_state, read_rng,
+                               restore_counters, restore_param_groups, restore_scaler,
+                               restore_scheduler, rng_to_file, saved_scalar_state, scalar_states,
                                scaler_state, scheduler_state)
 from .consolidate import (CLIENT_STATE, FORMAT, MANIFEST, VERSION, Piece, checked_files, encode,
                           file_digest, overlaps, pieces_by_param, rank_file_name, read_manifest,
                           check_tag, fsync_dir, prepare_tmp, publish, raise_problems,
                           resolve_checkpoint, verify_file, write_latest, write_manifest)
 from .tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
+from .training_state import TrainingState
 
 log = logging.getLogger("zeromem")
 
@@ -94,10 +100,10 @@ def group_pieces(group, rank: int) -> list[tuple[Any, int, int, int]]:
 
 # ---------------------------------------------------------------- collectives (through Comm)
 
-def _all_ranks_ok(engine, error: BaseException | None, what: str) -> None:
+def _all_ranks_ok(state: TrainingState, error: BaseException | None, what: str) -> None:
     """Every rank learns whether any rank failed `what`; all raise together if one did."""
-    comm = engine.comm
-    flags = torch.zeros(comm.world_size, dtype=torch.int64, device=engine.device)
+    comm = state.comm
+    flags = torch.zeros(comm.world_size, dtype=torch.int64, device=state.device)
     flags[comm.rank] = int(error is not None)
     comm.all_reduce(flags, op=dist.ReduceOp.MAX, kind="checkpoint")
     failed = [r for r, f in enumerate(flags.tolist()) if f]
@@ -117,28 +123,28 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
         return None, error
 
 
-def _collective(engine, what: str, fn: Callable[[], Any]) -> Any:
+def _collective(state: TrainingState, what: str, fn: Callable[[], Any]) -> Any:
     result, error = _attempt(fn)
-    _all_ranks_ok(engine, error, what)
+    _all_ranks_ok(state, error, what)
     return result
 
 
-def _share_rows(engine, row: list[int]) -> list[list[int]]:
+def _share_rows(state: TrainingState, row: list[int]) -> list[list[int]]:
     """All ranks' equal-length integer rows (an all-gather done as an all-reduce)."""
-    comm = engine.comm
-    table = torch.zeros(comm.world_size, len(row), dtype=torch.int64, device=engine.device)
+    comm = state.comm
+    table = torch.zeros(comm.world_size, len(row), dtype=torch.int64, device=state.device)
     table[comm.rank] = torch.tensor(row, dtype=torch.int64)
     comm.all_reduce(table, kind="checkpoint")
     return table.tolist()
 
 
-def _check_same_tag(engine, tag: str) -> None:
+def _check_same_tag(state: TrainingState, tag: str) -> None:
     """checkpoint.tag_validation: ranks must agree on the tag (Warn / Fail / Ignore)."""
-    mode = engine.config.checkpoint.tag_validation
-    if mode == "Ignore" or engine.comm.world_size == 1:
+    mode = state.tag_validation
+    if mode == "Ignore" or state.comm.world_size == 1:
         return
     h = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "little")
-    hashes = {row[0] for row in _share_rows(engine, [h])}
+    hashes = {row[0] for row in _share_rows(state, [h])}
     if len(hashes) > 1:
         message = f"checkpoint tag {tag!r} differs between ranks"
         if mode == "Fail":
@@ -146,44 +152,38 @@ def _check_same_tag(engine, tag: str) -> None:
         log.warning(message)
 
 
-def _refresh_params(engine) -> None:
-    """Rebuild the compute-dtype parameters from the fp32 masters: the write-back and
-    all-gather that end an optimizer step (offload homes and stage 3 included)."""
-    engine._gather_params()
-
-
 # ---------------------------------------------------------------- save
 
-def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
+def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str | None = None,
                     client_state: Any = None) -> str:
-    """Write a checkpoint of `engine` to `save_dir/<tag>` atomically; collective.
+    """Write a checkpoint of the engine's `state` to `save_dir/<tag>` atomically; collective.
 
     Every rank writes its own pieces; rank 0 writes the manifest, publishes the
     directory and updates `latest`. `tag` defaults to `global_step<N>`; an
     existing tag is replaced. `client_state` (any picklable object) comes back
     from `load_checkpoint`. Returns the checkpoint directory.
     """
-    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
-    if engine.micro_steps % engine.config.gradient_accumulation_steps:
+    tag = check_tag(f"global_step{state.counters.global_steps}" if tag is None else str(tag))
+    if state.counters.mid_accumulation():
         log.warning("saving in the middle of a gradient accumulation: gradients accumulated "
                     "so far are not part of the checkpoint")
-    _check_same_tag(engine, tag)
-    root, rank = Path(save_dir), engine.comm.rank
+    _check_same_tag(state, tag)
+    root, rank = Path(save_dir), state.comm.rank
     tmp = root / f".tmp-{tag}"
-    _collective(engine, "preparing the checkpoint directory",
+    _collective(state, "preparing the checkpoint directory",
                 lambda: prepare_tmp(root, tmp) if rank == 0 else None)
     try:
-        with engine.offload.resident():  # masters and optimizer states in memory (offload.py)
-            manifest = _collective(engine, "describing the checkpoint",
-                                   lambda: _build_manifest(engine, tag) if rank == 0 else None)
-            digest, error = _attempt(lambda: _write_rank_file(engine, tmp, rank))
-        rows = _share_rows(engine, _digest_row(digest, error))
-        _all_ranks_ok(engine, error, "writing the checkpoint shards")
+        with state.resident():  # masters and optimizer states in memory (offload.py)
+            manifest = _collective(state, "describing the checkpoint",
+                                   lambda: _build_manifest(state, tag) if rank == 0 else None)
+            digest, error = _attempt(lambda: _write_rank_file(state, tmp, rank))
+        rows = _share_rows(state, _digest_row(digest, error))
+        _all_ranks_ok(state, error, "writing the checkpoint shards")
         client, error = _attempt(lambda: _write_client_state(tmp, client_state)
                                  if rank == 0 else None)
-        _all_ranks_ok(engine, error, "writing client_state")
-        _collective(engine, "publishing the checkpoint",
-                    lambda: _finish(engine, root, tmp, tag, manifest, rows, client)
+        _all_ranks_ok(state, error, "writing client_state")
+        _collective(state, "publishing the checkpoint",
+                    lambda: _finish(state, root, tmp, tag, manifest, rows, client)
                     if rank == 0 else None)
     except CheckpointError:
         if rank == 0:
@@ -199,19 +199,19 @@ def _digest_row(digest: tuple[str, int] | None, error: BaseException | None) -> 
     return list(bytes.fromhex(digest[0])) + [digest[1]]
 
 
-def _write_rank_file(engine, tmp: Path, rank: int) -> tuple[str, int]:
+def _write_rank_file(state: TrainingState, tmp: Path, rank: int) -> tuple[str, int]:
     """This rank's safetensors file: its pieces, rank 0's module tensors, its RNG states."""
     specs: list[TensorSpec] = []
-    for g in engine.groups:
-        states = _tensor_states(engine.optimizer, g)
+    for g in state.groups:
+        states = _tensor_states(state.optimizer, g)
         for slot, s0, _, n in group_pieces(g, rank):
             specs.append(TensorSpec.of(f"master/{slot.name}", g.master.detach()[s0:s0 + n]))
             for key, t in states.items():
                 specs.append(TensorSpec.of(f"optimizer/{key}/{slot.name}", t[s0:s0 + n]))
     if rank == 0:
         specs += [TensorSpec.of(f"module/{k}", t.detach())
-                  for k, t in _module_tensors(engine).items()]
-    rng_specs, rng_meta = rng_state()
+                  for k, t in _module_tensors(state).items()]
+    rng_specs, rng_meta = rng_to_file(state.stateful["rng"].state_dict())
     metadata = {"format": FORMAT, "rank": str(rank), **rng_meta}
     return write_safetensors(tmp / rank_file_name(rank), specs + rng_specs, metadata)
 
@@ -229,14 +229,14 @@ def _tensor_states(optimizer, group) -> dict[str, torch.Tensor]:
     return out
 
 
-def _trained_ids(engine) -> set[int]:
-    return {id(p) for g in engine.groups for p in g.params}
+def _trained_ids(state: TrainingState) -> set[int]:
+    return {id(p) for g in state.groups for p in g.params}
 
 
-def _module_tensors(engine) -> dict[str, torch.Tensor]:
+def _module_tensors(state: TrainingState) -> dict[str, torch.Tensor]:
     """state_dict entries that are not trained parameters: buffers and frozen parameters."""
-    trained, seen, out = _trained_ids(engine), set(), {}
-    for key, value in engine.module.state_dict(keep_vars=True).items():
+    trained, seen, out = _trained_ids(state), set(), {}
+    for key, value in state.module.state_dict(keep_vars=True).items():
         if not torch.is_tensor(value):
             log.warning("state_dict entry %s is not a tensor; it is not checkpointed", key)
         elif id(value) not in trained and id(value) not in seen:
@@ -245,12 +245,12 @@ def _module_tensors(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _aliases(engine) -> tuple[list[str], dict[str, str]]:
+def _aliases(state: TrainingState) -> tuple[list[str], dict[str, str]]:
     """All state_dict keys, and {alias key: canonical key} for tensors reachable twice."""
-    first: dict[int, str] = {id(p): n for g in engine.groups for p, n in
+    first: dict[int, str] = {id(p): n for g in state.groups for p, n in
                              zip(g.params, (s.name for s in g.slots))}
     keys, aliases = [], {}
-    for key, value in engine.module.state_dict(keep_vars=True).items():
+    for key, value in state.module.state_dict(keep_vars=True).items():
         if not torch.is_tensor(value):
             continue
         keys.append(key)
@@ -272,48 +272,48 @@ def _write_client_state(tmp: Path, client_state: Any) -> dict | None:
     return {"name": CLIENT_STATE, "sha256": sha, "bytes": size}
 
 
-def _build_manifest(engine, tag: str) -> dict:
+def _build_manifest(state: TrainingState, tag: str) -> dict:
     """Everything but the files' checksums (added in `_finish`); rank 0."""
-    opt = engine.optimizer
+    opt = state.optimizer
     params, tensor_states = {}, {}
-    for g in engine.groups:
+    for g in state.groups:
         tensor_states.update({k: str(v.dtype).removeprefix("torch.")
                               for k, v in _tensor_states(opt, g).items()})
         scalars = encode(scalar_states(opt, g), "optimizer state")
         for slot in g.slots:
             params[slot.name] = {"shape": list(slot.shape), "param_group": g.param_group_index,
                                  "scalar_state": scalars}
-    for g in engine.groups:
+    for g in state.groups:
         if _tensor_states(opt, g).keys() != tensor_states.keys():
             raise CheckpointError(f"optimizer states differ between flat groups "
                                   f"({sorted(tensor_states)}); cannot checkpoint them")
-    keys, aliases = _aliases(engine)
+    keys, aliases = _aliases(state)
     return {
         "format": FORMAT, "version": VERSION, "tag": tag,
-        "world_size": engine.comm.world_size, "zero_stage": engine.zero_stage,
-        "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
-        "dtypes": {"compute": str(engine.compute_dtype).removeprefix("torch."),
+        "world_size": state.comm.world_size, "zero_stage": state.zero_stage,
+        "gradient_accumulation_steps": state.counters.gradient_accumulation_steps,
+        "dtypes": {"compute": str(state.compute_dtype).removeprefix("torch."),
                    "master": "float32", "optimizer": tensor_states},
-        "counters": counters_state(engine),
+        "counters": counters_state(state.counters),
         "params": params,
         "files": [],
         "state_dict_keys": keys,
         "aliases": aliases,
         "module_tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                           for k, t in _module_tensors(engine).items()},
-        "optimizer": {"type": _optimizer_type(engine), "tensor_states": sorted(tensor_states),
-                      "param_groups": param_groups_state(engine)},
-        "scaler": scaler_state(engine),
-        "lr_scheduler": scheduler_state(engine),
+                           for k, t in _module_tensors(state).items()},
+        "optimizer": {"type": state.optimizer_type, "tensor_states": sorted(tensor_states),
+                      "param_groups": param_groups_state(state.optimizer)},
+        "scaler": scaler_state(state.stateful["scaler"]),
+        "lr_scheduler": scheduler_state(state.lr_scheduler),
         "client_state": None,
     }
 
 
-def _finish(engine, root: Path, tmp: Path, tag: str, manifest: dict,
+def _finish(state: TrainingState, root: Path, tmp: Path, tag: str, manifest: dict,
             rows: list[list[int]], client: dict | None) -> None:
     """Rank 0: complete the manifest, then publish the directory, then `latest`."""
     for rank, row in enumerate(rows):
-        pieces = [[slot.name, p0, n] for g in engine.groups
+        pieces = [[slot.name, p0, n] for g in state.groups
                   for slot, _, p0, n in group_pieces(g, rank)]
         manifest["files"].append({"name": rank_file_name(rank), "rank": rank,
                                   "sha256": bytes(row[:32]).hex(), "bytes": row[32],
@@ -329,7 +329,7 @@ def _finish(engine, root: Path, tmp: Path, tag: str, manifest: dict,
 
 @dataclass
 class _Staged:
-    """Everything a load puts into the engine, read and checked before anything changes."""
+    """Everything a load puts into the state, read and checked before anything changes."""
 
     manifest: dict
     masters: list[torch.Tensor]  # per flat group: its new master shard, on the host
@@ -339,16 +339,17 @@ class _Staged:
     client_state: Any = None
 
 
-def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
+def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str | None = None,
                     load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True,
                     trust_client_state: bool = False) -> tuple[str, Any]:
-    """Load a checkpoint into `engine`, under any world size, stage or bucket size; collective.
+    """Load a checkpoint into the engine's `state`, under any world size, stage or bucket size;
+    collective.
 
     `tag` defaults to the one `latest` names. Every file is checked against its
     checksum and the manifest against the model, and everything is read into host
-    memory, before the engine changes: on any error (a `CheckpointError` naming the
-    file or parameter, raised on every rank) the engine is as it was. Returns
+    memory, before anything changes: on any error (a `CheckpointError` naming the
+    file or parameter, raised on every rank) the state is as it was. Returns
     (checkpoint directory, client_state).
 
     Only paths inside `load_dir` are followed. `client_state` is unpickled with
@@ -358,58 +359,52 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     for checkpoints you wrote yourself.
     """
     path, manifest = _collective(
-        engine, "reading the checkpoint manifest",
-        lambda: _open_checked(engine, load_dir, tag, load_optimizer_states,
+        state, "reading the checkpoint manifest",
+        lambda: _open_checked(state, load_dir, tag, load_optimizer_states,
                               load_lr_scheduler_states))
     h = int.from_bytes(hashlib.sha256(str(path).encode()).digest()[:7], "little")
-    if len({row[0] for row in _share_rows(engine, [h])}) > 1:
+    if len({row[0] for row in _share_rows(state, [h])}) > 1:
         raise CheckpointError(f"ranks resolved different checkpoints (this rank: {path}); "
                               "was `latest` replaced during the load?")
-    _verify_files(engine, path, manifest)
-    staged = _collective(engine, "reading the checkpoint",
-                         lambda: _stage(engine, path, manifest, load_optimizer_states,
+    _verify_files(state, path, manifest)
+    staged = _collective(state, "reading the checkpoint",
+                         lambda: _stage(state, path, manifest, load_optimizer_states,
                                         trust_client_state))
-    with engine.offload.resident():  # masters and optimizer states in memory (offload.py)
-        _apply(engine, staged, load_lr_scheduler_states)
-    _refresh_params(engine)
-    engine.zero_grad()
+    with state.resident():  # masters and optimizer states in memory (offload.py)
+        _apply(state, staged, load_lr_scheduler_states)
+    state.refresh_params()  # the compute-dtype parameters from the loaded masters
     log.info("loaded checkpoint %s (saved by %d ranks at stage %d)", path,
              manifest["world_size"], manifest["zero_stage"])
     return str(path), staged.client_state
 
 
-def _open_checked(engine, load_dir, tag, load_optimizer_states: bool,
+def _open_checked(state: TrainingState, load_dir, tag, load_optimizer_states: bool,
                   load_lr_scheduler_states: bool) -> tuple[Path, dict]:
     path = resolve_checkpoint(load_dir, tag)
     manifest = read_manifest(path)  # the whole schema
-    _check_model(engine, manifest, path / MANIFEST, load_optimizer_states)
-    check_states(engine, manifest, load_optimizer_states, load_lr_scheduler_states)
+    _check_model(state, manifest, path / MANIFEST, load_optimizer_states)
+    check_states(state, manifest, load_optimizer_states, load_lr_scheduler_states)
     return path, manifest
 
 
-def _check_model(engine, manifest: dict, file: Path, load_optimizer_states: bool) -> None:
+def _check_model(state: TrainingState, manifest: dict, file: Path,
+                 load_optimizer_states: bool) -> None:
     """The checkpoint must hold exactly this model's parameters and buffers, same shapes."""
-    _compare("parameter", {s.name: list(s.shape) for g in engine.groups for s in g.slots},
+    _compare("parameter", {s.name: list(s.shape) for g in state.groups for s in g.slots},
              {n: p["shape"] for n, p in manifest["params"].items()}, file)
     _compare("buffer or frozen parameter",
-             {k: list(t.shape) for k, t in _module_tensors(engine).items()},
+             {k: list(t.shape) for k, t in _module_tensors(state).items()},
              {k: v["shape"] for k, v in manifest["module_tensors"].items()}, file)
     pieces_by_param(manifest)  # every parameter fully covered by pieces
     if not load_optimizer_states:
         return
-    saved, here = manifest["optimizer"], engine.optimizer
+    saved, here = manifest["optimizer"], state.optimizer
     if len(saved["param_groups"]) != len(here.param_groups):
         raise CheckpointError(f"{file}: {len(saved['param_groups'])} optimizer param groups, "
                               f"this engine has {len(here.param_groups)}")
-    if saved["tensor_states"] and saved["type"] != _optimizer_type(engine):
+    if saved["tensor_states"] and saved["type"] != state.optimizer_type:
         raise CheckpointError(f"{file} holds {saved['type']} states but this engine uses "
-                              f"{_optimizer_type(engine)}; pass load_optimizer_states=False")
-
-
-def _optimizer_type(engine) -> str:
-    """The algorithm (config `optimizer.type`, else the class), whatever home runs it."""
-    block = engine.config.optimizer
-    return (block.type if block is not None else type(engine.optimizer).__name__).lower()
+                              f"{state.optimizer_type}; pass load_optimizer_states=False")
 
 
 def _compare(kind: str, here: dict[str, list[int]], saved: dict[str, list[int]],
@@ -428,17 +423,17 @@ def _compare(kind: str, here: dict[str, list[int]], saved: dict[str, list[int]],
                                   f"{list(saved[name])} there and {shape} here")
 
 
-def _verify_files(engine, path: Path, manifest: dict) -> None:
+def _verify_files(state: TrainingState, path: Path, manifest: dict) -> None:
     """Each file is hashed by one rank (file i by rank i mod N); all ranks see all results."""
-    comm, files = engine.comm, checked_files(manifest)
+    comm, files = state.comm, checked_files(manifest)
     codes = [verify_file(path / f["name"], f["sha256"], f["bytes"])
              if i % comm.world_size == comm.rank else 0 for i, f in enumerate(files)]
     if files:
-        codes = [sum(column) for column in zip(*_share_rows(engine, codes))]
+        codes = [sum(column) for column in zip(*_share_rows(state, codes))]
     raise_problems(path, files, codes)
 
 
-def _stage(engine, path: Path, manifest: dict, load_optimizer_states: bool,
+def _stage(state: TrainingState, path: Path, manifest: dict, load_optimizer_states: bool,
            trust_client_state: bool) -> _Staged:
     index = pieces_by_param(manifest)
     names = manifest["optimizer"]["tensor_states"] if load_optimizer_states else []
@@ -452,17 +447,17 @@ def _stage(engine, path: Path, manifest: dict, load_optimizer_states: bool,
 
     try:
         masters, states = [], []
-        for g in engine.groups:
+        for g in state.groups:
             tensors = {"master": torch.zeros(g.shard_numel, dtype=torch.float32)}
             tensors.update({k: torch.zeros(g.shard_numel, dtype=getattr(torch, dtypes[k]))
                             for k in names})
             _read_shard(g, index, reader, tensors)
             masters.append(tensors.pop("master"))
             if load_optimizer_states:
-                states.append({**tensors, **saved_scalar_state(engine, g, manifest)})
+                states.append({**tensors, **saved_scalar_state(state.device, g, manifest)})
         module = {k: reader(rank_file_name(0)).read(f"module/{k}").view(v["shape"])
                   for k, v in manifest["module_tensors"].items()}
-        rng = read_rng(reader, manifest, engine.comm.rank)
+        rng = read_rng(reader, manifest, state.comm.rank)
     finally:
         for r in readers.values():
             r.close()
@@ -503,32 +498,32 @@ def _read_shard(group, index: dict[str, list[Piece]], reader: Callable[[str], Sa
                 file.read(key, src, m, out=shard[at:at + m])
 
 
-def _apply(engine, staged: _Staged, load_lr_scheduler_states: bool) -> None:
-    """Put a staged checkpoint into the engine; nothing here reads a file."""
+def _apply(state: TrainingState, staged: _Staged, load_lr_scheduler_states: bool) -> None:
+    """Put a staged checkpoint into the training state; nothing here reads a file."""
     m = staged.manifest
     with torch.no_grad():
-        for g, master in zip(engine.groups, staged.masters):
+        for g, master in zip(state.groups, staged.masters):
             g.master.copy_(master.view_as(g.master))
-        state_dict = engine.module.state_dict(keep_vars=True)
+        state_dict = state.module.state_dict(keep_vars=True)
         for key, value in staged.module.items():
             state_dict[key].copy_(value)
     if staged.states is not None:
-        for g, state in zip(engine.groups, staged.states):
-            engine.optimizer.state[g.master] = {
+        for g, saved in zip(state.groups, staged.states):
+            state.optimizer.state[g.master] = {
                 k: v.to(g.master.device) if torch.is_tensor(v) and v.dim() else v
-                for k, v in state.items()}
-        restore_param_groups(engine, m)
-        restore_scaler(engine, m)
+                for k, v in saved.items()}
+        restore_param_groups(state.optimizer, m)
+        restore_scaler(state.stateful["scaler"], m)
     if load_lr_scheduler_states:
-        restore_scheduler(engine, m)
-    restore_counters(engine, m)
+        restore_scheduler(state.lr_scheduler, state.optimizer, m)
+    restore_counters(state.counters, m)
     if staged.rng is not None:
-        restore_rng(staged.rng)
+        state.stateful["rng"].load_state_dict(staged.rng)
 
 
 # ---------------------------------------------------------------- 16-bit model
 
-def save_16bit_model(engine, save_dir: str | os.PathLike,
+def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
                      filename: str = "pytorch_model.bin") -> str:
     """Save the model's weights in the compute dtype to `save_dir/filename` (rank 0); collective.
 
@@ -538,8 +533,7 @@ def save_16bit_model(engine, save_dir: str | os.PathLike,
     weights stored once, aliases in the metadata), others a torch.save file. At
     stage 3 this needs `zero_optimization.stage3_gather_16bit_weights_on_model_save`.
     """
-    if engine.zero_stage == 3 and not \
-            engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+    if state.zero_stage == 3 and not state.gather_16bit_weights:
         raise CheckpointError(
             "save_16bit_model at ZeRO stage 3 must gather the partitioned parameters onto "
             "rank 0, which zeromem does only when "
@@ -547,23 +541,23 @@ def save_16bit_model(engine, save_dir: str | os.PathLike,
             "call save_checkpoint and run `zeromem consolidate CKPT_DIR OUT`")
     from .tensor_files import write_state_dict
 
-    with engine.offload.resident():
-        state = _gathered_state_dict(engine, engine.compute_dtype)
+    with state.resident():
+        weights = _gathered_state_dict(state, state.compute_dtype)
     path = Path(save_dir) / filename
-    _collective(engine, "saving the 16-bit model",
-                lambda: write_state_dict(path, state) if engine.comm.rank == 0 else None)
+    _collective(state, "saving the 16-bit model",
+                lambda: write_state_dict(path, weights) if state.comm.rank == 0 else None)
     return str(path)
 
 
-def _gathered_state_dict(engine, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _gathered_state_dict(state: TrainingState, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The whole state dict on rank 0 (trained parameters: masters in `dtype`); {} elsewhere."""
-    rank, gathered = engine.comm.rank, {}
-    for g in engine.groups:
+    rank, gathered = state.comm.rank, {}
+    for g in state.groups:
         whole = g.master.detach().float().contiguous()
         if g.shard_world > 1:
             shard, whole = whole, torch.empty(g.padded_numel, dtype=torch.float32,
                                               device=whole.device)
-            engine.comm.all_gather(whole, shard)
+            state.comm.all_gather(whole, shard)
         if rank == 0:
             for p, s in zip(g.params, g.slots):
                 gathered[id(p)] = whole[s.offset:s.offset + s.numel].view(s.shape).to(
@@ -571,4 +565,4 @@ def _gathered_state_dict(engine, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     if rank != 0:
         return {}
     return {key: gathered[id(t)] if id(t) in gathered else t.detach().cpu().clone()
-            for key, t in engine.module.state_dict(keep_vars=True).items() if torch.is_tensor(t)}
+            for key, t in state.module.state_dict(keep_vars=True).items() if torch.is_tensor(t)}

@@ -24,8 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from . import checkpoints
-from .activations import checkpoint_stats
+from . import activations, checkpoints
 from .comm import Comm
 from .config import Config
 from .distributed import default_store, gather_timeout_s
@@ -40,6 +39,7 @@ from .precision import make_scaler
 from .schedulers import build_scheduler
 from .stage3 import FetchUnit, LiveStats, Stage3Limits, Stage3Runner, fetch_unit_modules
 from .timers import PhaseTimers
+from .training_state import RngState, StepCounters, TrainingState
 
 log = logging.getLogger("zeromem")
 
@@ -84,12 +84,12 @@ class Engine:
         # The user's dtype is kept until the flat groups read the fp32 masters from it.
         self.module = module.to(self.device)
         broadcast_from_rank0(self.module, comm)  # ranks need not be seeded alike
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.counters = StepCounters(config.gradient_accumulation_steps)
         self.grad_norm: float | None = None
         self.scaler = make_scaler(config.fp16)
         self.timers = PhaseTimers(config.wall_clock_breakdown, self.device)
+        # this engine's policy and byte ledger, active while its forward/backward run
+        self.activation_checkpointing = activations.for_engine(config.activation_checkpointing)
 
         param_groups = normalize_param_groups(module, model_parameters)
         self.names = {id(p): n for n, p in module.named_parameters()}
@@ -188,7 +188,7 @@ class Engine:
             cast = lambda x: x.half() if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
-        with self.timers("forward"):
+        with self.timers("forward"), self.activation_checkpointing.active():
             return self.module(*args, **kwargs)
 
     __call__ = forward
@@ -196,7 +196,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied."""
         scale = self.scaler.scale / (self.config.gradient_accumulation_steps * self.dp_world_size)
-        with self.timers("backward"):
+        with self.timers("backward"), self.activation_checkpointing.active():
             self.reducer.start_backward(self.is_gradient_accumulation_boundary())
             if self.stage3 is not None:
                 self.stage3.start_pass("backward")
@@ -206,12 +206,12 @@ class Engine:
                 self.stage3.finish_pass()
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return self.counters.at_boundary()
 
     def step(self) -> None:
         """Called every micro-step; updates the model at the accumulation boundary."""
         boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
+        self.counters.advance_micro()
         if not boundary:
             return
         with self.timers("step"):
@@ -225,9 +225,7 @@ class Engine:
         norm = self._global_grad_norm()                          # 1. norm
         overflow = not math.isfinite(norm)
         self.grad_norm = norm
-        if overflow:                                             # 2. skip
-            self.skipped_steps += 1
-        else:
+        if not overflow:                                         # 2. skip on overflow
             self._unscale_into_masters(norm)                     # 3. unscale
             self.optimizer.step()                                # 4. update
             for g in self.groups:
@@ -237,7 +235,7 @@ class Engine:
                 self.lr_scheduler.step()
         self.scaler.update(overflow)
         self.zero_grad()
-        self.global_steps += 1
+        self.counters.advance_global(skipped=overflow)
         self.comm.end_step()
 
     def _global_grad_norm(self) -> float:
@@ -277,6 +275,18 @@ class Engine:
 
     # -- attributes ---------------------------------------------------------
     @property
+    def global_steps(self) -> int:
+        return self.counters.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        return self.counters.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
+
+    @property
     def loss_scale(self) -> float:
         return self.scaler.scale
 
@@ -290,7 +300,7 @@ class Engine:
     # -- checkpoints (checkpoints.py) -------------------------------------------
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None) -> str:
         """Atomic sharded checkpoint, loadable under any world size and stage; collective."""
-        return checkpoints.save_checkpoint(self, save_dir, tag, client_state)
+        return checkpoints.save_checkpoint(self.training_state(), save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
@@ -299,12 +309,32 @@ class Engine:
 
         `trust_client_state=True` unpickles arbitrary objects in client_state.pt
         (only for checkpoints you trust; see `checkpoints.load_checkpoint`)."""
-        return checkpoints.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+        return checkpoints.load_checkpoint(self.training_state(), load_dir, tag,
+                                           load_optimizer_states,
                                            load_lr_scheduler_states, trust_client_state)
 
     def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin") -> str:
         """Compute-dtype weights to save_dir/filename on rank 0; collective."""
-        return checkpoints.save_16bit_model(self, save_dir, filename)
+        return checkpoints.save_16bit_model(self.training_state(), save_dir, filename)
+
+    def training_state(self) -> TrainingState:
+        """What checkpoints read and restore (checkpoints.py never sees the engine)."""
+        stateful = {"counters": self.counters, "scaler": self.scaler, "rng": RngState()}
+        if self.lr_scheduler is not None:
+            stateful["lr_scheduler"] = self.lr_scheduler
+        block = self.config.optimizer
+        return TrainingState(
+            self.module, self.groups, self.optimizer, self.comm, self.device, stateful,
+            self.zero_stage, self.compute_dtype,
+            (block.type if block is not None else type(self.optimizer).__name__).lower(),
+            self.config.checkpoint.tag_validation,
+            self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
+            self.offload.resident, self._refresh_params)
+
+    def _refresh_params(self) -> None:
+        """After a load: compute-dtype parameters from the masters, no stale gradients."""
+        self._gather_params()
+        self.zero_grad()
 
     # -- reports ----------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
@@ -327,7 +357,8 @@ class Engine:
                 if torch.is_tensor(t):
                     ledger.add("optimizer_states", "device", t)
         ledger.add_bytes("comm_buffers", "device", self.comm.buffer_bytes_peak)
-        for place, nbytes in checkpoint_stats().peak_bytes.items():  # peak since the last reset
+        peaks = self.activation_checkpointing.stats().peak_bytes  # peak since the last reset
+        for place, nbytes in peaks.items():
             ledger.add_bytes("activation_checkpoints", place, nbytes)
         g0 = self.groups[0] if self.groups else None
         master_bytes = 0 if g0 is None or g0.master_aliases_params() else 4

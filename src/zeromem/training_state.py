@@ -1,0 +1,130 @@
+"""The narrow boundary between the engine and its training checkpoints.
+
+The engine hands `checkpoints.py` a `TrainingState`: the module, the flat groups,
+the optimizer, the communicator, a few facts of the run, and the small pieces of
+state as `Stateful` objects (torchtitan's protocol): the loss scaler, the lr
+scheduler, the step counters and the random number generators. Checkpoint code
+reads and restores through these objects only; it never reaches into the engine.
+"""
+from __future__ import annotations
+
+import random
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .comm import Comm
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object whose state a checkpoint saves and restores (torchtitan's `Stateful`)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class StepCounters:
+    """Global, micro and skipped step counts; the engine advances them, checkpoints restore them.
+
+    Owns `gradient_accumulation_steps` because where the accumulation boundary
+    falls is a question about the micro-step count.
+    """
+
+    def __init__(self, gradient_accumulation_steps: int) -> None:
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+
+    def at_boundary(self) -> bool:
+        """Whether the micro-step now running ends a gradient accumulation."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def mid_accumulation(self) -> bool:
+        """Whether some micro-steps of an unfinished accumulation have run."""
+        return self.micro_steps % self.gradient_accumulation_steps != 0
+
+    def advance_micro(self) -> None:
+        self.micro_steps += 1
+
+    def advance_global(self, skipped: bool) -> None:
+        """One optimizer step ran (or was skipped on overflow)."""
+        self.global_steps += 1
+        self.skipped_steps += int(skipped)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                "skipped_steps": self.skipped_steps,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.global_steps = state["global_steps"]
+        self.skipped_steps = state["skipped_steps"]
+        # With another accumulation count the saved micro-step count would misplace boundaries.
+        same = state.get("gradient_accumulation_steps") == self.gradient_accumulation_steps
+        self.micro_steps = (state["micro_steps"] if same
+                            else state["global_steps"] * self.gradient_accumulation_steps)
+
+
+class RngState:
+    """This process's random number generators: torch CPU, each CUDA device, Python, numpy."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"cpu": torch.get_rng_state(), "cuda": [],
+                                 "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = list(torch.cuda.get_rng_state_all())
+        try:
+            import numpy as np
+        except ImportError:
+            return state
+        state["numpy"] = np.random.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if state["cuda"] and torch.cuda.is_available():
+            for i, cuda in enumerate(state["cuda"][:torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(cuda, i)
+        random.setstate(state["python"])
+        if "numpy" in state:
+            import numpy as np
+            np.random.set_state(state["numpy"])
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """Everything a training checkpoint reads and writes, built by the engine on each call."""
+
+    module: nn.Module
+    groups: list  # FlatParamGroup, in the engine's order (the order of pieces on disk)
+    optimizer: torch.optim.Optimizer
+    comm: Comm
+    device: torch.device
+    stateful: dict[str, Stateful]
+    """"counters", "scaler", "rng", and "lr_scheduler" when the engine has one."""
+    zero_stage: int
+    compute_dtype: torch.dtype
+    optimizer_type: str
+    """The algorithm, lower case (config `optimizer.type`, else the optimizer's class)."""
+    tag_validation: str
+    """`checkpoint.tag_validation`: Warn, Fail or Ignore."""
+    gather_16bit_weights: bool
+    """`zero_optimization.stage3_gather_16bit_weights_on_model_save`."""
+    resident: Callable[[], AbstractContextManager]
+    """Brings offloaded masters and optimizer states into memory for the duration."""
+    refresh_params: Callable[[], None]
+    """Rebuilds the compute-dtype parameters from the masters and drops gradients."""
+
+    @property
+    def counters(self) -> StepCounters:
+        return self.stateful["counters"]
+
+    @property
+    def lr_scheduler(self) -> Stateful | None:
+        return self.stateful.get("lr_scheduler")
