@@ -140,7 +140,7 @@ def _run_report(args: argparse.Namespace) -> int:
     first = Path(args.runs[0])
     out = Path(args.out) if args.out else (first if first.is_dir() else first.parent)
     png, md = write_report(load_ledgers(args.runs), out)
-    print(f"plot:  {png}\ntable: {md}")
+    print(f"plot:  {png or 'not drawn: pip install zeromem[plots] for matplotlib'}\ntable: {md}")
     return 0
 
 

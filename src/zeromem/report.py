@@ -133,14 +133,19 @@ def summary_table(ledgers: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def write_report(ledgers: list[dict], out_dir: str | Path) -> tuple[Path, Path]:
-    """Write `memory.png` and `memory.md` into `out_dir`; return their paths."""
+def write_report(ledgers: list[dict], out_dir: str | Path) -> tuple[Path | None, Path]:
+    """Write `memory.md` (and `memory.png` when matplotlib, the `plots` extra, is installed)
+    into `out_dir`; return their paths (None for a plot not drawn)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    png = plot_memory(ledgers, out / "memory.png")
+    try:
+        png: Path | None = plot_memory(ledgers, out / "memory.png")
+    except ImportError:  # training never needs matplotlib: pip install 'zeromem[plots]'
+        png = None
+    picture = f"![memory per category]({png.name})\n\n" if png else ""
     md = out / "memory.md"
     md.write_text("# zeromem memory report\n\nRank 0's bytes held per category beside the ZeRO "
                   "paper's formula for the same Ψ, N_d and byte widths.\n\n"
-                  f"![memory per category]({png.name})\n\n{memory_table(ledgers)}\n\n"
+                  f"{picture}{memory_table(ledgers)}\n\n"
                   f"## Runs\n\n{summary_table(ledgers)}\n", encoding="utf-8")
     return png, md
