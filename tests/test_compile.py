@@ -12,17 +12,15 @@ Compiling is slow on CPU: one spawned world runs every case, on a tiny model, wi
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-import zeromem
 from harness import run_distributed
 from models import micro_batch
 from test_parity import config
 from test_stage3 import reference_step
+from torch import nn
+
+import zeromem
 
 STEPS = 3
 

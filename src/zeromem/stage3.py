@@ -203,11 +203,11 @@ class _ParamUseTracer(TorchFunctionMode):
 class _Tracing:
     """The tracer and the eager stance it needs, entered and left as one (the root's pass)."""
 
-    def __init__(self, runner: "Stage3Runner"):
+    def __init__(self, runner: Stage3Runner):
         self.tracer = _ParamUseTracer(runner)
         self.eager = None
 
-    def enter(self) -> "_Tracing":
+    def enter(self) -> _Tracing:
         # compiled code would run ops the tracer cannot see: eager for the rest of this pass
         self.eager = torch.compiler.set_stance("force_eager")  # takes effect when made
         self.tracer.__enter__()
