@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+import zeromem
 from harness import run_distributed
 from models import micro_batch
 from test_parity import config
 from test_stage3 import reference_step
-from torch import nn
-
-import zeromem
 
 STEPS = 3
 
