@@ -179,3 +179,96 @@ def gpt_stage3_like_stage2(rank, world_size):
 
 def test_gpt_with_block_units_trains_like_stage_2():
     assert max(run_distributed(gpt_stage3_like_stage2, 2)) <= 1e-6
+
+
+class Branchy(nn.Module):
+    """Branches that first read another module's parameter at a later step.
+
+    `tied` (a flag argument) swaps the head module for `F.linear(h, embed.weight)`;
+    `gated` (module state, not an argument) adds a module and reads `block.weight`
+    after it, so the pass leaves its recorded order before the external read.
+    """
+
+    def __init__(self, vocab: int = 13, dim: int = 10):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.block = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.gated = False
+
+    def forward(self, tokens, targets, tied=False):
+        h = torch.tanh(self.block(self.embed(tokens)))          # (B, T, dim)
+        if self.gated:
+            h = h * torch.sigmoid(self.gate(h))
+            h = h + F.linear(h, self.block.weight)              # read outside `block`
+        logits = F.linear(h, self.embed.weight) if tied else self.head(h)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def reference_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, world_size: int,
+                   **kwargs) -> list[float]:
+    """One AdamW step on the global batch; unreached parameters get zero gradients, as in ZeRO."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    losses = []
+    for r in range(world_size):
+        loss = model(*micro_batch(step, r, 0), **kwargs)
+        (loss / world_size).backward()
+        losses.append(loss.item())
+    opt.step()
+    return losses  # per rank's micro-batch
+
+
+def engine_step(engine, rank: int, step: int, **kwargs) -> float:
+    loss = engine(*micro_batch(step, rank, 0), **kwargs)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def eval_first_and_late_branches(rank, world_size):
+    out = {}
+    # (a) a no_grad forward before any training step; the head reads embed.weight in the parent
+    torch.manual_seed(0)
+    model = Reuse()
+    ref = Reference(copy.deepcopy(model), per_rank=False)
+    engine = zeromem.initialize(model, config(3, 1, 0.0, world_size))
+    batch = micro_batch(7, 0, 0)
+    with torch.no_grad():
+        out["eval_first"] = (engine(*batch).item(), ref.model(*batch).item())
+    diffs = []
+    for step in range(2):
+        engine_step(engine, rank, step)
+        ref.step(step, world_size, 1)
+        diffs.append(state_dict_diff(engine.full_state_dict(), ref.model))
+    out["train_after_eval"] = diffs
+    # (b) branches first taken at steps 1 and 2 (a flag argument, then module state)
+    torch.manual_seed(0)
+    model = Branchy()
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
+    engine = zeromem.initialize(model, config(3, 1, 0.0, world_size))
+    losses, diffs = [], []
+    for step, (tied, gated) in enumerate([(False, False), (True, False), (True, True),
+                                          (False, True)]):
+        model.gated = ref_model.gated = gated
+        mine = engine_step(engine, rank, step, tied=tied)
+        losses.append((mine, reference_step(ref_model, opt, step, world_size, tied=tied)[rank]))
+        diffs.append(state_dict_diff(engine.full_state_dict(), ref_model))
+    with torch.no_grad():
+        losses.append((engine(*batch, tied=True).item(), ref_model(*batch, tied=True).item()))
+    out["branches"] = (losses, diffs)
+    out["leaked"] = engine.live_params.live
+    return out
+
+
+def test_eval_before_training_and_branches_reading_external_parameters():
+    for out in run_distributed(eval_first_and_late_branches, 2):
+        got, expected = out["eval_first"]
+        assert got == pytest.approx(expected, abs=1e-5)
+        assert max(out["train_after_eval"]) <= 1e-5, out["train_after_eval"]
+        losses, diffs = out["branches"]
+        assert max(abs(a - b) for a, b in losses) <= 1e-5, losses
+        assert max(diffs) <= 1e-5, diffs
+        assert out["leaked"] == 0, "gathered parameters leaked out of the forward"

@@ -18,15 +18,27 @@ Schedule of one training step (paper section 5.3; FSDP2 follows the same plan):
               reduce-scatter bucket, grads.py).
     end       `finish_pass()` releases whatever is still gathered.
 
-The order of units is recorded on the first pass. If a later pass differs (a
-conditional branch, another eval path), prefetching stops for that pass and the
-order is recorded again: a unit is always gathered before it is used, so a
-changed order costs speed, never correctness.
+The order of units is recorded per kind of pass: training forward, `no_grad`
+forward (evaluation, generation) and backward, each also keyed by the module's
+train/eval mode and the flag arguments (bool, str, None) of the root call,
+which usually choose a branch. If a pass differs from its recorded order (a
+conditional branch), prefetching stops for that pass and the order is recorded
+again: a unit is always gathered before it is used, so a changed order costs
+speed, never correctness.
 
 A parameter used outside the module that owns it (a tied output head reusing
-the embedding, `F.linear(x, self.embed.weight)` in a parent) is found on the
-first pass by a TorchFunctionMode that sees which parameters each op reads while
-a module runs; that module then gathers the other unit too, from then on.
+the embedding, `F.linear(x, self.embed.weight)` in a parent) is found by a
+TorchFunctionMode that sees which parameters each op reads while a module runs;
+that module then gathers the other unit too, from then on. The tracer is on
+whenever the order is not known: for the whole of the first pass of each kind,
+and from the point where a pass leaves its recorded order to its end. A read
+that appears with no change of flags, mode or module order (a branch on data
+or on module state) is not seen; pass such a choice as a flag argument.
+
+`torch.compile` (the whole model or each block): the hooks run outside the
+compiled region (`torch.compiler.disable`, a graph break at each hook), and a
+pass with the tracer on runs eagerly (`set_stance("force_eager")`), because the
+tracer must see every op; later passes run compiled.
 
 Outside a gather a partitioned parameter has shape `torch.Size([0])` (as in
 DeepSpeed); use `zeromem.GatheredParameters` to read it whole.
@@ -173,7 +185,7 @@ class _PreBackward(torch.autograd.Function):
 
 
 class _ParamUseTracer(TorchFunctionMode):
-    """Records which units' parameters each running module reads (first pass only)."""
+    """Records which units' parameters each running module reads (passes of unknown order)."""
 
     def __init__(self, runner: "Stage3Runner"):
         super().__init__()
@@ -189,6 +201,31 @@ class _ParamUseTracer(TorchFunctionMode):
                     unit.wait()  # gathered on demand now; recorded for the next passes
                     runner.extra_units.setdefault(runner.module_stack[-1], []).append(unit)
         return func(*args, **kwargs)
+
+
+class _Tracing:
+    """The tracer and the eager stance it needs, entered and left as one (the root's pass)."""
+
+    def __init__(self, runner: Stage3Runner):
+        self.tracer = _ParamUseTracer(runner)
+        self.eager = None
+
+    def enter(self) -> _Tracing:
+        # compiled code would run ops the tracer cannot see: eager for the rest of this pass
+        self.eager = torch.compiler.set_stance("force_eager")  # takes effect when made
+        self.tracer.__enter__()
+        return self
+
+    def exit(self) -> None:
+        self.tracer.__exit__(None, None, None)
+        self.eager.__exit__(None, None, None)
+
+
+def _branch_flags(args: tuple, kwargs: dict) -> tuple:
+    """The flag arguments of a root call (bool, str, None): what usually picks a branch."""
+    flag = (bool, str, type(None))
+    return (tuple((i, a) for i, a in enumerate(args) if isinstance(a, flag))
+            + tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, flag))))
 
 
 class Stage3Runner:
@@ -208,14 +245,15 @@ class Stage3Runner:
         self.store = store
         self.passes = 0
         self.module_stack: list[int] = []
-        self.orders: dict[str, list[FetchUnit]] = {"forward": [], "backward": []}
-        self.recorded: dict[str, list[FetchUnit] | None] = {"forward": None, "backward": None}
-        self.pass_kind = "forward"
+        # orders by kind of pass: ("forward" | "eval" | "backward", training, flags)
+        self.orders: dict[tuple, list[FetchUnit]] = {}
+        self.recorded: dict[tuple, list[FetchUnit]] = {}
+        self.pass_kind: tuple = ("forward", root.training, ())
         self.position = 0
         self.on_track = True
-        self.tracer: _ParamUseTracer | None = None
+        self.tracing: _Tracing | None = None  # on while this pass's order is not known
         self.busy = False  # inside our own hooks: the tracer must not see our tensor ops
-        self.handles = []
+        self.handles = [root.register_forward_pre_hook(self._start_forward, with_kwargs=True)]
         for module in root.modules():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward))
             self.handles.append(module.register_forward_hook(self._post_forward))
@@ -234,10 +272,15 @@ class Stage3Runner:
                 unit.wait()
 
     # -- passes ------------------------------------------------------------
-    def start_pass(self, kind: str) -> None:
-        """Begin a forward or backward pass: reset the position in the recorded order."""
-        self.pass_kind, self.position, self.on_track = kind, 0, self.recorded[kind] is not None
-        if kind == "forward":
+    def start_pass(self, kind: str | tuple) -> None:
+        """Begin a pass ("backward", or a forward's full key): reset the position in its order.
+
+        A backward is keyed like the forward before it (same mode and flags, same branch).
+        """
+        if kind == "backward":
+            kind = ("backward", *self.pass_kind[1:])
+        self.pass_kind, self.position, self.on_track = kind, 0, kind in self.recorded
+        if kind[0] != "backward":
             self.passes += 1
             if self.store is not None:  # published so a stuck rank can name who diverged
                 self.store.set(f"zeromem/stage3/passes/{self.comm.rank}", str(self.passes))
@@ -253,6 +296,16 @@ class Stage3Runner:
         for unit in self.units:
             unit.reshard()
 
+    def _start_tracing(self) -> None:
+        """Watch which parameters each op reads until the root's forward ends."""
+        if self.tracing is None and self.pass_kind[0] != "backward" and self.module_stack:
+            self.tracing = _Tracing(self).enter()
+
+    def _stop_tracing(self) -> None:
+        if self.tracing is not None:
+            self.tracing.exit()
+            self.tracing = None
+
     def _use(self, units: list[FetchUnit]) -> None:
         """Gather `units` for the running module; follow or re-record the order; prefetch."""
         self.busy = True
@@ -262,11 +315,12 @@ class Stage3Runner:
             self.busy = False
 
     def _follow_order(self, units: list[FetchUnit]) -> None:
-        expected = self.recorded[self.pass_kind]
+        expected = self.recorded.get(self.pass_kind)
         for unit in units:
             if self.on_track and (expected is None or self.position >= len(expected)
                                   or expected[self.position] is not unit):
                 self.on_track = False  # the order changed: gather on demand this pass
+                self._start_tracing()  # a new branch may read other modules' parameters
             self.orders[self.pass_kind].append(unit)
             self.position += 1
             self._wait(unit)
@@ -330,15 +384,23 @@ class Stage3Runner:
     def _units_for(self, module: nn.Module) -> list[FetchUnit]:
         return self._units_for_id(id(module))
 
+    # Hooks run outside any compiled region: they swap `p.data` and run collectives,
+    # which dynamo must not trace (a graph break at each fetch-unit boundary).
+    @torch.compiler.disable
+    def _start_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._stop_tracing()  # still on if the last forward raised
+        self.module_stack.clear()
+        kind = "forward" if torch.is_grad_enabled() else "eval"
+        self.start_pass((kind, module.training, _branch_flags(args, kwargs)))
+
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args) -> None:
-        if module is self.root:
-            self.start_pass("forward")
-            if self.recorded["forward"] is None and torch.is_grad_enabled():
-                self.tracer = _ParamUseTracer(self)
-                self.tracer.__enter__()
         self.module_stack.append(id(module))
+        if module is self.root and self.pass_kind not in self.recorded:
+            self._start_tracing()  # first pass of this kind: its external reads are unknown
         self._use(self._units_for(module))
 
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args, output: Any) -> Any:
         self.module_stack.pop()
         units = self._units_for(module)
@@ -346,9 +408,7 @@ class Stage3Runner:
             output = self._hook_backward(module, output)
         self._release(units)
         if module is self.root:
-            if self.tracer is not None:
-                self.tracer.__exit__(None, None, None)
-                self.tracer = None
+            self._stop_tracing()
             self.finish_pass()
         return output
 
@@ -377,6 +437,7 @@ class Stage3Runner:
         swap = {id(t): h for t, h in zip(tensors, hooked)}
         return tree_map(lambda t: swap.get(id(t), t) if torch.is_tensor(t) else t, output)
 
+    @torch.compiler.disable
     def before_backward(self, module_id: int) -> None:
         self._use(self._units_for_id(module_id))
 
