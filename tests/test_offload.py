@@ -57,7 +57,7 @@ def train(rank: int, world_size: int, stage: int, gas: int, clip: float, zero: d
             engine.backward(engine(tokens, targets, uses_sometimes(step, rank, micro, stage < 3)))
             engine.step()
         ref.step(step, world_size, gas)
-        with engine.offload.resident():  # swapped masters / shards in memory for the read
+        with engine.offload.all_in_memory():  # swapped masters / shards in memory for the read
             diffs.append(state_dict_diff(engine.full_state_dict(), ref.model))
     return engine, diffs
 
@@ -129,7 +129,7 @@ def bf16_master_diff(rank: int, world_size: int, path: str) -> float:
             tokens, targets = micro_batch(step, rank, 0)
             engine.backward(engine(tokens, targets))
             engine.step()
-        with engine.offload.resident():
+        with engine.offload.all_in_memory():
             masters.append(engine.full_state_dict())
         engine.close()
     return max((masters[0][k] - masters[1][k]).abs().max().item() for k in masters[0]) \
@@ -243,26 +243,26 @@ def test_too_few_buffers_for_one_sub_group(tmp_path):
     assert os.listdir(tmp_path) == []  # the half-built engine's files are gone
 
 
-def test_states_only_inside_resident_and_written_back(tmp_path):
-    """Outside `resident()` a lookup raises; inside, torch-style state that load_state_dict
+def test_states_only_inside_all_in_memory_and_written_back(tmp_path):
+    """Outside `all_in_memory()` a lookup raises; inside, torch-style state that load_state_dict
     writes back to the swap file; a scheduler drives the swapped optimizer's lr."""
     engine = small_engine(tmp_path)
     sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
     one_step(engine)
     sched.step()
     master = engine.groups[0].master
-    with pytest.raises(OffloadError, match="resident"):
+    with pytest.raises(OffloadError, match="all_in_memory"):
         engine.optimizer.state.get(master)
-    with pytest.raises(OffloadError, match="resident"):
+    with pytest.raises(OffloadError, match="all_in_memory"):
         engine.optimizer.state_dict()
-    with engine.offload.resident():
+    with engine.offload.all_in_memory():
         saved = copy.deepcopy(engine.optimizer.state_dict())
     assert saved["state"][0]["step"] == 1 and saved["param_groups"][0]["lr"] == 5e-3
     one_step(engine, 1)
-    with engine.offload.resident():
+    with engine.offload.all_in_memory():
         assert int(engine.optimizer.state[master]["step"]) == 2
         engine.optimizer.load_state_dict(saved)
-    with engine.offload.resident():  # read back from the file
+    with engine.offload.all_in_memory():  # read back from the file
         again = engine.optimizer.state_dict()
     for k, state in saved["state"].items():
         for name, value in state.items():
