@@ -178,7 +178,7 @@ def nvme_adamw(numel: int, reps: int, sub_group: int, root: str, buffers: int) -
             "device": "nvme", "nvme_path": root, "buffer_count": buffers,
             "pipeline_read": True, "pipeline_write": True}}})
     try:
-        for grad in engine.offload.host_grads.values():
+        for grad in engine.offload.masters.host_grads.buffers.values():
             grad.normal_()
         return engine.psi / time_steps(engine.optimizer.step, reps)
     finally:

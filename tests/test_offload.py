@@ -57,7 +57,7 @@ def train(rank: int, world_size: int, stage: int, gas: int, clip: float, zero: d
             engine.backward(engine(tokens, targets, uses_sometimes(step, rank, micro, stage < 3)))
             engine.step()
         ref.step(step, world_size, gas)
-        with engine.offload.resident():  # swapped masters / shards in memory for the read
+        with engine.offload.all_in_memory():  # swapped masters / shards in memory for the read
             diffs.append(state_dict_diff(engine.full_state_dict(), ref.model))
     return engine, diffs
 
@@ -129,7 +129,7 @@ def bf16_master_diff(rank: int, world_size: int, path: str) -> float:
             tokens, targets = micro_batch(step, rank, 0)
             engine.backward(engine(tokens, targets))
             engine.step()
-        with engine.offload.resident():
+        with engine.offload.all_in_memory():
             masters.append(engine.full_state_dict())
         engine.close()
     return max((masters[0][k] - masters[1][k]).abs().max().item() for k in masters[0]) \
@@ -243,28 +243,85 @@ def test_too_few_buffers_for_one_sub_group(tmp_path):
     assert os.listdir(tmp_path) == []  # the half-built engine's files are gone
 
 
-def test_states_only_inside_resident_and_written_back(tmp_path):
-    """Outside `resident()` a lookup raises; inside, torch-style state that load_state_dict
+def test_states_only_inside_all_in_memory_and_written_back(tmp_path):
+    """Outside `all_in_memory()` a lookup raises; inside, torch-style state that load_state_dict
     writes back to the swap file; a scheduler drives the swapped optimizer's lr."""
     engine = small_engine(tmp_path)
     sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
     one_step(engine)
     sched.step()
     master = engine.groups[0].master
-    with pytest.raises(OffloadError, match="resident"):
+    with pytest.raises(OffloadError, match="all_in_memory"):
         engine.optimizer.state.get(master)
-    with pytest.raises(OffloadError, match="resident"):
+    with pytest.raises(OffloadError, match="all_in_memory"):
         engine.optimizer.state_dict()
-    with engine.offload.resident():
+    with engine.offload.all_in_memory():
         saved = copy.deepcopy(engine.optimizer.state_dict())
     assert saved["state"][0]["step"] == 1 and saved["param_groups"][0]["lr"] == 5e-3
     one_step(engine, 1)
-    with engine.offload.resident():
+    with engine.offload.all_in_memory():
         assert int(engine.optimizer.state[master]["step"]) == 2
         engine.optimizer.load_state_dict(saved)
-    with engine.offload.resident():  # read back from the file
+    with engine.offload.all_in_memory():  # read back from the file
         again = engine.optimizer.state_dict()
     for k, state in saved["state"].items():
         for name, value in state.items():
             assert torch.equal(again["state"][k][name], value), (k, name)
     engine.close()
+
+
+# ---------------------------------------------------------------- placements (issue 11 item 3)
+
+def placement_engine(path, stage: int, gas: int, zero: dict):
+    torch.manual_seed(0)
+    cfg = config(stage, gas, 0.0, 1)
+    cfg["zero_optimization"].update(zero)
+    return zeromem.initialize(TinyLM(), cfg)
+
+
+def test_parameter_placement_is_given_to_the_fetch_units_at_construction(tmp_path):
+    """The policy is read once; units and runner hold the engine's parameter placement, the
+    shards are in the file right after construction, and the runner's order drives read-ahead."""
+    from zeromem.offload import MastersOnNvme, OffloadPolicy, ParamsOnNvme
+    assert MastersOnNvme.__mro__ == (MastersOnNvme, object)  # composition, no chain
+    engine = placement_engine(tmp_path, 3, 1, {
+        "offload_optimizer": nvme(str(tmp_path)), "sub_group_size": SUB_GROUP,
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3}})
+    offload = engine.offload
+    assert (offload.policy.optimizer, offload.policy.params) == ("nvme", "nvme")
+    assert isinstance(offload.policy, OffloadPolicy) and isinstance(offload.params, ParamsOnNvme)
+    assert all(u.placement is offload.params for u in engine.stage3.units)
+    assert engine.stage3.placement is offload.params
+    assert all(g.param_shard.numel() == 0 for g in engine.groups)  # moved out when built
+    for step in range(2):
+        one_step(engine, step)
+    assert offload.params.counts["read_ahead"] > 0, offload.params.counts
+    engine.close()
+
+
+def test_device_masters_get_their_own_memory_when_the_shards_leave(tmp_path):
+    """fp32, optimizer on the device, shards on NVMe: the masters are copies, not the shards."""
+    engine = placement_engine(tmp_path, 3, 1, {
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}})
+    assert all(g.master.numel() == g.shard_numel > 0 for g in engine.groups)
+    before = [g.master.clone() for g in engine.groups]
+    one_step(engine)
+    assert any(not torch.equal(b, g.master) for b, g in zip(before, engine.groups))
+    engine.close()
+
+
+def test_gradients_reach_host_at_the_boundary_only(tmp_path):
+    """The engine tells the placement which backward ends the step; the host copy waits for it."""
+    engine = placement_engine(tmp_path, 2, 2, {"offload_optimizer": {"device": "cpu"}})
+    buffers = engine.offload.masters.host_grads.buffers
+    for micro in range(2):
+        tokens, targets = micro_batch(0, 0, micro)
+        engine.backward(engine(tokens, targets))
+        host = [buffers[id(g)] for g in engine.groups]
+        if micro == 0:  # accumulating: nothing copied yet
+            assert all(not t.any() for t in host)
+        else:
+            assert all(torch.equal(t, g.grads.reduced().float())
+                       for t, g in zip(host, engine.groups))
+            assert any(t.any() for t in host)
+        engine.step()

@@ -98,14 +98,13 @@ class Engine:
         materialize(self.module.parameters(), self.comm)  # frozen ones built under Init
         self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
         self.psi = sum(g.numel for g in self.groups)
-        # where masters, optimizer states and parameter shards live (offload.py)
-        self.offload = build_offload(config, self.groups, comm.rank,
-                                     self.is_gradient_accumulation_boundary)
+        # where masters, optimizer states and parameter shards live (offload.py); built
+        # before the stage-3 units, which receive the parameter placement
+        self.offload = build_offload(config, self.groups, comm.rank)
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer)
         self.reducer = Reducer(self.groups, comm, overlap=config.zero_optimization.overlap_comm
                                is not False)
         self.stage3 = self._build_stage3() if sharding.params else None
-        self.offload.attach_stage3(self.stage3)  # offload_param: units swap shards in first
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
@@ -174,12 +173,13 @@ class Engine:
         for module, params in self.unit_modules:
             group = group_of[id(params[0])]
             persistent = group.numel < zero.stage3_param_persistence_threshold
-            module_units.append((module, FetchUnit(group, self.comm, persistent, self.live_params)))
+            module_units.append((module, FetchUnit(group, self.comm, persistent, self.live_params,
+                                                   self.offload.params)))
         limits = Stage3Limits(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
                               zero.stage3_max_reuse_distance,
                               gather_timeout_s(self.config.zeromem.gather_timeout_s))
         return Stage3Runner(self.module, module_units, limits, self.live_params, self.comm,
-                            default_store())
+                            default_store(), self.offload.params)
 
     # -- training loop -------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -197,7 +197,9 @@ class Engine:
         """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied."""
         scale = self.scaler.scale / (self.config.gradient_accumulation_steps * self.dp_world_size)
         with self.timers("backward"), self.activation_checkpointing.active():
-            self.reducer.start_backward(self.is_gradient_accumulation_boundary())
+            boundary = self.is_gradient_accumulation_boundary()
+            self.offload.start_backward(boundary)  # host copies of reduced grads at the boundary
+            self.reducer.start_backward(boundary)
             if self.stage3 is not None:
                 self.stage3.start_pass("backward")
             (loss.float() * scale).backward()
@@ -381,7 +383,7 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict (keys as `module.state_dict()`) on rank 0; {} elsewhere."""
-        with self.offload.resident():  # masters swapped out to NVMe come back for the read
+        with self.offload.all_in_memory():  # masters in NVMe files come back for the read
             return self._full_state_dict()
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:

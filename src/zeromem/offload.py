@@ -3,69 +3,107 @@
 ZeRO-Offload (arXiv 2101.06840) keeps the fp32 master shard and the optimizer
 states in host memory and runs the optimizer step on the CPU; ZeRO-Infinity
 (arXiv 2104.07857, section 5) puts them, and at stage 3 the parameter shards,
-in NVMe files. Two policies, chosen once from the config (STYLE rule 3), answer
-every "where does this live" question; the engine and the stages call them and
-never branch on an offload flag:
+in NVMe files. Vocabulary: a *placement* says where one kind of state lives,
+"device", "host" or "nvme"; "offload" is only the feature (and DeepSpeed's key
+names), "swap file" only the NVMe file type (swap.py).
 
-    optimizer home  OnDevice (none) | OnHost (cpu) | OnNvme (nvme)
+`OffloadPolicy` (FSDP2's `OffloadPolicy`) is read once from the config; from it
+`build_offload` chooses two placements, one of each kind, with no base class
+between them (STYLE rule 3), and `Offload` holds them for the engine:
+
+    masters placement   MastersOnDevice | MastersOnHost | MastersOnNvme
+        start_backward(boundary)            the engine says whether this backward ends a step
         unscale_grads(groups, multiplier)   step phase 3
-        optimizer.step()                     step phase 4 (the policy built it)
-        write_back(groups)                   step phase 5: masters -> parameter shards
-    parameter home  OnDeviceParams (none) | HostParams (cpu) | NvmeParams (nvme, stage 3)
-        swap_in(group) / swap_out(group)     `FetchUnit.unshard` swaps the shard in first
+        optimizer.step()                     step phase 4 (the placement built it)
+        write_back(groups, params)           step phase 5: masters -> parameter shards
+    parameter placement ParamsOnDevice | ParamsOnHost | ParamsOnNvme (param_offload.py)
+        fetch(group, reader) / release(group)   `FetchUnit.unshard` fetches the shard first
         load / store(group, start, ...)      the optimizer reads / writes shard pieces
 
-This module holds the optimizer homes and `build_offload`; the parameter homes
-and their buffer lifetimes are in param_offload.py (re-exported here).
+Construction order (`build_offload`, before the engine builds its stage-3 units,
+which receive `Offload.params`): the masters placement first, because it copies
+the master values it needs while the parameter shards are still in device
+memory; then the parameter placement, which moves the shards to their place.
 
-Gradients (cpu, nvme): each group's gradient object is wrapped (`GradsToHost`)
+Gradients (host, nvme): each group's gradient object is wrapped (`GradsToHost`)
 so that when its bucket's reduction finishes in the boundary backward, the
 reduced shard is copied into an fp32 host buffer; the copy overlaps the rest of
-backward. Host buffers live for the engine and are filed as grads/host.
+backward. The engine calls `Offload.start_backward(boundary)` before each
+backward; the host buffers (`HostGrads`) live for the engine, filed as grads/host.
 
 NVMe optimizer (swap_optimizer.py): masters and states in a swap file, stepped
 sub-group by sub-group through a pool of `buffer_count` buffers (read i+1 while
 stepping i while writing i-1); host memory for optimizer state stays within
 buffer_count x sub_group_size x 4 bytes.
 
-NVMe parameters (stage 3, `NvmeParams`): shards in a swap file and a pool of
+NVMe parameters (stage 3, `ParamsOnNvme`): shards in a swap file and a pool of
 `offload_param.buffer_count` buffers (param_offload.py).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
 from .comm import Pending
 from .flat import FlatParamGroup
 from .optim import OPTIMIZERS, build_optimizer
-from .param_offload import HostParams, NvmeParams, OnDeviceParams, host_empty
+from .param_offload import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
+                            host_empty)
 from .swap import AsyncIO, OffloadError, SwapSpace
 from .swap_optimizer import SwappedOptimizer
 
 log = logging.getLogger("zeromem")
 
-__all__ = ["OffloadError", "build_offload", "OnDevice", "OnHost", "OnNvme", "OnDeviceParams",
-           "HostParams", "NvmeParams", "CPU_KERNEL"]
+__all__ = ["OffloadError", "OffloadPolicy", "Offload", "build_offload", "MastersOnDevice",
+           "MastersOnHost", "MastersOnNvme", "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme",
+           "CPU_KERNEL"]
 
 CPU_KERNEL = "fused"  # torch's fastest CPU optimizer kernel (benchmarks/bench_offload.py)
+
+WHERE = {"none": "device", "cpu": "host", "nvme": "nvme"}  # offload_*.device -> placement
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where each kind of model state lives; read once from the config, never changed."""
+
+    optimizer: str = "device"  # masters + optimizer states: offload_optimizer.device
+    params: str = "device"  # stage-3 parameter shards: offload_param.device
+    optimizer_pin: bool = False  # offload_optimizer.pin_memory, and CUDA is there to use it
+    params_pin: bool = False  # offload_param.pin_memory, likewise
+    optimizer_block: Any = None  # the offload_optimizer block (buffer_count, pipeline_*, ...)
+    params_block: Any = None  # the offload_param block (buffer_count, buffer_size, ...)
+    sub_group_size: int = 1_000_000_000  # zero_optimization.sub_group_size (NVMe step)
+
+    @classmethod
+    def from_config(cls, config: Any) -> OffloadPolicy:
+        """From `zero_optimization.offload_optimizer` / `offload_param`."""
+        zero = config.zero_optimization
+        opt, par = zero.offload_optimizer, zero.offload_param
+        return cls(WHERE[zero.offload_optimizer_device], WHERE[zero.offload_param_device],
+                   _pin(opt), _pin(par), opt, par, int(zero.sub_group_size))
+
+
+def _pin(block: Any) -> bool:
+    return block is not None and bool(block.pin_memory) and torch.cuda.is_available()
 
 
 class GradsToHost:
     """A gradient buffer that copies its reduced shard to host after a boundary reduction."""
 
-    def __init__(self, inner: Any, host: torch.Tensor, is_boundary: Callable[[], bool]):
+    def __init__(self, inner: Any, host: torch.Tensor, owner: HostGrads):
         self.inner = inner
         self.host = host
-        self.is_boundary = is_boundary
+        self.owner = owner  # holds `boundary`, set by the engine before each backward
         self.reduces_every_microstep = inner.reduces_every_microstep
 
     def launch(self, comm) -> Pending:
         pending = self.inner.launch(comm)
-        if not self.is_boundary():
+        if not self.owner.boundary:
             return pending  # stage 2 accumulates on the device until the last micro-step
 
         def copy_to_host() -> None:
@@ -78,36 +116,77 @@ class GradsToHost:
         return getattr(self.inner, name)
 
 
-# ---------------------------------------------------------------- optimizer homes
+class HostGrads:
+    """fp32 host buffers the reduced gradient shards are copied into at the boundary."""
 
-class OnDevice:
+    def __init__(self, groups: list[FlatParamGroup], pin: bool):
+        self.buffers = {id(g): host_empty(g.shard_numel, torch.float32, pin).zero_()
+                        for g in groups}
+        self.boundary = False  # does the backward now running end a step (`start_backward`)
+        self.cuda = any(g.param_shard.is_cuda for g in groups)
+        for g in groups:
+            g.grads = GradsToHost(g.grads, self.buffers[id(g)], self)
+
+    def sync(self) -> None:
+        """Wait for the copies: they were issued non-blocking."""
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def file_into(self, ledger) -> None:
+        for t in self.buffers.values():
+            ledger.add("grads", "host", t)
+
+
+# ---------------------------------------------------------------- masters placements
+
+class MastersPlacement(Protocol):
+    """Where masters and optimizer states live and the step runs; one verb per step phase."""
+
+    where: str  # "device" | "host" | "nvme"
+    optimizer: torch.optim.Optimizer | None
+
+    def start_backward(self, boundary: bool) -> None:
+        """The backward about to run ends a step (`boundary`) or accumulates."""
+
+    def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
+                        params: ParamPlacement) -> torch.optim.Optimizer:
+        """The optimizer over the master shards (see optim.build_optimizer)."""
+
+    def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
+        """Step phase 3: the masters' gradients = reduced gradients x multiplier, in fp32."""
+
+    def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
+        """Step phase 5: updated masters into the parameter shards, wherever those live."""
+
+    def all_in_memory(self) -> contextlib.AbstractContextManager:
+        """Every master and optimizer state in memory inside the block."""
+
+    def file_into(self, ledger) -> None:
+        """File this placement's host and NVMe tensors in the memory ledger."""
+
+
+class MastersOnDevice:
     """No `offload_optimizer`: masters and states beside the parameters; torch's own step."""
 
-    place = "device"
+    where = "device"
 
-    def __init__(self, groups: list[FlatParamGroup], params_home: OnDeviceParams):
+    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy):
         self.groups = groups
-        self.params = params_home
-        self.spaces: list[SwapSpace] = []
         self.optimizer: torch.optim.Optimizer | None = None
-        self.cuda = any(g.param_shard.is_cuda for g in groups)
-        self._place_masters(groups)
+        if policy.params != "device":  # the shards leave memory, but the step needs a master
+            for g in groups:
+                if g.master_aliases_params():
+                    g.master = g.param_shard.detach().clone()
 
-    def _place_masters(self, groups: list[FlatParamGroup]) -> None:
-        if self.params.place == "device":
-            return
-        for g in groups:  # the parameter shard leaves memory, but the torch step needs a master
-            if g.master_aliases_params():
-                g.master = g.param_shard.detach().clone()
+    def start_backward(self, boundary: bool) -> None:
+        """Nothing to do: the step reads the device gradients."""
 
-    def build_optimizer(self, config: Any, param_groups: list[dict],
-                        factory: Callable | None) -> torch.optim.Optimizer:
-        """The optimizer over the master shards (see optim.build_optimizer)."""
+    def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
+                        params: ParamPlacement) -> torch.optim.Optimizer:
         self.optimizer = build_optimizer(config, self.groups, param_groups, factory)
         return self.optimizer
 
     def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
-        """Step phase 3: `master.grad` = reduced gradient x multiplier, in fp32."""
         for g in groups:
             grad = g.grads.reduced()
             if grad.dtype == torch.float32 and multiplier == 1.0:
@@ -115,38 +194,189 @@ class OnDevice:
             else:
                 g.master.grad = grad.to(torch.float32).mul_(multiplier)
 
-    def write_back(self, groups: list[FlatParamGroup]) -> None:
-        """Step phase 5: updated masters into the parameter shards, wherever those live."""
-        for g in groups:
-            if not g.master_aliases_params():
-                self.params.store(g, 0, g.master)
-        self.params.flush()
+    def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
+        _store_masters(groups, params)
 
-    def attach_stage3(self, runner: Any) -> None:
-        """Let the stage-3 fetch units swap their shards in through the parameter home."""
-        if runner is not None:
-            self.params.attach_stage3(runner)
-
-    resident_depth = 0  # nested resident() blocks (full_state_dict inside a checkpoint save)
-
-    @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
-        """Every master, optimizer state and parameter shard in memory inside the block."""
-        if self.resident_depth:
-            yield
-            return
-        self.resident_depth += 1
-        try:
-            with self._make_resident():
-                yield
-        finally:
-            self.resident_depth -= 1
-
-    def _make_resident(self) -> contextlib.AbstractContextManager:
-        return self.params.resident()
+    def all_in_memory(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def file_into(self, ledger) -> None:
-        """File offloaded tensors (host) and swap files (nvme) in the memory ledger."""
+        """The engine files device tensors itself."""
+
+
+class MastersOnHost:
+    """`offload_optimizer.device: cpu`: fp32 masters, states and gradients in host memory."""
+
+    where = "host"
+
+    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy):
+        self.groups = groups
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.host_grads = HostGrads(groups, policy.optimizer_pin)
+        for g in groups:  # its own host tensor even in fp32: the device keeps the parameter shard
+            g.master = host_empty(g.shard_numel, torch.float32, policy.optimizer_pin).copy_(
+                g.master)
+
+    def start_backward(self, boundary: bool) -> None:
+        self.host_grads.boundary = boundary
+
+    def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
+                        params: ParamPlacement) -> torch.optim.Optimizer:
+        """The config's optimizer with torch's fastest CPU kernel (`CPU_KERNEL`) unless set."""
+        self.optimizer = build_optimizer(config, self.groups, param_groups,
+                                         factory or _cpu_kernel_factory(config))
+        return self.optimizer
+
+    def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
+        self.host_grads.sync()
+        for g in groups:
+            grad = self.host_grads.buffers[id(g)]
+            if multiplier != 1.0:
+                grad.mul_(multiplier)
+            g.master.grad = grad
+
+    def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
+        _store_masters(groups, params)
+
+    def all_in_memory(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # host memory is memory
+
+    def file_into(self, ledger) -> None:
+        for g in self.groups:
+            ledger.add("master_params", "host", g.master)
+        for state in self.optimizer.state.values():
+            for t in state.values():
+                if torch.is_tensor(t):
+                    ledger.add("optimizer_states", "host", t)
+        self.host_grads.file_into(ledger)
+
+
+class MastersOnNvme:
+    """`offload_optimizer.device: nvme`: masters and states in a swap file, stepped by sub-group."""
+
+    where = "nvme"
+
+    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy, space: SwapSpace):
+        """Masters stay until SwappedOptimizer writes them to its file (fp32: they are shards)."""
+        self.groups, self.policy, self.space = groups, policy, space
+        self.optimizer: SwappedOptimizer | None = None
+        self.host_grads = HostGrads(groups, policy.optimizer_pin)
+
+    def start_backward(self, boundary: bool) -> None:
+        self.host_grads.boundary = boundary
+
+    def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
+                        params: ParamPlacement) -> torch.optim.Optimizer:
+        template = build_optimizer(config, self.groups, param_groups, factory)
+        policy = self.policy
+        self.optimizer = SwappedOptimizer(template, self.groups, self.space,
+                                          self.host_grads.buffers, params, policy.optimizer_block,
+                                          policy.sub_group_size, policy.optimizer_pin)
+        return self.optimizer
+
+    def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
+        self.host_grads.sync()
+        if multiplier != 1.0:
+            for g in groups:
+                self.host_grads.buffers[id(g)].mul_(multiplier)
+
+    def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
+        params.flush()  # the step stored every sub-group's new values already
+
+    def all_in_memory(self) -> contextlib.AbstractContextManager:
+        return self.optimizer.all_in_memory(self.groups)
+
+    def file_into(self, ledger) -> None:
+        opt = self.optimizer
+        ledger.add("optimizer_states", "host", opt.pool.arena)
+        master = sum(sg.field_bytes for sg in opt.sub_groups) if opt.master_in_file else 0
+        if master:
+            ledger.add_bytes("master_params", "nvme", master)
+        ledger.add_bytes("optimizer_states", "nvme", opt.file.nbytes - master)
+        self.host_grads.file_into(ledger)
+
+
+def _store_masters(groups: list[FlatParamGroup], params: ParamPlacement) -> None:
+    for g in groups:
+        if not g.master_aliases_params():
+            params.store(g, 0, g.master)
+    params.flush()
+
+
+def _cpu_kernel_factory(config: Any) -> Callable | None:
+    """A factory adding `CPU_KERNEL` to the config's optimizer, unless the config sets one."""
+    if config is None or {"fused", "foreach"} & set(config.params):
+        return None
+    cls = OPTIMIZERS.get(config.type.lower())
+    if cls is None:
+        return None
+
+    def factory(groups: list[dict]) -> torch.optim.Optimizer:
+        return cls(groups, **config.params, **{CPU_KERNEL: True})
+    return factory
+
+
+# ---------------------------------------------------------------- the pair, for the engine
+
+class Offload:
+    """`engine.offload`: the two placements chosen from one `OffloadPolicy`, and their files.
+
+    `masters` answers where masters and optimizer states live and runs the step
+    phases; `params` answers where the parameter shards live and is handed to the
+    stage-3 fetch units when they are built.
+    """
+
+    def __init__(self, policy: OffloadPolicy, masters: MastersPlacement, params: ParamPlacement,
+                 spaces: list[SwapSpace]):
+        self.policy = policy
+        self.masters = masters
+        self.params = params
+        self.spaces = spaces
+        self.depth = 0  # nested all_in_memory() blocks (full_state_dict inside a save)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.masters.optimizer
+
+    def build_optimizer(self, config: Any, param_groups: list[dict],
+                        factory: Callable | None) -> torch.optim.Optimizer:
+        """The optimizer over the master shards, stepped where the masters live."""
+        try:
+            return self.masters.build_optimizer(config, param_groups, factory, self.params)
+        except BaseException:
+            self.close()  # no half-built swap files left behind
+            raise
+
+    def start_backward(self, boundary: bool) -> None:
+        """Before each backward: does it end a step (then gradients go to host as reduced)."""
+        self.masters.start_backward(boundary)
+
+    def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
+        """Step phase 3: the masters' fp32 gradients = reduced gradients x multiplier."""
+        self.masters.unscale_grads(groups, multiplier)
+
+    def write_back(self, groups: list[FlatParamGroup]) -> None:
+        """Step phase 5: updated masters into the parameter shards, wherever those live."""
+        self.masters.write_back(groups, self.params)
+
+    @contextlib.contextmanager
+    def all_in_memory(self) -> Iterator[None]:
+        """Every master, optimizer state and parameter shard in memory inside the block."""
+        if self.depth:
+            yield
+            return
+        self.depth += 1
+        try:
+            with self.params.all_in_memory(), self.masters.all_in_memory():
+                yield
+        finally:
+            self.depth -= 1
+
+    resident = all_in_memory  # the name checkpoints and user code already call
+
+    def file_into(self, ledger) -> None:
+        """File host tensors and NVMe bytes in the memory ledger."""
+        self.masters.file_into(ledger)
         self.params.file_into(ledger)
 
     def close(self) -> None:
@@ -156,118 +386,13 @@ class OnDevice:
             space.close()
 
 
-class OnHost(OnDevice):
-    """`offload_optimizer.device: cpu`: fp32 masters, states and gradients in host memory."""
-
-    place = "host"
-
-    def __init__(self, groups: list[FlatParamGroup], params_home: OnDeviceParams, pin: bool,
-                 is_boundary: Callable[[], bool]):
-        self.pin = pin
-        self.host_grads = {id(g): host_empty(g.shard_numel, torch.float32, pin).zero_()
-                           for g in groups}
-        for g in groups:
-            g.grads = GradsToHost(g.grads, self.host_grads[id(g)], is_boundary)
-        super().__init__(groups, params_home)
-
-    def _place_masters(self, groups: list[FlatParamGroup]) -> None:
-        for g in groups:  # its own host tensor even in fp32: the device keeps the parameter shard
-            g.master = host_empty(g.shard_numel, torch.float32, self.pin).copy_(g.master)
-
-    def build_optimizer(self, config: Any, param_groups: list[dict],
-                        factory: Callable | None) -> torch.optim.Optimizer:
-        """The config's optimizer with torch's fastest CPU kernel (`CPU_KERNEL`) unless set."""
-        if factory is None and config is not None and not {"fused", "foreach"} & set(config.params):
-            cls = OPTIMIZERS.get(config.type.lower())
-            if cls is not None:
-                def factory(groups: list[dict], cls=cls) -> torch.optim.Optimizer:
-                    return cls(groups, **config.params, **{CPU_KERNEL: True})
-        return super().build_optimizer(config, param_groups, factory)
-
-    def _sync(self) -> None:
-        if self.cuda:  # the gradient copies were issued non-blocking
-            torch.cuda.current_stream().synchronize()
-
-    def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
-        self._sync()
-        for g in groups:
-            grad = self.host_grads[id(g)]
-            if multiplier != 1.0:
-                grad.mul_(multiplier)
-            g.master.grad = grad
-
-    def file_into(self, ledger) -> None:
-        for g in self.groups:
-            ledger.add("master_params", "host", g.master)
-        for state in self.optimizer.state.values():
-            for t in state.values():
-                if torch.is_tensor(t):
-                    ledger.add("optimizer_states", "host", t)
-        for t in self.host_grads.values():
-            ledger.add("grads", "host", t)
-        super().file_into(ledger)
-
-
-class OnNvme(OnHost):
-    """`offload_optimizer.device: nvme`: masters and states in a swap file, stepped by sub-group."""
-
-    place = "nvme"
-
-    def __init__(self, groups: list[FlatParamGroup], params_home: OnDeviceParams, pin: bool,
-                 is_boundary: Callable[[], bool], space: SwapSpace, config: Any,
-                 sub_group_size: int):
-        self.space, self.config, self.sub_group_size = space, config, sub_group_size
-        super().__init__(groups, params_home, pin, is_boundary)
-
-    def _place_masters(self, groups: list[FlatParamGroup]) -> None:
-        """Masters stay until SwappedOptimizer writes them to its file (fp32: they are shards)."""
-
-    def build_optimizer(self, config: Any, param_groups: list[dict],
-                        factory: Callable | None) -> torch.optim.Optimizer:
-        try:
-            template = build_optimizer(config, self.groups, param_groups, factory)
-            self.optimizer = SwappedOptimizer(template, self.groups, self.space, self.host_grads,
-                                              self.params, self.config, self.sub_group_size,
-                                              self.pin)
-        except BaseException:
-            self.close()  # no half-built swap files left behind
-            raise
-        return self.optimizer
-
-    def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
-        self._sync()
-        if multiplier != 1.0:
-            for g in groups:
-                self.host_grads[id(g)].mul_(multiplier)
-
-    def write_back(self, groups: list[FlatParamGroup]) -> None:
-        self.params.flush()  # the step stored every sub-group's new values already
-
-    @contextlib.contextmanager
-    def _make_resident(self) -> Iterator[None]:
-        with self.params.resident(), self.optimizer.resident(self.groups):
-            yield
-
-    def file_into(self, ledger) -> None:
-        opt = self.optimizer
-        ledger.add("optimizer_states", "host", opt.pool.arena)
-        master = sum(sg.field_bytes for sg in opt.sub_groups) if opt.master_in_file else 0
-        if master:
-            ledger.add_bytes("master_params", "nvme", master)
-        ledger.add_bytes("optimizer_states", "nvme", opt.file.nbytes - master)
-        for t in self.host_grads.values():
-            ledger.add("grads", "host", t)
-        self.params.file_into(ledger)
-
-
 # ---------------------------------------------------------------- factory
 
-def build_offload(config: Any, groups: list[FlatParamGroup], rank: int,
-                  is_boundary: Callable[[], bool]) -> OnDevice:
-    """The offload policy the config asks for (the optimizer home, holding the parameter home)."""
-    zero = config.zero_optimization
+def build_offload(config: Any, groups: list[FlatParamGroup], rank: int) -> Offload:
+    """The placements the config asks for: masters first, then the parameter shards move."""
+    policy = OffloadPolicy.from_config(config)
     spaces: dict[str, SwapSpace] = {}
-    if config.aio.use_gds and "nvme" in (zero.offload_optimizer_device, zero.offload_param_device):
+    if config.aio.use_gds and "nvme" in (policy.optimizer, policy.params):
         log.warning("aio.use_gds: GPUDirect Storage is not implemented; I/O goes through host "
                     "buffers")
 
@@ -278,41 +403,35 @@ def build_offload(config: Any, groups: list[FlatParamGroup], rank: int,
         return spaces[block.nvme_path]
 
     try:
-        params = _params_home(zero, groups, space_for)
-        policy = _optimizer_home(zero, groups, params, space_for, is_boundary)
+        masters = _masters_placement(policy, groups, space_for)
+        params = _params_placement(policy, groups, space_for)
     except BaseException:
         for space in spaces.values():
             space.close()
         raise
-    policy.spaces = list(spaces.values())
-    if rank == 0 and policy.place != "device":
-        log.info("offload: optimizer on %s, parameters on %s%s", policy.place, params.place,
+    if rank == 0 and policy.optimizer != "device":
+        log.info("offload: optimizer on %s, parameters on %s%s", policy.optimizer, policy.params,
                  "".join(f"; swap files in {space.dir}" for space in spaces.values()))
-    return policy
+    return Offload(policy, masters, params, list(spaces.values()))
 
 
-def _pin(block: Any) -> bool:
-    return bool(block.pin_memory) and torch.cuda.is_available()
-
-
-def _params_home(zero: Any, groups: list[FlatParamGroup], space_for: Callable) -> OnDeviceParams:
-    device, block = zero.offload_param_device, zero.offload_param
-    if device == "none":
-        return OnDeviceParams()
-    if device == "cpu":
-        return HostParams(groups, block, _pin(block))
-    return NvmeParams(groups, space_for(block), block, _pin(block))
-
-
-def _optimizer_home(zero: Any, groups: list[FlatParamGroup], params: OnDeviceParams,
-                    space_for: Callable, is_boundary: Callable[[], bool]) -> OnDevice:
-    device, block = zero.offload_optimizer_device, zero.offload_optimizer
-    if device == "none":
-        return OnDevice(groups, params)
-    if block.ratio < 1:
+def _masters_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],
+                       space_for: Callable) -> MastersPlacement:
+    if policy.optimizer == "device":
+        return MastersOnDevice(groups, policy)
+    if policy.optimizer_block.ratio < 1:
         log.warning("offload_optimizer.ratio = %s: partial offload is not implemented; "
-                    "all optimizer state is offloaded", block.ratio)
-    if device == "cpu":
-        return OnHost(groups, params, _pin(block), is_boundary)
-    return OnNvme(groups, params, _pin(block), is_boundary, space_for(block), block,
-                  zero.sub_group_size)
+                    "all optimizer state is offloaded", policy.optimizer_block.ratio)
+    if policy.optimizer == "host":
+        return MastersOnHost(groups, policy)
+    return MastersOnNvme(groups, policy, space_for(policy.optimizer_block))
+
+
+def _params_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],
+                      space_for: Callable) -> ParamPlacement:
+    block = policy.params_block
+    if policy.params == "device":
+        return ParamsOnDevice()
+    if policy.params == "host":
+        return ParamsOnHost(groups, block, policy.params_pin)
+    return ParamsOnNvme(groups, space_for(block), block, policy.params_pin)

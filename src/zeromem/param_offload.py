@@ -1,51 +1,57 @@
-"""Parameter homes: where the stage-3 parameter shards live (`offload_param`).
+"""Parameter placements: where the stage-3 parameter shards live (`offload_param`).
 
 ZeRO-Offload (arXiv 2101.06840) and ZeRO-Infinity (arXiv 2104.07857, section 5)
-move the fp16/bf16 parameter shard of each flat group off the device. One home
-is chosen from the config by `offload.build_offload` and held by the optimizer
-home there; the stage-3 fetch units and the optimizer go through it and never
-branch on an offload flag (STYLE rule 3):
+move the fp16/bf16 parameter shard of each flat group off the device. One
+placement is chosen from the `OffloadPolicy` by `offload.build_offload`, before
+the stage-3 fetch units are built, and passed to them; the fetch units and the
+optimizer go through it and never branch on an offload flag (STYLE rule 3).
+The three classes share no base class; each implements `ParamPlacement`:
 
-    OnDeviceParams (none) | HostParams (cpu) | NvmeParams (nvme, stage 3)
-        swap_in(group) / swap_out(group)     `FetchUnit.unshard` swaps the shard in first
-        prefetch(group)                      start bringing a shard in early
-        load / store(group, start, ...)      the optimizer reads / writes shard pieces
-        flush()                              step phase 5: stored values made durable
-        resident()                           every shard in memory (checkpoints)
+    ParamsOnDevice (none) | ParamsOnHost (cpu) | ParamsOnNvme (nvme, stage 3)
+        fetch(group, reader)     `FetchUnit.unshard`: the shard in memory before its gather
+        release(group)           the shard's memory given back (written out first if changed)
+        prefetch(group)          start bringing a shard in early
+        follow(order)            the runner's recorded unit order for the pass now running
+        load / store(group, start, ...)   the optimizer reads / writes shard pieces
+        flush()                  step phase 5: stored values reach the shard's place
+        all_in_memory()          every shard in memory inside the block (checkpoints)
+
+A placement takes the shards over when it is built: the host and NVMe ones copy
+each shard to its place and empty `group.param_shard` at once, so the masters
+must already have their own memory (`offload.build_offload` orders this).
 
 Buffer lifetimes:
 
-- OnDeviceParams: `group.param_shard` is the shard, in device memory for the
+- ParamsOnDevice: `group.param_shard` is the shard, in device memory for the
   engine's life.
-- HostParams: one (pinned) host tensor per group holds the shard for the
+- ParamsOnHost: one (pinned) host tensor per group holds the shard for the
   engine's life; when the device is the CPU it is `group.param_shard` itself.
-  Otherwise, once the stage-3 runner is attached, `group.param_shard` is
-  emptied and `swap_in` gives it a device copy; at most
-  `offload_param.buffer_count` copies are alive, the least recently used one
-  dropped (after its all-gather finishes). `store` writes the host tensor and
-  the device copy, if one is alive.
-- NvmeParams: shards in the swap file params.swp (offsets aligned by
-  `round_up`) and a pool of `offload_param.buffer_count` buffers, each the
-  size of the largest shard. A shard is read when its unit is unsharded (and
-  the shards of the next units in the recorded order are read ahead);
-  `group.param_shard` is then a view into a pool buffer. It stays until
-  evicted (least recently used, never while its all-gather is in flight) and
-  is written back only if the optimizer changed it; the buffer goes back to
-  the pool when that write completes. Inside `resident()` each shard has its
-  own memory, written back to the file after the block.
+  Otherwise `group.param_shard` is emptied at construction and `fetch` gives
+  it a device copy; at most `offload_param.buffer_count` copies are alive, the
+  least recently used one dropped (after the all-gather reading it finishes).
+  `store` writes the host tensor and the device copy, if one is alive.
+- ParamsOnNvme: shards in the file params.swp (offsets aligned by `round_up`)
+  and a pool of `offload_param.buffer_count` buffers, each the size of the
+  largest shard. A shard is read when its unit is unsharded (and the shards of
+  the next units in the followed order are read ahead); `group.param_shard` is
+  then a view into a pool buffer. It stays until released (least recently
+  used, never while its all-gather is in flight) and is written back only if
+  the optimizer changed it; the buffer goes back to the pool when that write
+  completes. Inside `all_in_memory()` each shard has its own memory, written
+  back to the file after the block.
 """
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict, deque
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
 from .flat import FlatParamGroup
 from .swap import BufferPool, IOHandle, OffloadError, SwapSpace, round_up
 
-__all__ = ["OnDeviceParams", "HostParams", "NvmeParams", "host_empty"]
+__all__ = ["ParamPlacement", "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme", "host_empty"]
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -57,104 +63,165 @@ def _empty_like_shard(g: FlatParamGroup) -> torch.Tensor:
     return torch.empty(0, dtype=g.param_shard.dtype, device=g.param_shard.device)
 
 
-class OnDeviceParams:
-    """Parameter shards stay in device memory (no `offload_param`)."""
+class Reader(Protocol):
+    """What reads a shard while it is in memory: a stage-3 `FetchUnit` and its all-gather."""
 
-    place = "device"
+    pending: Any  # the all-gather in flight, or None
 
-    def swap_in(self, group: FlatParamGroup) -> None:
-        """Make `group.param_shard` usable (nothing to do here)."""
+    def wait(self) -> None:
+        """Finish the all-gather (after which the shard may leave memory)."""
 
-    def swap_out(self, group: FlatParamGroup) -> None:
-        """Release `group.param_shard`'s memory (nothing to do here)."""
+
+class ParamPlacement(Protocol):
+    """Where the parameter shards live; the verbs every parameter placement offers."""
+
+    where: str  # "device" | "host" | "nvme"
+
+    def fetch(self, group: FlatParamGroup, reader: Reader | None = None) -> None:
+        """Make `group.param_shard` usable; `reader`'s all-gather will read it."""
+
+    def release(self, group: FlatParamGroup) -> None:
+        """Give `group.param_shard`'s memory back (written to its place first if changed)."""
 
     def prefetch(self, group: FlatParamGroup) -> None:
-        """Start bringing `group.param_shard` in (nothing to do here)."""
+        """Start bringing `group.param_shard` in."""
+
+    def follow(self, order: Sequence[Any] | None) -> None:
+        """The fetch units in the order the pass now running recorded (None: not recorded)."""
 
     def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:
         """Copy shard elements [start, start + out.numel()) into `out`."""
-        out.copy_(group.param_shard[start:start + out.numel()])
 
     def store(self, group: FlatParamGroup, start: int, values: torch.Tensor) -> None:
         """Write `values` (any dtype) into the shard at `start`, in the shard's dtype."""
-        group.param_shard[start:start + values.numel()].copy_(values)
 
     def flush(self) -> None:
-        """Make stored values durable in the shard's home."""
+        """Make stored values durable in the shard's place."""
 
-    def attach_stage3(self, runner: Any) -> None:
-        """Take over the runner's units (stage 3)."""
-
-    def resident(self) -> contextlib.AbstractContextManager:
+    def all_in_memory(self) -> contextlib.AbstractContextManager:
         """Every parameter shard in memory inside the block."""
-        return contextlib.nullcontext()
 
     def file_into(self, ledger) -> None:
-        """File this home's tensors and bytes in the memory ledger."""
+        """File this placement's tensors and bytes in the memory ledger."""
 
     def close(self) -> None:
         """Release storage."""
 
 
-class HostParams(OnDeviceParams):
+class ParamsOnDevice:
+    """Parameter shards stay in device memory (no `offload_param`)."""
+
+    where = "device"
+
+    def fetch(self, group: FlatParamGroup, reader: Reader | None = None) -> None:
+        """Nothing to do: the shard is in device memory."""
+
+    def release(self, group: FlatParamGroup) -> None:
+        """Nothing to do: the shard stays."""
+
+    def prefetch(self, group: FlatParamGroup) -> None:
+        """Nothing to do: the shard is in device memory."""
+
+    def follow(self, order: Sequence[Any] | None) -> None:
+        """Nothing is read ahead."""
+
+    def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:
+        out.copy_(group.param_shard[start:start + out.numel()])
+
+    def store(self, group: FlatParamGroup, start: int, values: torch.Tensor) -> None:
+        group.param_shard[start:start + values.numel()].copy_(values)
+
+    def flush(self) -> None:
+        """Stores went straight into the shard."""
+
+    def all_in_memory(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def file_into(self, ledger) -> None:
+        """The engine files the device shards itself."""
+
+    def close(self) -> None:
+        """No storage of its own."""
+
+
+class ParamsOnHost:
     """`offload_param.device: cpu`: shards in (pinned) host memory, copied to the device on use."""
 
-    place = "host"
+    where = "host"
 
     def __init__(self, groups: list[FlatParamGroup], config: Any, pin: bool):
         self.groups = groups
         self.limit = config.buffer_count
-        self.resident_units: OrderedDict[int, FlatParamGroup] = OrderedDict()
+        self.in_memory: OrderedDict[int, FlatParamGroup] = OrderedDict()  # device copies, LRU
         self.host = {}
-        self.units: dict[int, Any] = {}
+        self.readers: dict[int, Reader] = {}
         for g in groups:
-            same = g.param_shard.device.type == "cpu"  # host is the device: the shard is home
+            same = g.param_shard.device.type == "cpu"  # host is the device: already in place
             self.host[id(g)] = g.param_shard if same else host_empty(
                 g.shard_numel, g.param_shard.dtype, pin).copy_(g.param_shard)
         self.copies = any(g.param_shard.device.type != "cpu" for g in groups)
-
-    def attach_stage3(self, runner: Any) -> None:
-        for unit in runner.units:
-            unit.param_home = self
-            self.units[id(unit.group)] = unit
-        if self.copies:
-            for g in self.groups:
+        if self.copies:  # the host tensors are the truth from now on
+            for g in groups:
                 g.param_shard.set_(_empty_like_shard(g))
 
-    def swap_in(self, group: FlatParamGroup) -> None:
+    def fetch(self, group: FlatParamGroup, reader: Reader | None = None) -> None:
+        """A device copy of the shard (dropping the least recently used one beyond the limit)."""
         if not self.copies:
             return
         key = id(group)
-        if key in self.resident_units:
-            self.resident_units.move_to_end(key)
+        if reader is not None:
+            self.readers[key] = reader
+        if key in self.in_memory:
+            self.in_memory.move_to_end(key)
             return
-        while len(self.resident_units) >= self.limit:
-            old = self.resident_units.popitem(last=False)[1]
-            unit = self.units.get(id(old))
-            if unit is not None and unit.pending is not None:
-                unit.wait()  # its all-gather still reads the shard
+        while len(self.in_memory) >= self.limit:
+            old = self.in_memory.popitem(last=False)[1]
+            reader_of_old = self.readers.get(id(old))
+            if reader_of_old is not None and reader_of_old.pending is not None:
+                reader_of_old.wait()  # its all-gather still reads the shard
             old.param_shard.set_(_empty_like_shard(old))
         device = group.param_shard.device
         group.param_shard.set_(self.host[key].to(device, non_blocking=True))
-        self.resident_units[key] = group
+        self.in_memory[key] = group
+
+    def release(self, group: FlatParamGroup) -> None:
+        """Drop the device copy (the host tensor always holds the values)."""
+        if self.copies and self.in_memory.pop(id(group), None) is not None:
+            group.param_shard.set_(_empty_like_shard(group))
+
+    def prefetch(self, group: FlatParamGroup) -> None:
+        """Copies are made on `fetch` only."""
+
+    def follow(self, order: Sequence[Any] | None) -> None:
+        """Nothing is read ahead."""
 
     def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:
         out.copy_(self.host[id(group)][start:start + out.numel()])
 
     def store(self, group: FlatParamGroup, start: int, values: torch.Tensor) -> None:
         self.host[id(group)][start:start + values.numel()].copy_(values)
-        if self.copies and id(group) in self.resident_units:
+        if self.copies and id(group) in self.in_memory:
             group.param_shard[start:start + values.numel()].copy_(values)
+
+    def flush(self) -> None:
+        """Stores went straight into the host tensors."""
+
+    def all_in_memory(self) -> contextlib.AbstractContextManager:
+        """The host tensors are in memory already."""
+        return contextlib.nullcontext()
 
     def file_into(self, ledger) -> None:
         for t in self.host.values():
             ledger.add("params", "host", t)
 
+    def close(self) -> None:
+        """Host tensors are freed with the placement."""
 
-class NvmeParams(OnDeviceParams):
-    """`offload_param.device: nvme` (stage 3): shards in a swap file, a bounded pool in memory."""
 
-    place = "nvme"
+class ParamsOnNvme:
+    """`offload_param.device: nvme` (stage 3): shards in a file, a bounded pool in memory."""
+
+    where = "nvme"
 
     def __init__(self, groups: list[FlatParamGroup], space: SwapSpace, config: Any, pin: bool):
         self.groups = groups
@@ -171,23 +238,16 @@ class NvmeParams(OnDeviceParams):
         self.pool = BufferPool(config.buffer_count, max(self.nbytes.values(), default=1), pin)
         self.file = space.file("params.swp", total)
         self.lookahead = max(1, config.buffer_count // 2)
-        self.resident_bufs: OrderedDict[int, tuple[FlatParamGroup, torch.Tensor]] = OrderedDict()
+        self.in_memory: OrderedDict[int, tuple[FlatParamGroup, torch.Tensor]] = OrderedDict()
         self.reading: dict[int, tuple[FlatParamGroup, torch.Tensor, IOHandle]] = {}
         self.writing: deque[tuple[torch.Tensor, IOHandle]] = deque()
         self.dirty: set[int] = set()
-        self.units: dict[int, Any] = {}
-        self.runner = None
-        self._order, self._position = None, {}
-        # how swap_in found its shard: already resident, read ahead, or read on demand
-        self.counts = {"resident": 0, "read_ahead": 0, "on_demand": 0}
-
-    # -- set-up: after the stage-3 runner gathered its persistent units ----------
-    def attach_stage3(self, runner: Any) -> None:
-        self.runner = runner
-        for unit in runner.units:
-            unit.param_home = self
-            self.units[id(unit.group)] = unit
-        for g in self.groups:
+        self.readers: dict[int, Reader] = {}
+        self._order_now: Sequence[Any] | None = None  # what `follow` was told last
+        self._order, self._position = None, {}  # the order indexed: group id -> position
+        # how fetch found its shard: already in memory, read ahead, or read on demand
+        self.counts = {"in_memory": 0, "read_ahead": 0, "on_demand": 0}
+        for g in groups:  # the file is the truth from now on
             self._write_now(g, g.param_shard)
             g.param_shard.set_(_empty_like_shard(g))
 
@@ -203,19 +263,25 @@ class NvmeParams(OnDeviceParams):
         return buf[:self.nbytes[id(g)]].view(g.param_shard.dtype)
 
     # -- the interface ----------------------------------------------------------
-    def swap_in(self, group: FlatParamGroup) -> None:
+    def fetch(self, group: FlatParamGroup, reader: Reader | None = None) -> None:
         """Bring the shard into a pool buffer (waiting for a read-ahead), then read ahead."""
+        if reader is not None:
+            self.readers[id(group)] = reader
         self._fetch(group)
         self._read_ahead(group)  # never evicts `group`: its all-gather has not started yet
 
-    def swap_out(self, group: FlatParamGroup) -> None:
+    def release(self, group: FlatParamGroup) -> None:
         """Evict the shard (written back first when the optimizer changed it)."""
-        if id(group) in self.resident_bufs:
+        if id(group) in self.in_memory:
             self._evict(id(group))
+
+    def follow(self, order: Sequence[Any] | None) -> None:
+        """Read ahead along `order` (fetch units, recorded by the stage-3 runner) from now on."""
+        self._order_now = order
 
     def prefetch(self, group: FlatParamGroup, keep: int | None = None) -> None:
         key = id(group)
-        if key in self.resident_bufs or key in self.reading:
+        if key in self.in_memory or key in self.reading:
             return
         self._reclaim(block=False)
         buf = self.pool.acquire()
@@ -237,22 +303,22 @@ class NvmeParams(OnDeviceParams):
         self.dirty.add(id(group))
 
     def flush(self) -> None:
-        """Write every changed shard back and wait; the shards stay resident and clean."""
+        """Write every changed shard back and wait; the shards stay in memory, clean."""
         handles = []
         for key in self.dirty:
-            g, buf = self.resident_bufs[key]
+            g, buf = self.in_memory[key]
             handles.append(self.file.write(buf[:round_up(self.nbytes[key])], self.offsets[key]))
         self.dirty.clear()
         for h in handles:
             h.wait()
         self._reclaim(block=True, every=True)
 
-    # -- residency --------------------------------------------------------------
+    # -- which shards are in memory ----------------------------------------------
     def _fetch(self, group: FlatParamGroup) -> None:
         key = id(group)
-        if key in self.resident_bufs:
-            self.resident_bufs.move_to_end(key)
-            self.counts["resident"] += 1
+        if key in self.in_memory:
+            self.in_memory.move_to_end(key)
+            self.counts["in_memory"] += 1
             return
         self.counts["read_ahead" if key in self.reading else "on_demand"] += 1
         if key not in self.reading:
@@ -264,7 +330,7 @@ class NvmeParams(OnDeviceParams):
             self.pool.release(buf)
             raise
         group.param_shard.set_(self._view(group, buf))
-        self.resident_bufs[key] = (group, buf)
+        self.in_memory[key] = (group, buf)
 
     def _launch_read(self, group: FlatParamGroup, buf: torch.Tensor) -> None:
         key = id(group)
@@ -273,8 +339,7 @@ class NvmeParams(OnDeviceParams):
 
     def _read_ahead(self, group: FlatParamGroup) -> None:
         """Start reading the units that follow `group`'s in the recorded order of this pass."""
-        runner = self.runner
-        order = runner.recorded.get(runner.pass_kind) if runner is not None else None
+        order = self._order_now
         if not order:
             return
         if order is not self._order:
@@ -293,7 +358,7 @@ class NvmeParams(OnDeviceParams):
                 return buf
             if self.writing:
                 self._reclaim(block=True)
-            elif self.resident_bufs:
+            elif self.in_memory:
                 self._evict(self._victim())
             elif self.reading:  # only read-aheads hold buffers: drop the oldest
                 key = next(iter(self.reading))
@@ -306,9 +371,9 @@ class NvmeParams(OnDeviceParams):
 
     def _idle(self, clean: bool, keep: int | None = None) -> int | None:
         """The least recently used shard no all-gather is reading (and unchanged, if `clean`)."""
-        for key in self.resident_bufs:
-            unit = self.units.get(key)
-            if (unit is None or unit.pending is None) and not (clean and key in self.dirty) \
+        for key in self.in_memory:
+            reader = self.readers.get(key)
+            if (reader is None or reader.pending is None) and not (clean and key in self.dirty) \
                     and key != keep:
                 return key
         return None
@@ -318,12 +383,12 @@ class NvmeParams(OnDeviceParams):
         key = self._idle(clean=False)
         if key is not None:
             return key
-        key = next(iter(self.resident_bufs))
-        self.units[key].wait()  # all in use by gathers in flight: finish the oldest
+        key = next(iter(self.in_memory))
+        self.readers[key].wait()  # all in use by gathers in flight: finish the oldest
         return key
 
     def _evict(self, key: int) -> None:
-        g, buf = self.resident_bufs.pop(key)
+        g, buf = self.in_memory.pop(key)
         g.param_shard.set_(_empty_like_shard(g))
         if key in self.dirty:
             self.dirty.discard(key)
@@ -347,11 +412,11 @@ class NvmeParams(OnDeviceParams):
             _, buf, handle = self.reading.pop(key)
             handle.wait()
             self.pool.release(buf)
-        for key in list(self.resident_bufs):
+        for key in list(self.in_memory):
             self._evict(key)
 
     @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
+    def all_in_memory(self) -> Iterator[None]:
         """All shards in their own memory inside the block, written back to the file after."""
         self._drain()
         for g in self.groups:

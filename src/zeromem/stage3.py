@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_map
 
 from .comm import Comm, Pending
 from .flat import FlatParamGroup
-from .offload import OnDeviceParams
+from .param_offload import ParamPlacement, ParamsOnDevice
 from .partition import register_units
 
 
@@ -84,10 +84,10 @@ class UnitState(enum.Enum):
 class FetchUnit:
     """One module's parameters: a flat group that is whole only while in use."""
 
-    param_home = OnDeviceParams()  # where the shard lives between uses; offload_param sets it
-
-    def __init__(self, group: FlatParamGroup, comm: Comm, persistent: bool, stats: "LiveStats"):
+    def __init__(self, group: FlatParamGroup, comm: Comm, persistent: bool, stats: "LiveStats",
+                 placement: ParamPlacement | None = None):
         self.group = group
+        self.placement = placement or ParamsOnDevice()  # where the shard lives between uses
         self.comm = comm
         self.persistent = persistent  # small units stay whole (stage3_param_persistence_threshold)
         self.stats = stats
@@ -103,7 +103,7 @@ class FetchUnit:
         if self.state is not UnitState.SHARDED:
             return
         g = self.group
-        self.param_home.swap_in(g)  # offload_param: the shard comes from host or NVMe first
+        self.placement.fetch(g, self)  # offload_param: the shard comes from host or NVMe first
         self.full = torch.empty(g.padded_numel, dtype=g.param_shard.dtype, device=g.param_shard.device)
         self.stats.add(g.padded_numel)
         self.pending = self.comm.all_gather(self.full, g.param_shard, async_op=True)
@@ -232,8 +232,10 @@ class Stage3Runner:
     """Installs the gather/release hooks on a module tree and runs the prefetch schedule."""
 
     def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, FetchUnit]],
-                 limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None):
+                 limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None,
+                 placement: ParamPlacement | None = None):
         self.units = [u for _, u in module_units]
+        self.placement = placement or ParamsOnDevice()  # told the order of each pass (read-ahead)
         self.unit_of_module: dict[int, list[FetchUnit]] = {}
         for module, unit in module_units:
             self.unit_of_module.setdefault(id(module), []).append(unit)
@@ -287,12 +289,14 @@ class Stage3Runner:
         self.orders[kind] = []
         for unit in self.units:
             unit.grads_missing = len(unit.group.params)
+        self.placement.follow(self.recorded[kind])
 
     def finish_pass(self) -> None:
         """Release every unit still gathered and keep this pass's order for prefetching."""
         kind = self.pass_kind
         if self.orders[kind]:
             self.recorded[kind] = self.orders[kind]
+            self.placement.follow(self.recorded[kind])
         for unit in self.units:
             unit.reshard()
 

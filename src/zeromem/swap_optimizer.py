@@ -8,7 +8,7 @@ per sub-group,
 
 where the master field is on disk only when the master is not the parameter
 shard itself (in fp32 training the engine steps the parameter shard, wherever
-its home is: device memory, or a swap file at stage 3). A pool buffer holds one
+its placement is: device memory, host memory, or a swap file at stage 3). A pool buffer holds one
 field of one sub-group, so `depth = buffer_count // (1 + states)` sub-groups
 are in flight:
 
@@ -122,19 +122,19 @@ def _sgd_update(group: dict, params: list, grads: list, states: dict, step: int)
 
 
 class SwappedState(dict):
-    """`SwappedOptimizer.state`: filled only inside `resident()`; a lookup outside it raises.
+    """`SwappedOptimizer.state`: filled only inside `all_in_memory()`; a lookup outside raises.
 
     Iterating it outside (the memory ledger does) sees nothing: the states are on
     disk. Looking a master up outside raises instead of answering "no state", so a
     checkpoint can never be written without its optimizer states by mistake.
     """
 
-    resident = False
+    in_memory = False
 
     def _check(self) -> None:
-        if not self.resident:
+        if not self.in_memory:
             raise OffloadError("the optimizer states are in NVMe swap files; read or write them "
-                               "inside `with engine.offload.resident():`")
+                               "inside `with engine.offload.all_in_memory():`")
 
     def get(self, key: Any, default: Any = None) -> Any:
         self._check()
@@ -149,12 +149,12 @@ class SwappedOptimizer(torch.optim.Optimizer):
     """Adam, AdamW or SGD whose states (and master shard) live in a swap file.
 
     `param_groups` mirror the optimizer it replaces (LR schedulers work as usual);
-    `state` is empty except inside `resident()`. `step()` runs the sub-group
+    `state` is empty except inside `all_in_memory()`. `step()` runs the sub-group
     pipeline described in the module docstring.
     """
 
     def __init__(self, template: torch.optim.Optimizer, groups: list[FlatParamGroup],
-                 space: SwapSpace, host_grads: dict[int, torch.Tensor], params_home: Any,
+                 space: SwapSpace, host_grads: dict[int, torch.Tensor], params: Any,
                  config: Any, sub_group_size: int, pin: bool):
         super().__init__([dict(g) for g in template.param_groups], template.defaults)
         self.update = _sgd_update if isinstance(template, torch.optim.SGD) else _adam_update
@@ -167,7 +167,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         for sg in self.sub_groups:
             sg.offset, total = total, total + sg.field_bytes * len(self.file_fields)
         self.file = space.file("optimizer.swp", total)
-        self.host_grads, self.params = host_grads, params_home
+        self.host_grads, self.params = host_grads, params
         self.read_ahead, self.write_behind = config.pipeline_read, config.pipeline_write
         self.depth = self._check_depth(config.buffer_count)
         slot_bytes = max((sg.field_bytes for sg in self.sub_groups), default=ALIGN)
@@ -181,12 +181,12 @@ class SwappedOptimizer(torch.optim.Optimizer):
             self._write_masters(groups)
 
     def state_dict(self) -> dict:
-        """torch's state dict; only inside `resident()` (outside, the states are on disk)."""
+        """torch's state dict; only inside `all_in_memory()` (outside, the states are on disk)."""
         self.state._check()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load inside `resident()`; the states reach the swap file when the block ends."""
+        """Load inside `all_in_memory()`; the states reach the swap file when the block ends."""
         self.state._check()
         super().load_state_dict(state_dict)
 
@@ -214,9 +214,9 @@ class SwappedOptimizer(torch.optim.Optimizer):
         return {name: buf[:sg.numel * 4].view(torch.float32) for name, buf in slot.items()}
 
     # -- one sub-group ------------------------------------------------------------
-    def _swap_in(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
+    def _start_reads(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
         """Start reading the sub-group's fields (and, fp32, prefetching its parameter shards)."""
-        handles = self._swap_in_files(sg, slot)
+        handles = self._read_fields_async(sg, slot)
         if not self.master_in_file:
             for p in sg.pieces:
                 self.params.prefetch(p.group)
@@ -240,7 +240,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         for p, m in zip(sg.pieces, masters):
             self.params.store(p.group, p.start, m)
 
-    def _swap_out(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
+    def _start_writes(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
         return [self.file.write(slot[name][:sg.field_bytes], sg.offset + k * sg.field_bytes)
                 for k, name in enumerate(self.file_fields)]
 
@@ -281,7 +281,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 if not free:
                     reclaim(block=True)
                 slot = free.pop()
-                reading[i] = (slot, self._swap_in(sg, slot))
+                reading[i] = (slot, self._start_reads(sg, slot))
                 next_read = i + 1
             slot, handles = reading.pop(i)
             for h in handles:
@@ -290,10 +290,10 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 reclaim(block=False)
                 while next_read < len(subs) and free and next_read - i < self.depth:
                     nxt = free.pop()
-                    reading[next_read] = (nxt, self._swap_in(subs[next_read], nxt))
+                    reading[next_read] = (nxt, self._start_reads(subs[next_read], nxt))
                     next_read += 1
             self._compute(sg, slot)
-            writing.append((slot, self._swap_out(sg, slot)))
+            writing.append((slot, self._start_writes(sg, slot)))
             if not self.write_behind:
                 reclaim(block=True)
         while writing:
@@ -301,10 +301,10 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     # -- whole-state access (checkpoints, full_state_dict) --------------------------
     def _read_fields(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> None:
-        for h in self._swap_in_files(sg, slot):
+        for h in self._read_fields_async(sg, slot):
             h.wait()
 
-    def _swap_in_files(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
+    def _read_fields_async(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
         handles = []
         for k, name in enumerate(self.file_fields):
             buf = slot[name][:sg.field_bytes]
@@ -315,14 +315,14 @@ class SwappedOptimizer(torch.optim.Optimizer):
         return handles
 
     @contextlib.contextmanager
-    def resident(self, groups: list[FlatParamGroup]) -> Iterator[None]:
+    def all_in_memory(self, groups: list[FlatParamGroup]) -> Iterator[None]:
         """Masters and states in memory as torch-style `state[master]` inside the block.
 
         On exit the (possibly replaced) tensors are written back to the file and the
         step counters taken from `state[master]["step"]`.
         """
         slot = self.slots[0]
-        self.state.resident = True
+        self.state.in_memory = True
         if self.master_in_file:
             for g in groups:
                 g.master.set_(torch.zeros(g.shard_numel))
@@ -340,9 +340,9 @@ class SwappedOptimizer(torch.optim.Optimizer):
         try:
             yield
         finally:
-            self._write_resident(groups, slot)
+            self._write_in_memory(groups, slot)
 
-    def _write_resident(self, groups: list[FlatParamGroup], slot: dict[str, torch.Tensor]) -> None:
+    def _write_in_memory(self, groups: list[FlatParamGroup], slot: dict[str, torch.Tensor]) -> None:
         for g in groups:
             self.steps[g.param_group_index] = int(self.state[g.master]["step"])
         for sg in self.sub_groups:
@@ -351,7 +351,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 for name in self.file_fields:
                     whole = p.group.master if name == "master" else self.state[p.group.master][name]
                     views[name][p.at:p.at + p.numel].copy_(whole[p.start:p.start + p.numel])
-            for h in self._swap_out(sg, slot):
+            for h in self._start_writes(sg, slot):
                 h.wait()
         self.state = SwappedState()  # load_state_dict may have replaced the dict
         if self.master_in_file:
