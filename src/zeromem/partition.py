@@ -5,7 +5,8 @@ open, each submodule is partitioned as soon as it is attached to its parent, i.e
 right after its own constructor (and weight initialisation) finished. Each rank
 keeps 1/N_d of every parameter, so building a model needs about one submodule's
 full parameters plus 1/N_d of the model. Values are those of an ordinary build
-under the same seed: partitioning happens after initialisation. No constructor
+on rank 0: partitioning happens after initialisation, and rank 0's values are
+broadcast (as DDP and DeepSpeed do), so ranks need not be seeded alike. No constructor
 is patched: torch's global module-registration hooks tell us when a child is
 attached, and parameter-registration hooks list the parameters built inside.
 
@@ -196,7 +197,7 @@ class Init:
         if not self.enabled:
             return
         self.mode.__exit__(None, None, None)
-        self.mode.views = _WeakById()
+        self.mode.forget_views()
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -260,6 +261,11 @@ class _WholeWhileTouched(TorchFunctionMode):
         finally:
             for p, _ in touched:
                 _reshard(p, comm, src_rank=0)  # rank 0's writes, as its plain build would hold
+
+    def forget_views(self) -> None:
+        """Init is closed: later writes through old views are ordinary writes."""
+        self.views = _WeakById()
+        self.buffers = _WeakById()
 
     def _touched(self, leaves: list) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, buffer to gather it into) for each partitioned parameter an op reaches."""
