@@ -8,7 +8,8 @@ from harness import run_distributed
 from models import micro_batch
 from test_parity import build, config
 from test_stage3 import Deep
-from zeromem.partition import partitioned_bytes
+from zeromem.comm import Comm
+from zeromem.partition import materialize, partitioned_bytes
 
 
 def init_memory_and_values(rank, world_size):
@@ -85,3 +86,43 @@ def gpt_under_init(rank, world_size):
 
 def test_init_sees_whole_parameters_in_a_parents_apply_init():
     assert all(run_distributed(gpt_under_init, 2))
+
+
+class WritesThroughViews(torch.nn.Module):
+    """Re-initialises attached children through views, as HF BERT and T5 do."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 6)
+        self.proj = torch.nn.Linear(6, 6)
+        self.scale = torch.nn.Parameter(torch.randn(6))   # the outermost module's own
+        self.register_buffer("noise", torch.randn(5))      # never partitioned
+        with torch.no_grad():
+            self.proj.weight.data[:, 1].normal_()         # .data, then a view of it
+            row = self.embed.weight[3]                    # a view that outlives a whole write:
+            torch.nn.init.ones_(self.embed.weight)
+            row.mul_(2.0)                                 # row 3 becomes 2, the rest 1
+            torch.nn.init.zeros_(self.embed.weight[0])    # BERT: init.zeros_(weight[padding_idx])
+
+
+def init_vs_plain(seed_of_rank: int) -> tuple[float, float]:
+    """Max difference from the plain build (seed 0), and the error in embed row 0."""
+    torch.manual_seed(0)
+    plain = WritesThroughViews()
+    torch.manual_seed(seed_of_rank)
+    with zeromem.Init():
+        model = WritesThroughViews()
+    materialize(model.parameters(), Comm(None))
+    reference = plain.state_dict()
+    diff = {k: float((v - reference[k]).abs().max()) for k, v in model.state_dict().items()}
+    return max(diff.values()), float(model.embed.weight.detach()[0].abs().max()), diff
+
+
+def views_and_seeds(rank, world_size):
+    return init_vs_plain(0), init_vs_plain(rank)
+
+
+def test_init_keeps_writes_through_views_and_takes_rank0_values():
+    for same_seed, own_seed in run_distributed(views_and_seeds, 2):
+        assert same_seed[:2] == (0.0, 0.0), same_seed  # writes through views are not lost
+        assert own_seed[:2] == (0.0, 0.0), own_seed    # rank 0's parameters and buffers win

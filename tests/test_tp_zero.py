@@ -18,7 +18,11 @@ def batches(step: int, dp_rank: int):
     return tokens, torch.randint(0, 256, (4, 16), generator=g)
 
 
-def tp_zero_vs_dense(rank, world_size, stage, cpu):
+CLIP = 0.5  # below the gradient norm (about 0.77 at the start): every step clips
+SHARDED = ("up.weight", "up.bias", "down.weight")  # split across mp ranks; the rest is replicated
+
+
+def tp_zero_vs_dense(rank, world_size, stage, cpu, explicit_mp_group):
     dp_group, mp_group = make_2d_groups(2, 2)
     dp_rank = dist.get_rank(dp_group)
     torch.manual_seed(0)
@@ -31,10 +35,12 @@ def tp_zero_vs_dense(rank, world_size, stage, cpu):
                                     cpu_checkpointing=cpu)
     engine = zeromem.initialize(model, {
         "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}},
-        dp_group=dp_group)
-    diffs, held = [], []
+        # else: the activation-checkpointing mp group configured above
+        dp_group=dp_group, **({"mp_group": mp_group} if explicit_mp_group else {}))
+    diffs, held, norms = [], [], []
     for step in range(3):
         loss = engine(*batches(step, dp_rank))
         held.append(engine.activation_checkpointing.held_bytes())
@@ -43,16 +49,27 @@ def tp_zero_vs_dense(rank, world_size, stage, cpu):
         opt.zero_grad()
         ref_losses = [dense(*batches(step, d)) for d in range(2)]
         (sum(ref_losses) / 2).backward()
+        true_norm = float(torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP))
         opt.step()
         diffs.append(abs(loss.item() - ref_losses[dp_rank].item()))
+        norms.append((engine.get_global_grad_norm(), true_norm))
     zeromem.checkpointing.configure()
-    return diffs, held
+    full = engine.full_state_dict()  # on dp rank 0 of each mp rank: global ranks 0 and 1
+    # plain lists: tensors sent back through the queue would share memory with a dead rank
+    replicated = {k: v.tolist() for k, v in full.items() if not k.endswith(SHARDED)}
+    return diffs, held, norms, replicated
 
 
-@pytest.mark.parametrize("stage, cpu", [(2, False), (3, True)])
-def test_tp_with_zero_and_pa_matches_dense(stage, cpu):
+@pytest.mark.parametrize("stage, cpu, explicit_mp_group", [(2, False, True), (3, True, False)])
+def test_tp_with_zero_and_pa_matches_dense(stage, cpu, explicit_mp_group):
     # the seed's estimator at this small scale: one fp32 (B=4, T=16, C=32) input per block
     per_block = estimate_checkpoint_bytes(seq=16, hidden=32, batch=4, bytes_per_element=4, mp_size=2)
-    for diffs, held in run_distributed(tp_zero_vs_dense, 4, stage, cpu):
+    results = run_distributed(tp_zero_vs_dense, 4, stage, cpu, explicit_mp_group)
+    for diffs, held, norms, _ in results:
+        # clipping uses the dense model's norm on every rank (mp group spanned, replicated once)
+        assert all(abs(norm - true) < 1e-5 * true for norm, true in norms), norms
         assert max(diffs) < 1e-5, diffs
         assert held[0] == 2 * per_block == 4 * 16 * 32 * 4  # two blocks, each halved by Pa
+    mp0, mp1 = results[0][3], results[1][3]  # the two model-parallel ranks of dp rank 0
+    assert mp0.keys() == mp1.keys() and "embed.weight" in mp0
+    assert all(mp0[k] == mp1[k] for k in mp0), "replicated parameters drifted apart"

@@ -35,7 +35,8 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
                optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
                lr_scheduler: Any = None,
                dp_group: dist.ProcessGroup | None = None,
-               fetch_units: tuple[type, ...] = ()) -> Engine:
+               fetch_units: tuple[type, ...] = (),
+               mp_group: dist.ProcessGroup | None = None) -> Engine:
     """Wrap `model` for ZeRO training as `config` (DeepSpeed's JSON format) says.
 
     Creates the default process group from torchrun's environment when none
@@ -44,12 +45,15 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     master shards; by default the config's `optimizer` block is used.
     `fetch_units` (stage 3): module classes whose instances are gathered as one
     unit (e.g. a transformer block); by default each module owning parameters is one.
+    `mp_group`: the tensor (model) parallel group, so gradient clipping uses the
+    whole model's norm; by default the activation-checkpointing `mp_group`.
     """
     ensure_process_group(Config.load(config).zeromem.timeout_s)
     comm = Comm(dp_group, default_store())
     cfg = Config.load(config, world_size=comm.world_size)
     check_knobs(cfg)
     check_ranks_agree(cfg, model, comm)  # before any collective that a mismatch would hang
-    engine = Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler, tuple(fetch_units))
+    engine = Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler, tuple(fetch_units),
+                    mp_group)
     LIFECYCLE.register(engine)  # closed at exit / SIGTERM unless closed before
     return engine

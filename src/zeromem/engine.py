@@ -38,6 +38,7 @@ from .partition import materialize, materialize_meta
 from .precision import make_scaler
 from .schedulers import build_scheduler
 from .stage3 import FetchUnit, LiveStats, Stage3Limits, Stage3Runner, fetch_unit_modules
+from .tensor_parallel import ModelParallelNorm
 from .timers import PhaseTimers
 from .training_state import RngState, StepCounters, TrainingState
 
@@ -72,7 +73,8 @@ class Engine:
     def __init__(self, module: nn.Module, config: Config, comm: Comm,
                  model_parameters: Iterable | None = None,
                  optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
-                 lr_scheduler: Any = None, fetch_units: tuple[type, ...] = ()):
+                 lr_scheduler: Any = None, fetch_units: tuple[type, ...] = (),
+                 mp_group: Any = None):
         self.config = config
         self.comm = comm
         self.dp_world_size = comm.world_size
@@ -107,6 +109,10 @@ class Engine:
         self.stage3 = self._build_stage3() if sharding.params else None
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        # tensor parallelism: the clipping norm spans the model-parallel group too
+        if mp_group is None:  # DeepSpeed's way: the group given to checkpointing.configure
+            mp_group = self.activation_checkpointing.config.mp_group
+        self.mp_norm = ModelParallelNorm(module, mp_group)
 
     def _make_scheduler(self, lr_scheduler: Any):
         """A factory `optimizer -> scheduler`, a ready scheduler, or the config's `scheduler`."""
@@ -244,10 +250,10 @@ class Engine:
         """L2 norm of the averaged, unscaled gradient of the whole model (padding holds zeros)."""
         if not self.groups:
             return 0.0
-        sq = torch.stack([torch.linalg.vector_norm(g.grads.reduced(), dtype=torch.float32) ** 2
-                          for g in self.groups]).sum()
+        sq = torch.stack([self.mp_norm.square(g) for g in self.groups]).sum()
         if self.groups[0].shard_world > 1:
             self.comm.all_reduce(sq, kind="all_reduce_norm")
+        self.mp_norm.all_reduce(sq)
         return float(sq.sqrt()) / self.scaler.scale
 
     def _unscale_into_masters(self, norm: float) -> None:

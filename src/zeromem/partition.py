@@ -5,7 +5,8 @@ open, each submodule is partitioned as soon as it is attached to its parent, i.e
 right after its own constructor (and weight initialisation) finished. Each rank
 keeps 1/N_d of every parameter, so building a model needs about one submodule's
 full parameters plus 1/N_d of the model. Values are those of an ordinary build
-under the same seed: partitioning happens after initialisation. No constructor
+on rank 0: partitioning happens after initialisation, and rank 0's values are
+broadcast (as DDP and DeepSpeed do), so ranks need not be seeded alike. No constructor
 is patched: torch's global module-registration hooks tell us when a child is
 attached, and parameter-registration hooks list the parameters built inside.
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from .comm import Comm
 from .distributed import ensure_process_group
@@ -58,6 +60,9 @@ class _WeakById:
     def __delitem__(self, key: torch.Tensor) -> None:
         del self.items[id(key)]
 
+    def get(self, key: torch.Tensor, default=None):
+        return self[key] if key in self else default
+
 
 _SHARDS = _WeakById()  # parameter -> ParamShard, for parameters built under Init
 _UNITS = _WeakById()   # parameter -> stage3.FetchUnit of a live engine
@@ -71,31 +76,40 @@ def register_units(units: Iterable) -> None:
 
 
 def _partition(p: nn.Parameter, comm: Comm) -> None:
+    """Keep this rank's part of rank 0's `p` (ranks need not be seeded alike, as in DDP)."""
     if p in _SHARDS or p.numel() == 0:
         return
     n = comm.world_size
     size = max(1, math.ceil(p.numel() / n))
     flat = torch.zeros(size * n, dtype=p.dtype, device=p.device)
     flat[:p.numel()].copy_(p.detach().reshape(-1))
+    comm.broadcast(flat, 0)
     _SHARDS[p] = ParamShard(flat[comm.rank * size:(comm.rank + 1) * size].clone(), p.shape,
                             p.numel())
     p.data = p.data.new_empty(0)
 
 
-def _gather_whole(p: nn.Parameter, comm: Comm) -> torch.Tensor:
+def _gather_whole(p: nn.Parameter, comm: Comm, flat: torch.Tensor | None = None) -> torch.Tensor:
+    """`p`'s whole value, all-gathered into `flat` (padded, N shards long) or a new buffer."""
     entry = _SHARDS[p]
-    whole = torch.empty(entry.shard.numel() * comm.world_size, dtype=entry.shard.dtype,
-                        device=entry.shard.device)
-    comm.all_gather(whole, entry.shard)
-    return whole[:entry.numel].view(entry.shape).to(p.dtype)
+    if flat is None:
+        flat = torch.empty(entry.shard.numel() * comm.world_size, dtype=entry.shard.dtype,
+                           device=entry.shard.device)
+    comm.all_gather(flat, entry.shard)
+    return flat[:entry.numel].view(entry.shape).to(p.dtype)
 
 
-def _reshard(p: nn.Parameter, comm: Comm) -> None:
-    """Copy this rank's part of whole `p` back into its shard; `p` becomes empty again."""
+def _reshard(p: nn.Parameter, comm: Comm, src_rank: int | None = None) -> None:
+    """Copy this rank's part of whole `p` (rank `src_rank`'s, if given) back into its shard.
+
+    `p` becomes empty again.
+    """
     entry = _SHARDS[p]
     size = entry.shard.numel()
     flat = torch.zeros(size * comm.world_size, dtype=p.dtype, device=p.device)
     flat[:entry.numel].copy_(p.detach().reshape(-1))
+    if src_rank is not None:
+        comm.broadcast(flat, src_rank)
     entry.shard.copy_(flat[comm.rank * size:(comm.rank + 1) * size])
     p.data = p.data.new_empty(0)
 
@@ -137,6 +151,9 @@ class Init:
             model = GPT(cfg)          # each rank holds 1/N_d of every parameter
         engine = zeromem.initialize(model, ds_config)
 
+    As DDP and DeepSpeed do, rank 0's values win: each parameter is broadcast from
+    rank 0 as it is partitioned (and after any later in-place write), and buffers
+    on exit, so ranks seeded differently build the same model.
     `config` is accepted for DeepSpeed compatibility (stage 3 is implied).
     """
 
@@ -145,6 +162,7 @@ class Init:
         self.comm = Comm(dp_group)
         self.enabled = enabled
         self.built: list[weakref.ref] = []
+        self.buffers: list[weakref.ref] = []
         self.handles = []
         self.mode = _WholeWhileTouched(self)
         self.busy = False  # partitioning now: the mode must let our own tensor ops through
@@ -153,7 +171,8 @@ class Init:
         if self.enabled:
             self.handles = [
                 module_hooks.register_module_module_registration_hook(self._on_child),
-                module_hooks.register_module_parameter_registration_hook(self._on_param)]
+                module_hooks.register_module_parameter_registration_hook(self._on_param),
+                module_hooks.register_module_buffer_registration_hook(self._on_buffer)]
             self.mode.__enter__()
         return self
 
@@ -170,10 +189,15 @@ class Init:
         if param is not None:
             self.built.append(weakref.ref(param))
 
+    def _on_buffer(self, module: nn.Module, name: str, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            self.buffers.append(weakref.ref(buffer))
+
     def __exit__(self, *exc) -> None:
         if not self.enabled:
             return
         self.mode.__exit__(None, None, None)
+        self.mode.forget_views()
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -182,36 +206,96 @@ class Init:
             p = ref()
             if p is not None:
                 _partition(p, self.comm)
+        # buffers are never partitioned, so their final values are broadcast once, here
+        alive = {id(b): b for b in (ref() for ref in self.buffers) if b is not None}
+        for b in alive.values():
+            _broadcast_in_place(b, self.comm)
+
+
+def _broadcast_in_place(tensor: torch.Tensor, comm: Comm) -> None:
+    """Overwrite `tensor` with rank 0's (gloo has no bool; collectives need contiguity)."""
+    if tensor.is_meta or tensor.numel() == 0 or comm.world_size == 1:
+        return
+    value = tensor.detach()
+    staged = value.to(torch.uint8) if value.dtype == torch.bool else value.contiguous()
+    comm.broadcast(staged, 0)
+    if staged is not value:
+        value.copy_(staged)
 
 
 class _WholeWhileTouched(TorchFunctionMode):
     """Under `Init`: an op on an already-partitioned parameter sees it whole.
 
     A parent's constructor may re-initialise its children after attaching them
-    (`self.apply(init_weights)`, as GPT-style models do). Such an op gathers the
-    parameter, runs, and in-place results go back into this rank's shard; every
-    rank runs the same constructor, so the gathers match and the RNG draws are
-    those of an ordinary build.
+    (`self.apply(init_weights)`, as GPT-style and HF models do). Such an op gathers
+    the parameter, runs, and rank 0's in-place results go back into each rank's shard.
+
+    Writes may also go through a view: HF BERT runs `init.zeros_(weight[padding_idx])`,
+    and T5-style code `weight.data.normal_()`. The view made by the first op aliases
+    the gathered buffer, not the (now empty) parameter, so we remember which
+    parameter and buffer each such view belongs to. An op on a view re-gathers the
+    current shards into that same buffer, runs, and reshards the parameter from it.
+    All live views of one parameter share one buffer, so they stay consistent.
     """
 
     def __init__(self, init: Init):
         super().__init__()
         self.init = init
+        self.views = _WeakById()    # view -> (its parameter, the padded buffer it aliases)
+        self.buffers = _WeakById()  # parameter -> weakref to the buffer its live views alias
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        touched = [a for a in (*args, *kwargs.values())
-                   if isinstance(a, nn.Parameter) and a in _SHARDS]
-        if self.init.busy or not touched:
+        if self.init.busy:
+            return func(*args, **kwargs)
+        touched = self._touched(tree_leaves((args, kwargs)))
+        if not touched:
             return func(*args, **kwargs)
         comm = self.init.comm
-        for p in touched:
-            p.data = _gather_whole(p, comm)
+        for p, flat in touched:
+            p.data = _gather_whole(p, comm, flat)
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            self._remember_views(tree_leaves(out), touched)
+            return out
         finally:
-            for p in touched:
-                _reshard(p, comm)
+            for p, _ in touched:
+                _reshard(p, comm, src_rank=0)  # rank 0's writes, as its plain build would hold
+
+    def forget_views(self) -> None:
+        """Init is closed: later writes through old views are ordinary writes."""
+        self.views = _WeakById()
+        self.buffers = _WeakById()
+
+    def _touched(self, leaves: list) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, buffer to gather it into) for each partitioned parameter an op reaches."""
+        params = {}
+        for a in leaves:
+            if isinstance(a, nn.Parameter) and a in _SHARDS:
+                params[id(a)] = a
+            elif isinstance(a, torch.Tensor) and a in self.views:
+                p = self.views[a][0]
+                params[id(p)] = p
+        return [(p, self._buffer_for(p)) for p in params.values()]
+
+    def _buffer_for(self, p: nn.Parameter) -> torch.Tensor:
+        """The buffer `p`'s live views alias, else a new one (padded: N shards long)."""
+        ref = self.buffers.get(p)
+        flat = ref() if ref is not None else None
+        if flat is None:
+            shard = _SHARDS[p].shard
+            flat = shard.new_empty(shard.numel() * self.init.comm.world_size)
+        return flat
+
+    def _remember_views(self, leaves: list, touched: list) -> None:
+        by_storage = {flat.untyped_storage().data_ptr(): (p, flat) for p, flat in touched}
+        for t in leaves:
+            if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter) or t.is_meta:
+                continue
+            owner = by_storage.get(t.untyped_storage().data_ptr())
+            if owner is not None:
+                self.views[t] = owner  # holds the buffer exactly as long as the view lives
+                self.buffers[owner[0]] = weakref.ref(owner[1])
 
 
 class GatheredParameters:

@@ -159,6 +159,10 @@ class ColumnParallelLinear(nn.Module):
         return cls(linear.in_features, linear.out_features, group, gather_output,
                    bias=linear.bias is not None, dense=linear)
 
+    def sharded_parameters(self) -> list[nn.Parameter]:
+        """Parameters split across the model-parallel group: the weight and the bias."""
+        return [p for p in (self.weight, self.bias) if p is not None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_model_parallel(x, self.comm), self.weight, self.bias)
         return gather_from_model_parallel(y, self.comm) if self.gather_output else y
@@ -192,11 +196,57 @@ class RowParallelLinear(nn.Module):
         return cls(linear.in_features, linear.out_features, group, input_is_parallel,
                    bias=linear.bias is not None, dense=linear)
 
+    def sharded_parameters(self) -> list[nn.Parameter]:
+        """Parameters split across the model-parallel group: the weight (the bias is whole)."""
+        return [self.weight]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_model_parallel(x, self.comm)
         y = reduce_from_model_parallel(F.linear(x, self.weight), self.comm)
         return y if self.bias is None else y + self.bias
+
+
+class ModelParallelNorm:
+    """The squared gradient norm of the whole model, when its layers are split over `group`.
+
+    Data-parallel reduction gives each model-parallel rank the squared norm of its
+    own parameters; the model's norm also spans the model-parallel group. Sharded
+    parameters (those a layer lists in `sharded_parameters()`) are disjoint slices,
+    so their squares add up across the group. Replicated parameters (embeddings,
+    layer norms, a row-parallel bias) carry the same gradient on every model-parallel
+    rank, so each rank counts 1/N_mp of theirs: summed over the group, once. Every
+    model-parallel rank then clips with the same coefficient, and replicated
+    parameters stay identical.
+    """
+
+    def __init__(self, module: nn.Module, group: Any) -> None:
+        self.comm = model_parallel_comm(group)
+        sharded = {id(p) for m in module.modules() if hasattr(m, "sharded_parameters")
+                   for p in m.sharded_parameters()}
+        self.replicated = {id(p) for p in module.parameters() if id(p) not in sharded}
+
+    def square(self, group) -> torch.Tensor:
+        """This rank's share of the squared norm of a flat group's reduced gradient."""
+        grad = group.grads.reduced()  # this rank's shard (the whole buffer at stage 0)
+        sq = torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+        if self.comm is None:
+            return sq
+        repeated = []
+        for p, slot in zip(group.params, group.slots):
+            start, _, length = group.owned_slice(slot)
+            if length and id(p) in self.replicated:
+                repeated.append(grad[start:start + length])
+        if not repeated:
+            return sq
+        rep_sq = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32) ** 2
+                              for x in repeated]).sum()
+        return (sq - rep_sq) + rep_sq / self.comm.world_size
+
+    def all_reduce(self, sq: torch.Tensor) -> None:
+        """Sum the squared norm over the model-parallel group (in place)."""
+        if self.comm is not None:
+            self.comm.all_reduce(sq, kind="all_reduce_norm")
 
 
 def make_2d_groups(dp_size: int, mp_size: int) -> tuple[Any, Any]:
