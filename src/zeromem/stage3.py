@@ -289,7 +289,7 @@ class Stage3Runner:
         self.orders[kind] = []
         for unit in self.units:
             unit.grads_missing = len(unit.group.params)
-        self.placement.follow(self.recorded[kind])
+        self.placement.follow(self.recorded.get(kind))
 
     def finish_pass(self) -> None:
         """Release every unit still gathered and keep this pass's order for prefetching."""
