@@ -17,7 +17,9 @@ are sharded (ZeRO paper, section 5):
     3      shard    shard, reduce-scattered every micro   shard
 
 That choice is data (`Sharding`) and the gradient buffer is an object chosen once
-(`grads.py`); nothing here branches on a stage number.
+(`grads.py`); nothing here branches on a stage number. The arithmetic of padding
+and shard ranges is layout.py's. The group is the one owner of its buffers and of
+its `GroupState`: other modules change them only through its named transitions.
 """
 from __future__ import annotations
 

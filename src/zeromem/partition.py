@@ -104,12 +104,12 @@ def _reshard(p: nn.Parameter, comm: Comm, src_rank: int | None = None) -> None:
     `p` becomes empty again.
     """
     entry = _SHARDS[p]
-    size = entry.shard.numel()
-    flat = torch.zeros(size * comm.world_size, dtype=p.dtype, device=p.device)
+    layout = ShardLayout(entry.numel, comm.world_size, comm.rank)
+    flat = torch.zeros(layout.padded_numel, dtype=p.dtype, device=p.device)
     flat[:entry.numel].copy_(p.detach().reshape(-1))
     if src_rank is not None:
         comm.broadcast(flat, src_rank)
-    entry.shard.copy_(flat[comm.rank * size:(comm.rank + 1) * size])
+    entry.shard.copy_(flat[layout.shard_offset:layout.shard_offset + layout.shard_numel])
     p.data = p.data.new_empty(0)
 
 
