@@ -168,13 +168,27 @@ def gpt_stage3_like_stage2(rank, world_size):
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10000,
                                   "stage3_prefetch_bucket_size": 20000}}, fetch_units=(Block,))
+        # Gradient readiness is counted once, by the reducer: one hook per parameter, so
+        # no hook order can release a unit before its gradient is accumulated (issue 11).
+        hooks = {len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()}
+        assert hooks == {1}, f"post-accumulate-grad hooks per parameter: {hooks}"
         g = torch.Generator().manual_seed(rank)
         for _ in range(4):
             tokens = torch.randint(0, 256, (4, 33), generator=g)
             engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
             engine.step()
+            _assert_state_matches_memory(engine)
         out[stage] = engine.full_state_dict()
     return max((out[2][k] - out[3][k]).abs().max().item() for k in out[2]) if out[2] else 0.0
+
+
+def _assert_state_matches_memory(engine) -> None:
+    """Between steps a group's parameters hold what its state says (flat.GroupState)."""
+    from zeromem.flat import GroupState
+    for g in engine.groups:
+        whole = g.state in (GroupState.WHOLE, GroupState.GATHERED)
+        assert whole == all(p.numel() == s.numel for p, s in zip(g.params, g.slots)), g.state
+        assert (g.full is not None) == (g.state is GroupState.GATHERED), g.state
 
 
 def test_gpt_with_block_units_trains_like_stage_2():

@@ -89,13 +89,12 @@ def group_pieces(group, rank: int) -> list[tuple[Any, int, int, int]]:
     """
     if group.shard_world == 1 and rank != 0:
         return []
-    lo = rank * group.shard_numel if group.shard_world > 1 else 0
-    hi = lo + group.shard_numel
+    layout = group.layout.for_rank(rank if group.shard_world > 1 else 0)
     out = []
     for slot in group.slots:
-        a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-        if b > a:
-            out.append((slot, a - lo, a - slot.offset, b - a))
+        start, at, n = layout.owned_slice(slot.offset, slot.numel)
+        if n:
+            out.append((slot, start, at, n))
     return out
 
 # ---------------------------------------------------------------- collectives (through Comm)

@@ -29,6 +29,7 @@ from .comm import Comm
 from .config import Config
 from .distributed import default_store, gather_timeout_s
 from .flat import FlatParamGroup, Sharding
+from .layout import pack_buckets
 from .grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
 from .memory import Ledger, MemoryReport, model_state_formula
 from .module_state import LoadIntoMasters, broadcast_from_rank0
@@ -47,16 +48,8 @@ log = logging.getLogger("zeromem")
 
 def _bucket_params(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
     """Split `params` (already in expected gradient order) into buckets of <= bucket_numel."""
-    buckets, current, size = [], [], 0
-    for p in params:
-        if current and size + p.numel() > bucket_numel:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel()
-    if current:
-        buckets.append(current)
-    return buckets
+    return [[params[i] for i in bucket] for bucket in pack_buckets((p.numel() for p in params),
+                                                                   bucket_numel)]
 
 
 class Engine:
@@ -141,12 +134,12 @@ class Engine:
                                device=self.device)
             offset = 0
             for g in groups:
-                g.grads = ShardAccumulated(g, flat[offset:offset + g.shard_numel])
+                g.attach_grads(ShardAccumulated(g, flat[offset:offset + g.shard_numel]))
                 offset += g.shard_numel
         else:
             kind = WholeScattered if sharding.optimizer else WholeAllReduced
             for g in groups:
-                g.grads = kind(g, grad_dtype)
+                g.attach_grads(kind(g, grad_dtype))
         return groups
 
     def _partition(self, param_groups: list[dict], sharding: Sharding,
@@ -185,7 +178,7 @@ class Engine:
                               zero.stage3_max_reuse_distance,
                               gather_timeout_s(self.config.zeromem.gather_timeout_s))
         return Stage3Runner(self.module, module_units, limits, self.live_params, self.comm,
-                            default_store(), self.offload.params)
+                            default_store(), self.offload.params, self.reducer)
 
     # -- training loop -------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .layout import pack_buckets, padded_numel
 from .memory import model_state_formula
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
@@ -331,20 +332,10 @@ class ZeroLayout:
     offload_param: str = "none"
 
 
-def padded_numel(numel: int, n_d: int) -> int:
-    """A flat group's length: `numel` rounded up to a multiple of N_d (at least N_d)."""
-    return max(1, -(-numel // n_d)) * n_d
-
-
 def reduce_buckets(param_numels: tuple[int, ...], bucket_numel: int) -> list[int]:
     """Bucket sizes as the engine packs them: reverse registration order, <= bucket_numel each."""
-    buckets, size = [], 0
-    for numel in reversed(param_numels):
-        if size and size + numel > bucket_numel:
-            buckets.append(size)
-            size = 0
-        size += numel
-    return buckets + ([size] if size else [])
+    numels = list(reversed(param_numels))
+    return [sum(numels[i] for i in bucket) for bucket in pack_buckets(numels, bucket_numel)]
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,13 @@ are sharded (ZeRO paper, section 5):
     3      shard    shard, reduce-scattered every micro   shard
 
 That choice is data (`Sharding`) and the gradient buffer is an object chosen once
-(`grads.py`); nothing here branches on a stage number.
+(`grads.py`); nothing here branches on a stage number. The arithmetic of padding
+and shard ranges is layout.py's. The group is the one owner of its buffers and of
+its `GroupState`: other modules change them only through its named transitions.
 """
 from __future__ import annotations
 
-import math
+import enum
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from .comm import Comm, Pending
+from .layout import ShardLayout, padded_numel, slices_of
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,30 @@ class ParamSlot:
     shape: torch.Size
 
 
+class GroupState(enum.Enum):
+    """What a group's parameters hold now; assigned in this file only (FSDP2's TrainingState).
+
+    WHOLE: stages 0-2, the parameters are views into the whole `flat_param`, always.
+    Stage 3: SHARDED (parameters empty, only the shard held) --begin_gather-->
+    GATHERING (a whole buffer being all-gathered) --finish_gather--> GATHERED
+    (parameters are views into it) --reshard--> SHARDED.
+    """
+
+    WHOLE = "whole"
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
 class FlatParamGroup:
     """Parameters of one optimizer param group flattened into one padded buffer.
 
-    Owns: `flat_param` (compute dtype, whole; None at stage 3), `param_shard`, the master shard (fp32; an alias of
-    the parameter shard when the compute dtype is already fp32), and a gradient
-    buffer object that decides how gradients are held and reduced.
+    Owns: `flat_param` (compute dtype, whole; None at stage 3), `param_shard`, the
+    master shard (fp32; an alias of the parameter shard when the compute dtype is
+    already fp32), a gradient buffer object that decides how gradients are held and
+    reduced, and (stage 3) the gathered whole buffer. Other modules read these
+    through properties and change them only through the named transitions below,
+    each of which asserts the states it allows.
 
     `params` arrive in the user's dtype and are cast to `dtype` (the compute dtype)
     here, so that the master shard keeps the user's own fp32 values rather than
@@ -71,40 +92,139 @@ class FlatParamGroup:
         self.params = params
         self.comm = comm
         self.param_group_index = param_group_index
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for p, name in zip(params, names):
-            self.slots.append(ParamSlot(name, offset, p.numel(), p.shape))
-            offset += p.numel()
-        self.numel = offset
+        self.slots = [ParamSlot(name, offset, numel, p.shape) for p, name, (offset, numel)
+                      in zip(params, names, slices_of(p.numel() for p in params))]
+        self.numel = sum(slot.numel for slot in self.slots)
         world = comm.world_size
-        self.padded_numel = max(1, math.ceil(offset / world)) * world
-        # The optimizer's partition: one shard per rank, or the whole buffer at stage 0.
-        self.shard_world = world if sharding.optimizer else 1
-        self.shard_numel = self.padded_numel // self.shard_world
-        self.shard_offset = comm.rank * self.shard_numel if sharding.optimizer else 0
+        # The optimizer's partition: one shard per rank, or (stage 0) the whole buffer,
+        # still padded to a multiple of N_d so every stage has the same buffer length.
+        self.layout = ShardLayout(self.numel, world, comm.rank) if sharding.optimizer \
+            else ShardLayout(padded_numel(self.numel, world), 1, 0)
 
         p0 = params[0]
         dtype = dtype or p0.dtype
         # Read before the parameters are rounded to the compute dtype (issue 10, item 7).
         master = self._own_fp32_values(params) if dtype != torch.float32 else None
-        self.flat_param = torch.zeros(self.padded_numel, dtype=dtype, device=p0.device)
-        for p, slot in zip(params, self.slots):
-            view = self.flat_param[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            view.copy_(p.detach())
-            p.data = view  # the module now computes with views into the flat buffer
-        self.param_shard = self.flat_param[self.shard_offset:self.shard_offset + self.shard_numel]
+        self._flat_param: torch.Tensor | None = torch.zeros(self.padded_numel, dtype=dtype,
+                                                            device=p0.device)
+        self._view_params(self._flat_param, copy_values=True)
+        self._param_shard = self._flat_param[self.shard_offset:self.shard_offset + self.shard_numel]
+        self._full: torch.Tensor | None = None  # stage 3: the whole buffer while gathered
+        self._state = GroupState.WHOLE
         if sharding.params:
-            # Stage 3: only the shard persists; stage3.FetchUnit gathers the whole on demand.
+            # Stage 3: only the shard persists; `begin_gather` brings the whole on demand.
             # The parameters let go of the whole buffer now, so that memory matches the
-            # units' SHARDED state from `initialize` on (issue 10, item 3).
-            self.param_shard = self.param_shard.clone()
-            self.flat_param = None
-            empty = self.param_shard.new_empty(0)
-            for p in params:
-                p.data = empty
-        self.master = self.param_shard if master is None else master  # fp32: no second copy
-        self.grads = None  # set by grads.attach(); see grads.py
+            # SHARDED state from `initialize` on (issue 10, item 3).
+            self._param_shard = self._param_shard.clone()
+            self._flat_param = None
+            self._empty_params()
+            self._state = GroupState.SHARDED
+        self._master = self._param_shard if master is None else master  # fp32: no second copy
+        self._grads = None  # set by `attach_grads` (engine.py, offload.py); see grads.py
+
+    # -- read-only views of the owned state ---------------------------------
+    @property
+    def state(self) -> GroupState:
+        return self._state
+
+    @property
+    def flat_param(self) -> torch.Tensor | None:
+        return self._flat_param
+
+    @property
+    def param_shard(self) -> torch.Tensor:
+        return self._param_shard
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self._master
+
+    @property
+    def grads(self):
+        return self._grads
+
+    @property
+    def full(self) -> torch.Tensor | None:
+        """Stage 3: the whole buffer while GATHERING or GATHERED; None otherwise."""
+        return self._full
+
+    def _assert_in_states(self, *states: GroupState) -> None:
+        if self._state not in states:
+            raise AssertionError(f"flat group of {self.slots[0].name!r}...: expected state in "
+                                 f"{[s.name for s in states]}, got {self._state.name}")
+
+    # -- transitions of the buffers other modules place -----------------------
+    def attach_grads(self, buffer) -> None:
+        """Hold gradients in `buffer` (grads.py), or in a wrapper of the current one (offload)."""
+        self._grads = buffer
+
+    def place_master(self, master: torch.Tensor) -> None:
+        """A new master tensor (offload: host memory, or a copy when params leave the device).
+
+        Only before the optimizer is built: the optimizer's state is keyed by this tensor."""
+        if master.shape != (self.shard_numel,):
+            raise AssertionError(f"master of {tuple(master.shape)} for a shard of {self.shard_numel}")
+        self._master = master
+
+    def set_master_storage(self, values: torch.Tensor) -> None:
+        """Give the master tensor new storage in place (NVMe swap: empty between steps)."""
+        self._master.set_(values)
+
+    def set_shard_storage(self, values: torch.Tensor) -> None:
+        """Give the parameter shard new storage in place (offload_param: a device copy)."""
+        self._assert_in_states(GroupState.SHARDED, GroupState.GATHERED, GroupState.WHOLE)
+        self._param_shard.set_(values)
+
+    def drop_shard_storage(self) -> None:
+        """The shard gives up its memory (offload_param: the host or a file holds the values).
+
+        Not while GATHERING: the all-gather in flight reads the shard."""
+        self._assert_in_states(GroupState.SHARDED, GroupState.GATHERED, GroupState.WHOLE)
+        shard = self._param_shard
+        shard.set_(torch.empty(0, dtype=shard.dtype, device=shard.device))
+
+    # -- stage 3: SHARDED -> GATHERING -> GATHERED -> SHARDED ------------------
+    def begin_gather(self, full: torch.Tensor) -> None:
+        """`full` (padded_numel long) is being all-gathered from the shards."""
+        self._assert_in_states(GroupState.SHARDED)
+        self._full = full
+        self._state = GroupState.GATHERING
+
+    def finish_gather(self) -> None:
+        """The all-gather into `full` completed: parameters become views of it."""
+        self._assert_in_states(GroupState.GATHERING)
+        self._view_params(self._full)
+        self._state = GroupState.GATHERED
+
+    def reshard(self) -> None:
+        """Drop the whole buffer; parameters become empty. The caller waited for its gather."""
+        self._assert_in_states(GroupState.GATHERING, GroupState.GATHERED)
+        self._empty_params()
+        self._full = None
+        self._state = GroupState.SHARDED
+
+    def adopt_whole(self) -> None:
+        """Make the (edited) whole buffer the truth: copy this rank's part into shard and master."""
+        self._assert_in_states(GroupState.GATHERED)
+        part = self._full[self.shard_offset:self.shard_offset + self.shard_numel]
+        if not self.master_aliases_params():
+            # Elements the modifier left alone keep the master's low bits (their
+            # compute-dtype value is still the shard's): only edits are rounded.
+            changed = part != self._param_shard
+            self._master.copy_(torch.where(changed, part.float(), self._master.to(part.device)))
+        self._param_shard.copy_(part)
+
+    def _view_params(self, whole: torch.Tensor, copy_values: bool = False) -> None:
+        for p, slot in zip(self.params, self.slots):
+            view = whole[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            if copy_values:
+                view.copy_(p.detach())
+            p.data = view  # the module computes with views into the flat buffer
+
+    def _empty_params(self) -> None:
+        empty = self._param_shard.new_empty(0)
+        for p in self.params:
+            p.data = empty
 
     def _own_fp32_values(self, params: list[nn.Parameter]) -> torch.Tensor:
         """This rank's master shard from the parameters' own values, in fp32 (padding zero)."""
@@ -117,12 +237,14 @@ class FlatParamGroup:
 
     # -- after the optimizer step -----------------------------------------
     def master_aliases_params(self) -> bool:
-        return self.master.data_ptr() == self.param_shard.data_ptr()
+        return self._master.data_ptr() == self._param_shard.data_ptr()
 
     def write_back(self) -> None:
         """Copy the updated master shard into this rank's parameter shard."""
+        # GATHERED: a persistent stage-3 unit; the engine re-gathers it after the step
+        self._assert_in_states(GroupState.WHOLE, GroupState.SHARDED, GroupState.GATHERED)
         if not self.master_aliases_params():
-            self.param_shard.copy_(self.master)
+            self._param_shard.copy_(self._master)
 
     def launch_all_gather(self, bucket_numel: int) -> Iterator[Pending]:
         """All-gather the updated shards into `flat_param`, at most `bucket_numel` per collective.
@@ -153,10 +275,23 @@ class FlatParamGroup:
             yield Pending(pending.work, scatter_back, forget=pending.forget)
 
     # -- views ------------------------------------------------------------
+    # -- layout (layout.py) -------------------------------------------------
+    @property
+    def padded_numel(self) -> int:
+        return self.layout.padded_numel
+
+    @property
+    def shard_world(self) -> int:
+        return self.layout.world
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def shard_offset(self) -> int:
+        return self.layout.shard_offset
+
     def owned_slice(self, slot: ParamSlot) -> tuple[int, int, int]:
         """(start in the shard, start in the parameter, length) of `slot`'s owned part."""
-        lo = max(slot.offset, self.shard_offset)
-        hi = min(slot.offset + slot.numel, self.shard_offset + self.shard_numel)
-        if hi <= lo:
-            return (0, 0, 0)
-        return (lo - self.shard_offset, lo - slot.offset, hi - lo)
+        return self.layout.owned_slice(slot.offset, slot.numel)

@@ -27,6 +27,7 @@ loss by 1/(N_d * accumulation steps) before backward, so the sums are means.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import torch
 from torch import nn
@@ -125,6 +126,10 @@ class Reducer:
         self.reducing = False
         self.next_to_launch = 0
         self.missing: list[int] = [len(g.params) for g in groups]
+        # Told when a group's last gradient was accumulated this backward (stage 3 releases
+        # the unit then): readiness is counted here only, so nothing can act on a group
+        # before its gradients are in the bucket, whatever order hooks were registered in.
+        self.ready_callbacks: list[Callable[[FlatParamGroup], None]] = []
         self.hooks = []
         for gi, g in enumerate(groups):
             for p, slot in zip(g.params, g.slots):
@@ -140,9 +145,16 @@ class Reducer:
             group.grads.accumulate(offset, param.grad)
             param.grad = None
             self.missing[gi] -= 1
-            if self.reducing and self.missing[gi] == 0:
-                self._launch_ready()
+            if self.missing[gi] == 0:
+                if self.reducing:
+                    self._launch_ready()
+                for callback in self.ready_callbacks:
+                    callback(group)
         return on_grad
+
+    def on_grads_ready(self, callback: Callable[[FlatParamGroup], None]) -> None:
+        """Call `callback(group)` once per backward, when the group's gradients are all in."""
+        self.ready_callbacks.append(callback)
 
     def start_backward(self, boundary: bool) -> None:
         """Called before each backward; `boundary` marks the last micro-step of a step."""

@@ -125,7 +125,7 @@ class HostGrads:
         self.boundary = False  # does the backward now running end a step (`start_backward`)
         self.cuda = any(g.param_shard.is_cuda for g in groups)
         for g in groups:
-            g.grads = GradsToHost(g.grads, self.buffers[id(g)], self)
+            g.attach_grads(GradsToHost(g.grads, self.buffers[id(g)], self))
 
     def sync(self) -> None:
         """Wait for the copies: they were issued non-blocking."""
@@ -176,7 +176,7 @@ class MastersOnDevice:
         if policy.params != "device":  # the shards leave memory, but the step needs a master
             for g in groups:
                 if g.master_aliases_params():
-                    g.master = g.param_shard.detach().clone()
+                    g.place_master(g.param_shard.detach().clone())
 
     def start_backward(self, boundary: bool) -> None:
         """Nothing to do: the step reads the device gradients."""
@@ -214,8 +214,8 @@ class MastersOnHost:
         self.optimizer: torch.optim.Optimizer | None = None
         self.host_grads = HostGrads(groups, policy.optimizer_pin)
         for g in groups:  # its own host tensor even in fp32: the device keeps the parameter shard
-            g.master = host_empty(g.shard_numel, torch.float32, policy.optimizer_pin).copy_(
-                g.master)
+            g.place_master(host_empty(g.shard_numel, torch.float32, policy.optimizer_pin).copy_(
+                g.master))
 
     def start_backward(self, boundary: bool) -> None:
         self.host_grads.boundary = boundary

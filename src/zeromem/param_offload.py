@@ -59,10 +59,6 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, pin_memory=pin)
 
 
-def _empty_like_shard(g: FlatParamGroup) -> torch.Tensor:
-    return torch.empty(0, dtype=g.param_shard.dtype, device=g.param_shard.device)
-
-
 class Reader(Protocol):
     """What reads a shard while it is in memory: a stage-3 `FetchUnit` and its all-gather."""
 
@@ -162,7 +158,7 @@ class ParamsOnHost:
         self.copies = any(g.param_shard.device.type != "cpu" for g in groups)
         if self.copies:  # the host tensors are the truth from now on
             for g in groups:
-                g.param_shard.set_(_empty_like_shard(g))
+                g.drop_shard_storage()
 
     def fetch(self, group: FlatParamGroup, reader: Reader | None = None) -> None:
         """A device copy of the shard (dropping the least recently used one beyond the limit)."""
@@ -179,15 +175,15 @@ class ParamsOnHost:
             reader_of_old = self.readers.get(id(old))
             if reader_of_old is not None and reader_of_old.pending is not None:
                 reader_of_old.wait()  # its all-gather still reads the shard
-            old.param_shard.set_(_empty_like_shard(old))
+            old.drop_shard_storage()
         device = group.param_shard.device
-        group.param_shard.set_(self.host[key].to(device, non_blocking=True))
+        group.set_shard_storage(self.host[key].to(device, non_blocking=True))
         self.in_memory[key] = group
 
     def release(self, group: FlatParamGroup) -> None:
         """Drop the device copy (the host tensor always holds the values)."""
         if self.copies and self.in_memory.pop(id(group), None) is not None:
-            group.param_shard.set_(_empty_like_shard(group))
+            group.drop_shard_storage()
 
     def prefetch(self, group: FlatParamGroup) -> None:
         """Copies are made on `fetch` only."""
@@ -249,7 +245,7 @@ class ParamsOnNvme:
         self.counts = {"in_memory": 0, "read_ahead": 0, "on_demand": 0}
         for g in groups:  # the file is the truth from now on
             self._write_now(g, g.param_shard)
-            g.param_shard.set_(_empty_like_shard(g))
+            g.drop_shard_storage()
 
     def _write_now(self, g: FlatParamGroup, shard: torch.Tensor) -> None:
         buf = self._acquire()
@@ -329,7 +325,7 @@ class ParamsOnNvme:
         except BaseException:
             self.pool.release(buf)
             raise
-        group.param_shard.set_(self._view(group, buf))
+        group.set_shard_storage(self._view(group, buf))
         self.in_memory[key] = (group, buf)
 
     def _launch_read(self, group: FlatParamGroup, buf: torch.Tensor) -> None:
@@ -389,7 +385,7 @@ class ParamsOnNvme:
 
     def _evict(self, key: int) -> None:
         g, buf = self.in_memory.pop(key)
-        g.param_shard.set_(_empty_like_shard(g))
+        g.drop_shard_storage()
         if key in self.dirty:
             self.dirty.discard(key)
             self.writing.append((buf, self.file.write(buf[:round_up(self.nbytes[key])],
@@ -423,7 +419,7 @@ class ParamsOnNvme:
             buf = self._acquire()
             try:
                 self.file.read(buf[:round_up(self.nbytes[id(g)])], self.offsets[id(g)]).wait()
-                g.param_shard.set_(self._view(g, buf).clone())
+                g.set_shard_storage(self._view(g, buf).clone())
             finally:
                 self.pool.release(buf)
         try:
@@ -431,7 +427,7 @@ class ParamsOnNvme:
         finally:
             for g in self.groups:
                 self._write_now(g, g.param_shard)
-                g.param_shard.set_(_empty_like_shard(g))
+                g.drop_shard_storage()
 
     def file_into(self, ledger) -> None:
         ledger.add("params", "host", self.pool.arena)

@@ -17,7 +17,6 @@ we keep no attributes on `nn.Parameter`.
 """
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Iterable
@@ -30,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from .comm import Comm
 from .distributed import ensure_process_group
+from .layout import ShardLayout
 
 
 @dataclass
@@ -79,13 +79,12 @@ def _partition(p: nn.Parameter, comm: Comm) -> None:
     """Keep this rank's part of rank 0's `p` (ranks need not be seeded alike, as in DDP)."""
     if p in _SHARDS or p.numel() == 0:
         return
-    n = comm.world_size
-    size = max(1, math.ceil(p.numel() / n))
-    flat = torch.zeros(size * n, dtype=p.dtype, device=p.device)
+    layout = ShardLayout(p.numel(), comm.world_size, comm.rank)
+    flat = torch.zeros(layout.padded_numel, dtype=p.dtype, device=p.device)
     flat[:p.numel()].copy_(p.detach().reshape(-1))
     comm.broadcast(flat, 0)
-    _SHARDS[p] = ParamShard(flat[comm.rank * size:(comm.rank + 1) * size].clone(), p.shape,
-                            p.numel())
+    start = layout.shard_offset
+    _SHARDS[p] = ParamShard(flat[start:start + layout.shard_numel].clone(), p.shape, p.numel())
     p.data = p.data.new_empty(0)
 
 
@@ -105,12 +104,12 @@ def _reshard(p: nn.Parameter, comm: Comm, src_rank: int | None = None) -> None:
     `p` becomes empty again.
     """
     entry = _SHARDS[p]
-    size = entry.shard.numel()
-    flat = torch.zeros(size * comm.world_size, dtype=p.dtype, device=p.device)
+    layout = ShardLayout(entry.numel, comm.world_size, comm.rank)
+    flat = torch.zeros(layout.padded_numel, dtype=p.dtype, device=p.device)
     flat[:entry.numel].copy_(p.detach().reshape(-1))
     if src_rank is not None:
         comm.broadcast(flat, src_rank)
-    entry.shard.copy_(flat[comm.rank * size:(comm.rank + 1) * size])
+    entry.shard.copy_(flat[layout.shard_offset:layout.shard_offset + layout.shard_numel])
     p.data = p.data.new_empty(0)
 
 

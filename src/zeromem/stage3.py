@@ -2,8 +2,9 @@
 
 Every fetch unit (by default one per module that directly owns parameters, or
 one per instance of the classes the caller names, e.g. transformer blocks) is a
-flat group whose parameters exist only as a 1/N_d shard between uses. A
-`FetchUnit` owns the gathered buffer and an explicit state:
+flat group whose parameters exist only as a 1/N_d shard between uses. The group
+owns the gathered buffer and an explicit state (flat.py, `GroupState`); a
+`FetchUnit` is the scheduler's handle that issues the all-gather:
 
     SHARDED --unshard(async)--> GATHERING --wait--> GATHERED --reshard--> SHARDED
 
@@ -13,9 +14,9 @@ Schedule of one training step (paper section 5.3; FSDP2 follows the same plan):
               flight) and prefetch the next units of the recorded order, up to
               `stage3_prefetch_bucket_size` elements; post-hook: release.
     backward  the unit's outputs carry a hook that re-gathers it before its
-              gradients are computed; when every parameter of the unit has its
-              gradient, the unit is released (its gradients are already in the
-              reduce-scatter bucket, grads.py).
+              gradients are computed; when the reducer (grads.py) has accumulated
+              every gradient of the unit into its reduce-scatter bucket, it tells
+              the runner, which releases the unit (readiness is counted there only).
     end       `finish_pass()` releases whatever is still gathered.
 
 The order of units is recorded per kind of pass: training forward, `no_grad`
@@ -45,7 +46,6 @@ DeepSpeed); use `zeromem.GatheredParameters` to read it whole.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -56,7 +56,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from .comm import Comm, Pending
-from .flat import FlatParamGroup
+from .flat import FlatParamGroup, GroupState
+from .grads import Reducer
 from .param_offload import ParamPlacement, ParamsOnDevice
 from .partition import register_units
 
@@ -75,14 +76,13 @@ class Stage3Limits:
     gather_timeout_s: float | None = None   # a gather waiting longer is a divergence
 
 
-class UnitState(enum.Enum):
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
-
-
 class FetchUnit:
-    """One module's parameters: a flat group that is whole only while in use."""
+    """The scheduler's handle on one stage-3 flat group: gathers it and releases it.
+
+    The group owns its state and buffers (flat.py, `GroupState`); the unit adds
+    what scheduling needs: the all-gather in flight, where the shard lives between
+    uses, whether the unit stays whole (persistent, or pinned by GatheredParameters).
+    """
 
     def __init__(self, group: FlatParamGroup, comm: Comm, persistent: bool, stats: "LiveStats",
                  placement: ParamPlacement | None = None):
@@ -91,49 +91,47 @@ class FetchUnit:
         self.comm = comm
         self.persistent = persistent  # small units stay whole (stage3_param_persistence_threshold)
         self.stats = stats
-        self.state = UnitState.SHARDED  # assigned in unshard/wait/reshard only
-        self.full: torch.Tensor | None = None
-        self.pending: Pending | None = None
-        self.grads_missing = len(group.params)
+        self.pending: Pending | None = None  # the all-gather while the group is GATHERING
         self.name = group.slots[0].name.rpartition(".")[0] or group.slots[0].name
         self.pins = 0  # GatheredParameters blocks holding the unit whole
 
+    @property
+    def state(self) -> GroupState:
+        return self.group.state
+
+    @property
+    def full(self) -> torch.Tensor | None:
+        return self.group.full
+
     def unshard(self) -> None:
         """Start gathering the whole flat buffer (async)."""
-        if self.state is not UnitState.SHARDED:
+        if self.state is not GroupState.SHARDED:
             return
         g = self.group
         self.placement.fetch(g, self)  # offload_param: the shard comes from host or NVMe first
-        self.full = torch.empty(g.padded_numel, dtype=g.param_shard.dtype, device=g.param_shard.device)
+        full = torch.empty(g.padded_numel, dtype=g.param_shard.dtype, device=g.param_shard.device)
         self.stats.add(g.padded_numel)
-        self.pending = self.comm.all_gather(self.full, g.param_shard, async_op=True)
-        self.state = UnitState.GATHERING
+        self.pending = self.comm.all_gather(full, g.param_shard, async_op=True)
+        g.begin_gather(full)
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until gathered, then point the parameters at views of the whole buffer."""
-        if self.state is UnitState.SHARDED:
+        """Block until gathered; the parameters are then views of the whole buffer."""
+        if self.state is GroupState.SHARDED:
             self.unshard()
-        if self.state is UnitState.GATHERING:
+        if self.state is GroupState.GATHERING:
             self.pending.wait(timedelta(seconds=timeout_s) if timeout_s else None)
             self.pending = None
-            for p, slot in zip(self.group.params, self.group.slots):
-                p.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            self.state = UnitState.GATHERED
+            self.group.finish_gather()
 
     def reshard(self, force: bool = False) -> None:
         """Drop the whole buffer; parameters become empty again."""
-        if self.state is UnitState.SHARDED or ((self.persistent or self.pins) and not force):
+        if self.state is GroupState.SHARDED or ((self.persistent or self.pins) and not force):
             return
-        if self.state is UnitState.GATHERING:
+        if self.state is GroupState.GATHERING:
             self.pending.wait()
             self.pending = None
-        empty = self.group.param_shard.new_empty(0)
-        for p in self.group.params:
-            p.data = empty
+        self.group.reshard()
         self.stats.add(-self.group.padded_numel)
-        self.full = None
-        self.state = UnitState.SHARDED
-
 
     def pin(self) -> None:
         """Gather and keep whole until `unpin` (GatheredParameters)."""
@@ -146,15 +144,8 @@ class FetchUnit:
             self.reshard()
 
     def adopt_whole(self) -> None:
-        """Make the (edited) whole buffer the truth: copy this rank's part into shard and master."""
-        g = self.group
-        part = self.full[g.shard_offset:g.shard_offset + g.shard_numel]
-        if not g.master_aliases_params():
-            # Elements the modifier left alone keep the master's low bits (their
-            # compute-dtype value is still the shard's): only edits are rounded.
-            changed = part != g.param_shard
-            g.master.copy_(torch.where(changed, part.float(), g.master.to(part.device)))
-        g.param_shard.copy_(part)
+        """Make the (edited) whole buffer the truth (flat.py)."""
+        self.group.adopt_whole()
 
 
 class LiveStats:
@@ -197,7 +188,7 @@ class _ParamUseTracer(TorchFunctionMode):
         if runner.module_stack and not runner.busy:
             for a in list(args) + list(kwargs.values()):
                 unit = runner.unit_of_param.get(id(a)) if isinstance(a, nn.Parameter) else None
-                if unit is not None and unit.state is not UnitState.GATHERED:
+                if unit is not None and unit.state is not GroupState.GATHERED:
                     unit.wait()  # gathered on demand now; recorded for the next passes
                     runner.extra_units.setdefault(runner.module_stack[-1], []).append(unit)
         return func(*args, **kwargs)
@@ -233,7 +224,7 @@ class Stage3Runner:
 
     def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, FetchUnit]],
                  limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None,
-                 placement: ParamPlacement | None = None):
+                 placement: ParamPlacement | None = None, reducer: Reducer | None = None):
         self.units = [u for _, u in module_units]
         self.placement = placement or ParamsOnDevice()  # told the order of each pass (read-ahead)
         self.unit_of_module: dict[int, list[FetchUnit]] = {}
@@ -259,9 +250,9 @@ class Stage3Runner:
         for module in root.modules():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward))
             self.handles.append(module.register_forward_hook(self._post_forward))
-        for unit in self.units:
-            for p in unit.group.params:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(unit)))
+        self.unit_of_group = {id(u.group): u for u in self.units}
+        if reducer is not None:  # the reducer counts gradient readiness; we release on its word
+            reducer.on_grads_ready(self._grads_ready)
         self.root = root
         register_units(self.units)
         self.refresh()
@@ -287,9 +278,7 @@ class Stage3Runner:
             if self.store is not None:  # published so a stuck rank can name who diverged
                 self.store.set(f"zeromem/stage3/passes/{self.comm.rank}", str(self.passes))
         self.orders[kind] = []
-        for unit in self.units:
-            unit.grads_missing = len(unit.group.params)
-        self.placement.follow(self.recorded.get(kind))
+        self.placement.follow(self.recorded.get(kind))  # None: a pass of a new kind
 
     def finish_pass(self) -> None:
         """Release every unit still gathered and keep this pass's order for prefetching."""
@@ -365,7 +354,7 @@ class Stage3Runner:
         for unit in expected[self.position:]:
             if budget <= 0:
                 break
-            if unit.state is UnitState.SHARDED:
+            if unit.state is GroupState.SHARDED:
                 if self.stats.live + unit.group.padded_numel > self.limits.max_live_numel:
                     break  # stage3_max_live_parameters: no prefetch past the limit
                 budget -= unit.group.padded_numel
@@ -445,12 +434,9 @@ class Stage3Runner:
     def before_backward(self, module_id: int) -> None:
         self._use(self._units_for_id(module_id))
 
-    def _grad_ready(self, unit: FetchUnit):
-        def on_grad(param: nn.Parameter) -> None:
-            unit.grads_missing -= 1
-            if unit.grads_missing == 0:
-                self._release([unit])
-        return on_grad
+    def _grads_ready(self, group: FlatParamGroup) -> None:
+        """Every gradient of `group` is in its reduce bucket: the whole buffer can go."""
+        self._release([self.unit_of_group[id(group)]])
 
     def remove(self) -> None:
         for h in self.handles:

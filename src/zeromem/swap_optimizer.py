@@ -207,7 +207,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 master[p.at:p.at + p.numel].copy_(p.group.master[p.start:p.start + p.numel])
             self.file.write(slot["master"][:sg.field_bytes], sg.offset).wait()
         for g in groups:
-            g.master.set_(torch.empty(0))
+            g.set_master_storage(torch.empty(0))
 
     @staticmethod
     def _views(sg: SubGroup, slot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -325,7 +325,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.state.in_memory = True
         if self.master_in_file:
             for g in groups:
-                g.master.set_(torch.zeros(g.shard_numel))
+                g.set_master_storage(torch.zeros(g.shard_numel))
         for g in groups:
             self.state[g.master] = {
                 "step": torch.tensor(float(self.steps[g.param_group_index])),
@@ -356,4 +356,4 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.state = SwappedState()  # load_state_dict may have replaced the dict
         if self.master_in_file:
             for g in groups:
-                g.master.set_(torch.empty(0))
+                g.set_master_storage(torch.empty(0))

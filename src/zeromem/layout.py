@@ -1,0 +1,86 @@
+"""Layout arithmetic of flat buffers: padding, shard ranges, owned slices, bucket packing.
+
+Pure functions of integers, shared by the engine (flat.py, engine.py), the
+checkpoints, `zeromem.Init` (partition.py) and the memory planner (estimate.py),
+so that what the planner predicts is computed by the same code the engine runs.
+
+A flat buffer of `numel` elements is padded to a multiple of the data-parallel
+world size N_d (at least N_d, so that even an empty group has one element per
+rank); rank r owns the contiguous shard [r*S, (r+1)*S), S = padded / N_d (ZeRO
+paper, section 5). An unsharded buffer (world 1) is one shard: the whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+
+def padded_numel(numel: int, world: int) -> int:
+    """`numel` rounded up to a multiple of `world` (at least `world`)."""
+    return max(1, -(-numel // world)) * world
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Rank `rank`'s shard of a flat buffer of `numel` elements split over `world` ranks."""
+
+    numel: int
+    world: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world}")
+
+    @property
+    def padded_numel(self) -> int:
+        return padded_numel(self.numel, self.world)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world
+
+    @property
+    def shard_offset(self) -> int:
+        return self.rank * self.shard_numel
+
+    def for_rank(self, rank: int) -> ShardLayout:
+        """The same buffer as seen by `rank` (every rank can compute every rank's shard)."""
+        return ShardLayout(self.numel, self.world, rank)
+
+    def owned_slice(self, offset: int, numel: int) -> tuple[int, int, int]:
+        """(start in the shard, start in the piece, length) of the owned part of
+        the piece [offset, offset + numel) of the flat buffer; (0, 0, 0) if none."""
+        lo = max(offset, self.shard_offset)
+        hi = min(offset + numel, self.shard_offset + self.shard_numel)
+        if hi <= lo:
+            return (0, 0, 0)
+        return (lo - self.shard_offset, lo - offset, hi - lo)
+
+
+def pack_buckets(numels: Iterable[int], bucket_numel: int) -> list[list[int]]:
+    """Indices of `numels`, in order, packed greedily into buckets of <= `bucket_numel`.
+
+    An element larger than the bucket gets a bucket of its own; no bucket is empty.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, numel in enumerate(numels):
+        if current and size + numel > bucket_numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += numel
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def slices_of(numels: Iterable[int]) -> list[tuple[int, int]]:
+    """(offset, numel) of each piece laid end to end in one flat buffer."""
+    out, offset = [], 0
+    for numel in numels:
+        out.append((offset, numel))
+        offset += numel
+    return out

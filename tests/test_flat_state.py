@@ -1,0 +1,72 @@
+"""The flat group's state machine (flat.py): one owner, named transitions. No process group."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from zeromem.flat import FlatParamGroup, GroupState, Sharding
+
+SHAPES = [(3, 5), (7,), (2, 2, 2)]
+
+
+def _group(stage: int, world: int = 2, rank: int = 1) -> FlatParamGroup:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(s)) for s in SHAPES]
+    return FlatParamGroup(params, [f"m.p{i}" for i in range(len(SHAPES))],
+                          SimpleNamespace(rank=rank, world_size=world), Sharding.for_stage(stage), 0)
+
+
+def test_stage3_group_walks_sharded_gathering_gathered_and_memory_matches():
+    g = _group(3)
+    assert g.state is GroupState.SHARDED and g.full is None and g.flat_param is None
+    assert all(p.numel() == 0 for p in g.params)
+    with pytest.raises(AssertionError, match="GATHERING"):
+        g.finish_gather()  # nothing is being gathered
+    with pytest.raises(AssertionError):
+        g.adopt_whole()
+    full = torch.arange(g.padded_numel, dtype=torch.float32)
+    g.begin_gather(full)
+    assert g.state is GroupState.GATHERING and all(p.numel() == 0 for p in g.params)
+    with pytest.raises(AssertionError):
+        g.drop_shard_storage()  # the all-gather in flight reads the shard
+    with pytest.raises(AssertionError):
+        g.begin_gather(full)
+    g.finish_gather()
+    assert g.state is GroupState.GATHERED
+    assert [tuple(p.shape) for p in g.params] == SHAPES
+    assert g.params[1].data_ptr() == full[15:].data_ptr()  # views of the whole buffer
+    g.adopt_whole()
+    assert torch.equal(g.param_shard, full[g.shard_offset:g.shard_offset + g.shard_numel])
+    g.reshard()
+    assert g.state is GroupState.SHARDED and g.full is None
+    assert all(p.numel() == 0 for p in g.params)
+    with pytest.raises(AssertionError):
+        g.reshard()
+
+
+def test_whole_groups_refuse_stage3_transitions():
+    for stage in (0, 1, 2):
+        g = _group(stage)
+        assert g.state is GroupState.WHOLE and g.flat_param is not None
+        assert [tuple(p.shape) for p in g.params] == SHAPES
+        with pytest.raises(AssertionError, match="WHOLE"):
+            g.begin_gather(torch.zeros(g.padded_numel))
+        with pytest.raises(AssertionError):
+            g.reshard()
+
+
+def test_owned_buffers_change_only_through_named_transitions():
+    g = _group(2)
+    for field in ("grads", "master", "param_shard", "flat_param", "state", "full"):
+        with pytest.raises(AttributeError):
+            setattr(g, field, None)
+    with pytest.raises(AssertionError):
+        g.place_master(torch.zeros(g.shard_numel + 1))  # not this group's shard
+    master = torch.zeros(g.shard_numel)
+    g.place_master(master)
+    assert g.master is master
+    g.set_master_storage(torch.ones(g.shard_numel))
+    assert g.master is master and master.sum() == g.shard_numel  # same tensor, new storage
