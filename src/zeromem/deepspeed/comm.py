@@ -8,6 +8,7 @@ process group, ranks are 0 and world sizes 1, so scripts also run as one process
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from .init import init_distributed
 
 __all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "get_rank",
            "get_world_size", "get_local_rank", "get_global_rank", "get_backend", "barrier",
-           "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce",
+           "all_reduce", "broadcast", "broadcast_object", "all_gather", "all_gather_into_tensor", "reduce",
            "new_group", "destroy_process_group"]
 
 
@@ -88,6 +89,16 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op
     if dist.is_initialized():
         return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
     return None
+
+
+def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
+    """`src`'s picklable `obj` on every rank (the object itself without a process group)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src) if group else src,
+                               group=group)
+    return box[0]
 
 
 def new_group(ranks=None, **kwargs):

@@ -13,6 +13,7 @@ can be compared with a single-process run.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Any
 
@@ -20,6 +21,9 @@ import torch
 from torch import nn
 
 from ..engine import Engine
+from .comm import broadcast_object
+
+log = logging.getLogger("zeromem")
 
 
 class DeepSpeedEngine(nn.Module):
@@ -183,8 +187,17 @@ class DeepSpeedEngine(nn.Module):
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Collective. `latest` is always written (zeromem publishes tags atomically);
-        frozen parameters are always saved."""
-        self.engine.save_checkpoint(save_dir, tag, client_state if client_state else None)
+        frozen parameters are always saved.
+
+        A zeromem checkpoint is one directory, written by all ranks; DeepSpeed lets
+        each rank write under the `save_dir` it passed. Scripts that name the
+        directory after a clock read on each rank (HelloDeepSpeed does) can pass
+        different ones, so rank 0's is used by all."""
+        chosen = broadcast_object(str(save_dir), 0, self.engine.comm.group)
+        if chosen != str(save_dir):
+            log.warning("rank %d: save_checkpoint(%s) writes to rank 0's directory %s",
+                        self.global_rank, save_dir, chosen)
+        self.engine.save_checkpoint(chosen, tag, client_state if client_state else None)
         return True
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
