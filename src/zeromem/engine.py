@@ -192,7 +192,7 @@ class Engine:
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied."""
         scale = self.scaler.scale / (self.config.gradient_accumulation_steps * self.dp_world_size)
         with self.timers("backward"), self.activation_checkpointing.active():
@@ -201,7 +201,7 @@ class Engine:
             self.reducer.start_backward(boundary)
             if self.stage3 is not None:
                 self.stage3.start_pass("backward")
-            (loss.float() * scale).backward()
+            (loss.float() * scale).backward(retain_graph=retain_graph)
             self.reducer.finish_backward()
             if self.stage3 is not None:
                 self.stage3.finish_pass()
@@ -209,20 +209,22 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.counters.at_boundary()
 
-    def step(self) -> None:
-        """Called every micro-step; updates the model at the accumulation boundary."""
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Called every micro-step; updates the model at the accumulation boundary.
+
+        `lr_kwargs` go to the scheduler's `step()` (DeepSpeed's `step(lr_kwargs=)`)."""
         boundary = self.is_gradient_accumulation_boundary()
         self.counters.advance_micro()
         if not boundary:
             return
         with self.timers("step"):
-            self._optimizer_step()
+            self._optimizer_step(lr_kwargs)
         if self.global_steps % max(1, self.config.steps_per_print or 10) == 0:
             log.info("step %d: lr %s, grad norm %.4g, loss scale %g, skipped %d%s",
                      self.global_steps, self.get_lr(), self.grad_norm, self.loss_scale,
                      self.skipped_steps, self.timers.summary())
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, lr_kwargs: dict | None = None) -> None:
         norm = self._global_grad_norm()                          # 1. norm
         overflow = not math.isfinite(norm)
         self.grad_norm = norm
@@ -233,7 +235,7 @@ class Engine:
                 g.master.grad = None
             self._gather_params()                                # 5. gather
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**(lr_kwargs or {}))
         self.scaler.update(overflow)
         self.zero_grad()
         self.counters.advance_global(skipped=overflow)

@@ -1,0 +1,116 @@
+"""DeepSpeed's API surface over zeromem: `import zeromem.deepspeed as deepspeed`.
+
+A DeepSpeed training script runs unchanged but for its import lines:
+
+    import zeromem.deepspeed as deepspeed
+    from zeromem.deepspeed.accelerator import get_accelerator
+
+    engine, optimizer, loader, scheduler = deepspeed.initialize(
+        args=args, model=net, model_parameters=net.parameters(),
+        training_data=trainset, config=ds_config)
+
+Layout as in DeepSpeed: `accelerator.get_accelerator`, `comm`, `zero.Init`,
+`zero.GatheredParameters`, `checkpointing` (activation checkpointing),
+`moe.utils`. The native `zeromem.initialize` is unchanged; this package only
+translates arguments and wraps its engine in `DeepSpeedEngine`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from .. import checkpointing
+from .. import initialize as _native_initialize
+from . import accelerator, comm, moe, zero
+from .engine import DeepSpeedEngine
+from .init import init_distributed
+
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
+           "accelerator", "comm", "zero", "checkpointing", "moe", "__version__"]
+__version__ = "0.16.0+zeromem"  # the DeepSpeed API level this surface follows
+
+log = logging.getLogger("zeromem")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's `--deepspeed` and `--deepspeed_config` arguments to `parser`."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on zeromem)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
+    """The one config given: `config`, `config_params` or `args.deepspeed_config`."""
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    given = [c for c in (config, config_params, from_args) if c is not None]
+    if len(given) > 1:
+        raise ValueError("a DeepSpeed config was given twice (config=, config_params= or "
+                         "args.deepspeed_config); pass exactly one")
+    if not given:
+        raise ValueError("no DeepSpeed config: pass config= or args.deepspeed_config")
+    value = given[0]
+    return json.loads(json.dumps(value)) if isinstance(value, dict) else value
+
+
+def _optimizer_factory(optimizer: Any, model_parameters: Any) -> tuple[Callable | None, Any]:
+    """zeromem builds the optimizer over its own master shards: turn a client one into a factory.
+
+    A ready `torch.optim.Optimizer` gives its class and defaults (and, when no
+    `model_parameters` were passed, its param groups); a callable is already one.
+    """
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer, model_parameters
+    if model_parameters is None:
+        model_parameters = [dict(g) for g in optimizer.param_groups]
+    cls, defaults = type(optimizer), dict(optimizer.defaults)
+    return (lambda groups: cls(groups, **defaults)), model_parameters
+
+
+def _training_dataloader(engine: DeepSpeedEngine, training_data: Any,
+                         collate_fn: Callable | None) -> DataLoader:
+    """DeepSpeed's loader: micro-batches of this rank's share of a `DistributedSampler`."""
+    sampler = DistributedSampler(training_data, num_replicas=engine.dp_world_size,
+                                 rank=engine.global_rank)
+    return DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
+                      sampler=sampler, collate_fn=collate_fn)
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: Any = None, mesh_param: Any = None, config_params: Any = None
+               ) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, DataLoader | None, Any]:
+    """DeepSpeed's `initialize`: (engine, optimizer, training_dataloader, lr_scheduler).
+
+    `optimizer` may be a torch optimizer (rebuilt over zeromem's master shards with
+    its class and hyperparameters) or a factory `params -> optimizer`;
+    `lr_scheduler` a factory `optimizer -> scheduler` (a ready scheduler must be
+    built over the returned optimizer). `training_data` gives a DataLoader with a
+    `DistributedSampler` over the data-parallel ranks. `mpu` and `mesh_param`
+    (model parallelism) are not supported.
+    """
+    if model is None:
+        raise ValueError("deepspeed.initialize: model= is required")
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError("deepspeed.initialize: mpu= and mesh_param= are not supported")
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    factory, model_parameters = _optimizer_factory(optimizer, model_parameters)
+    native = _native_initialize(model, _resolve_config(args, config, config_params),
+                                model_parameters=model_parameters, optimizer=factory,
+                                lr_scheduler=lr_scheduler)
+    engine = DeepSpeedEngine(native)
+    loader = (_training_dataloader(engine, training_data, collate_fn)
+              if training_data is not None else None)
+    return engine, native.optimizer, loader, native.lr_scheduler

@@ -1,0 +1,225 @@
+"""`DeepSpeedEngine`: DeepSpeed's engine interface around zeromem's native `Engine`.
+
+DeepSpeed's engine is an `nn.Module` holding the model as the submodule `module`
+(so `state_dict()` keys start with `module.`), forwarding unknown attributes to
+the model, and offering getters (`train_batch_size()`, `zero_optimization_stage()`,
+...) and keyword arguments that zeromem's `Engine` does not have. This class adds
+exactly that and delegates all training work to one native `Engine` it owns.
+
+`ZEROMEM_LOSS_LOG=path` (a test hook): each `backward()` appends
+"rank micro_step loss" to `path`, so scripts that print losses only now and then
+can be compared with a single-process run.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine import Engine
+from .comm import broadcast_object
+
+log = logging.getLogger("zeromem")
+
+
+class DeepSpeedEngine(nn.Module):
+    """What `zeromem.deepspeed.initialize` returns first; use it as DeepSpeed's engine."""
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = engine  # the native engine does the work; not a module, so not registered
+        self.module = engine.module  # registered: state_dict keys are "module.<name>"
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.global_rank = engine.comm.rank
+        self.world_size = engine.dp_world_size
+        self.dp_world_size = engine.dp_world_size
+        self.device = engine.device
+        self._step_applied = False
+        self._loss_log = os.environ.get("ZEROMEM_LOSS_LOG") or None
+
+    def __getattr__(self, name: str) -> Any:
+        """Registered parameters, buffers and modules first; then the wrapped model's attributes."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" not in modules:
+                raise
+            return getattr(modules["module"], name)
+
+    # -- training loop ---------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.engine.forward(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss=False,
+                 retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate `loss`; `scale_wrt_gas=False` skips the 1/accumulation-steps factor."""
+        if not allreduce_gradients:
+            raise NotImplementedError("backward(allreduce_gradients=False) is not supported")
+        self._log_loss(loss)
+        gas = self.gradient_accumulation_steps()
+        self.engine.backward(loss if scale_wrt_gas else loss * gas, retain_graph=retain_graph)
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """A micro-step; at the accumulation boundary the optimizer (and scheduler) step."""
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        skipped = self.engine.skipped_steps
+        self.engine.step(lr_kwargs=lr_kwargs)
+        self._step_applied = boundary and self.engine.skipped_steps == skipped
+
+    def was_step_applied(self) -> bool:
+        """True when the last `step()` updated the weights (a boundary, no fp16 overflow)."""
+        return self._step_applied
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's `no_sync`: gradients of the backwards inside are accumulated locally.
+
+        zeromem reduces gradients when `gradient_accumulation_steps` says so; like
+        DeepSpeed, `no_sync` is refused where gradients are partitioned (stage 2, 3),
+        and at stages 0-1 the accumulation boundary already defers the reduction.
+        """
+        if self.zero_optimization_stage() >= 2:
+            raise AssertionError(f"no_sync is incompatible with ZeRO stage "
+                                 f"{self.zero_optimization_stage()} (gradient partitioning)")
+        yield
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def _log_loss(self, loss: torch.Tensor) -> None:
+        if self._loss_log is not None:
+            with open(self._loss_log, "a") as f:
+                f.write(f"{self.global_rank} {self.engine.micro_steps} {loss.item()!r}\n")
+
+    # -- getters ---------------------------------------------------------------
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.engine.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.engine.config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.engine.zero_stage
+
+    def zero_optimization(self) -> bool:
+        return self.engine.zero_stage > 0
+
+    def fp16_enabled(self) -> bool:
+        return self.engine.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.engine.config.bf16.enabled
+
+    bf16_enabled = bfloat16_enabled
+
+    def gradient_clipping(self) -> float:
+        return self.engine.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.engine.config.steps_per_print
+
+    @property
+    def config(self) -> Any:
+        return self.engine.config
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.engine.lr_scheduler
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        return self.engine.micro_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.engine.global_steps * self.train_batch_size()
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self.engine.loss_scale
+
+    def get_lr(self) -> list[float]:
+        return self.engine.get_lr()
+
+    def get_mom(self) -> list:
+        """Per param group: Adam's `betas`, or SGD's `momentum` (DeepSpeed's get_mom)."""
+        return [pg["betas"] if "betas" in pg else pg.get("momentum")
+                for pg in self.engine.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.engine.get_global_grad_norm()
+
+    # -- moving ----------------------------------------------------------------
+    def to(self, *args, **kwargs) -> DeepSpeedEngine:
+        """Accepted when it moves nothing: the engine's buffers stay where they were built."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        same_device = device is None or torch.device(device).type == self.device.type
+        if not same_device or (dtype is not None and dtype != self.engine.compute_dtype):
+            raise NotImplementedError(f"engine.to({device}, {dtype}): the engine lives on "
+                                      f"{self.device} in {self.engine.compute_dtype}")
+        return self
+
+    # -- checkpoints -------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Collective. `latest` is always written (zeromem publishes tags atomically);
+        frozen parameters are always saved.
+
+        A zeromem checkpoint is one directory, written by all ranks; DeepSpeed lets
+        each rank write under the `save_dir` it passed. Scripts that name the
+        directory after a clock read on each rank (HelloDeepSpeed does) can pass
+        different ones, so rank 0's is used by all."""
+        chosen = broadcast_object(str(save_dir), 0, self.engine.comm.group)
+        if chosen != str(save_dir):
+            log.warning("rank %d: save_checkpoint(%s) writes to rank 0's directory %s",
+                        self.global_rank, save_dir, chosen)
+        self.engine.save_checkpoint(chosen, tag, client_state if client_state else None)
+        return True
+
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str, Any]:
+        """(path, client_state). Loading is always strict; `load_module_only` keeps
+        the optimizer and scheduler as they are."""
+        if load_module_only:
+            load_optimizer_states = load_lr_scheduler_states = False
+        path, client_state = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states,
+                                                         load_lr_scheduler_states)
+        return path, client_state if client_state is not None else {}
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        self.engine.save_16bit_model(save_dir, save_filename)
+        return True
+
+    # -- reports and teardown ----------------------------------------------------
+    def memory_report(self):
+        return self.engine.memory_report()
+
+    def destroy(self) -> None:
+        """Release offload storage; the engine must not be used afterwards."""
+        self.engine.close()

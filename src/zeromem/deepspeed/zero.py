@@ -1,0 +1,51 @@
+"""DeepSpeed's `deepspeed.zero`: `Init` and `GatheredParameters` with DeepSpeed's arguments.
+
+Both delegate to `zeromem.partition`; this module only maps DeepSpeed's keyword
+names (`config_dict_or_path`, `data_parallel_group`, `fwd_module`) onto zeromem's.
+"""
+from __future__ import annotations
+
+import logging
+
+from .. import partition
+
+log = logging.getLogger("zeromem")
+
+
+class Init(partition.Init):
+    """`with deepspeed.zero.Init(config_dict_or_path=ds_config): model = Net()`.
+
+    Builds modules with their parameters already partitioned over the data-parallel
+    group. `remote_device`, `pin_memory` and `dtype` are accepted and not acted on:
+    where partitions live is decided by the config's `offload_param` when
+    `initialize` builds the engine. `module=` (partitioning an already built model)
+    and `mpu=` are not supported.
+    """
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear: bool = True,
+                 remote_device=None, pin_memory: bool = False, config_dict_or_path=None,
+                 config=None, enabled: bool = True, dtype=None, mpu=None, **unsupported):
+        if module is not None or mpu is not None or unsupported:
+            names = ["module"] * (module is not None) + ["mpu"] * (mpu is not None) + [*unsupported]
+            raise NotImplementedError(f"zeromem.deepspeed.zero.Init: {', '.join(names)} "
+                                      "not supported; build the model inside the context")
+        if remote_device not in (None, "cpu") and enabled:
+            log.info("zero.Init(remote_device=%r): placement follows offload_param at initialize",
+                     remote_device)
+        super().__init__(config=config_dict_or_path if config is None else config,
+                         dp_group=data_parallel_group, enabled=enabled)
+
+
+class GatheredParameters(partition.GatheredParameters):
+    """`with deepspeed.zero.GatheredParameters(params, modifier_rank=0):` whole parameters inside.
+
+    `fwd_module` (DeepSpeed registers external parameters with it) is accepted
+    and unused: zeromem's fetch units are found from the parameters themselves.
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None,
+                 enabled: bool = True):
+        super().__init__(params, modifier_rank=modifier_rank, enabled=enabled)
+
+
+__all__ = ["Init", "GatheredParameters"]

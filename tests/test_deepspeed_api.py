@@ -1,0 +1,182 @@
+"""`zeromem.deepspeed`: DeepSpeed's getters, keyword arguments and submodules (issue 13).
+
+One spawned world of 2 gloo ranks runs every case; the example scripts themselves
+are in test_deepspeed_examples.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from harness import run_distributed
+
+
+def _cfg(stage: int, gas: int = 1, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.5}},
+            "zero_optimization": {"stage": stage}, **extra}
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _train(engine, steps: int, scale_wrt_gas: bool = True) -> None:
+    gas = engine.gradient_accumulation_steps()
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        x = torch.randn(2, 4)
+        loss = engine(x).square().mean()
+        engine.backward(loss if scale_wrt_gas else loss / gas, scale_wrt_gas=scale_wrt_gas)
+        engine.step()
+
+
+def _getters_and_module(deepspeed, rank, world_size, tmp) -> None:
+    path = os.path.join(tmp, "ds.json")
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(_cfg(1, gas=2), f)
+    deepspeed.comm.barrier()
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", path])
+    data = torch.utils.data.TensorDataset(torch.arange(16.0).view(8, 2))
+    net = _net()
+    net.vocab_size = 11
+    engine, opt, loader, sched = deepspeed.initialize(args=args, model=net, training_data=data)
+    assert isinstance(engine, nn.Module) and opt is engine.optimizer and sched is None
+    assert list(engine.state_dict()) == ["module.0.weight", "module.0.bias", "module.2.weight",
+                                         "module.2.bias"]
+    assert engine.vocab_size == 11  # attribute access reaches the model
+    assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+            engine.train_batch_size()) == (2, 2, 4 * world_size)
+    assert (engine.zero_optimization_stage(), engine.fp16_enabled(),
+            engine.bfloat16_enabled()) == (1, False, False)
+    assert (engine.global_rank, engine.world_size, engine.local_rank) == (rank, world_size, rank)
+    assert engine.get_mom() == [0.5]
+    seen = [int(v) for (batch,) in loader for v in batch[:, 0] // 2]
+    assert len(seen) == 8 // world_size and len(set(seen)) == len(seen)
+    everyone = [None] * world_size
+    torch.distributed.all_gather_object(everyone, seen)
+    assert sorted(sum(everyone, [])) == list(range(8))  # DistributedSampler: disjoint shares
+    engine.eval()
+    assert not engine.module.training and not engine.training
+    engine.train()
+    assert engine.to("cpu") is engine
+    with pytest.raises(NotImplementedError):
+        engine.to(torch.float16)
+    with engine.no_sync():
+        pass
+    applied = []
+    for _ in range(4):
+        _train(engine, 1)
+        applied.append(engine.was_step_applied())
+    assert applied == [False, True, False, True]
+    assert engine.global_steps == 2 and engine.global_samples == 2 * engine.train_batch_size()
+    with pytest.raises(ValueError, match="twice"):
+        deepspeed.initialize(args=args, model=_net(), config=_cfg(1))
+    engine.destroy()
+
+
+def _keywords(deepspeed, rank, world_size, tmp) -> None:
+    a, *_ = deepspeed.initialize(model=_net(), config=_cfg(2, gas=2))
+    b, *_ = deepspeed.initialize(model=_net(), config_params=_cfg(2, gas=2))
+    _train(a, 4)
+    _train(b, 4, scale_wrt_gas=False)  # loss / gas by hand, not by the engine
+    for pa, pb in zip(a.module.parameters(), b.module.parameters()):
+        torch.testing.assert_close(pa, pb)
+    with pytest.raises(AssertionError, match="no_sync"):
+        with a.no_sync():
+            pass
+    loss = a(torch.ones(2, 4)).sum()
+    a.backward(loss, retain_graph=True)
+    a.backward(loss)  # the graph was kept
+    a.step()
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self, **kwargs):
+            seen.append(kwargs)
+
+    c, _, _, sched = deepspeed.initialize(model=_net(), config=_cfg(0),
+                                          lr_scheduler=lambda o: Recorder(o))
+    assert isinstance(sched, Recorder)
+    loss = c(torch.ones(2, 4)).sum()
+    c.backward(loss)
+    c.step(lr_kwargs={"increment": 3})
+    assert seen == [{"increment": 3}]
+
+    net = _net()
+    d, opt, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.25),
+                                      config={"train_batch_size": 2 * world_size,
+                                              "zero_optimization": {"stage": 3,
+                                                "stage3_gather_16bit_weights_on_model_save": True}})
+    assert opt.param_groups[0]["lr"] == 0.25 and opt is d.optimizer
+    _train(d, 2)
+    ckpt = os.path.join(tmp, "ckpt")
+    assert d.save_checkpoint(ckpt, client_state={"k": 1}, save_latest=True,
+                             exclude_frozen_parameters=False)
+    weights = [p.detach().clone() for p in d.module.parameters()]
+    _train(d, 1)
+    path, client = d.load_checkpoint(ckpt, load_module_strict=True, load_module_only=True)
+    assert client == {"k": 1} and path
+    with deepspeed.zero.GatheredParameters(list(d.module.parameters())):
+        for p, w in zip(d.module.parameters(), weights):
+            torch.testing.assert_close(p, w) if p.numel() == w.numel() else None
+    assert d.save_16bit_model(tmp, save_filename="m16.bin")
+    if rank == 0:
+        assert sorted(torch.load(os.path.join(tmp, "m16.bin"))) == sorted(net.state_dict())
+
+
+def _submodules(deepspeed, rank, world_size, tmp) -> None:
+    from zeromem.deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    assert acc.device_name() == "cpu" and acc.device_name(1) == "cpu"
+    assert acc.device_count() >= 1 and acc.is_bf16_supported() and acc.is_available()
+    acc.synchronize()
+    acc.set_device(rank)
+    assert acc.communication_backend_name() == "gloo"
+    comm = deepspeed.comm
+    assert (comm.get_rank(), comm.get_world_size(), comm.get_local_rank()) == (rank, world_size, rank)
+    t = torch.ones(1)
+    comm.all_reduce(t)
+    assert t.item() == world_size
+    assert comm.broadcast_object(f"r{rank}") == "r0"
+    comm.barrier()
+    cfg = _cfg(3)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        net = _net()
+    assert net[0].weight.numel() == 0  # partitioned at construction
+    with deepspeed.zero.GatheredParameters(net[0].weight):
+        assert net[0].weight.shape == (8, 4)
+    engine, *_ = deepspeed.initialize(model=net, config=cfg)
+    with deepspeed.zero.GatheredParameters(engine.module[2].weight, modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                engine.module[2].weight.fill_(0.5)
+    with deepspeed.zero.GatheredParameters(engine.module[2].weight):
+        assert bool((engine.module[2].weight == 0.5).all())
+    assert deepspeed.checkpointing.checkpoint is not None
+    groups = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(net.parameters())})
+    assert len(groups) == 1
+
+
+def _cases(rank: int, world_size: int, tmp: str) -> None:
+    import zeromem.deepspeed as deepspeed
+    _getters_and_module(deepspeed, rank, world_size, tmp)
+    _keywords(deepspeed, rank, world_size, tmp)
+    _submodules(deepspeed, rank, world_size, tmp)
+
+
+def test_deepspeed_api_surface(tmp_path):
+    run_distributed(_cases, 2, str(tmp_path))
