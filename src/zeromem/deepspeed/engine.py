@@ -197,6 +197,8 @@ class DeepSpeedEngine(nn.Module):
         if chosen != str(save_dir):
             log.warning("rank %d: save_checkpoint(%s) writes to rank 0's directory %s",
                         self.global_rank, save_dir, chosen)
+        _refuse_unsupported(save_latest=(save_latest, True),
+                            exclude_frozen_parameters=(exclude_frozen_parameters, False))
         self.engine.save_checkpoint(chosen, tag, client_state if client_state else None)
         return True
 
@@ -205,6 +207,7 @@ class DeepSpeedEngine(nn.Module):
                         load_module_only: bool = False) -> tuple[str, Any]:
         """(path, client_state). Loading is always strict; `load_module_only` keeps
         the optimizer and scheduler as they are."""
+        _refuse_unsupported(load_module_strict=(load_module_strict, True))
         if load_module_only:
             load_optimizer_states = load_lr_scheduler_states = False
         path, client_state = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states,
@@ -213,6 +216,7 @@ class DeepSpeedEngine(nn.Module):
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
+        _refuse_unsupported(exclude_frozen_parameters=(exclude_frozen_parameters, False))
         self.engine.save_16bit_model(save_dir, save_filename)
         return True
 
@@ -223,3 +227,13 @@ class DeepSpeedEngine(nn.Module):
     def destroy(self) -> None:
         """Release offload storage; the engine must not be used afterwards."""
         self.engine.close()
+
+
+def _refuse_unsupported(**given: tuple[Any, Any]) -> None:
+    """DeepSpeed keyword arguments zeromem does not honour: an error when set away from the
+    default, never a silent no-op (a checkpoint without `latest`, or with frozen weights the
+    caller meant to leave out, would surprise a later load)."""
+    for name, (value, default) in given.items():
+        if value != default:
+            raise NotImplementedError(f"{name}={value!r} is not supported by zeromem "
+                                      f"(only {default!r}): leave it at its default")
