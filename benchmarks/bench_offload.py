@@ -48,8 +48,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
-from zeromem.swap import AsyncIO, BufferPool, SwapSpace, aligned_empty  # noqa: E402
-from zeromem.swap_optimizer import _adam_update  # noqa: E402
+from zeromem.offload.nvme import AsyncIO, BufferPool, SwapSpace, aligned_empty  # noqa: E402
+from zeromem.offload.nvme_optimizer import _adam_update  # noqa: E402
 
 MB = 1 << 20
 

@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from harness import run_distributed
-from zeromem import activations as act
-from zeromem.activations import ActivationCheckpointing, CheckpointingConfig, checkpoint
+from zeromem.activations import recompute as act
+from zeromem.activations.recompute import ActivationCheckpointing, CheckpointingConfig, checkpoint
 
 HIDDEN, BATCH, BLOCKS = 32, 48, 8
 ACT_BYTES = HIDDEN * BATCH * 4  # one fp32 block input; distinct from every weight's size

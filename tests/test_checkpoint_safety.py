@@ -24,8 +24,8 @@ import torch
 
 from test_checkpoints import BufferedLM, config, train
 import zeromem
-from zeromem.checkpoints import CheckpointError
-from zeromem.consolidate import file_digest
+from zeromem.checkpoints.save_load import CheckpointError
+from zeromem.checkpoints.consolidate import file_digest
 
 
 def engine_of(stage: int = 2, seed: int = 0, **extra):
@@ -245,8 +245,8 @@ def test_damaged_manifest_is_refused_naming_the_field_and_changes_nothing(tmp_pa
 HOLDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from zeromem.swap import AsyncIO, SwapSpace
-    from zeromem.consolidate import prepare_tmp
+    from zeromem.offload.nvme import AsyncIO, SwapSpace
+    from zeromem.checkpoints.consolidate import prepare_tmp
     root = Path(sys.argv[1])
     space = SwapSpace(root / "nvme", 0, AsyncIO(threads=1))
     space.file("states", 4096)
@@ -257,7 +257,7 @@ HOLDER = textwrap.dedent("""
 
 
 def test_leftovers_of_a_killed_run_are_reclaimed_and_a_live_runs_kept(tmp_path):
-    from zeromem.swap import AsyncIO, SwapSpace
+    from zeromem.offload.nvme import AsyncIO, SwapSpace
     (tmp_path / "nvme").mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], env=env,

@@ -25,9 +25,9 @@ from torch import nn
 import zeromem
 from harness import run_distributed
 from models import Reference, TinyLM, micro_batch, uses_sometimes
-from zeromem import checkpoints as ckpt
-from zeromem.checkpoints import CheckpointError, group_pieces
-from zeromem.consolidate import (CHUNK_BYTES, Piece, SafetensorsReader, TensorSpec,
+from zeromem.checkpoints import save_load as ckpt
+from zeromem.checkpoints.save_load import CheckpointError, group_pieces
+from zeromem.checkpoints.consolidate import (CHUNK_BYTES, Piece, SafetensorsReader, TensorSpec,
                                  check_coverage, decode, encode, load_consolidated,
                                  overlaps, write_safetensors)
 from zeromem.flat import FlatParamGroup, Sharding
@@ -527,7 +527,7 @@ def test_consolidate_memory_is_bounded_by_the_largest_tensor(tmp_path):
         import sys
         import torch, safetensors.torch
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from zeromem.consolidate import consolidate
+        from zeromem.checkpoints.consolidate import consolidate
         with FakeTensorMode():  # torch's one-time set-up of fake tensors (~70 MiB of code)
             torch.empty(1)
         status = lambda key: int(next(l.split()[1] for l in open("/proc/self/status")

@@ -1,4 +1,4 @@
-"""Schema fuzz of zeromem.config: every wrong value is a ConfigError naming its dotted key.
+"""Schema fuzz of zeromem.config.schema: every wrong value is a ConfigError naming its dotted key.
 
 For every field of the schema (leaves and blocks, the optimizer's and the schedules'
 keywords included) the cases are generated from its annotation: booleans where a number
@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from zeromem import schedulers
-from zeromem.config import (Config, ConfigError, OptimizerConfig, _optimizer_params_model,
+from zeromem.config.schema import (Config, ConfigError, OptimizerConfig, _optimizer_params_model,
                             _scheduler_params_model)
 
 HUGE = 10**400

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeromem.consolidate import consolidate
+from zeromem.checkpoints.consolidate import consolidate
 
 EXAMPLES = Path(__file__).parent / "data" / "deepspeed_examples"
 SRC = Path(__file__).parents[1] / "src"

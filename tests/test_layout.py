@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from zeromem.engine import _bucket_params
-from zeromem.estimate import reduce_buckets
+from zeromem.planning.estimate import reduce_buckets
 from zeromem.layout import ShardLayout, pack_buckets, padded_numel, slices_of
 
 

@@ -13,9 +13,9 @@ import zeromem
 from harness import run_distributed
 from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
 from test_parity import config
-from zeromem.offload import OffloadError
-from zeromem.swap import ALIGN, AsyncIO, BufferPool, SwapFile, SwapSpace, aligned_empty
-from zeromem.swap_optimizer import plan_sub_groups
+from zeromem.offload.placement import OffloadError
+from zeromem.offload.nvme import ALIGN, AsyncIO, BufferPool, SwapFile, SwapSpace, aligned_empty
+from zeromem.offload.nvme_optimizer import plan_sub_groups
 
 STEPS = 3
 SUB_GROUP = 37  # elements: TinyLM's shard is cut into many sub-groups, so the pipeline runs
@@ -282,7 +282,7 @@ def placement_engine(path, stage: int, gas: int, zero: dict):
 def test_parameter_placement_is_given_to_the_fetch_units_at_construction(tmp_path):
     """The policy is read once; units and runner hold the engine's parameter placement, the
     shards are in the file right after construction, and the runner's order drives read-ahead."""
-    from zeromem.offload import MastersOnNvme, OffloadPolicy, ParamsOnNvme
+    from zeromem.offload.placement import MastersOnNvme, OffloadPolicy, ParamsOnNvme
     assert MastersOnNvme.__mro__ == (MastersOnNvme, object)  # composition, no chain
     engine = placement_engine(tmp_path, 3, 1, {
         "offload_optimizer": nvme(str(tmp_path)), "sub_group_size": SUB_GROUP,

@@ -9,7 +9,7 @@ from models import micro_batch
 from test_parity import build, config
 from test_stage3 import Deep
 from zeromem.comm import Comm
-from zeromem.partition import materialize, partitioned_bytes
+from zeromem.stage3.partitioned_init import materialize, partitioned_bytes
 
 
 def init_memory_and_values(rank, world_size):

@@ -10,13 +10,13 @@ from torch import nn
 import zeromem
 from harness import run_distributed
 from zeromem.cli import main
-from zeromem.estimate import (ModelShape, Widths, ZeroLayout, activation_memory,
+from zeromem.planning.estimate import (ModelShape, Widths, ZeroLayout, activation_memory,
                               deepspeed_estimate, exact_model_states, max_params,
                               paper_activation_bytes, parse_bytes, parse_count)
 from zeromem.memory import model_state_formula
-from zeromem.planner import (Hardware, Setup, Workload, estimate, load_model, plan,
+from zeromem.planning.planner import (Hardware, Setup, Workload, estimate, load_model, plan,
                              predict_memory, shape_of)
-from zeromem.report import load_ledgers, write_report
+from zeromem.planning.report import load_ledgers, write_report
 
 GB = 1e9
 

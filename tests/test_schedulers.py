@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from zeromem.config import Config
+from zeromem.config.schema import Config
 from zeromem.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 

@@ -14,7 +14,7 @@ import zeromem
 from harness import run_distributed
 from models import Reference, TinyLM, micro_batch, state_dict_diff
 from test_parity import config
-from zeromem.stage3 import Stage3DivergenceError
+from zeromem.stage3.fetch import Stage3DivergenceError
 
 
 class Reuse(nn.Module):

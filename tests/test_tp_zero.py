@@ -8,7 +8,7 @@ import torch.distributed as dist
 import zeromem
 from harness import run_distributed
 from train_tp import TPModel
-from zeromem.activations import estimate_checkpoint_bytes
+from zeromem.activations.recompute import estimate_checkpoint_bytes
 from zeromem.tensor_parallel import make_2d_groups
 
 

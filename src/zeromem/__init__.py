@@ -12,17 +12,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpointing
-from .activations import checkpoint
-from .comm import Comm
-from .config import Config, ConfigError
-from .distributed import LIFECYCLE, default_store, ensure_process_group, shutdown
-from .consolidate import CheckpointError
-from .engine import Engine
-from .knobs import check_knobs
-from .swap import OffloadError
-from .partition import GatheredParameters, Init
-from .rank_check import RankMismatchError, check_ranks_agree
+from zeromem import checkpointing
+from zeromem.activations.recompute import checkpoint
+from zeromem.comm import Comm
+from zeromem.config.schema import Config, ConfigError
+from zeromem.distributed import LIFECYCLE, default_store, ensure_process_group, shutdown
+from zeromem.checkpoints.consolidate import CheckpointError
+from zeromem.engine import Engine
+from zeromem.config.support import check_knobs
+from zeromem.offload.nvme import OffloadError
+from zeromem.stage3.partitioned_init import GatheredParameters, Init
+from zeromem.rank_check import RankMismatchError, check_ranks_agree
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "checkpoint",
            "checkpointing", "Init", "GatheredParameters", "OffloadError", "RankMismatchError",

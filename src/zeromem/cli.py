@@ -50,7 +50,7 @@ def _estimate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
-    from .estimate import deepspeed_estimate, estimate, format_bytes, parse_count
+    from zeromem.planning.estimate import deepspeed_estimate, estimate, format_bytes, parse_count
 
     result = estimate(args.params, args.dp, k=args.k, gpu_mem=args.gpu_mem, units=args.units,
                       offload=args.offload, offload_param=args.offload_param, mp=args.mp,
@@ -103,8 +103,8 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .estimate import parse_bytes
-    from .planner import Hardware, Workload, load_model, plan, shape_of
+    from zeromem.planning.estimate import parse_bytes
+    from zeromem.planning.planner import Hardware, Workload, load_model, plan, shape_of
 
     model, cfg = load_model(args.model)
     name = Path(args.model).stem if args.model.endswith(".json") else args.model
@@ -135,7 +135,7 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from .report import load_ledgers, write_report
+    from zeromem.planning.report import load_ledgers, write_report
 
     first = Path(args.runs[0])
     out = Path(args.out) if args.out else (first if first.is_dir() else first.parent)
@@ -153,7 +153,7 @@ def _consolidate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
-    from .consolidate import consolidate
+    from zeromem.checkpoints.consolidate import consolidate
     print(consolidate(args.ckpt_dir, args.out, tag=args.tag))
     return 0
 

@@ -24,24 +24,25 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from . import activations, checkpoints
-from .comm import Comm
-from .config import Config
-from .distributed import default_store, gather_timeout_s
-from .flat import FlatParamGroup, Sharding
-from .layout import pack_buckets
-from .grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
-from .memory import Ledger, MemoryReport, model_state_formula
-from .module_state import LoadIntoMasters, broadcast_from_rank0
-from .offload import build_offload
-from .optim import normalize_param_groups, optimizer_state_bytes_per_param
-from .partition import materialize, materialize_meta
-from .precision import make_scaler
-from .schedulers import build_scheduler
-from .stage3 import FetchUnit, LiveStats, Stage3Limits, Stage3Runner, fetch_unit_modules
-from .tensor_parallel import ModelParallelNorm
-from .timers import PhaseTimers
-from .training_state import RngState, StepCounters, TrainingState
+from zeromem.activations import recompute as activations
+from zeromem.checkpoints import save_load as checkpoints
+from zeromem.comm import Comm
+from zeromem.config.schema import Config
+from zeromem.distributed import default_store, gather_timeout_s
+from zeromem.flat import FlatParamGroup, Sharding
+from zeromem.layout import pack_buckets
+from zeromem.grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
+from zeromem.memory import Ledger, MemoryReport, model_state_formula
+from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0
+from zeromem.offload.placement import build_offload
+from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
+from zeromem.stage3.partitioned_init import materialize, materialize_meta
+from zeromem.precision import make_scaler
+from zeromem.schedulers import build_scheduler
+from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule, fetch_unit_modules
+from zeromem.tensor_parallel import ModelParallelNorm
+from zeromem.timers import PhaseTimers
+from zeromem.training_state import RngState, StepCounters, TrainingState
 
 log = logging.getLogger("zeromem")
 
@@ -93,7 +94,7 @@ class Engine:
         materialize(self.module.parameters(), self.comm)  # frozen ones built under Init
         self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
         self.psi = sum(g.numel for g in self.groups)
-        # where masters, optimizer states and parameter shards live (offload.py); built
+        # where masters, optimizer states and parameter shards live (offload/placement.py); built
         # before the stage-3 units, which receive the parameter placement
         self.offload = build_offload(config, self.groups, comm.rank)
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer)
@@ -148,7 +149,7 @@ class Engine:
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
         group_of = {id(p): gi for gi, pg in enumerate(param_groups) for p in pg["params"]}
         if sharding.params:
-            self.unit_modules = []  # (module, its parameters) per fetch unit, see stage3.py
+            self.unit_modules = []  # (module, its parameters) per fetch unit, see stage3/fetch.py
             parts = []
             for module, params in fetch_unit_modules(self.module, fetch_units):
                 for gi in sorted({group_of[id(p)] for p in params if id(p) in group_of}):
@@ -163,7 +164,7 @@ class Engine:
             parts += [(gi, bucket) for bucket in _bucket_params(params, bucket_numel)]
         return parts
 
-    def _build_stage3(self) -> Stage3Runner:
+    def _build_stage3(self) -> FetchSchedule:
         """One FetchUnit per (module, flat group); small units stay whole (persistent)."""
         zero = self.config.zero_optimization
         group_of = {id(g.params[0]): g for g in self.groups}
@@ -177,7 +178,7 @@ class Engine:
         limits = Stage3Limits(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
                               zero.stage3_max_reuse_distance,
                               gather_timeout_s(self.config.zeromem.gather_timeout_s))
-        return Stage3Runner(self.module, module_units, limits, self.live_params, self.comm,
+        return FetchSchedule(self.module, module_units, limits, self.live_params, self.comm,
                             default_store(), self.offload.params, self.reducer)
 
     # -- training loop -------------------------------------------------------
@@ -300,7 +301,7 @@ class Engine:
         """The pre-clip global gradient norm of the last step."""
         return self.grad_norm
 
-    # -- checkpoints (checkpoints.py) -------------------------------------------
+    # -- checkpoints (checkpoints/save_load.py) -------------------------------------------
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None) -> str:
         """Atomic sharded checkpoint, loadable under any world size and stage; collective."""
         return checkpoints.save_checkpoint(self.training_state(), save_dir, tag, client_state)
@@ -321,7 +322,7 @@ class Engine:
         return checkpoints.save_16bit_model(self.training_state(), save_dir, filename)
 
     def training_state(self) -> TrainingState:
-        """What checkpoints read and restore (checkpoints.py never sees the engine)."""
+        """What checkpoints read and restore (checkpoints/save_load.py never sees the engine)."""
         stateful = {"counters": self.counters, "scaler": self.scaler, "rng": RngState()}
         if self.lr_scheduler is not None:
             stateful["lr_scheduler"] = self.lr_scheduler

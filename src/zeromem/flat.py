@@ -30,8 +30,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .comm import Comm, Pending
-from .layout import ShardLayout, padded_numel, slices_of
+from zeromem.comm import Comm, Pending
+from zeromem.layout import ShardLayout, padded_numel, slices_of
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class FlatParamGroup:
             self._empty_params()
             self._state = GroupState.SHARDED
         self._master = self._param_shard if master is None else master  # fp32: no second copy
-        self._grads = None  # set by `attach_grads` (engine.py, offload.py); see grads.py
+        self._grads = None  # set by `attach_grads` (engine.py, offload/placement.py); see grads.py
 
     # -- read-only views of the owned state ---------------------------------
     @property

@@ -32,8 +32,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .comm import Comm, Pending
-from .flat import FlatParamGroup
+from zeromem.comm import Comm, Pending
+from zeromem.flat import FlatParamGroup
 
 
 class WholeAllReduced:

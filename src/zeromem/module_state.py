@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm import Comm
-from .flat import FlatParamGroup, ParamSlot
+from zeromem.comm import Comm
+from zeromem.flat import FlatParamGroup, ParamSlot
 
 
 def broadcast_from_rank0(module: nn.Module, comm: Comm) -> None:
@@ -99,7 +99,7 @@ class LoadIntoMasters:
                     start, at, n = g.owned_slice(slot)
                     if n and not g.master_aliases_params():
                         g.master[start:start + n].copy_(value.detach().reshape(-1)[at:at + n])
-            params = self.offload.params  # the parameter home (param_offload.py)
+            params = self.offload.params  # the parameter home (offload/params.py)
             for pid, value in loaded.items():
                 g, slot = self.slot_of[pid]
                 start, at, n = g.owned_slice(slot)

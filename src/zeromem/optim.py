@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from .config import ConfigError
+from zeromem.config.schema import ConfigError
 
 log = logging.getLogger("zeromem")
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Comm
-from .config import Config, ConfigError
-from .partition import _SHARDS  # parameters built under Init keep their whole shape there
+from zeromem.comm import Comm
+from zeromem.config.schema import Config, ConfigError
+from zeromem.stage3.partitioned_init import _SHARDS  # parameters built under Init keep their whole shape there
 
 SHOWN = 8  # differing keys / parameters listed in the message
 # Keys that may differ by rank without changing the numbers: each node (or rank) may

@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 if TYPE_CHECKING:
-    from zeromem.config import SchedulerConfig
+    from zeromem.config.schema import SchedulerConfig
 
 logger = logging.getLogger("zeromem")
 
@@ -135,7 +135,7 @@ class WarmupCosineLR(_ClosedFormSchedule):
         return base_lr * self.ratio(step)
 
 
-# DeepSpeed scheduler name -> class; config.py validates params against these signatures.
+# DeepSpeed scheduler name -> class; config/schema.py validates params against these signatures.
 SCHEDULERS: dict[str, type[_ClosedFormSchedule]] = {
     "WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
 

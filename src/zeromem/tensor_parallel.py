@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import Comm
+from zeromem.comm import Comm
 
 
 def model_parallel_comm(group: Any) -> Comm | None:

@@ -1,6 +1,6 @@
 """The narrow boundary between the engine and its training checkpoints.
 
-The engine hands `checkpoints.py` a `TrainingState`: the module, the flat groups,
+The engine hands `checkpoints/save_load.py` a `TrainingState`: the module, the flat groups,
 the optimizer, the communicator, a few facts of the run, and the small pieces of
 state as `Stateful` objects (torchtitan's protocol): the loss scaler, the lr
 scheduler, the step counters and the random number generators. Checkpoint code
@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .comm import Comm
+from zeromem.comm import Comm
 
 
 @runtime_checkable

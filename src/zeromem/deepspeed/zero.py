@@ -1,13 +1,13 @@
 """DeepSpeed's `deepspeed.zero`: `Init` and `GatheredParameters` with DeepSpeed's arguments.
 
-Both delegate to `zeromem.partition`; this module only maps DeepSpeed's keyword
+Both delegate to `zeromem.stage3.partitioned_init`; this module only maps DeepSpeed's keyword
 names (`config_dict_or_path`, `data_parallel_group`, `fwd_module`) onto zeromem's.
 """
 from __future__ import annotations
 
 import logging
 
-from .. import partition
+from ..stage3 import partitioned_init as partition
 
 log = logging.getLogger("zeromem")
 

@@ -12,7 +12,7 @@ whole floats such as 5e8. Every failure is a `ConfigError` naming the dotted key
 
 This module holds the block models, `Config.load`, `describe` and the feature gate; the
 rules applied around them (error messages, key renames, "auto", the batch triple) live in
-`zeromem.config_rules`, and `ConfigError` and `resolve_batch` are re-exported from here.
+`zeromem.config.rules`, and `ConfigError` and `resolve_batch` are re-exported from here.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 from pydantic_core import PydanticCustomError
 
 from zeromem import schedulers
-from zeromem.config_rules import (AIO_RENAMED, BATCH_KEYS, TOP_LEVEL_RENAMED, ZERO_RENAMED,
+from zeromem.config.rules import (AIO_RENAMED, BATCH_KEYS, TOP_LEVEL_RENAMED, ZERO_RENAMED,
                                   ConfigError, humanise, map_cpu_offload, map_renamed_keys,
                                   resolve_auto, resolve_batch)
 

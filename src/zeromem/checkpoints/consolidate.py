@@ -1,11 +1,11 @@
 """The checkpoint format, usable without a process group, and `zeromem consolidate`.
 
-File-level half of the layout described in `checkpoints.py` (which holds the
+File-level half of the layout described in `checkpoints/save_load.py` (which holds the
 engine-level half): checksums, the JSON codec for small state, the piece index
 of a manifest, the publishing protocol (`.tmp-<tag>` -> `<tag>` -> `latest`) and
 `consolidate()`, which turns any checkpoint into one full fp32 state dict with
 memory bounded by CHUNK_BYTES whatever the model size. The streaming safetensors
-and torch.save files themselves are written and read by `tensor_files.py`; its
+and torch.save files themselves are written and read by `checkpoints/tensor_files.py`; its
 names are re-exported here.
 """
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .leftovers import OWNER, reclaim_stale, write_owner
-from .manifest import validate_manifest
-from .tensor_files import (CHUNK_BYTES, CheckpointError, SafetensorsReader, TensorSpec,
+from zeromem.leftovers import OWNER, reclaim_stale, write_owner
+from zeromem.checkpoints.manifest import validate_manifest
+from zeromem.checkpoints.tensor_files import (CHUNK_BYTES, CheckpointError, SafetensorsReader, TensorSpec,
                            shape_numel, write_output)
-# Re-exported: these lived here before tensor_files.py; tests and callers import them from here.
-from .tensor_files import (load_consolidated, tensor_bytes, write_safetensors,  # noqa: F401
+# Re-exported: these lived here before checkpoints/tensor_files.py; tests and callers import them from here.
+from zeromem.checkpoints.tensor_files import (load_consolidated, tensor_bytes, write_safetensors,  # noqa: F401
                            write_state_dict, write_torch_stream)
 
 log = logging.getLogger("zeromem")

@@ -55,11 +55,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from .comm import Comm, Pending
-from .flat import FlatParamGroup, GroupState
-from .grads import Reducer
-from .param_offload import ParamPlacement, ParamsOnDevice
-from .partition import register_units
+from zeromem.comm import Comm, Pending
+from zeromem.flat import FlatParamGroup, GroupState
+from zeromem.grads import Reducer
+from zeromem.offload.params import ParamPlacement, ParamsOnDevice
+from zeromem.stage3.partitioned_init import register_units
 
 
 class Stage3DivergenceError(RuntimeError):
@@ -164,7 +164,7 @@ class _PreBackward(torch.autograd.Function):
     """Identity whose backward gathers a module's units before their gradients are needed."""
 
     @staticmethod
-    def forward(ctx, runner: "Stage3Runner", module_id: int, *tensors):
+    def forward(ctx, runner: "FetchSchedule", module_id: int, *tensors):
         ctx.runner, ctx.module_id = runner, module_id
         views = tuple(t.view_as(t) for t in tensors)
         return views if len(views) > 1 else views[0]
@@ -178,7 +178,7 @@ class _PreBackward(torch.autograd.Function):
 class _ParamUseTracer(TorchFunctionMode):
     """Records which units' parameters each running module reads (passes of unknown order)."""
 
-    def __init__(self, runner: "Stage3Runner"):
+    def __init__(self, runner: "FetchSchedule"):
         super().__init__()
         self.runner = runner
 
@@ -197,7 +197,7 @@ class _ParamUseTracer(TorchFunctionMode):
 class _Tracing:
     """The tracer and the eager stance it needs, entered and left as one (the root's pass)."""
 
-    def __init__(self, runner: Stage3Runner):
+    def __init__(self, runner: FetchSchedule):
         self.tracer = _ParamUseTracer(runner)
         self.eager = None
 
@@ -219,7 +219,7 @@ def _branch_flags(args: tuple, kwargs: dict) -> tuple:
             + tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, flag))))
 
 
-class Stage3Runner:
+class FetchSchedule:
     """Installs the gather/release hooks on a module tree and runs the prefetch schedule."""
 
     def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, FetchUnit]],

@@ -1,7 +1,7 @@
-"""The rules `zeromem.config` applies around its pydantic blocks (REFERENCE.md section 2).
+"""The rules `zeromem.config.schema` applies around its pydantic blocks (REFERENCE.md section 2).
 
 Kept apart from the block models so each can be read alone; nothing here imports
-`zeromem.config`, which re-exports the public names (`ConfigError`, `resolve_batch`).
+`zeromem.config.schema`, which re-exports the public names (`ConfigError`, `resolve_batch`).
 
 - error messages: turning a pydantic `ValidationError` into one `ConfigError` message that
   names the dotted key, with "did you mean ...?" for unknown keys;
@@ -26,7 +26,7 @@ logger = logging.getLogger("zeromem")
 class ConfigError(ValueError):
     """An invalid config; the message names the offending key by its dotted path."""
 
-    __module__ = "zeromem.config"  # its public home, which re-exports it
+    __module__ = "zeromem.config.schema"  # its public home, which re-exports it
 
 
 # ---------------------------------------------------------------- error messages

@@ -37,8 +37,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .flat import FlatParamGroup
-from .swap import ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace, round_up
+from zeromem.flat import FlatParamGroup
+from zeromem.offload.nvme import ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace, round_up
 
 _adam = importlib.import_module("torch.optim.adam")  # the functional kernels behind torch.optim
 _sgd = importlib.import_module("torch.optim.sgd")

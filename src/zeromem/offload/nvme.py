@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from .leftovers import reclaim_stale, write_owner
+from zeromem.leftovers import reclaim_stale, write_owner
 
 log = logging.getLogger("zeromem")
 

@@ -27,9 +27,9 @@ from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .comm import Comm
-from .distributed import ensure_process_group
-from .layout import ShardLayout
+from zeromem.comm import Comm
+from zeromem.distributed import ensure_process_group
+from zeromem.layout import ShardLayout
 
 
 @dataclass

@@ -48,8 +48,8 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
-from .flat import FlatParamGroup
-from .swap import BufferPool, IOHandle, OffloadError, SwapSpace, round_up
+from zeromem.flat import FlatParamGroup
+from zeromem.offload.nvme import BufferPool, IOHandle, OffloadError, SwapSpace, round_up
 
 __all__ = ["ParamPlacement", "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme", "host_empty"]
 

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Comm
+from zeromem.comm import Comm
 
 logger = logging.getLogger("zeromem")
 
@@ -240,7 +240,7 @@ class _StoredTensor:
         self.release()
 
 
-class CheckpointStore:
+class ActivationStore:
     """Stores checkpoint inputs as the policy says (Pa, Pa+cpu, MD) and restores them."""
 
     def __init__(self, config: CheckpointingConfig, ledger: CheckpointLedger) -> None:
@@ -357,7 +357,7 @@ def _autocast_devices() -> tuple[str, ...]:
 class _Segment:
     """One checkpointed call: its function, argument layout, stored inputs and RNG state."""
 
-    def __init__(self, function: Callable, args: tuple, kwargs: dict, store: CheckpointStore,
+    def __init__(self, function: Callable, args: tuple, kwargs: dict, store: ActivationStore,
                  preserve_rng_state: bool) -> None:
         self.function = function
         self.store = store
@@ -478,7 +478,7 @@ class ActivationCheckpointing:
     def configure(self, config: CheckpointingConfig) -> None:
         """Adopt a new policy; checkpoints stored under the old one still restore."""
         self.config = config
-        self.store = CheckpointStore(config, self.ledger)
+        self.store = ActivationStore(config, self.ledger)
         self.ledger.pool = {DEVICE: 0, HOST: 0}  # the old pool goes with the old store
         if config.partition_activations and config.mp_size == 1 and not self._said_pa_is_noop:
             self._said_pa_is_noop = True

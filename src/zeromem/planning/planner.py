@@ -2,7 +2,7 @@
 
 The model is built on the meta device (nothing is allocated) from a factory
 (`package.module:function`) or from a Hugging Face-style config JSON, which is
-turned into an equivalent GPT shape list (`model_shapes.py`; `load_model` and
+turned into an equivalent GPT shape list (`planning/model_shapes.py`; `load_model` and
 `shape_of` are re-exported here). From the real parameter shapes the
 planner computes each rank's memory exactly as the engine lays it out
 (`estimate.exact_model_states`: reduce buckets, padding to N_d, fetch units and
@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import Config
-from .estimate import (ActivationMemory, ModelShape, ShapeMemory, Widths, ZeroLayout,
+from zeromem.config.schema import Config
+from zeromem.planning.estimate import (ActivationMemory, ModelShape, ShapeMemory, Widths, ZeroLayout,
                        activation_memory, estimate, exact_model_states, format_bytes,
                        format_count, paper_activation_bytes)
-from .model_shapes import load_model, shape_of
+from zeromem.planning.model_shapes import load_model, shape_of
 
 __all__ = ["estimate", "plan", "load_model", "shape_of", "predict_memory", "Plan", "Hardware",
            "Workload", "Setup"]

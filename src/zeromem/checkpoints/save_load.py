@@ -63,16 +63,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .checkpoint_state import (check_states, counters_state, param_groups_state, read_rng,
+from zeromem.checkpoints.state import (check_states, counters_state, param_groups_state, read_rng,
                                restore_counters, restore_param_groups, restore_scaler,
                                restore_scheduler, rng_to_file, saved_scalar_state, scalar_states,
                                scaler_state, scheduler_state)
-from .consolidate import (CLIENT_STATE, FORMAT, MANIFEST, VERSION, Piece, checked_files, encode,
+from zeromem.checkpoints.consolidate import (CLIENT_STATE, FORMAT, MANIFEST, VERSION, Piece, checked_files, encode,
                           file_digest, overlaps, pieces_by_param, rank_file_name, read_manifest,
                           check_tag, fsync_dir, prepare_tmp, publish, raise_problems,
                           resolve_checkpoint, verify_file, write_latest, write_manifest)
-from .tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
-from .training_state import TrainingState
+from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
+from zeromem.training_state import TrainingState
 
 log = logging.getLogger("zeromem")
 
@@ -172,7 +172,7 @@ def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str 
     _collective(state, "preparing the checkpoint directory",
                 lambda: prepare_tmp(root, tmp) if rank == 0 else None)
     try:
-        with state.resident():  # masters and optimizer states in memory (offload.py)
+        with state.resident():  # masters and optimizer states in memory (offload/placement.py)
             manifest = _collective(state, "describing the checkpoint",
                                    lambda: _build_manifest(state, tag) if rank == 0 else None)
             digest, error = _attempt(lambda: _write_rank_file(state, tmp, rank))
@@ -369,7 +369,7 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
     staged = _collective(state, "reading the checkpoint",
                          lambda: _stage(state, path, manifest, load_optimizer_states,
                                         trust_client_state))
-    with state.resident():  # masters and optimizer states in memory (offload.py)
+    with state.resident():  # masters and optimizer states in memory (offload/placement.py)
         _apply(state, staged, load_lr_scheduler_states)
     state.refresh_params()  # the compute-dtype parameters from the loaded masters
     log.info("loaded checkpoint %s (saved by %d ranks at stage %d)", path,
@@ -538,7 +538,7 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
             "rank 0, which zeromem does only when "
             "zero_optimization.stage3_gather_16bit_weights_on_model_save is true; set it, or "
             "call save_checkpoint and run `zeromem consolidate CKPT_DIR OUT`")
-    from .tensor_files import write_state_dict
+    from zeromem.checkpoints.tensor_files import write_state_dict
 
     with state.resident():
         weights = _gathered_state_dict(state, state.compute_dtype)

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from .memory import CATEGORIES
+from zeromem.memory import CATEGORIES
 
 MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
 _COLORS = {"params": "#4C72B0", "grads": "#DD8452", "master_params": "#55A868",

@@ -5,10 +5,10 @@ Each kind has a capture and a restore, over the `Stateful` objects of a
 `TrainingState` (scaler, lr scheduler, counters, RNG) or the optimizer. At save,
 each rank's generator states go into its own safetensors file (`rng/cpu`,
 `rng/cuda<i>`, `rng/numpy`; Python's in the metadata); the rest is JSON
-(`consolidate.encode`) in rank 0's manifest (see `checkpoints.py` for the layout). At load, `read_rng` and `saved_scalar_state`
+(`consolidate.encode`) in rank 0's manifest (see `checkpoints/save_load.py` for the layout). At load, `read_rng` and `saved_scalar_state`
 read while the checkpoint is staged; the restores run only after everything was
 read and checked (`checkpoints._apply`), so a failed load changes nothing. The
-masters and per-element optimizer states (the pieces) stay in `checkpoints.py`.
+masters and per-element optimizer states (the pieces) stay in `checkpoints/save_load.py`.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .consolidate import decode, encode, rank_file_name
-from .tensor_files import CheckpointError, TensorSpec
-from .training_state import StepCounters, Stateful, TrainingState
+from zeromem.checkpoints.consolidate import decode, encode, rank_file_name
+from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec
+from zeromem.training_state import StepCounters, Stateful, TrainingState
 
 log = logging.getLogger("zeromem")
 

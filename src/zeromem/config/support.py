@@ -13,41 +13,41 @@ from __future__ import annotations
 
 import logging
 
-from .config import Config, ConfigError
+from zeromem.config.schema import Config, ConfigError
 
 log = logging.getLogger("zeromem")
 
 # dotted key -> the modules (under src/zeromem) that act on it
 READ: dict[str, tuple[str, ...]] = {
-    "train_batch_size": ("config_rules",), "train_micro_batch_size_per_gpu": ("config_rules",),
+    "train_batch_size": ("config.rules",), "train_micro_batch_size_per_gpu": ("config.rules",),
     "gradient_accumulation_steps": ("engine",), "gradient_clipping": ("engine",),
     "steps_per_print": ("engine",), "wall_clock_breakdown": ("engine",),
     "zeromem.timeout_s": ("__init__",), "zeromem.gather_timeout_s": ("engine",),
     "optimizer.type": ("optim",), "optimizer.params": ("optim",),
     "scheduler.type": ("schedulers",), "scheduler.params": ("schedulers",),
-    "fp16.enabled": ("config", "precision"), "fp16.auto_cast": ("engine",),
+    "fp16.enabled": ("config.schema", "precision"), "fp16.auto_cast": ("engine",),
     **{f"fp16.{key}": ("precision",) for key in (
         "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
         "consecutive_hysteresis", "min_loss_scale")},
-    "bf16.enabled": ("config",), "data_types.grad_accum_dtype": ("config",),
+    "bf16.enabled": ("config.schema",), "data_types.grad_accum_dtype": ("config.schema",),
     **{f"zero_optimization.{key}": ("engine",) for key in (
         "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
         "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "stage3_max_live_parameters", "stage3_max_reuse_distance")},
-    "zero_optimization.sub_group_size": ("offload",),
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("checkpoints",),
-    **{f"zero_optimization.offload_{block}.{key}": ("offload",) for block in ("param", "optimizer")
+    "zero_optimization.sub_group_size": ("offload.placement",),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("checkpoints.save_load",),
+    **{f"zero_optimization.offload_{block}.{key}": ("offload.placement",) for block in ("param", "optimizer")
        for key in ("device", "nvme_path", "pin_memory", "buffer_count")},
-    "zero_optimization.offload_param.buffer_size": ("param_offload",),
-    "zero_optimization.offload_optimizer.pipeline_read": ("swap_optimizer",),
-    "zero_optimization.offload_optimizer.pipeline_write": ("swap_optimizer",),
-    "zero_optimization.offload_optimizer.ratio": ("offload",),
-    "aio.block_size": ("swap",), "aio.queue_depth": ("swap",),
-    "aio.intra_op_parallelism": ("swap",), "aio.use_gds": ("offload",),
-    **{f"activation_checkpointing.{key}": ("activations",) for key in (
+    "zero_optimization.offload_param.buffer_size": ("offload.params",),
+    "zero_optimization.offload_optimizer.pipeline_read": ("offload.nvme_optimizer",),
+    "zero_optimization.offload_optimizer.pipeline_write": ("offload.nvme_optimizer",),
+    "zero_optimization.offload_optimizer.ratio": ("offload.placement",),
+    "aio.block_size": ("offload.nvme",), "aio.queue_depth": ("offload.nvme",),
+    "aio.intra_op_parallelism": ("offload.nvme",), "aio.use_gds": ("offload.placement",),
+    **{f"activation_checkpointing.{key}": ("activations.recompute",) for key in (
         "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
         "number_checkpoints", "synchronize_checkpoint_boundary", "profile")},
-    "checkpoint.tag_validation": ("checkpoints",),
+    "checkpoint.tag_validation": ("checkpoints.save_load",),
 }
 
 # dotted key -> the zeromem feature (config.OUT_OF_SCOPE / NOT_BUILT) it turns on

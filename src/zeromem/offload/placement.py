@@ -5,7 +5,7 @@ states in host memory and runs the optimizer step on the CPU; ZeRO-Infinity
 (arXiv 2104.07857, section 5) puts them, and at stage 3 the parameter shards,
 in NVMe files. Vocabulary: a *placement* says where one kind of state lives,
 "device", "host" or "nvme"; "offload" is only the feature (and DeepSpeed's key
-names), "swap file" only the NVMe file type (swap.py).
+names), "swap file" only the NVMe file type (offload/nvme.py).
 
 `OffloadPolicy` (FSDP2's `OffloadPolicy`) is read once from the config; from it
 `build_offload` chooses two placements, one of each kind, with no base class
@@ -16,7 +16,7 @@ between them (STYLE rule 3), and `Offload` holds them for the engine:
         unscale_grads(groups, multiplier)   step phase 3
         optimizer.step()                     step phase 4 (the placement built it)
         write_back(groups, params)           step phase 5: masters -> parameter shards
-    parameter placement ParamsOnDevice | ParamsOnHost | ParamsOnNvme (param_offload.py)
+    parameter placement ParamsOnDevice | ParamsOnHost | ParamsOnNvme (offload/params.py)
         fetch(group, reader) / release(group)   `FetchUnit.unshard` fetches the shard first
         load / store(group, start, ...)      the optimizer reads / writes shard pieces
 
@@ -31,13 +31,13 @@ reduced shard is copied into an fp32 host buffer; the copy overlaps the rest of
 backward. The engine calls `Offload.start_backward(boundary)` before each
 backward; the host buffers (`HostGrads`) live for the engine, filed as grads/host.
 
-NVMe optimizer (swap_optimizer.py): masters and states in a swap file, stepped
+NVMe optimizer (offload/nvme_optimizer.py): masters and states in a swap file, stepped
 sub-group by sub-group through a pool of `buffer_count` buffers (read i+1 while
 stepping i while writing i-1); host memory for optimizer state stays within
 buffer_count x sub_group_size x 4 bytes.
 
 NVMe parameters (stage 3, `ParamsOnNvme`): shards in a swap file and a pool of
-`offload_param.buffer_count` buffers (param_offload.py).
+`offload_param.buffer_count` buffers (offload/params.py).
 """
 from __future__ import annotations
 
@@ -48,13 +48,13 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from .comm import Pending
-from .flat import FlatParamGroup
-from .optim import OPTIMIZERS, build_optimizer
-from .param_offload import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
+from zeromem.comm import Pending
+from zeromem.flat import FlatParamGroup
+from zeromem.optim import OPTIMIZERS, build_optimizer
+from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
                             host_empty)
-from .swap import AsyncIO, OffloadError, SwapSpace
-from .swap_optimizer import SwappedOptimizer
+from zeromem.offload.nvme import AsyncIO, OffloadError, SwapSpace
+from zeromem.offload.nvme_optimizer import SwappedOptimizer
 
 log = logging.getLogger("zeromem")
 

@@ -5,7 +5,7 @@
 Face-style config JSON (GPT-2, Llama and look-alikes), which becomes
 `ConfigGPT`: a stand-in with the parameter shapes and module structure the config
 describes. `shape_of` reads a model's parameter sizes, fetch units and
-dimensions into the `ModelShape` that `planner.py` and `estimate.py` compute
+dimensions into the `ModelShape` that `planning/planner.py` and `planning/estimate.py` compute
 memory from.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .estimate import ModelShape
+from zeromem.planning.estimate import ModelShape
 
 _ALIASES = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),

@@ -31,8 +31,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .layout import pack_buckets, padded_numel
-from .memory import model_state_formula
+from zeromem.layout import pack_buckets, padded_numel
+from zeromem.memory import model_state_formula
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
          "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}

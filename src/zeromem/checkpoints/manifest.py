@@ -20,7 +20,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stri
 
 import torch
 
-from .tensor_files import CheckpointError
+from zeromem.checkpoints.tensor_files import CheckpointError
 
 Count = Annotated[StrictInt, Field(ge=0)]
 Number = Union[StrictInt, StrictFloat]
