@@ -174,3 +174,22 @@ def test_killed_rank_restarts_and_resumes_bit_exactly(tmp_path):
     expected = json.loads((tmp_path / "reference.json").read_text())
     assert len(expected) == 6
     assert json.loads((tmp_path / "losses.json").read_text()) == expected
+
+
+def test_each_restart_round_reads_only_its_own_keys(monkeypatch):
+    """torchrun's agent store outlives a round: a restarted rank must not read the old keys."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from zeromem.distributed import round_store
+    agent_store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # connect as a client
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent_store.port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    round_store(0, 2, timedelta(seconds=5)).set("rank_1", "address of a rank that died")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = round_store(0, 2, timedelta(seconds=5))
+    assert not restarted.check(["rank_1"])  # gloo would wait for the new peer's key
+    restarted.set("rank_1", "new address")
+    assert agent_store.get("zeromem/restart1/rank_1") == b"new address"

@@ -8,7 +8,7 @@ Restarts. torchrun's agent keeps one TCPStore for the whole job and hands it to
 every restart round (TORCHELASTIC_USE_AGENT_STORE), and gloo publishes each rank's
 address under fixed keys. A restarted rank could read the address of the peer that
 died, so the group never formed. `ensure_process_group` therefore opens the store
-itself and keys each round apart (`zeromem/restart<N>/`).
+itself and keys each round apart (`zeromem/restart<N>/...`).
 
 Shutdown. A gloo worker thread that frees a finished collective's tensors during
 interpreter shutdown needs the GIL and C++ terminates the process (SIGABRT), so a
@@ -105,7 +105,7 @@ def round_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
                         os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"),
                         attempt, STORE_ATTEMPTS, error)
             time.sleep(attempt)
-    return dist.PrefixStore(f"zeromem/restart{restart}/", store)
+    return dist.PrefixStore(f"zeromem/restart{restart}", store)  # keys: zeromem/restart<N>/<key>
 
 
 def default_store():
