@@ -2,12 +2,14 @@
 
     faults_script.py MODE OUT_DIR
 
-MODE: `train` (6 steps, checkpoint every step, resume from `latest`; with
-KILL_AT_STEP set, rank 1 kills itself there on the first attempt), `exit` (train,
-then leave without any cleanup: zeromem's exit path must end the group),
+MODE: `train` (first, on the first attempt only, 6 uninterrupted steps into
+`reference.json`; then 6 steps with a checkpoint every step, resumed from `latest`;
+with KILL_AT_STEP set, rank 1 kills itself there on the first attempt), `exit`
+(train, call `zeromem.shutdown()`, then leave: each rank writes `exit<rank>.txt`),
 `sigterm` (NVMe offload; print the swap directory, then wait to be stopped),
 `frozen` (rank 1 stops answering; the others must fail within the config timeout).
-Rank 0 writes `losses.json` (step -> loss) into OUT_DIR.
+Rank 0 writes `losses.json` (step -> loss) into OUT_DIR. Collectives time out
+after TIMEOUT_S (a hang fails in seconds, with a message) unless a mode sets its own.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import torch
 import zeromem
 
 STEPS = 6
+RESTART_DELAY_S = 3  # on restart rank 0 comes back late: its peer must wait for it
+TIMEOUT_S = 30  # bounds the group's forming and every collective: a hang is an error
 
 
 def build(config_extra: dict) -> zeromem.Engine:
@@ -30,7 +34,8 @@ def build(config_extra: dict) -> zeromem.Engine:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": 2, "overlap_comm": True},
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, **config_extra}
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "zeromem": {"timeout_s": TIMEOUT_S}, **config_extra}
     return zeromem.initialize(model, config)
 
 
@@ -44,7 +49,21 @@ def step(engine: zeromem.Engine, index: int) -> float:
     return loss.item()
 
 
+def reference(out: Path) -> None:
+    """The uninterrupted run, in the same launch (one torchrun start fewer)."""
+    engine = build({})
+    losses = {str(i): step(engine, i) for i in range(STEPS)}
+    engine.close()
+    if engine.comm.rank == 0:
+        (out / "reference.json").write_text(json.dumps(losses))
+
+
 def train(out: Path) -> None:
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt:
+        reference(out)
+    elif os.environ["RANK"] == "0":
+        time.sleep(RESTART_DELAY_S)  # rank 0 slow to come back: rank 1 must wait, not fail
     engine = build({})
     ckpt = out / "ckpt"
     start = 0
@@ -54,7 +73,6 @@ def train(out: Path) -> None:
     losses_file = out / "losses.json"
     losses = json.loads(losses_file.read_text()) if losses_file.exists() else {}
     kill_at = int(os.environ.get("KILL_AT_STEP", -1))
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for i in range(start, STEPS):
         if i == kill_at and first_attempt and engine.comm.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -73,9 +91,11 @@ def main() -> None:
         engine = build({})
         for i in range(3):
             step(engine, i)
+        rank = engine.comm.rank
         zeromem.shutdown()
         import torch.distributed as dist
-        print("group after shutdown:", dist.is_initialized(), flush=True)
+        # a file, not stdout: the check must not depend on how torchrun forwards output
+        (out / f"exit{rank}.txt").write_text(f"group after shutdown: {dist.is_initialized()}")
     elif mode == "sigterm":
         engine = build({"zero_optimization": {"stage": 2, "offload_optimizer": {
             "device": "nvme", "nvme_path": str(out)}}})

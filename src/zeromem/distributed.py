@@ -4,6 +4,12 @@ Timeouts come from the config's `zeromem` block (`timeout_s`, `gather_timeout_s`
 the environment variables ZEROMEM_TIMEOUT_S / ZEROMEM_GATHER_TIMEOUT_S, when set,
 override it. Precedence: environment, then config, then the defaults (600 s / 300 s).
 
+Restarts. torchrun's agent keeps one TCPStore for the whole job and hands it to
+every restart round (TORCHELASTIC_USE_AGENT_STORE), and gloo publishes each rank's
+address under fixed keys. A restarted rank could read the address of the peer that
+died, so the group never formed. `ensure_process_group` therefore opens the store
+itself and keys each round apart (`zeromem/restart<N>/...`).
+
 Shutdown. A gloo worker thread that frees a finished collective's tensors during
 interpreter shutdown needs the GIL and C++ terminates the process (SIGABRT), so a
 finished job looks failed to torchrun. `Lifecycle.shutdown` therefore runs while
@@ -31,7 +37,7 @@ log = logging.getLogger("zeromem")
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_GATHER_TIMEOUT_S = 300.0
-INIT_ATTEMPTS = 3  # a restarted job's group can fail to form at the first try
+STORE_ATTEMPTS = 3  # connecting to the store can be refused or reset on a loaded host
 
 
 def collective_timeout_s(config_value: float | None = None) -> float:
@@ -59,8 +65,10 @@ def ensure_process_group(timeout_s: float | None = None) -> bool:
     """Initialise the default group (NCCL with CUDA, else gloo) if torchrun launched us.
 
     Returns True when this call created it. Without torchrun's variables and without
-    a group, nothing is created: zeromem then runs as world size 1. A failed attempt
-    (a restarted job whose peers are not all up yet) is retried a few times.
+    a group, nothing is created: zeromem then runs as world size 1. The group itself
+    is formed once: a rank that retried alone would pair with peers still waiting in
+    its first attempt. If it fails, the worker fails and `torchrun --max-restarts`
+    starts a fresh round for every rank (with fresh keys, see `round_store`).
     """
     if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False
@@ -69,19 +77,35 @@ def ensure_process_group(timeout_s: float | None = None) -> bool:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"
-    for attempt in range(1, INIT_ATTEMPTS + 1):
-        try:
-            dist.init_process_group(backend, timeout=timeout)
-            break
-        except (RuntimeError, ValueError) as error:  # DistStoreError / DistNetworkError
-            if attempt == INIT_ATTEMPTS:
-                raise
-            log.warning("process group did not form (attempt %d of %d): %s; retrying",
-                        attempt, INIT_ATTEMPTS, error)
-            time.sleep(attempt)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = round_store(rank, world_size, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
     LIFECYCLE.owns_group = True
     LIFECYCLE.install_handlers()
     return True
+
+
+def round_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The launcher's store (MASTER_ADDR:MASTER_PORT), keyed apart for this restart round.
+
+    `dist.rendezvous("env://")` connects as torch itself would: a client of
+    torchrun's agent store when TORCHELASTIC_USE_AGENT_STORE is set, else rank 0
+    hosts the store. A refused or reset connection is retried a few times.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    for attempt in range(1, STORE_ATTEMPTS + 1):
+        try:
+            store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+            break
+        except (RuntimeError, ValueError) as error:  # DistStoreError / DistNetworkError
+            if attempt == STORE_ATTEMPTS:
+                raise
+            log.warning("store at %s:%s not reached (attempt %d of %d): %s; retrying",
+                        os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"),
+                        attempt, STORE_ATTEMPTS, error)
+            time.sleep(attempt)
+    return dist.PrefixStore(f"zeromem/restart{restart}", store)  # keys: zeromem/restart<N>/<key>
 
 
 def default_store():
