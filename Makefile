@@ -20,6 +20,7 @@ demo: $(VENV)/.installed
 		examples/train.py --config examples/configs/stage$(STAGE).json
 
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests examples benchmarks tools
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 mutants: $(VENV)/.installed

@@ -114,7 +114,8 @@ def main() -> None:
               f"({engine.skipped_steps} skipped)\n")
         print(report)
         print("\nper rank: " + ", ".join(
-            f"rank {r}: {d['model_state_bytes'] / 1e6:.2f} MB held / {d['formula_bytes'] / 1e6:.2f} MB formula"
+            f"rank {r}: {d['model_state_bytes'] / 1e6:.2f} MB held / "
+            f"{d['formula_bytes'] / 1e6:.2f} MB formula"
             for r, d in enumerate(reports)))
         print("\nbytes moved by this rank\n" + str(comm))
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,8 @@ from torch import nn
 
 from zeromem.comm import Comm
 from zeromem.config.schema import Config, ConfigError
-from zeromem.stage3.partitioned_init import _SHARDS  # parameters built under Init keep their whole shape there
+# parameters built under Init keep their whole shape there
+from zeromem.stage3.partitioned_init import _SHARDS
 
 SHOWN = 8  # differing keys / parameters listed in the message
 # Keys that may differ by rank without changing the numbers: each node (or rank) may

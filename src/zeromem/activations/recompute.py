@@ -185,7 +185,8 @@ class ContiguousCheckpointPool:
                 f"contiguous checkpoint pool is full: a checkpoint needs {nbytes} bytes but "
                 f"{self.pool_bytes - start} of {self.pool_bytes} are free. The pool was sized for "
                 "activation_checkpointing.number_checkpoints="
-                f"{self.number_checkpoints} checkpoints of {self.checkpoint_bytes} bytes (the first checkpoint's size); set it to the "
+                f"{self.number_checkpoints} checkpoints of {self.checkpoint_bytes} bytes "
+                f"(the first checkpoint's size); set it to the "
                 "number of checkpointed calls per forward pass (and run backward before the next "
                 "forward).")
         slot = _Slot(start, start + _aligned(nbytes))

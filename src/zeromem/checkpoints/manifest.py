@@ -12,7 +12,6 @@ is checked here and their fit to the engine in `checkpoint_state.check_like`.
 """
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr,

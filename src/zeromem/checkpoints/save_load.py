@@ -67,10 +67,10 @@ from zeromem.checkpoints.state import (check_states, counters_state, param_group
                                restore_counters, restore_param_groups, restore_scaler,
                                restore_scheduler, rng_to_file, saved_scalar_state, scalar_states,
                                scaler_state, scheduler_state)
-from zeromem.checkpoints.consolidate import (CLIENT_STATE, FORMAT, MANIFEST, VERSION, Piece, checked_files, encode,
-                          file_digest, overlaps, pieces_by_param, rank_file_name, read_manifest,
-                          check_tag, fsync_dir, prepare_tmp, publish, raise_problems,
-                          resolve_checkpoint, verify_file, write_latest, write_manifest)
+from zeromem.checkpoints.consolidate import (
+    CLIENT_STATE, FORMAT, MANIFEST, VERSION, Piece, check_tag, checked_files, encode, file_digest,
+    fsync_dir, overlaps, pieces_by_param, prepare_tmp, publish, raise_problems, rank_file_name,
+    read_manifest, resolve_checkpoint, verify_file, write_latest, write_manifest)
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
 from zeromem.training_state import TrainingState
 

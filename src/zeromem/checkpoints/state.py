@@ -5,7 +5,8 @@ Each kind has a capture and a restore, over the `Stateful` objects of a
 `TrainingState` (scaler, lr scheduler, counters, RNG) or the optimizer. At save,
 each rank's generator states go into its own safetensors file (`rng/cpu`,
 `rng/cuda<i>`, `rng/numpy`; Python's in the metadata); the rest is JSON
-(`consolidate.encode`) in rank 0's manifest (see `checkpoints/save_load.py` for the layout). At load, `read_rng` and `saved_scalar_state`
+(`consolidate.encode`) in rank 0's manifest (see `checkpoints/save_load.py` for the layout).
+At load, `read_rng` and `saved_scalar_state`
 read while the checkpoint is staged; the restores run only after everything was
 read and checked (`checkpoints._apply`), so a failed load changes nothing. The
 masters and per-element optimizer states (the pieces) stay in `checkpoints/save_load.py`.

@@ -1,1 +1,3 @@
-"""Memory and step-time estimates and recommendations: `estimate`, `planner`, `model_shapes`, and the run reports (`report`)."""
+"""Memory and step-time estimates and recommendations: `estimate`, `planner`, `model_shapes`,
+and the run reports (`report`).
+"""

@@ -443,7 +443,8 @@ class FetchSchedule:
             h.remove()
 
 
-def fetch_unit_modules(root: nn.Module, unit_classes: tuple[type, ...] = ()) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+def fetch_unit_modules(root: nn.Module, unit_classes: tuple[type, ...] = ()
+                       ) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """(module, its parameters) for each fetch unit, each trainable parameter in exactly one.
 
     With `unit_classes`, every instance of those classes is one unit holding all
