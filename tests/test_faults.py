@@ -80,7 +80,8 @@ def _mismatch_cases(rank: int, world_size: int) -> dict:
     for _ in range(2):
         engine.backward(engine(torch.randn(2, 8)).sum())
         engine.step()
-    engine.stage3.start_pass("forward")  # prefetches: gathers in flight at close
+    engine.comm.all_reduce(torch.ones(4), async_op=True)  # not waited: in flight at close
+    assert len(engine.comm._in_flight) >= 1
     seen["stage3 gather timeout from config"] = engine.stage3.limits.gather_timeout_s
     engine.close()
     seen["in flight after close"] = len(engine.comm._in_flight)
