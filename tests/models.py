@@ -98,3 +98,24 @@ def state_dict_diff(full: dict, model: nn.Module) -> float:
     """Max abs difference between `engine.full_state_dict()` and `model` (0.0 when `full` is {})."""
     ref = model.state_dict()
     return max((full[k].float() - ref[k].float()).abs().max().item() for k in full) if full else 0.0
+
+
+class Deep(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 6):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+class BufferedLM(TinyLM):
+    """TinyLM (tied head, frozen layer) with a buffer, which checkpoints must carry too."""
+
+    def __init__(self, dim: int = 10, extra: bool = False):
+        super().__init__(dim=dim)
+        self.register_buffer("position", torch.arange(5.0))
+        if extra:
+            self.extra = nn.Linear(dim, 2)

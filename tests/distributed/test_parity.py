@@ -19,45 +19,19 @@ import torch.distributed as dist
 import zeromem
 from harness import run_distributed
 from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
+from setups import build_tiny_lm, parity_config
 
 STEPS = 3
-
-
-def config(stage: int, gas: int, clip: float, world_size: int, overlap: bool | None = None,
-           **extra) -> dict:
-    # stage 3: persistence threshold 0 so every parameter of this tiny model is partitioned;
-    # overlap None: DeepSpeed's default (async buckets at stage 3 only)
-    return {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-        # tiny buckets: several reduce buckets and chunked all-gathers on this tiny model
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 100,
-                              "allgather_bucket_size": 50,
-                              "stage3_param_persistence_threshold": 0,
-                              "overlap_comm": overlap},
-        **extra,
-    }
-
-
-def build(use_init: bool) -> TinyLM:
-    """TinyLM from seed 0, built whole or already partitioned under zeromem.Init."""
-    torch.manual_seed(0)
-    if not use_init:
-        return TinyLM()
-    with zeromem.Init():
-        return TinyLM()
 
 
 def train_and_compare(rank: int, world_size: int, stage: int, gas: int, clip: float,
                       extra: dict | None = None, tol: float = 1e-5,
                       use_init: bool = False, overlap: bool | None = None) -> list[float]:
     per_rank = stage < 3  # stage 3: every rank runs the same modules
-    ref = Reference(build(False), clip=clip, per_rank=per_rank)
+    ref = Reference(build_tiny_lm(False), clip=clip, per_rank=per_rank)
     initial = copy.deepcopy(ref.model)
-    model = build(use_init)
-    engine = zeromem.initialize(model, config(stage, gas, clip, world_size, overlap,
+    model = build_tiny_lm(use_init)
+    engine = zeromem.initialize(model, parity_config(stage, gas, clip, world_size, overlap,
                                               **(extra or {})))
     diffs = []
     for step in range(STEPS):
@@ -121,7 +95,7 @@ def clipping_is_active(rank: int, world_size: int) -> dict[int, tuple[float, flo
     out = {}
     for gas in (1, 3):
         torch.manual_seed(0)
-        engine = zeromem.initialize(TinyLM(), config(2, gas, 0.05, world_size))
+        engine = zeromem.initialize(TinyLM(), parity_config(2, gas, 0.05, world_size))
         for micro in range(gas):
             tokens, targets = micro_batch(0, rank, micro)
             engine.backward(engine(tokens, targets))
@@ -149,7 +123,7 @@ def differently_seeded_init(rank: int, world_size: int) -> None:
     """Each rank builds the model from its own seed; initialize() must make rank 0's win."""
     for stage in (0, 1, 2, 3):
         torch.manual_seed(rank)
-        engine = zeromem.initialize(TinyLM(), config(stage, 1, 0.0, world_size))
+        engine = zeromem.initialize(TinyLM(), parity_config(stage, 1, 0.0, world_size))
         torch.manual_seed(0)
         ref = Reference(TinyLM(), per_rank=stage < 3)
         assert own_view_diff(engine, ref.model) <= 1e-6, f"rank {rank} stage {stage}: not rank 0's"
@@ -226,7 +200,7 @@ def train_sgd_case(rank: int, world_size: int, stage: int, precision: str, overl
     torch.manual_seed(0)
     model = TinyLM()
     torch.manual_seed(100 + rank)  # the global RNG differs per rank from here on
-    cfg = config(stage, SGD_GAS, 0.0, len(members), overlap, optimizer=SGD)
+    cfg = parity_config(stage, SGD_GAS, 0.0, len(members), overlap, optimizer=SGD)
     if precision == "fp16":
         cfg.update(FP16)
     if "offload" in precision:

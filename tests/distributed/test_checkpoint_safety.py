@@ -22,15 +22,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_checkpoints import BufferedLM, config, train
 import zeromem
+from models import BufferedLM
+from setups import checkpoint_config, train_global_batch
 from zeromem.checkpoints.save_load import CheckpointError
 from zeromem.checkpoints.consolidate import file_digest
 
 
 def engine_of(stage: int = 2, seed: int = 0, **extra):
     torch.manual_seed(seed)
-    return zeromem.initialize(BufferedLM(), config(stage, 1, **extra))
+    return zeromem.initialize(BufferedLM(), checkpoint_config(stage, 1, **extra))
 
 
 def full_snapshot(engine) -> list:
@@ -82,7 +83,7 @@ class Planted:
 
 def test_client_state_objects_need_an_explicit_opt_in(tmp_path):
     engine = engine_of()
-    train(engine, 0, 1, range(1))
+    train_global_batch(engine, 0, 1, range(1))
     ordinary = {"step": 3, "name": "run-a", "lrs": [1e-3, 2.5], "pair": (1, "x"),
                 "t": torch.arange(4.0), "nested": {"none": None, "flag": True}}
     tag_dir = Path(engine.save_checkpoint(tmp_path, client_state=ordinary))
@@ -143,7 +144,7 @@ def _hostile_cases(tmp: Path) -> dict:
 
 def test_load_refuses_paths_outside_the_checkpoint(tmp_path):
     engine = engine_of(stage=1)
-    train(engine, 0, 1, range(1))
+    train_global_batch(engine, 0, 1, range(1))
     engine.save_checkpoint(tmp_path / "source", tag="good", client_state={"a": 1})
     engine.save_checkpoint(tmp_path / "cases", tag="evil", client_state={"a": 1})  # outside
     (tmp_path / "evil-latest").write_text("good")
@@ -211,11 +212,11 @@ def _manifest_cases(manifest: dict) -> dict:
 def test_damaged_manifest_is_refused_naming_the_field_and_changes_nothing(tmp_path):
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8}}  # a dynamic scaler's state too
     engine = engine_of(**fp16)
-    train(engine, 0, 1, range(2))
+    train_global_batch(engine, 0, 1, range(2))
     tag_dir = Path(engine.save_checkpoint(tmp_path / "ckpt", client_state={"a": 1}))
     manifest = json.loads((tag_dir / "manifest.json").read_text())
     victim = engine_of(seed=4, **fp16)
-    train(victim, 0, 1, range(1))
+    train_global_batch(victim, 0, 1, range(1))
     before = full_snapshot(victim)
     cases, unclear = _manifest_cases(manifest), []
     for (kind, path), damaged in cases.items():

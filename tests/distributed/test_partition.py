@@ -5,9 +5,8 @@ import torch
 
 import zeromem
 from harness import run_distributed
-from models import micro_batch
-from test_parity import build, config
-from test_stage3 import Deep
+from models import Deep, micro_batch
+from setups import build_tiny_lm, parity_config
 from zeromem.comm import Comm
 from zeromem.stage3.partitioned_init import materialize, partitioned_bytes
 
@@ -20,7 +19,7 @@ def init_memory_and_values(rank, world_size):
     with zeromem.Init():
         model = Deep(width=256, depth=4)
     held = partitioned_bytes(model)
-    engine = zeromem.initialize(model, config(3, 1, 0.0, world_size))
+    engine = zeromem.initialize(model, parity_config(3, 1, 0.0, world_size))
     full = engine.full_state_dict()
     same = all(torch.equal(full[k], v) for k, v in plain.state_dict().items()) if full else True
     return held / full_bytes, same
@@ -33,7 +32,7 @@ def test_init_partitions_while_building():
 
 
 def gathered_edit(rank, world_size):
-    engine = zeromem.initialize(build(use_init=True), config(3, 1, 0.0, world_size))
+    engine = zeromem.initialize(build_tiny_lm(use_init=True), parity_config(3, 1, 0.0, world_size))
     weight = engine.module.fc1.weight
     with zeromem.GatheredParameters(weight):
         readable = tuple(weight.shape)
@@ -63,7 +62,7 @@ def test_meta_device_model_is_materialised_like_an_ordinary_build():
     with torch.device("meta"):
         model = Deep(width=16, depth=3)
     torch.manual_seed(0)  # the same draws, in the same module order
-    engine = zeromem.initialize(model, config(3, 1, 0.0, 1))  # no process group: world size 1
+    engine = zeromem.initialize(model, parity_config(3, 1, 0.0, 1))  # no process group: world size 1
     full = engine.full_state_dict()
     assert all(torch.equal(full[k], v) for k, v in plain.state_dict().items())
     engine.backward(engine(torch.randn(2, 16)))
@@ -79,7 +78,7 @@ def gpt_under_init(rank, world_size):
     torch.manual_seed(0)
     with zeromem.Init():
         model = GPT(shape)
-    engine = zeromem.initialize(model, config(3, 1, 0.0, world_size), fetch_units=(Block,))
+    engine = zeromem.initialize(model, parity_config(3, 1, 0.0, world_size), fetch_units=(Block,))
     full = engine.full_state_dict()
     return all(torch.equal(full[k], v) for k, v in plain.state_dict().items()) if full else True
 

@@ -8,7 +8,7 @@ import torch
 import zeromem
 from harness import run_distributed
 from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
-from test_parity import config
+from setups import parity_config
 
 
 def checkpointed_parity(rank, world_size):
@@ -20,7 +20,7 @@ def checkpointed_parity(rank, world_size):
         model.checkpointed = True
         extra = {"activation_checkpointing": {"partition_activations": False,
                                               "cpu_checkpointing": True}}
-        engine = zeromem.initialize(model, config(stage, 2, 0.0, world_size, **extra))
+        engine = zeromem.initialize(model, parity_config(stage, 2, 0.0, world_size, **extra))
         edge_untouched = not zeromem.checkpointing.get_config().cpu_checkpointing
         for step in range(2):
             for micro in range(2):

@@ -20,8 +20,8 @@ import torch
 
 from zeromem.checkpoints.consolidate import consolidate
 
-EXAMPLES = Path(__file__).parent / "data" / "deepspeed_examples"
-SRC = Path(__file__).parents[1] / "src"
+EXAMPLES = Path(__file__).parents[1] / "data" / "deepspeed_examples"
+SRC = Path(__file__).parents[2] / "src"
 pytest.importorskip("transformers")
 
 

@@ -12,8 +12,8 @@ from torch import nn
 
 import zeromem
 from harness import run_distributed
-from models import Reference, TinyLM, micro_batch, state_dict_diff
-from test_parity import config
+from models import Deep, micro_batch, Reference, state_dict_diff, TinyLM
+from setups import parity_config, reference_step
 from zeromem.stage3.fetch import Stage3DivergenceError
 
 
@@ -38,7 +38,7 @@ def reuse_and_eval(rank, world_size):
     torch.manual_seed(0)
     model = Reuse()
     ref = Reference(copy.deepcopy(model), per_rank=False)
-    engine = zeromem.initialize(model, config(3, 1, 0.0, world_size))
+    engine = zeromem.initialize(model, parity_config(3, 1, 0.0, world_size))
     diffs = []
     for step in range(3):
         tokens, targets = micro_batch(step, rank, 0)
@@ -62,17 +62,6 @@ def test_reused_module_external_parameter_and_eval():
         assert losses == pytest.approx(expected, abs=1e-5)
         assert leaked == 0, "gathered parameters leaked out of the forward"
         assert all(s == (0,) for s in shapes), "outside a gather a parameter is empty"
-
-
-class Deep(nn.Module):
-    def __init__(self, width: int = 64, depth: int = 6):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x.pow(2).mean()
 
 
 def live_limit(rank, world_size):
@@ -100,7 +89,7 @@ def test_prefetch_respects_max_live_parameters():
 def diverge(rank, world_size):
     os.environ["ZEROMEM_GATHER_TIMEOUT_S"] = "5"
     torch.manual_seed(0)
-    engine = zeromem.initialize(TinyLM(), config(3, 1, 0.0, world_size))
+    engine = zeromem.initialize(TinyLM(), parity_config(3, 1, 0.0, world_size))
     tokens, targets = micro_batch(0, rank, 0)
     engine.backward(engine(tokens, targets))
     engine.step()
@@ -131,7 +120,7 @@ def against_fsdp2(rank, world_size):
         fully_shard(layer)
     fully_shard(theirs)
     opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.01)
-    engine = zeromem.initialize(ours, config(3, 1, 0.0, world_size))
+    engine = zeromem.initialize(ours, parity_config(3, 1, 0.0, world_size))
     diffs = []
     for step in range(3):
         x = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -220,20 +209,6 @@ class Branchy(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def reference_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, world_size: int,
-                   **kwargs) -> list[float]:
-    """One AdamW step on the global batch; unreached parameters get zero gradients, as in ZeRO."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    losses = []
-    for r in range(world_size):
-        loss = model(*micro_batch(step, r, 0), **kwargs)
-        (loss / world_size).backward()
-        losses.append(loss.item())
-    opt.step()
-    return losses  # per rank's micro-batch
-
-
 def engine_step(engine, rank: int, step: int, **kwargs) -> float:
     loss = engine(*micro_batch(step, rank, 0), **kwargs)
     engine.backward(loss)
@@ -247,7 +222,7 @@ def eval_first_and_late_branches(rank, world_size):
     torch.manual_seed(0)
     model = Reuse()
     ref = Reference(copy.deepcopy(model), per_rank=False)
-    engine = zeromem.initialize(model, config(3, 1, 0.0, world_size))
+    engine = zeromem.initialize(model, parity_config(3, 1, 0.0, world_size))
     batch = micro_batch(7, 0, 0)
     with torch.no_grad():
         out["eval_first"] = (engine(*batch).item(), ref.model(*batch).item())
@@ -262,7 +237,7 @@ def eval_first_and_late_branches(rank, world_size):
     model = Branchy()
     ref_model = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
-    engine = zeromem.initialize(model, config(3, 1, 0.0, world_size))
+    engine = zeromem.initialize(model, parity_config(3, 1, 0.0, world_size))
     losses, diffs = [], []
     for step, (tied, gated) in enumerate([(False, False), (True, False), (True, True),
                                           (False, True)]):

@@ -24,7 +24,8 @@ from torch import nn
 
 import zeromem
 from harness import run_distributed
-from models import Reference, TinyLM, micro_batch, uses_sometimes
+from models import BufferedLM, Reference
+from setups import G, PARTITION_ALL, SAVE_BUCKET, checkpoint_config, train_global_batch
 from zeromem.checkpoints import save_load as ckpt
 from zeromem.checkpoints.save_load import CheckpointError, group_pieces
 from zeromem.checkpoints.consolidate import (CHUNK_BYTES, Piece, SafetensorsReader, TensorSpec,
@@ -33,9 +34,8 @@ from zeromem.checkpoints.consolidate import (CHUNK_BYTES, Piece, SafetensorsRead
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.schedulers import WarmupLR
 
-G = 4  # micro-batches per optimizer step, whatever the world size
 SAVE_AT, RESUME = 2, 2  # optimizer steps before the save, and after the load
-SAVE_BUCKET, LOAD_BUCKET = 100, 37  # different buckets: different flat groups on load
+LOAD_BUCKET = 37  # a bucket other than SAVE_BUCKET: different flat groups on load
 
 # (stage, world size) that saves -> (stage, world size) that resumes. A stage-3 case is one line.
 RESUME_CASES = [
@@ -49,36 +49,6 @@ RESUME_CASES = [
     ((3, 2), (1, 1)),  # stage 3 on 2 ranks -> stage 1 on 1
     ((3, 2), (0, 2)),  # stage 3 -> 0
 ]
-
-
-class BufferedLM(TinyLM):
-    """TinyLM (tied head, frozen layer) with a buffer, which checkpoints must carry too."""
-
-    def __init__(self, dim: int = 10, extra: bool = False):
-        super().__init__(dim=dim)
-        self.register_buffer("position", torch.arange(5.0))
-        if extra:
-            self.extra = nn.Linear(dim, 2)
-
-
-def config(stage: int, world_size: int, bucket: int = SAVE_BUCKET, **extra) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": G // world_size,
-        "gradient_clipping": 0.05,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
-                                                     "warmup_num_steps": 5,
-                                                     "warmup_type": "linear"}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
-                              "allgather_bucket_size": 50, **PARTITION_ALL},
-        **extra,
-    }
-
-
-# Stage 3 keeps units under the threshold (default 100k elements: all of BufferedLM) whole;
-# 0 partitions every unit, so stage-3 saves and loads really see parameter shards.
-PARTITION_ALL = {"stage3_param_persistence_threshold": 0}
 
 
 def assert_partitioned(engine) -> None:
@@ -111,18 +81,6 @@ def assert_shards_match(engine, full: dict[str, torch.Tensor], dtype=torch.float
             assert torch.equal(mine, full[slot.name].flatten()[p0:p0 + n]), slot.name
 
 
-def train(engine, rank: int, world_size: int, steps) -> None:
-    """Rank r runs micro-batches r*gas .. r*gas+gas-1 of each global batch of G."""
-    gas = G // world_size
-    for step in steps:
-        for micro in range(gas):
-            j = rank * gas + micro
-            tokens, targets = micro_batch(step, j, 0)
-            # Same on every rank: stage 3 with partitioned units gathers each module collectively.
-            engine.backward(engine(tokens, targets, uses_sometimes(step, j, 0, per_rank=False)))
-            engine.step()
-
-
 def reference(steps: int) -> list[dict[str, torch.Tensor]]:
     """Parameters after each step of one uninterrupted process on the global batch."""
     torch.manual_seed(0)
@@ -144,8 +102,8 @@ def case_dir(root: Path, stage: int, world_size: int) -> Path:
 
 def save_source(rank: int, world_size: int, root: Path, stage: int) -> None:
     torch.manual_seed(0)
-    engine = zeromem.initialize(BufferedLM(), config(stage, world_size))
-    train(engine, rank, world_size, range(SAVE_AT))
+    engine = zeromem.initialize(BufferedLM(), checkpoint_config(stage, world_size))
+    train_global_batch(engine, rank, world_size, range(SAVE_AT))
     assert_partitioned(engine)
     engine.save_checkpoint(case_dir(root, stage, world_size), client_state={"position": SAVE_AT})
     full = engine.full_state_dict()
@@ -158,7 +116,7 @@ def save_source(rank: int, world_size: int, root: Path, stage: int) -> None:
 
 def resume(rank: int, world_size: int, root: Path, source: tuple, stage: int) -> list[float]:
     torch.manual_seed(100 + rank)  # another initialisation: the load must replace all of it
-    engine = zeromem.initialize(BufferedLM(), config(stage, world_size, LOAD_BUCKET))
+    engine = zeromem.initialize(BufferedLM(), checkpoint_config(stage, world_size, LOAD_BUCKET))
     engine.module.position.fill_(-1.0)
     assert_partitioned(engine)
     path, client = engine.load_checkpoint(case_dir(root, *source))
@@ -170,7 +128,7 @@ def resume(rank: int, world_size: int, root: Path, source: tuple, stage: int) ->
     expected = reference(SAVE_AT + RESUME)
     diffs = []
     for step in range(SAVE_AT, SAVE_AT + RESUME):
-        train(engine, rank, world_size, [step])
+        train_global_batch(engine, rank, world_size, [step])
         diffs.append(shard_diff(engine, expected[step]))
     assert max(diffs) <= 1e-5, f"{source} -> {(stage, world_size)}: {diffs}"
     assert engine.get_lr()[0] == pytest.approx(1e-3 + (1e-2 - 1e-3) * (SAVE_AT + RESUME) / 5)
@@ -180,11 +138,11 @@ def resume(rank: int, world_size: int, root: Path, source: tuple, stage: int) ->
 def failing_rank_keeps_previous(rank: int, world_size: int, root: Path) -> str:
     """One rank fails while writing its shard: every rank raises, nothing is published."""
     torch.manual_seed(0)
-    engine = zeromem.initialize(BufferedLM(), config(2, world_size))
-    train(engine, rank, world_size, range(1))
+    engine = zeromem.initialize(BufferedLM(), checkpoint_config(2, world_size))
+    train_global_batch(engine, rank, world_size, range(1))
     save_dir = root / "failing"
     engine.save_checkpoint(save_dir, tag="first")
-    train(engine, rank, world_size, range(1, 2))
+    train_global_batch(engine, rank, world_size, range(1, 2))
     real = ckpt._write_rank_file
 
     def fail_on_rank_1(engine, tmp, rank):
@@ -212,7 +170,7 @@ def corrupt_file_fails_everywhere(rank: int, world_size: int, root: Path) -> str
         shutil.copytree(source, bad)
         flip_byte(bad / f"global_step{SAVE_AT}" / "rank00001.safetensors")
     torch.manual_seed(0)
-    engine = zeromem.initialize(BufferedLM(), config(1, world_size))
+    engine = zeromem.initialize(BufferedLM(), checkpoint_config(1, world_size))
     before = engine_snapshot(engine)
     engine.comm.barrier()
     with pytest.raises(CheckpointError, match="rank00001.safetensors is corrupted") as error:
@@ -225,14 +183,14 @@ def rng_and_fp16_round_trip(rank: int, world_size: int, root: Path) -> None:
     """Same world: generators, loss scaler and fp16 parameters come back exactly."""
     extra = {"fp16": {"enabled": True, "initial_scale_power": 8}}
     torch.manual_seed(0)
-    engine = zeromem.initialize(BufferedLM(), config(1, world_size, **extra))
-    train(engine, rank, world_size, range(2))
+    engine = zeromem.initialize(BufferedLM(), checkpoint_config(1, world_size, **extra))
+    train_global_batch(engine, rank, world_size, range(2))
     engine.save_checkpoint(root / "fp16", tag="t")
     draws = (torch.rand(3), random.random())
     params = [p.detach().clone() for p in engine.module.parameters()]
     scaler = engine.scaler.state_dict()
     torch.manual_seed(5)
-    other = zeromem.initialize(BufferedLM(), config(2, world_size, LOAD_BUCKET, **extra))
+    other = zeromem.initialize(BufferedLM(), checkpoint_config(2, world_size, LOAD_BUCKET, **extra))
     other.load_checkpoint(root / "fp16")
     assert torch.equal(torch.rand(3), draws[0]) and random.random() == draws[1]
     assert other.scaler.state_dict() == scaler
@@ -243,14 +201,14 @@ def rng_and_fp16_round_trip(rank: int, world_size: int, root: Path) -> None:
 def sixteen_bit_model(rank: int, world_size: int, root: Path) -> None:
     """Stage 3 gathers only with the flag; the file equals full_state_dict() in bf16."""
     torch.manual_seed(0)
-    engine = zeromem.initialize(BufferedLM(), config(3, world_size, bf16={"enabled": True}))
+    engine = zeromem.initialize(BufferedLM(), checkpoint_config(3, world_size, bf16={"enabled": True}))
     with pytest.raises(CheckpointError, match="stage3_gather_16bit_weights_on_model_save"):
         engine.save_16bit_model(root / "16bit")
     torch.manual_seed(0)
     flag = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True, **PARTITION_ALL}
-    engine = zeromem.initialize(BufferedLM(), config(3, world_size, bf16={"enabled": True},
+    engine = zeromem.initialize(BufferedLM(), checkpoint_config(3, world_size, bf16={"enabled": True},
                                                      zero_optimization=flag))
-    train(engine, rank, world_size, range(1))
+    train_global_batch(engine, rank, world_size, range(1))
     assert_partitioned(engine)
     full = engine.full_state_dict()
     for name in ("model.bin", "model.safetensors"):
@@ -344,7 +302,7 @@ def test_consolidate_equals_full_state_dict(worlds, tmp_path, suffix):
 
 def small_engine(stage: int = 1, model: nn.Module | None = None):
     torch.manual_seed(0)
-    return zeromem.initialize(model or BufferedLM(), config(stage, 1))
+    return zeromem.initialize(model or BufferedLM(), checkpoint_config(stage, 1))
 
 
 def params_of(engine) -> list[torch.Tensor]:
@@ -361,10 +319,10 @@ CRASH_POINTS = [(point, after) for point in ("_write_rank_file", "_write_client_
                               for p, a in CRASH_POINTS])
 def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, point, after):
     engine = small_engine()
-    train(engine, 0, 1, range(1))
+    train_global_batch(engine, 0, 1, range(1))
     engine.save_checkpoint(tmp_path, tag="a", client_state={"a": 1})
     expected = params_of(engine)
-    train(engine, 0, 1, range(1, 2))
+    train_global_batch(engine, 0, 1, range(1, 2))
     real = getattr(ckpt, point)
 
     def crash(*args, **kwargs):
@@ -388,7 +346,7 @@ def test_crash_while_overwriting_a_tag_keeps_it_loadable(tmp_path, monkeypatch):
     engine = small_engine()
     engine.save_checkpoint(tmp_path, tag="a")
     expected = params_of(engine)
-    train(engine, 0, 1, range(1))
+    train_global_batch(engine, 0, 1, range(1))
     real_rename, calls = os.rename, []
 
     def rename(src, dst):  # the second rename (new directory into place) never happens
@@ -473,7 +431,7 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(worlds, tmp_path, case):
     if mutate:
         mutate(bad)
     engine = small_engine(2, BufferedLM(**model_args))
-    train(engine, 0, 1, range(1))
+    train_global_batch(engine, 0, 1, range(1))
     disk, state = disk_snapshot(bad), engine_snapshot(engine)
     with pytest.raises(CheckpointError, match=message):
         engine.load_checkpoint(bad, tag=tag)
@@ -484,7 +442,7 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(worlds, tmp_path, case):
 def test_optimizer_mismatch_and_skipping_optimizer_states(worlds):
     source = case_dir(worlds[0], 2, 2)
     torch.manual_seed(0)
-    sgd = zeromem.initialize(BufferedLM(), {**config(2, 1), "optimizer": {
+    sgd = zeromem.initialize(BufferedLM(), {**checkpoint_config(2, 1), "optimizer": {
         "type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}})
     with pytest.raises(CheckpointError, match="adamw states but this engine uses sgd"):
         sgd.load_checkpoint(source)
@@ -500,15 +458,15 @@ def test_offloaded_optimizer_states_round_trip(tmp_path, device):
     (tmp_path / "swap").mkdir()
     offload = {"offload_optimizer": {"device": device, "nvme_path": str(tmp_path / "swap")}}
     torch.manual_seed(0)
-    engine = zeromem.initialize(BufferedLM(), config(2, 1, zero_optimization={
+    engine = zeromem.initialize(BufferedLM(), checkpoint_config(2, 1, zero_optimization={
         "stage": 2, "reduce_bucket_size": SAVE_BUCKET, **offload}))
-    train(engine, 0, 1, range(2))
+    train_global_batch(engine, 0, 1, range(2))
     engine.save_checkpoint(tmp_path / "ckpt")
     torch.manual_seed(1)
     plain = small_engine(stage=1)  # no offload, other layout
     plain.load_checkpoint(tmp_path / "ckpt")
-    train(engine, 0, 1, range(2, 4))
-    train(plain, 0, 1, range(2, 4))
+    train_global_batch(engine, 0, 1, range(2, 4))
+    train_global_batch(plain, 0, 1, range(2, 4))
     assert max((p - q).abs().max().item()
                for p, q in zip(params_of(engine), params_of(plain))) <= 1e-6
 

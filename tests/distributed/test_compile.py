@@ -19,8 +19,7 @@ from torch import nn
 import zeromem
 from harness import run_distributed
 from models import micro_batch
-from test_parity import config
-from test_stage3 import reference_step
+from setups import parity_config, reference_step
 
 STEPS = 3
 
@@ -92,7 +91,7 @@ def one_case(rank: int, world_size: int, stage: int, how: str, backend_name: str
     ref = BlockLM()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     backend = CountingBackend(backend_name)
-    engine = zeromem.initialize(compiled_model(how, backend), config(stage, 1, 0.0, world_size))
+    engine = zeromem.initialize(compiled_model(how, backend), parity_config(stage, 1, 0.0, world_size))
     loss_diffs, calls_per_step = [], []
     for step in range(STEPS):
         before = backend.calls

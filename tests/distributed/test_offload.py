@@ -12,7 +12,7 @@ import torch
 import zeromem
 from harness import run_distributed
 from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
-from test_parity import config
+from setups import parity_config
 from zeromem.offload.placement import OffloadError
 from zeromem.offload.nvme import ALIGN, AsyncIO, BufferPool, SwapFile, SwapSpace, aligned_empty
 from zeromem.offload.nvme_optimizer import plan_sub_groups
@@ -47,7 +47,7 @@ def train(rank: int, world_size: int, stage: int, gas: int, clip: float, zero: d
     torch.manual_seed(0)
     model = TinyLM()
     ref = Reference(copy.deepcopy(model), clip=clip, per_rank=stage < 3)
-    cfg = config(stage, gas, clip, world_size, **(extra or {}))
+    cfg = parity_config(stage, gas, clip, world_size, **(extra or {}))
     cfg["zero_optimization"].update(zero)
     engine = zeromem.initialize(model, cfg)
     diffs = []
@@ -122,7 +122,7 @@ def bf16_master_diff(rank: int, world_size: int, path: str) -> float:
     masters = []
     for z in ({}, zero):
         torch.manual_seed(0)
-        cfg = config(3, 1, 0.0, world_size, bf16={"enabled": True})
+        cfg = parity_config(3, 1, 0.0, world_size, bf16={"enabled": True})
         cfg["zero_optimization"].update(z)
         engine = zeromem.initialize(TinyLM(), cfg)
         for step in range(STEPS):
@@ -140,7 +140,7 @@ def bf16_master_diff(rank: int, world_size: int, path: str) -> float:
 
 def small_engine(path, **opt):
     torch.manual_seed(0)
-    cfg = config(2, 1, 0.0, 1)
+    cfg = parity_config(2, 1, 0.0, 1)
     cfg["zero_optimization"].update({"offload_optimizer": nvme(str(path), **opt),
                                      "sub_group_size": SUB_GROUP})
     return zeromem.initialize(TinyLM(), cfg)
@@ -274,7 +274,7 @@ def test_states_only_inside_all_in_memory_and_written_back(tmp_path):
 
 def placement_engine(path, stage: int, gas: int, zero: dict):
     torch.manual_seed(0)
-    cfg = config(stage, gas, 0.0, 1)
+    cfg = parity_config(stage, gas, 0.0, 1)
     cfg["zero_optimization"].update(zero)
     return zeromem.initialize(TinyLM(), cfg)
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import zeromem
 from harness import run_distributed
-from test_stage3 import Deep
+from models import Deep
 from zeromem.memory import model_state_formula
 
 
