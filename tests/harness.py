@@ -22,7 +22,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
+            backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
@@ -30,7 +31,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     import zeromem
     finished = False
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=60))
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
@@ -45,15 +48,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned gloo ranks.
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300,
+                    backend: str = "gloo") -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks (gloo; nccl: one GPU each).
 
     Returns the per-rank return values (picklable), ordered by rank.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

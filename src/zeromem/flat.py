@@ -168,12 +168,12 @@ class FlatParamGroup:
 
     def set_master_storage(self, values: torch.Tensor) -> None:
         """Give the master tensor new storage in place (NVMe swap: empty between steps)."""
-        self._master.set_(values)
+        self._master.set_(values)  # type: ignore[call-overload]  # stubs lack set_(Tensor)
 
     def set_shard_storage(self, values: torch.Tensor) -> None:
         """Give the parameter shard new storage in place (offload_param: a device copy)."""
         self._assert_in_states(GroupState.SHARDED, GroupState.GATHERED, GroupState.WHOLE)
-        self._param_shard.set_(values)
+        self._param_shard.set_(values)  # type: ignore[call-overload]  # stubs lack set_(Tensor)
 
     def drop_shard_storage(self) -> None:
         """The shard gives up its memory (offload_param: the host or a file holds the values).
@@ -181,7 +181,7 @@ class FlatParamGroup:
         Not while GATHERING: the all-gather in flight reads the shard."""
         self._assert_in_states(GroupState.SHARDED, GroupState.GATHERED, GroupState.WHOLE)
         shard = self._param_shard
-        shard.set_(torch.empty(0, dtype=shard.dtype, device=shard.device))
+        shard.set_(torch.empty(0, dtype=shard.dtype, device=shard.device))  # type: ignore[call-overload]  # stubs lack set_(Tensor)
 
     # -- stage 3: SHARDED -> GATHERING -> GATHERED -> SHARDED ------------------
     def begin_gather(self, full: torch.Tensor) -> None:
@@ -193,6 +193,7 @@ class FlatParamGroup:
     def finish_gather(self) -> None:
         """The all-gather into `full` completed: parameters become views of it."""
         self._assert_in_states(GroupState.GATHERING)
+        assert self._full is not None  # set by begin_gather
         self._view_params(self._full)
         self._state = GroupState.GATHERED
 
@@ -206,6 +207,7 @@ class FlatParamGroup:
     def adopt_whole(self) -> None:
         """Make the (edited) whole buffer the truth: copy this rank's part into shard and master."""
         self._assert_in_states(GroupState.GATHERED)
+        assert self._full is not None  # GATHERED holds the whole buffer
         part = self._full[self.shard_offset:self.shard_offset + self.shard_numel]
         if not self.master_aliases_params():
             # Elements the modifier left alone keep the master's low bits (their

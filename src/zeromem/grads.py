@@ -43,7 +43,7 @@ class WholeAllReduced:
 
     def __init__(self, group: FlatParamGroup, dtype: torch.dtype):
         self.group = group
-        self.whole = torch.zeros(group.padded_numel, dtype=dtype, device=group.flat_param.device)
+        self.whole = torch.zeros(group.padded_numel, dtype=dtype, device=group.param_shard.device)
 
     def accumulate(self, offset: int, grad: torch.Tensor) -> None:
         self.whole[offset:offset + grad.numel()].add_(grad.reshape(-1))

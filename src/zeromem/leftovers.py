@@ -71,7 +71,7 @@ def is_stale(directory: Path) -> bool:
 
 def reclaim_stale(root: Path, prefix: str, keep: Path | None = None) -> list[Path]:
     """Remove the directories `root/<prefix>*` whose owners are gone; returns those removed."""
-    removed = []
+    removed: list[Path] = []
     try:
         candidates = [p for p in Path(root).iterdir() if p.name.startswith(prefix)]
     except OSError:

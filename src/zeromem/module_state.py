@@ -83,7 +83,7 @@ class LoadIntoMasters:
                 # the empty parameter must neither fail nor count as a mismatch.
                 state_dict[prefix + name] = value.new_empty(0)
 
-    def _finish(self, module: nn.Module, incompatible_keys: Any) -> None:
+    def _finish(self, module: nn.Module, incompatible_keys: object) -> None:
         if module is not self.top:
             return
         loaded, self.top, self.loaded = self.loaded, None, {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -37,7 +36,7 @@ def config_items(config: Config) -> dict[str, str]:
     """The resolved config as dotted key -> JSON value text."""
     flat: dict[str, str] = {}
 
-    def walk(prefix: str, value: Any) -> None:
+    def walk(prefix: str, value: object) -> None:
         if isinstance(value, dict) and value:
             for key, inner in value.items():
                 walk(f"{prefix}.{key}" if prefix else str(key), inner)
@@ -68,11 +67,11 @@ def check_ranks_agree(config: Config, module: nn.Module, comm: Comm) -> None:
     if comm.world_size == 1:
         return
     mine = (config_items(config), model_items(module))
-    digests = [None] * comm.world_size
+    digests: list[object] = [None] * comm.world_size
     dist.all_gather_object(digests, (_digest(mine[0]), _digest(mine[1])), group=comm.group)
     if all(d == digests[0] for d in digests):
         return
-    details = [None] * comm.world_size
+    details: list[tuple[dict[str, str], dict[str, str]]] = [({}, {})] * comm.world_size
     dist.all_gather_object(details, mine, group=comm.group)  # only on a mismatch: every rank
     problems = _differences("config key", [d[0] for d in details]) + \
         _differences("parameter", [d[1] for d in details])

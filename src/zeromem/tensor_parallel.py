@@ -29,14 +29,14 @@ from torch import nn
 from zeromem.comm import Comm
 
 
-def model_parallel_comm(group: Any) -> Comm | None:
+def model_parallel_comm(group: dist.ProcessGroup | None) -> Comm | None:
     """The `Comm` for `group`; None when there is nothing to communicate (no group, or one rank)."""
     if group is None or dist.get_world_size(group) == 1:
         return None
     return Comm(group)
 
 
-def _rank_and_size(group: Any) -> tuple[int, int]:
+def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
@@ -137,9 +137,10 @@ class ColumnParallelLinear(nn.Module):
     or `[*, out_features]` with `gather_output=True`.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Any,
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None,
                  gather_output: bool = False, bias: bool = True, *,
-                 dense: nn.Linear | None = None, device: Any = None, dtype: Any = None) -> None:
+                 dense: nn.Linear | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         rank, size = _rank_and_size(group)
         self.group, self.gather_output = group, gather_output
@@ -153,7 +154,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(dense.bias.detach()[keep].clone()) if bias else None
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group: Any,
+    def from_dense(cls, linear: nn.Linear, group: dist.ProcessGroup | None,
                    gather_output: bool = False) -> ColumnParallelLinear:
         """This rank's slice of an existing dense layer."""
         return cls(linear.in_features, linear.out_features, group, gather_output,
@@ -176,9 +177,10 @@ class RowParallelLinear(nn.Module):
     replicated. The bias is added once, after the all-reduce.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Any,
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None,
                  input_is_parallel: bool = True, bias: bool = True, *,
-                 dense: nn.Linear | None = None, device: Any = None, dtype: Any = None) -> None:
+                 dense: nn.Linear | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         rank, size = _rank_and_size(group)
         self.group, self.input_is_parallel = group, input_is_parallel
@@ -190,7 +192,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(dense.bias.detach().clone()) if bias else None
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group: Any,
+    def from_dense(cls, linear: nn.Linear, group: dist.ProcessGroup | None,
                    input_is_parallel: bool = True) -> RowParallelLinear:
         """This rank's slice of an existing dense layer."""
         return cls(linear.in_features, linear.out_features, group, input_is_parallel,
@@ -220,9 +222,9 @@ class ModelParallelNorm:
     parameters stay identical.
     """
 
-    def __init__(self, module: nn.Module, group: Any) -> None:
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
         self.comm = model_parallel_comm(group)
-        sharded = {id(p) for m in module.modules() if hasattr(m, "sharded_parameters")
+        sharded = {id(p) for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
                    for p in m.sharded_parameters()}
         self.replicated = {id(p) for p in module.parameters() if id(p) not in sharded}
 

@@ -123,7 +123,9 @@ class TrainingState:
 
     @property
     def counters(self) -> StepCounters:
-        return self.stateful["counters"]
+        counters = self.stateful["counters"]
+        assert isinstance(counters, StepCounters)
+        return counters
 
     @property
     def lr_scheduler(self) -> Stateful | None:

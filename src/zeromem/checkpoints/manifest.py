@@ -39,7 +39,7 @@ def _dtype_name(value: str) -> str:
 DtypeName = Annotated[StrictStr, Field(min_length=1)]
 
 
-def check_encoded(data: Any, where: str = "value") -> None:
+def check_encoded(data: object, where: str = "value") -> None:
     """`data` must be what `consolidate.encode` writes: JSON, with well-formed tagged dicts."""
     if data is None or isinstance(data, (bool, int, float, str)):
         return
@@ -70,7 +70,7 @@ def _check_encoded_tensor(data: dict, where: str) -> None:
         raise ValueError(f"{where}: dtype and device must be strings")
     _dtype_name(data["dtype"])
 
-    def numbers(v: Any) -> bool:  # bool is an int: bool tensors encode as true/false
+    def numbers(v: object) -> bool:  # bool is an int: bool tensors encode as true/false
         return all(numbers(x) for x in v) if isinstance(v, list) else isinstance(v, (int, float))
     if not numbers(data["__tensor__"]):
         raise ValueError(f"{where}: __tensor__ must hold numbers")
@@ -237,7 +237,7 @@ def _check_keys(m: Manifest) -> None:
         raise ValueError(f"state_dict_keys: {unlisted[:5]} are not listed")
 
 
-def validate_manifest(text: str, file: Any) -> None:
+def validate_manifest(text: str, file: object) -> None:
     """Check the manifest's JSON `text` whole; a CheckpointError naming the field if it fails."""
     try:
         Manifest.model_validate_json(text)

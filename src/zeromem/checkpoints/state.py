@@ -138,7 +138,7 @@ def check_states(state: TrainingState, manifest: dict, load_optimizer_states: bo
         check_like(decode(saved), scheduler.state_dict(), "lr_scheduler")
 
 
-def check_like(saved: Any, here: Any, where: str) -> None:
+def check_like(saved: object, here: object, where: str) -> None:
     """`saved` has the structure of `here`: same keys, same lengths, compatible leaf types.
 
     Numbers stand for numbers (int or float; not bool), None for any plain value.
@@ -149,13 +149,16 @@ def check_like(saved: Any, here: Any, where: str) -> None:
                                   f"got a {type(saved).__name__}")
         return
     if isinstance(here, dict):
-        _need(isinstance(saved, dict), saved, here, where)
+        if not isinstance(saved, dict):
+            return _need(False, saved, here, where)
         if set(saved) != set(here):
             raise CheckpointError(f"manifest field {where}: keys {sorted(map(str, saved))} do not "
                                   f"match this engine's {sorted(map(str, here))}")
         for k in here:
             check_like(saved[k], here[k], f"{where}.{k}")
     elif isinstance(here, (list, tuple)):
+        if not isinstance(saved, (list, tuple)):
+            return _need(False, saved, here, where)
         _need(type(saved) is type(here) and len(saved) == len(here), saved, here, where)
         for i, (a, b) in enumerate(zip(saved, here)):
             check_like(a, b, f"{where}[{i}]")
@@ -166,7 +169,7 @@ def check_like(saved: Any, here: Any, where: str) -> None:
         _need(isinstance(saved, (int, float)) and not isinstance(saved, bool), saved, here, where)
 
 
-def _need(ok: bool, saved: Any, here: Any, where: str) -> None:
+def _need(ok: bool, saved: object, here: object, where: str) -> None:
     if not ok:
         raise CheckpointError(f"manifest field {where}: {saved!r} is not like this engine's "
                               f"{here!r} ({type(here).__name__})")

@@ -70,7 +70,7 @@ def shape_numel(shape: Iterable[int]) -> int:
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of `tensor` (copied only if it is on a device or not contiguous)."""
     flat = tensor.detach().reshape(-1).contiguous().cpu()
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 def write_safetensors(path: Path, specs: list[TensorSpec], metadata: dict[str, str],
@@ -167,7 +167,7 @@ class SafetensorsReader:
         if numel:
             begin = self.entries[key]["data_offsets"][0] + start * dtype.itemsize
             self.file.seek(self.data_start + begin)
-            got = self.file.readinto(memoryview(out.view(-1).view(torch.uint8).numpy()))
+            got = self.file.readinto(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
             if got != numel * dtype.itemsize:
                 raise CheckpointError(f"{self.path} is truncated: tensor {key!r} ends early")
         return out

@@ -19,6 +19,7 @@ import logging
 from typing import Any, Callable, get_args
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 logger = logging.getLogger("zeromem")
 
@@ -63,7 +64,7 @@ _MUST_BE = {
 }
 
 
-def _describe_error(err: dict, root: type[BaseModel], prefix: tuple = ()) -> str:
+def _describe_error(err: ErrorDetails, root: type[BaseModel], prefix: tuple = ()) -> str:
     loc = (*prefix, *err["loc"])
     path = ".".join(str(part) for part in loc)
     kind, ctx = err["type"], err.get("ctx") or {}
@@ -182,7 +183,8 @@ def resolve_auto(data: dict, hidden_size: int | None, path: str = "") -> tuple[d
     Batch keys are dropped (the batch rules derive them); hidden-size keys are computed;
     anything else is an error, because DeepSpeed would silently fall back to a default.
     """
-    resolved, derived = {}, []
+    resolved: dict[str, object] = {}
+    derived: list[str] = []
     for key, value in data.items():
         dotted = f"{path}{key}"
         if isinstance(value, dict):
@@ -217,6 +219,7 @@ def resolve_batch(train: int | None, micro: int | None, gas: int | None,
     """(train_batch_size, micro, gradient_accumulation_steps) by DeepSpeed's rules, in order."""
 
     def exact(divisor_text: str, divisor: int) -> int:
+        assert train is not None  # only called when train_batch_size is given
         if train % divisor:
             raise ConfigError(f"train_batch_size ({train}) is not divisible by {divisor_text} "
                               f"= {divisor}; DeepSpeed would floor to {train // divisor} and "

@@ -80,7 +80,7 @@ def _optimizer_factory(optimizer: Any, model_parameters: Any) -> tuple[Callable 
 def _training_dataloader(engine: DeepSpeedEngine, training_data: Any,
                          collate_fn: Callable | None) -> DataLoader:
     """DeepSpeed's loader: micro-batches of this rank's share of a `DistributedSampler`."""
-    sampler = DistributedSampler(training_data, num_replicas=engine.dp_world_size,
+    sampler: DistributedSampler = DistributedSampler(training_data, num_replicas=engine.dp_world_size,
                                  rank=engine.global_rank)
     return DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
                       sampler=sampler, collate_fn=collate_fn)

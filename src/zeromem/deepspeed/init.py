@@ -31,12 +31,11 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     """
     if dist.is_initialized() or dist_init_required is False:
         return
-    kwargs = {"timeout": timeout} if timeout is not None else {}
     if rank < 0 and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if dist_backend is None:
             ensure_process_group(timeout.total_seconds() if timeout is not None else None)
         else:
-            dist.init_process_group(dist_backend, init_method=init_method, **kwargs)
+            dist.init_process_group(dist_backend, init_method=init_method, timeout=timeout)
         return
     backend = dist_backend or "gloo"
     if rank < 0:  # no launcher: one process
@@ -45,4 +44,4 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            **kwargs)
+                            timeout=timeout)

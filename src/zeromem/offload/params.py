@@ -240,7 +240,8 @@ class ParamsOnNvme:
         self.dirty: set[int] = set()
         self.readers: dict[int, Reader] = {}
         self._order_now: Sequence[Any] | None = None  # what `follow` was told last
-        self._order, self._position = None, {}  # the order indexed: group id -> position
+        self._order: Sequence[Any] | None = None  # the order indexed below
+        self._position: dict[int, int] = {}  # group id -> position in `_order`
         # how fetch found its shard: already in memory, read ahead, or read on demand
         self.counts = {"in_memory": 0, "read_ahead": 0, "on_demand": 0}
         for g in groups:  # the file is the truth from now on
@@ -287,6 +288,7 @@ class ParamsOnNvme:
                 return
             self._evict(victim)
             buf = self.pool.acquire()
+            assert buf is not None  # the eviction freed one
         self._launch_read(group, buf)
 
     def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:

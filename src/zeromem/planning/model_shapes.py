@@ -17,7 +17,6 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -129,6 +128,8 @@ def _import_factory(spec: str):
     target, _, name = spec.rpartition(":")
     if target.endswith(".py"):
         module_spec = importlib.util.spec_from_file_location(Path(target).stem, target)
+        if module_spec is None or module_spec.loader is None:
+            raise ValueError(f"cannot import {target}: not a Python file")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_spec.name] = module  # dataclasses look their module up here
         module_spec.loader.exec_module(module)
@@ -156,9 +157,9 @@ def load_model(spec: str) -> tuple[nn.Module, dict]:
     return model, _config_dict(getattr(model, "config", None))
 
 
-def _config_dict(config: Any) -> dict:
+def _config_dict(config: object) -> dict:
     """A model's `config` attribute (dataclass, Hugging Face config, dict, object) as a dict."""
-    if dataclasses.is_dataclass(config):
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return dataclasses.asdict(config)
     if hasattr(config, "to_dict"):
         return config.to_dict()

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 from torch import nn
@@ -119,6 +118,7 @@ class FetchUnit:
         if self.state is GroupState.SHARDED:
             self.unshard()
         if self.state is GroupState.GATHERING:
+            assert self.pending is not None  # GATHERING: the all-gather is in flight
             self.pending.wait(timedelta(seconds=timeout_s) if timeout_s else None)
             self.pending = None
             self.group.finish_gather()
@@ -128,6 +128,7 @@ class FetchUnit:
         if self.state is GroupState.SHARDED or ((self.persistent or self.pins) and not force):
             return
         if self.state is GroupState.GATHERING:
+            assert self.pending is not None  # GATHERING: the all-gather is in flight
             self.pending.wait()
             self.pending = None
         self.group.reshard()
@@ -209,7 +210,8 @@ class _Tracing:
 
     def exit(self) -> None:
         self.tracer.__exit__(None, None, None)
-        self.eager.__exit__(None, None, None)
+        if self.eager is not None:
+            self.eager.__exit__(None, None, None)
 
 
 def _branch_flags(args: tuple, kwargs: dict) -> tuple:
@@ -270,15 +272,14 @@ class FetchSchedule:
 
         A backward is keyed like the forward before it (same mode and flags, same branch).
         """
-        if kind == "backward":
-            kind = ("backward", *self.pass_kind[1:])
-        self.pass_kind, self.position, self.on_track = kind, 0, kind in self.recorded
-        if kind[0] != "backward":
+        key = ("backward", *self.pass_kind[1:]) if kind == "backward" else tuple(kind)
+        self.pass_kind, self.position, self.on_track = key, 0, key in self.recorded
+        if key[0] != "backward":
             self.passes += 1
             if self.store is not None:  # published so a stuck rank can name who diverged
                 self.store.set(f"zeromem/stage3/passes/{self.comm.rank}", str(self.passes))
-        self.orders[kind] = []
-        self.placement.follow(self.recorded.get(kind))  # None: a pass of a new kind
+        self.orders[key] = []
+        self.placement.follow(self.recorded.get(key))  # None: a pass of a new kind
 
     def finish_pass(self) -> None:
         """Release every unit still gathered and keep this pass's order for prefetching."""
@@ -394,7 +395,7 @@ class FetchSchedule:
         self._use(self._units_for(module))
 
     @torch.compiler.disable
-    def _post_forward(self, module: nn.Module, args, output: Any) -> Any:
+    def _post_forward(self, module: nn.Module, args: tuple, output: object) -> object:
         self.module_stack.pop()
         units = self._units_for(module)
         if units and torch.is_grad_enabled():
@@ -419,7 +420,7 @@ class FetchSchedule:
     def _units_for_id(self, module_id: int) -> list[FetchUnit]:
         return self.unit_of_module.get(module_id, []) + self.extra_units.get(module_id, [])
 
-    def _hook_backward(self, module: nn.Module, output: Any) -> Any:
+    def _hook_backward(self, module: nn.Module, output: object) -> object:
         tensors = []
         tree_map(lambda t: tensors.append(t) if torch.is_tensor(t) and t.requires_grad else None,
                  output)

@@ -48,7 +48,8 @@ class _WeakById:
         self.items: dict[int, tuple[weakref.ref, object]] = {}
 
     def __setitem__(self, key: torch.Tensor, value: object) -> None:
-        self.items[id(key)] = (weakref.ref(key, lambda _, k=id(key): self.items.pop(k, None)), value)
+        k = id(key)
+        self.items[k] = (weakref.ref(key, lambda _: self.items.pop(k, None)), value)
 
     def __getitem__(self, key: torch.Tensor):
         return self.items[id(key)][1]
@@ -134,8 +135,9 @@ def materialize_meta(module: nn.Module, device: torch.device) -> None:
         own = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
         if any(t.is_meta for t in own):
             m.to_empty(device=device, recurse=False)
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                reset()
 
 
 def partitioned_bytes(module: nn.Module) -> int:
@@ -162,7 +164,7 @@ class Init:
         self.enabled = enabled
         self.built: list[weakref.ref] = []
         self.buffers: list[weakref.ref] = []
-        self.handles = []
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.mode = _WholeWhileTouched(self)
         self.busy = False  # partitioning now: the mode must let our own tensor ops through
 
