@@ -140,20 +140,19 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None) -> DeepS
     if where is None:
         raise CheckpointError(describe_directory(load_dir))
     path = where[0] / where[1]
-    optim_files = _optim_files(path)
-    world_size = len(optim_files)
     model_file = path / "mp_rank_00_model_states.pt"
     stage3 = not model_file.is_file()
     model = load_pt(path / "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage3 else model_file)
+    world_size = model.get("dp_world_size", 1)
+    if model.get("mp_world_size", 1) != 1:
+        raise CheckpointError(f"{path}: saved with model (tensor) parallelism "
+                              f"{model['mp_world_size']}; the import reads mp_world_size 1 only")
+    optim_files = _optim_files(path, world_size)
     optims = [_need(load_pt(f), "optimizer_state_dict", f) for f in optim_files]
     stage = int(_need(optims[0], "zero_stage", optim_files[0]))
     if (stage == 3) != stage3:
         raise CheckpointError(f"{path}: optimizer files say ZeRO stage {stage} but the model "
                               f"states are laid out for stage {3 if stage3 else '1-2'}")
-    saved_world = model.get("dp_world_size", world_size)
-    if saved_world != world_size:
-        raise CheckpointError(f"{path}: saved by {saved_world} data-parallel ranks but holds "
-                              f"{world_size} optimizer files ({[f.name for f in optim_files]})")
     shapes = [dict(group) for group in _need(model, "param_shapes", path / "model_states")]
     if stage3:
         params, scalars, groups = _assemble_stage3(path, optims, shapes, world_size)
@@ -170,7 +169,8 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None) -> DeepS
                           module_tensors, list(module), shared, model)
 
 
-def _optim_files(path: Path) -> list[Path]:
+def _optim_files(path: Path, world_size: int) -> list[Path]:
+    """Rank r's optimizer states file, for each of the `world_size` ranks that saved."""
     pattern = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
     found = {int(m.group(2)): path / m.group(0)
              for m in (pattern.match(p.name) for p in path.iterdir()) if m}
@@ -178,11 +178,16 @@ def _optim_files(path: Path) -> list[Path]:
         raise CheckpointError(f"{path} has DeepSpeed model states but no "
                               f"zero_pp_rank_*_mp_rank_00_optim_states.pt: not a ZeRO checkpoint "
                               f"(files: {sorted(p.name for p in path.iterdir())[:10]})")
-    missing = [r for r in range(max(found) + 1) if r not in found]
+    missing = [r for r in range(world_size) if r not in found]
     if missing:
-        raise CheckpointError(f"{path} lacks the optimizer states of rank(s) {missing} "
+        raise CheckpointError(f"{path} lacks the optimizer states of rank(s) {missing} of the "
+                              f"{world_size} that saved it "
                               f"(zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt)")
-    return [found[r] for r in range(len(found))]
+    extra = sorted(r for r in found if r >= world_size)
+    if extra:
+        raise CheckpointError(f"{path} holds optimizer states of rank(s) {extra}, but its model "
+                              f"states say {world_size} ranks saved it")
+    return [found[r] for r in range(world_size)]
 
 
 def _base_state(optim: dict, key: str, path: Path) -> tuple[list[dict], list[dict]]:
