@@ -7,6 +7,7 @@ tests/distributed/test_deepspeed_resume.py.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -44,6 +45,10 @@ def test_import_holds_deepspeeds_states(name, tmp_path):
                     assert got[field] == pytest.approx(want[field], rel=1e-6, abs=1e-9), \
                         (param, kind, field)
                 assert got["head"] == pytest.approx(want["head"], rel=1e-6, abs=1e-9)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for param in manifest["params"].values():  # Adam's step, as a tensor like torch keeps it
+        assert param["scalar_state"]["step"]["__tensor__"] == expected["states"]["__step__"]
+    assert manifest["counters"]["global_steps"] == expected["save_at"]
     full = load_consolidated(consolidate(tmp_path, tmp_path / "full.pt"))
     torch.manual_seed(0)  # the seed DeepSpeed's run built TinyLM with: frozen weights never move
     frozen_dtype = torch.bfloat16 if expected["precision"] == "bf16" else torch.float32
