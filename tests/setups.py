@@ -1,6 +1,10 @@
 """Configs and training loops that several test files share (models are in models.py)."""
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -83,3 +87,38 @@ def train_global_batch(engine, rank: int, world_size: int, steps) -> None:
             # Same on every rank: stage 3 with partitioned units gathers each module collectively.
             engine.backward(engine(tokens, targets, uses_sometimes(step, j, 0, per_rank=False)))
             engine.step()
+
+
+# DeepSpeed checkpoints (tests/data/deepspeed_checkpoints, made by tools/make_deepspeed_checkpoints.py):
+# each case directory holds DeepSpeed's checkpoint and expected.json (its config and its loss curve
+# after the save, one loss per micro-batch j of G per step).
+DEEPSPEED_CHECKPOINTS = Path(__file__).parent / "data" / "deepspeed_checkpoints"
+
+
+def deepspeed_case(name: str) -> tuple:
+    """(checkpoint directory, expected.json contents) of one DeepSpeed checkpoint case."""
+    path = DEEPSPEED_CHECKPOINTS / name
+    return path, json.loads((path / "expected.json").read_text())
+
+
+def deepspeed_resume_config(expected: dict, stage: int, world_size: int) -> dict:
+    """The DeepSpeed run's config for a zeromem run at `stage` on `world_size` ranks."""
+    config = copy.deepcopy(expected["config"])
+    config["gradient_accumulation_steps"] = expected["micro_batches_per_step"] // world_size
+    config["zero_optimization"]["stage"] = stage
+    return config
+
+
+def deepspeed_curve(engine, rank: int, world_size: int, expected: dict) -> list[list[float]]:
+    """This rank's losses over the steps DeepSpeed recorded after its save: [step][micro]."""
+    gas = expected["micro_batches_per_step"] // world_size
+    curve = []
+    for i in range(len(expected["losses"])):
+        step, losses = expected["save_at"] + i, []
+        for micro in range(gas):
+            loss = engine(*micro_batch(step, rank * gas + micro, 0), True)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        curve.append(losses)
+    return curve

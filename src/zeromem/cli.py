@@ -4,6 +4,7 @@
     zeromem plan examples/configs/gpt2-small.json --gpus 8 --gpu-mem 16GB --out config.json
     zeromem report runs/ --out runs/report
     zeromem consolidate checkpoints/ model.safetensors
+    zeromem import-deepspeed deepspeed_checkpoints/ checkpoints/
 
 A subcommand is a `Command`: its help line, a function adding its arguments to
 its parser, and a function running it (returning the exit status). Adding one is
@@ -158,6 +159,19 @@ def _run_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", metavar="SRC", help="directory DeepSpeed's save_checkpoint wrote "
+                                                   "(or one of its tag directories)")
+    parser.add_argument("dst", metavar="DST", help="zeromem checkpoint directory to write")
+    parser.add_argument("--tag", help="DeepSpeed tag (default: the one `latest` names)")
+
+
+def _run_import_deepspeed(args: argparse.Namespace) -> int:
+    from zeromem.checkpoints.deepspeed_import import import_deepspeed
+    print(import_deepspeed(args.src, args.dst, tag=args.tag))
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "estimate": Command("per-device model-state memory by ZeRO stage (paper formulas)",
                         _estimate_arguments, _run_estimate),
@@ -167,6 +181,9 @@ COMMANDS: dict[str, Command] = {
                       _report_arguments, _run_report),
     "consolidate": Command("write a checkpoint's full fp32 state dict (no GPU, no process group)",
                            _consolidate_arguments, _run_consolidate),
+    "import-deepspeed": Command("convert a DeepSpeed ZeRO checkpoint (stages 1-3) into a zeromem "
+                                "one, loadable at any world size and stage",
+                                _import_deepspeed_arguments, _run_import_deepspeed),
 }
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from zeromem.checkpoints.formats import describe_directory
 from zeromem.leftovers import OWNER, reclaim_stale, write_owner
 from zeromem.checkpoints.manifest import validate_manifest
 from zeromem.checkpoints.tensor_files import (CHUNK_BYTES, CheckpointError, SafetensorsReader, TensorSpec,
@@ -194,8 +195,10 @@ def resolve_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> P
     if tag is None:
         latest = root / LATEST
         if not latest.is_file():
+            tags = available_tags(root)
             raise CheckpointError(f"no {LATEST!r} file in {root}: pass tag= explicitly "
-                                  f"(tags found: {available_tags(root)})")
+                                  f"(tags found: {tags})"
+                                  + ("" if tags else f"; {describe_directory(root)}"))
         if not is_inside(root, latest):
             raise CheckpointError(f"{latest} is a link to {latest.resolve()}, outside {root}")
         tag = latest.read_text().strip()
@@ -215,7 +218,8 @@ def resolve_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> P
                     path, old)
         return old
     if path.is_dir():
-        raise CheckpointError(f"{path / MANIFEST} is missing: {path} is not a complete checkpoint")
+        raise CheckpointError(f"{path / MANIFEST} is missing: {path} is not a complete "
+                              f"checkpoint; {describe_directory(path)}")
     raise CheckpointError(f"unknown checkpoint tag {str(tag)!r}: {path} does not exist "
                           f"(tags found: {available_tags(root)})")
 

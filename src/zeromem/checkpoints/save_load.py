@@ -56,6 +56,7 @@ import logging
 import os
 import pickle
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -71,6 +72,7 @@ from zeromem.checkpoints.consolidate import (
     CLIENT_STATE, FORMAT, MANIFEST, VERSION, Piece, check_tag, checked_files, encode, file_digest,
     fsync_dir, overlaps, pieces_by_param, prepare_tmp, publish, raise_problems, rank_file_name,
     read_manifest, resolve_checkpoint, verify_file, write_latest, write_manifest)
+from zeromem.checkpoints.formats import deepspeed_location
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
 from zeromem.training_state import TrainingState
 
@@ -356,12 +358,42 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
     directory someone else can write cannot run code in this process. Pass
     `trust_client_state=True` for client state holding other objects, and only
     for checkpoints you wrote yourself.
+
+    A DeepSpeed ZeRO checkpoint (stages 1-3, `checkpoints/deepspeed_import.py`) is
+    imported first, by each rank into a private temporary directory, then loaded
+    the same way; the returned path is DeepSpeed's tag directory.
     """
+    where = deepspeed_location(load_dir, tag)
+    if where is not None:
+        return _load_deepspeed(state, where, load_optimizer_states, load_lr_scheduler_states)
+    return _load(state, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                 trust_client_state)
+
+
+def _load_deepspeed(state: TrainingState, where: tuple[Path, str], load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool) -> tuple[str, Any]:
+    from zeromem.checkpoints.deepspeed_import import import_deepspeed
+
+    root, tag = where
+    with tempfile.TemporaryDirectory(prefix="zeromem-deepspeed-") as tmp:
+        _collective(state, f"importing DeepSpeed checkpoint {root / tag}",
+                    lambda: import_deepspeed(root, tmp, tag))
+        _load(state, tmp, tag, load_optimizer_states, load_lr_scheduler_states, False,
+              shown=root)
+    return str(root / tag), None
+
+
+def _load(state: TrainingState, load_dir, tag: str | None, load_optimizer_states: bool,
+          load_lr_scheduler_states: bool, trust_client_state: bool,
+          shown: str | os.PathLike | None = None) -> tuple[str, Any]:
+    """`load_checkpoint` of a zeromem checkpoint; ranks compare `shown/<tag>` (default:
+    `load_dir`), so that each may read its own copy of one checkpoint."""
     path, manifest = _collective(
         state, "reading the checkpoint manifest",
         lambda: _open_checked(state, load_dir, tag, load_optimizer_states,
                               load_lr_scheduler_states))
-    h = int.from_bytes(hashlib.sha256(str(path).encode()).digest()[:7], "little")
+    same = Path(load_dir if shown is None else shown) / path.name
+    h = int.from_bytes(hashlib.sha256(str(same).encode()).digest()[:7], "little")
     if len({row[0] for row in _share_rows(state, [h])}) > 1:
         raise CheckpointError(f"ranks resolved different checkpoints (this rank: {path}); "
                               "was `latest` replaced during the load?")

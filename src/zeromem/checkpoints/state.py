@@ -49,6 +49,10 @@ def read_rng(reader, manifest: dict, rank: int) -> dict[str, Any] | None:
                  rank, manifest["world_size"])
         return None
     file = reader(rank_file_name(rank))
+    if "rng/cpu" not in file.keys():  # an imported checkpoint: DeepSpeed saves no generators
+        log.info("the checkpoint holds no RNG states; rank %d's generators are left as they are",
+                 rank)
+        return None
     rng = {"cpu": file.read("rng/cpu"),
            "cuda": [file.read(k) for k in sorted(file.keys()) if k.startswith("rng/cuda")],
            "python": decode(json.loads(file.metadata["python_rng"]))}

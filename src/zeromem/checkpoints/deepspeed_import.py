@@ -1,0 +1,403 @@
+"""DeepSpeed ZeRO checkpoints (stages 1-3) turned into zeromem checkpoints.
+
+DeepSpeed's layout, as its `save_checkpoint` writes it (one model-parallel rank):
+
+    <dir>/latest                                         text: the tag
+    <dir>/<tag>/mp_rank_00_model_states.pt               stages 1-2: module state dict, param
+                                                          shapes per param group, counters,
+                                                          lr scheduler, ds_config
+    <dir>/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt   stage 3, one per rank: the same,
+                                                          frozen parameters as partitions
+    <dir>/<tag>/[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt   one per data-parallel rank:
+                                                          its fp32 partition and Adam states
+
+How the partitions tile the parameters:
+
+- stages 1-2: per param group, rank r holds elements [r * P, (r + 1) * P) of the group's
+  flat buffer (parameters packed in `param_shapes` order, padding only at the end). The
+  fp32 partition is saved without padding; the optimizer states with it.
+- stage 3: every parameter is partitioned on its own into world-size pieces of
+  ceil(numel / world size) elements (the last padded); rank r's flat buffer is its
+  piece of each parameter in `param_shapes` order, over all groups.
+
+The import assembles each parameter's full fp32 master and optimizer states and writes
+them as a one-rank zeromem checkpoint (one piece per parameter, `checkpoints/save_load.py`),
+which the ordinary loader then reads at any world size and stage. The learning-rate
+schedule continues where DeepSpeed's stopped: DeepSpeed's `last_batch_iteration` i
+means its next step uses the schedule's lr at i, which is zeromem's `last_epoch` i.
+
+Loading runs no code from the files: every `.pt` is read with `torch.load(weights_only=True)`
+and an allowlist of the three DeepSpeed classes its optimizer files pickle, rebuilt as
+inert stand-ins (`_SAFE_GLOBALS`); anything else is refused with the global's name.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import re
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeromem.checkpoints.consolidate import (FORMAT, VERSION, encode, prepare_tmp, publish,
+                                             rank_file_name, write_latest, write_manifest)
+from zeromem.checkpoints.formats import deepspeed_location, describe_directory
+from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec, write_safetensors
+
+log = logging.getLogger("zeromem")
+
+__all__ = ["import_deepspeed", "read_deepspeed"]
+
+
+# ---------------------------------------------------------------- reading .pt files safely
+
+class _Record:
+    """Stand-in for a pickled DeepSpeed object: its attributes, nothing callable."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({vars(self)})"
+
+
+class _LossScaler(_Record):
+    pass
+
+
+class _FragmentAddress(_Record):
+    pass
+
+
+_SAFE_GLOBALS = [
+    (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (int, "deepspeed.runtime.zero.config.ZeroStageEnum"),  # an int Enum: rebuilt as its int
+]
+
+
+def load_pt(path: Path) -> dict:
+    """A DeepSpeed `.pt` file, unpickled without running code (weights_only + allowlist)."""
+    try:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        unsafe = _unsafe_globals(path)
+        raise CheckpointError(
+            f"{path} holds objects that could run code when loaded ({', '.join(unsafe) or error}"
+            "); zeromem reads DeepSpeed checkpoints only with the few DeepSpeed classes they "
+            "need, never arbitrary globals") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as error:
+        raise CheckpointError(f"{path} is not a readable torch checkpoint (damaged or "
+                              f"truncated?): {str(error).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a {type(data).__name__}, not DeepSpeed's dict")
+    return data
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    allowed = {name for _, name in _SAFE_GLOBALS}
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - only used to word the error
+        return []
+    return [f"global {g} is not allowed" for g in found if g not in allowed]
+
+
+def _need(data: dict, key: str, path: Path) -> Any:
+    if key not in data:
+        raise CheckpointError(f"{path} is damaged or not a DeepSpeed ZeRO checkpoint: it has no "
+                              f"{key!r} (keys: {sorted(map(str, data))[:10]})")
+    return data[key]
+
+
+# ---------------------------------------------------------------- the checkpoint, assembled
+
+@dataclass
+class DeepSpeedState:
+    """A DeepSpeed ZeRO checkpoint with every parameter's state whole, in fp32."""
+
+    path: Path
+    stage: int
+    world_size: int
+    params: dict[str, dict[str, torch.Tensor]]  # name -> {"master", "exp_avg", ...}, full shape
+    param_group: dict[str, int]                 # name -> optimizer param group
+    scalars: list[dict[str, Any]]               # per param group: Adam's step, ...
+    param_groups: list[dict[str, Any]]          # per param group: lr, betas, ... as saved
+    module_tensors: dict[str, torch.Tensor]     # buffers and frozen parameters
+    state_dict_keys: list[str]
+    aliases: dict[str, str]                     # tied weights: other key -> parameter name
+    model_states: dict = field(repr=False)      # rank 0's model states file (counters, config)
+
+
+def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None) -> DeepSpeedState:
+    """Read the DeepSpeed ZeRO checkpoint at `load_dir` (tag: `tag` or `latest`) whole."""
+    where = deepspeed_location(load_dir, tag)
+    if where is None:
+        raise CheckpointError(describe_directory(load_dir))
+    path = where[0] / where[1]
+    model_file = path / "mp_rank_00_model_states.pt"
+    stage3 = not model_file.is_file()
+    model = load_pt(path / "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage3 else model_file)
+    world_size = model.get("dp_world_size", 1)
+    if model.get("mp_world_size", 1) != 1:
+        raise CheckpointError(f"{path}: saved with model (tensor) parallelism "
+                              f"{model['mp_world_size']}; the import reads mp_world_size 1 only")
+    optim_files = _optim_files(path, world_size)
+    optims = [_need(load_pt(f), "optimizer_state_dict", f) for f in optim_files]
+    stage = int(_need(optims[0], "zero_stage", optim_files[0]))
+    if (stage == 3) != stage3:
+        raise CheckpointError(f"{path}: optimizer files say ZeRO stage {stage} but the model "
+                              f"states are laid out for stage {3 if stage3 else '1-2'}")
+    shapes = [dict(group) for group in _need(model, "param_shapes", path / "model_states")]
+    if stage3:
+        params, scalars, groups = _assemble_stage3(path, optims, shapes, world_size)
+        frozen = _frozen_stage3(path, model, world_size)
+    else:
+        params, scalars, groups = _assemble_stage12(path, optims, shapes, optim_files)
+        frozen = {}
+    module = dict(_need(model, "module", path / "model_states"))
+    shared = dict(model.get("shared_params") or {})
+    param_group = {name: gi for gi, group in enumerate(shapes) for name in group}
+    module_tensors = {k: v for k, v in module.items() if k not in param_group and k not in shared}
+    module_tensors.update(frozen)
+    return DeepSpeedState(path, stage, world_size, params, param_group, scalars, groups,
+                          module_tensors, list(module), shared, model)
+
+
+def _optim_files(path: Path, world_size: int) -> list[Path]:
+    """Rank r's optimizer states file, for each of the `world_size` ranks that saved."""
+    pattern = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+    found = {int(m.group(2)): path / m.group(0)
+             for m in (pattern.match(p.name) for p in path.iterdir()) if m}
+    if not found:
+        raise CheckpointError(f"{path} has DeepSpeed model states but no "
+                              f"zero_pp_rank_*_mp_rank_00_optim_states.pt: not a ZeRO checkpoint "
+                              f"(files: {sorted(p.name for p in path.iterdir())[:10]})")
+    missing = [r for r in range(world_size) if r not in found]
+    if missing:
+        raise CheckpointError(f"{path} lacks the optimizer states of rank(s) {missing} of the "
+                              f"{world_size} that saved it "
+                              f"(zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt)")
+    extra = sorted(r for r in found if r >= world_size)
+    if extra:
+        raise CheckpointError(f"{path} holds optimizer states of rank(s) {extra}, but its model "
+                              f"states say {world_size} ranks saved it")
+    return [found[r] for r in range(world_size)]
+
+
+def _base_state(optim: dict, key: str, path: Path) -> tuple[list[dict], list[dict]]:
+    """(per-group tensor states, per-group options) of the torch optimizer inside."""
+    base = _need(optim, key, path)
+    if isinstance(base, list):  # elastic checkpoint: per-group states, padding removed
+        return base, []
+    state = _need(base, "state", path)
+    return [state[i] for i in sorted(state)], list(base.get("param_groups", []))
+
+
+def _scalar(states: dict) -> dict[str, Any]:
+    return {k: v for k, v in states.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+
+
+def _assemble_stage12(path: Path, optims: list[dict], shapes: list[dict],
+                      files: list[Path]) -> tuple[dict, list, list]:
+    bases = [_base_state(o, "base_optimizer_state", f) for o, f in zip(optims, files)]
+    params: dict[str, dict[str, torch.Tensor]] = {}
+    scalars = []
+    for gi, group in enumerate(shapes):
+        parts = [_need(o, "single_partition_of_fp32_groups", f)[gi] for o, f in zip(optims, files)]
+        flat = {"master": torch.cat([p.float() for p in parts])}
+        states = [b[0][gi] for b in bases]
+        for key in sorted(k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0):
+            # each rank's states carry the padding its fp32 partition was saved without
+            flat[key] = torch.cat([s[key].float().flatten()[:p.numel()]
+                                   for s, p in zip(states, parts)])
+        _split(path, group, flat, params)
+        scalars.append(_scalar(states[0]))
+    return params, scalars, bases[0][1]
+
+
+def _assemble_stage3(path: Path, optims: list[dict], shapes: list[dict],
+                     world_size: int) -> tuple[dict, list, list]:
+    per_rank = []
+    for rank, optim in enumerate(optims):
+        file = path / f"rank {rank}"
+        states, groups = _base_state(optim, "optimizer_state_dict", file)
+        flat = {"master": torch.cat([t.float().flatten()
+                                     for t in _need(optim, "fp32_flat_groups", file)])}
+        for key in sorted(k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0):
+            flat[key] = torch.cat([s[key].float().flatten() for s in states])
+        per_rank.append(flat)
+    keys = per_rank[0].keys()
+    params: dict[str, dict[str, torch.Tensor]] = {}
+    offset = 0
+    for group in shapes:
+        for name, shape in group.items():
+            numel = math.prod(shape)
+            piece = math.ceil(numel / world_size)
+            if offset + piece > per_rank[0]["master"].numel():
+                raise CheckpointError(f"{path}: the fp32 partitions end before parameter "
+                                      f"{name!r}: the model states do not match the optimizer "
+                                      "states")
+            params[name] = {k: torch.cat([r[k][offset:offset + piece] for r in per_rank])[:numel]
+                            .view(shape).clone() for k in keys}
+            offset += piece
+    scalars = [_scalar(_base_state(optims[0], "optimizer_state_dict", path)[0][0])] * len(shapes)
+    groups = _base_state(optims[0], "optimizer_state_dict", path)[1]
+    if len({repr({k: v for k, v in g.items() if k != "params"}) for g in groups}) > 1:
+        raise CheckpointError(f"{path}: a stage-3 checkpoint with several optimizer param groups "
+                              "is not supported by the import")
+    return params, scalars, groups[:1] * len(shapes)
+
+
+def _split(path: Path, group: dict, flat: dict[str, torch.Tensor],
+           params: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Cut one param group's flat tensors into its parameters, in `param_shapes` order."""
+    at, total = 0, flat["master"].numel()
+    for name, shape in group.items():
+        numel = math.prod(shape)
+        if at + numel > total:
+            raise CheckpointError(f"{path}: the fp32 partitions hold {total} elements, fewer than "
+                                  f"the parameters the model states list (at {name!r})")
+        params[name] = {k: t[at:at + numel].view(shape).clone() for k, t in flat.items()}
+        at += numel
+    if at != total:
+        raise CheckpointError(f"{path}: the fp32 partitions hold {total} elements but the "
+                              f"parameters the model states list have {at}")
+
+
+def _frozen_stage3(path: Path, model: dict, world_size: int) -> dict[str, torch.Tensor]:
+    """Stage 3 saves each frozen parameter as per-rank partitions, one model file per rank."""
+    shapes = dict(model.get("frozen_param_shapes") or {})
+    if not shapes:
+        return {}
+    files = [path / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)]
+    fragments = [dict(_need(load_pt(f), "frozen_param_fragments", f)) for f in files]
+    return {name: torch.cat([f[name].flatten() for f in fragments])[:math.prod(shape)]
+            .view(shape).clone() for name, shape in shapes.items()}
+
+
+# ---------------------------------------------------------------- writing zeromem's format
+
+def import_deepspeed(src: str | os.PathLike, dst: str | os.PathLike,
+                     tag: str | None = None) -> str:
+    """Convert the DeepSpeed ZeRO checkpoint at `src` into a zeromem checkpoint under `dst`.
+
+    No process group needed. The result (`dst/<tag>`, `dst/latest`) loads with
+    `engine.load_checkpoint(dst)` at any world size and stage. Returns its directory.
+    """
+    ds = read_deepspeed(src, tag)
+    out_tag = ds.path.name
+    root, tmp = Path(dst), Path(dst) / f".tmp-{out_tag}"
+    prepare_tmp(root, tmp)
+    try:
+        specs = [TensorSpec.of(f"master/{name}", s["master"].flatten())
+                 for name, s in ds.params.items()]
+        specs += [TensorSpec.of(f"optimizer/{key}/{name}", t.flatten())
+                  for name, s in ds.params.items() for key, t in s.items() if key != "master"]
+        specs += [TensorSpec.of(f"module/{k}", t) for k, t in ds.module_tensors.items()]
+        sha, size = write_safetensors(tmp / rank_file_name(0), specs, {"format": FORMAT,
+                                                                       "rank": "0"})
+        manifest = _manifest(ds, out_tag)
+        manifest["files"] = [{"name": rank_file_name(0), "rank": 0, "sha256": sha, "bytes": size,
+                              "pieces": [[n, 0, s["master"].numel()]
+                                         for n, s in ds.params.items()]}]
+        write_manifest(tmp, manifest)
+        publish(root, tmp, out_tag)
+        write_latest(root, out_tag)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("imported DeepSpeed stage-%d checkpoint %s (%d ranks) into %s", ds.stage, ds.path,
+             ds.world_size, root / out_tag)
+    return str(root / out_tag)
+
+
+def _manifest(ds: DeepSpeedState, tag: str) -> dict:
+    config = ds.model_states.get("ds_config") or {}
+    optimizer, scheduler = _optimizer_and_schedule(ds, config)
+    gas = int(config.get("gradient_accumulation_steps", 1) or 1)
+    global_steps = int(ds.model_states.get("global_steps", 0))
+    first = next(iter(ds.params.values()))
+    state_keys = sorted(k for k in first if k != "master")
+    return {
+        "format": FORMAT, "version": VERSION, "tag": tag, "world_size": 1,
+        "zero_stage": ds.stage, "gradient_accumulation_steps": gas,
+        "dtypes": {"compute": _compute_dtype(config), "master": "float32",
+                   "optimizer": {k: "float32" for k in state_keys}},
+        "counters": {"global_steps": global_steps, "micro_steps": global_steps * gas,
+                     "skipped_steps": int(ds.model_states.get("skipped_steps", 0))},
+        "params": {name: {"shape": list(s["master"].shape), "param_group": ds.param_group[name],
+                          "scalar_state": encode(ds.scalars[ds.param_group[name]],
+                                                 "optimizer state")}
+                   for name, s in ds.params.items()},
+        "files": [],
+        "state_dict_keys": ds.state_dict_keys,
+        "aliases": {k: v for k, v in ds.aliases.items() if k in ds.state_dict_keys},
+        "module_tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                           for k, t in ds.module_tensors.items()},
+        "optimizer": {"type": optimizer[0], "tensor_states": state_keys,
+                      "param_groups": optimizer[1]},
+        "scaler": {},
+        "lr_scheduler": scheduler,
+        "client_state": None,
+    }
+
+
+def _compute_dtype(config: dict) -> str:
+    for block, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
+        if (config.get(block) or {}).get("enabled"):
+            return dtype
+    return "float32"
+
+
+_IMPLEMENTATION = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+
+def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str, list], Any]:
+    """(type, param groups' options) as zeromem's optimizer holds them, and the schedule state.
+
+    zeromem's own optimizer and schedule are built from DeepSpeed's config over empty
+    tensors, so the options carry exactly the keys a zeromem engine's have; DeepSpeed's
+    saved values (lr, betas, ...) replace the defaults, implementation switches excepted.
+    """
+    from zeromem.config.schema import OptimizerConfig, SchedulerConfig
+    from zeromem.optim import OPTIMIZERS
+    from zeromem.schedulers import build_scheduler
+
+    block = config.get("optimizer")
+    try:
+        opt_config = OptimizerConfig.model_validate(block) if block else None
+        sched_block = config.get("scheduler")
+        sched_config = SchedulerConfig.model_validate(sched_block) if sched_block else None
+    except Exception as error:  # noqa: BLE001 - pydantic or ConfigError: reported with the file
+        raise CheckpointError(f"{ds.path}: the ds_config saved in the checkpoint has an optimizer "
+                              f"or scheduler zeromem cannot build: {error}") from None
+    saved = ds.param_groups or [{}] * len(ds.scalars)
+    kind = opt_config.type.lower() if opt_config else (
+        "adamw" if saved[0].get("decoupled_weight_decay") else "adam")
+    if kind not in OPTIMIZERS:
+        raise CheckpointError(f"{ds.path}: optimizer {kind!r} has no zeromem equivalent "
+                              f"({sorted(OPTIMIZERS)})")
+    params = dict(opt_config.params) if opt_config else {}
+    if OPTIMIZERS[kind] is not torch.optim.SGD and not {"foreach", "fused"} & set(params):
+        params["fused"] = True  # as zeromem's optim.build_optimizer does
+    groups = [{"params": [torch.zeros(0)],
+               **{k: v for k, v in g.items() if k not in _IMPLEMENTATION}} for g in saved]
+    optimizer = OPTIMIZERS[kind](groups, **params)
+    schedule = None
+    if sched_config is not None:
+        scheduler = build_scheduler(sched_config, optimizer)
+        with warnings.catch_warnings():  # stepping a schedule with no optimizer step between
+            warnings.simplefilter("ignore")
+            for _ in range(int((ds.model_states.get("lr_scheduler") or {})
+                               .get("last_batch_iteration", 0))):
+                scheduler.step()
+        schedule = encode(scheduler.state_dict(), "lr scheduler state")
+    options = [encode({k: v for k, v in g.items() if k != "params"}, f"param group {i}")
+               for i, g in enumerate(optimizer.param_groups)]
+    return (kind, options), schedule

@@ -1,0 +1,138 @@
+"""Importing DeepSpeed ZeRO checkpoints without a process group: states, CLI, bad directories.
+
+The states are checked against fingerprints DeepSpeed's own API
+(`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`) gave when the
+checkpoints were made (tools/make_deepspeed_checkpoints.py); resuming them is
+tests/distributed/test_deepspeed_resume.py.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import TinyLM
+from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case
+from zeromem.checkpoints.consolidate import consolidate, load_consolidated, resolve_checkpoint
+from zeromem.checkpoints.deepspeed_import import import_deepspeed, load_pt
+from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader
+from zeromem.cli import main
+
+CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir() if (p / "expected.json").is_file())
+
+
+def fingerprint(t: torch.Tensor) -> dict:
+    t = t.float().flatten()
+    return {"sum": t.sum().item(), "sumsq": (t * t).sum().item(), "head": t[:4].tolist()}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_import_holds_deepspeeds_states(name, tmp_path):
+    src, expected = deepspeed_case(name)
+    out = Path(import_deepspeed(src, tmp_path))
+    assert out == tmp_path / "global_step3" and (tmp_path / "latest").read_text() == "global_step3"
+    with SafetensorsReader(out / "rank00000.safetensors") as reader:
+        for param, states in expected["states"].items():
+            if param == "__step__":
+                continue
+            for kind, want in states.items():
+                key = f"master/{param}" if kind == "master" else f"optimizer/{kind}/{param}"
+                got = fingerprint(reader.read(key))
+                for field in ("sum", "sumsq"):
+                    assert got[field] == pytest.approx(want[field], rel=1e-6, abs=1e-9), \
+                        (param, kind, field)
+                assert got["head"] == pytest.approx(want["head"], rel=1e-6, abs=1e-9)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for param in manifest["params"].values():  # Adam's step, as a tensor like torch keeps it
+        assert param["scalar_state"]["step"]["__tensor__"] == expected["states"]["__step__"]
+    assert manifest["counters"]["global_steps"] == expected["save_at"]
+    full = load_consolidated(consolidate(tmp_path, tmp_path / "full.pt"))
+    torch.manual_seed(0)  # the seed DeepSpeed's run built TinyLM with: frozen weights never move
+    frozen_dtype = torch.bfloat16 if expected["precision"] == "bf16" else torch.float32
+    for key, value in TinyLM().state_dict().items():
+        if key.startswith("frozen."):
+            assert torch.equal(full[key], value.to(frozen_dtype).float()), key
+    assert torch.equal(full["head.weight"], full["embed.weight"])  # tied, stored once
+    assert full.keys() == TinyLM().state_dict().keys()
+
+
+def test_cli_imports_and_reports_foreign_directories(tmp_path, capsys):
+    src, _ = deepspeed_case("stage3_ws2_fp32")
+    assert main(["import-deepspeed", str(src), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "global_step3" / "manifest.json").is_file()
+    assert main(["import-deepspeed", str(src / "global_step3"), str(tmp_path / "out2")]) == 0
+    assert main(["import-deepspeed", str(tmp_path / "out"), str(tmp_path / "again")]) == 2
+    assert "neither a zeromem checkpoint" not in capsys.readouterr().out
+    assert main(["import-deepspeed", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_foreign_directories_say_what_they_look_like(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="Hugging Face model directory"):
+        import_deepspeed(hf, tmp_path / "out")
+    with pytest.raises(CheckpointError, match="Hugging Face model directory.*from_pretrained"):
+        resolve_checkpoint(hf)  # zeromem's loader says the same
+    with pytest.raises(CheckpointError, match="neither a zeromem checkpoint.*it is empty"):
+        resolve_checkpoint(empty)
+    (empty / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="DeepSpeed one.*it holds notes.txt"):
+        import_deepspeed(empty, tmp_path / "out")
+
+
+def damaged_copy(tmp_path: Path, name: str = "stage2_ws2_fp32") -> Path:
+    src, _ = deepspeed_case(name)
+    copy = tmp_path / name
+    shutil.copytree(src, copy)
+    return copy / "global_step3"
+
+
+def test_damaged_deepspeed_checkpoints_are_refused_by_name(tmp_path):
+    tag = damaged_copy(tmp_path)
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"lacks the optimizer states of rank\(s\) \[1\]"):
+        import_deepspeed(tag.parent, tmp_path / "out")
+
+    tag = damaged_copy(tmp_path / "t")
+    file = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    file.write_bytes(file.read_bytes()[:2000])
+    with pytest.raises(CheckpointError, match="zero_pp_rank_0.*not a readable torch checkpoint"):
+        import_deepspeed(tag.parent, tmp_path / "out")
+
+    tag = damaged_copy(tmp_path / "s")  # model states listing a parameter the partitions lack
+    model = load_pt(tag / "mp_rank_00_model_states.pt")
+    model["param_shapes"][0]["extra.weight"] = torch.Size([5])
+    torch.save(model, tag / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match="fewer than the parameters.*'extra.weight'"):
+        import_deepspeed(tag.parent, tmp_path / "out")
+    assert not (tmp_path / "out" / "latest").exists()
+
+
+class _Opens:
+    """Unpickled without the allowlist, this would create a file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def test_code_in_a_deepspeed_checkpoint_is_never_run(tmp_path):
+    tag = damaged_copy(tmp_path, "stage3_ws2_fp32")
+    marker = tmp_path / "ran"
+    file = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    model = load_pt(file)
+    model["lr_scheduler"] = _Opens(marker)
+    torch.save(model, file)
+    with pytest.raises(CheckpointError, match="could run code.*global io.open is not allowed"):
+        import_deepspeed(tag.parent, tmp_path / "out")
+    assert not marker.exists()
