@@ -39,6 +39,7 @@ from zeromem.config.schema import Config
 from zeromem.planning.estimate import (ActivationMemory, ModelShape, ShapeMemory, Widths, ZeroLayout,
                        activation_memory, estimate, exact_model_states, format_bytes,
                        format_count, paper_activation_bytes)
+from zeromem.planning.host_memory import OffloadKnobs
 from zeromem.planning.model_shapes import load_model, shape_of
 
 __all__ = ["estimate", "plan", "load_model", "shape_of", "predict_memory", "Plan", "Hardware",
@@ -66,9 +67,14 @@ def widths_for(config: Config) -> Widths:
 def layout_for(config: Config) -> ZeroLayout:
     """The grouping and partitioning knobs of a validated zeromem config."""
     z = config.zero_optimization
+    defaults = OffloadKnobs()
+    knobs = OffloadKnobs(
+        int(z.sub_group_size),
+        z.offload_optimizer.buffer_count if z.offload_optimizer else defaults.optimizer_buffer_count,
+        z.offload_param.buffer_count if z.offload_param else defaults.param_buffer_count)
     return ZeroLayout(z.stage, int(z.reduce_bucket_size), int(z.allgather_bucket_size),
                       int(z.stage3_param_persistence_threshold), int(z.stage3_prefetch_bucket_size),
-                      z.offload_optimizer_device, z.offload_param_device)
+                      z.offload_optimizer_device, z.offload_param_device, knobs)
 
 
 def predict_memory(model: nn.Module | ModelShape, config: dict | str | Config,
