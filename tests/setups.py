@@ -122,3 +122,87 @@ def deepspeed_curve(engine, rank: int, world_size: int, expected: dict) -> list[
             losses.append(loss.item())
         curve.append(losses)
     return curve
+
+
+# ---------------------------------------------------------------- activations, measured
+
+def hf_tiny_builders(vocab: int = 256, seq: int = 128) -> dict:
+    """name -> builder of a tiny Hugging Face model (GPT-2, Llama, BERT, T5), dropout off."""
+    import transformers as t
+    small = dict(vocab_size=vocab, num_hidden_layers=2, num_attention_heads=2)
+    return {
+        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(
+            n_embd=64, n_layer=2, n_head=2, n_positions=seq, vocab_size=vocab, bos_token_id=0,
+            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(
+            hidden_size=64, intermediate_size=160, num_key_value_heads=1,
+            max_position_embeddings=seq, **small)),
+        "bert": lambda: t.BertForMaskedLM(t.BertConfig(
+            hidden_size=64, intermediate_size=128, max_position_embeddings=seq,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **small)),
+        "t5": lambda: t.T5ForConditionalGeneration(t.T5Config(
+            d_model=64, d_ff=128, d_kv=32, num_layers=2, num_heads=2, vocab_size=vocab,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)),
+    }
+
+
+class ActivationCensus:
+    """Measures a real forward + backward: bytes of what autograd saves plus what
+    `zeromem.checkpoint` stores, once per storage, parameters excluded; `at_backward_start`
+    and the `peak` over every op of forward and backward (recompute included)."""
+
+    def __init__(self, model: nn.Module):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        self._ref = StorageWeakRef
+        self.excluded = {StorageWeakRef(t.untyped_storage()).cdata
+                         for t in (*model.parameters(), *model.buffers())}
+        self.saved: dict[int, tuple] = {}
+        self.created: dict[int, tuple] = {}
+        self.stored: dict[int, tuple] = {}
+        self.peak = 0
+        self.at_backward_start = 0
+
+    def _track(self, table: dict, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        ref = self._ref(storage)
+        if ref.cdata not in self.excluded:
+            table.setdefault(ref.cdata, (ref, storage.nbytes()))
+
+    def held_bytes(self) -> int:
+        alive = {k: n for table in (self.saved, self.stored) for k, (r, n) in table.items()
+                 if not r.expired()}
+        return sum(alive.values())
+
+    def run(self, forward, backward=None) -> None:
+        """forward() -> loss; then backward(loss) (default loss.backward())."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+        census = self
+
+        class Watch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and not census.created_closed:
+                        census._track(census.created, t)
+                census.peak = max(census.peak, census.held_bytes())
+                return out
+
+        def pack(t):
+            self._track(self.saved, t)
+            return t
+
+        self.created_closed = False
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with Watch():
+                loss = forward()
+            loss_key = self._ref(loss.untyped_storage()).cdata
+            # What is alive after forward and neither saved by autograd nor the loss was
+            # stored by zeromem.checkpoint (the checkpoints).
+            self.stored = {k: v for k, v in self.created.items()
+                           if not v[0].expired() and k not in self.saved and k != loss_key}
+            self.created_closed = True
+            self.at_backward_start = self.held_bytes()
+            self.peak = max(self.peak, self.at_backward_start)
+            with Watch():
+                (backward or (lambda x: x.backward()))(loss)

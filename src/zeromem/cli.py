@@ -101,10 +101,16 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     for dim in ("layers", "hidden", "heads", "vocab"):
         parser.add_argument(f"--{dim}", type=int, help=f"override the model's {dim}")
     parser.add_argument("--out", help="write the recommended DeepSpeed-style config here")
+    parser.add_argument("--json", action="store_true",
+                        help='print {"setups": [...], "recommended": NAME} as JSON instead')
+    parser.add_argument("--nvme-path", help="directory on a local NVMe disk for swap files "
+                                            "(required when an NVMe setup is recommended)")
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     from zeromem.planning.estimate import parse_bytes
+    from zeromem.planning.model_shapes import load_hf_model
+    from zeromem.planning.plan_json import needs_nvme_path, plan_json
     from zeromem.planning.planner import Hardware, Workload, load_model, plan, shape_of
 
     model, cfg = load_model(args.model)
@@ -116,7 +122,18 @@ def _run_plan(args: argparse.Namespace) -> int:
                         parse_bytes(args.host_mem, args.units) if args.host_mem else None,
                         args.headroom)
     workload = Workload(args.micro_batch, args.seq, args.gas, args.dtype, args.mp, args.flash)
-    result = plan(shape, hardware, workload, units=args.units)
+    traced = load_hf_model(cfg) if args.model.endswith(".json") else model
+    result = plan(shape, hardware, workload, units=args.units, nvme_path=args.nvme_path,
+                  traced=traced)
+    if needs_nvme_path(result):
+        print(result if not args.json else json.dumps(plan_json(result), indent=2))
+        raise ValueError(f"the recommended setup ({result.chosen.setup.label()}) swaps to NVMe: "
+                         "give --nvme-path DIR so that its config names a directory that exists")
+    if args.json:
+        print(json.dumps(plan_json(result), indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result.config, indent=2) + "\n", encoding="utf-8")
+        return 0
     print(result)
     text = json.dumps(result.config, indent=2)
     if args.out:

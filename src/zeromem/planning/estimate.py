@@ -29,10 +29,11 @@ two can be compared side by side.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zeromem.layout import pack_buckets, padded_numel
 from zeromem.memory import model_state_formula
+from zeromem.planning.host_memory import OffloadKnobs, offload_breakdown
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
          "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
@@ -330,6 +331,7 @@ class ZeroLayout:
     prefetch_numel: int = 50_000_000
     offload_optimizer: str = "none"
     offload_param: str = "none"
+    offload: OffloadKnobs = OffloadKnobs()  # swap-buffer sizes (sub_group_size, buffer_count)
 
 
 def reduce_buckets(param_numels: tuple[int, ...], bucket_numel: int) -> list[int]:
@@ -348,6 +350,8 @@ class ShapeMemory:
     gathered_params: float  # stage 3: peak of whole parameters gathered for compute
     comm_buffers: float  # temporary reduce / all-gather buckets at their peak
     groups: int
+    host: dict[str, float] = field(default_factory=dict)  # host bytes by name (host_memory.py)
+    nvme: dict[str, float] = field(default_factory=dict)  # NVMe bytes by name
 
     @property
     def model_state_bytes(self) -> float:
@@ -359,7 +363,9 @@ class ShapeMemory:
             return self
         return ShapeMemory({c: b * factor for c, b in self.device.items()},
                            self.host_bytes * factor, self.nvme_bytes * factor,
-                           self.gathered_params * factor, self.comm_buffers * factor, self.groups)
+                           self.gathered_params * factor, self.comm_buffers * factor, self.groups,
+                           {k: b * factor for k, b in self.host.items()},
+                           {k: b * factor for k, b in self.nvme.items()})
 
 
 def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: ZeroLayout) -> ShapeMemory:
@@ -385,16 +391,17 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
         "master_params": widths.master * (shard if stage >= 1 else whole),
         "optimizer_states": widths.states * (shard if stage >= 1 else whole) + per_group,
     }
-    off = {"host": 0.0, "nvme": 0.0}
-    if layout.offload_optimizer != "none" and stage >= 1:
-        for category in OPTIMIZER_CATEGORIES:
-            off[PLACE_OF_DEVICE[layout.offload_optimizer]] += device.pop(category)
-    if layout.offload_param != "none" and stage >= 3:
-        off[PLACE_OF_DEVICE[layout.offload_param]] += widths.param * shard
+    optimizer = layout.offload_optimizer if stage >= 1 else "none"
+    param = layout.offload_param if stage >= 3 else "none"
+    if optimizer != "none":
+        del device["master_params"], device["optimizer_states"]
+    if param != "none":
         device["params"] -= widths.param * shard
-    return ShapeMemory(device, off["host"], off["nvme"],
+    host, nvme = offload_breakdown([n / n_d for n in padded], optimizer, param, widths.param,
+                                   widths.states, per_group, widths.master == 0, layout.offload)
+    return ShapeMemory(device, sum(host.values()), sum(nvme.values()),
                        _gathered_bytes(sizes, n_d, widths, layout),
-                       _comm_buffer_bytes(padded, widths, layout), len(padded))
+                       _comm_buffer_bytes(padded, widths, layout), len(padded), host, nvme)
 
 
 def _gathered_bytes(sizes: list[int], n_d: int, widths: Widths, layout: ZeroLayout) -> float:

@@ -157,6 +157,35 @@ def load_model(spec: str) -> tuple[nn.Module, dict]:
     return model, _config_dict(getattr(model, "config", None))
 
 
+_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                 "AutoModel")
+
+
+def load_hf_model(cfg: dict) -> nn.Module | None:
+    """The real Hugging Face model a config dict describes, on the meta device; None when
+    transformers is not installed or does not know the `model_type` (nothing is downloaded).
+    Its forward is what `planning/activation_trace.py` traces."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    kind = cfg.get("model_type")
+    if not kind:
+        return None
+    try:
+        config = transformers.AutoConfig.for_model(kind, **{k: v for k, v in cfg.items()
+                                                           if k != "model_type"})
+    except (ValueError, KeyError):
+        return None
+    for name in _AUTO_CLASSES:
+        try:
+            with torch.device("meta"):
+                return getattr(transformers, name).from_config(config)
+        except ValueError:  # this auto class has no model for the config's type
+            continue
+    return None
+
+
 def _config_dict(config: object) -> dict:
     """A model's `config` attribute (dataclass, Hugging Face config, dict, object) as a dict."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):

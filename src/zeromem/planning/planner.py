@@ -39,12 +39,15 @@ from zeromem.config.schema import Config
 from zeromem.planning.estimate import (ActivationMemory, ModelShape, ShapeMemory, Widths, ZeroLayout,
                        activation_memory, estimate, exact_model_states, format_bytes,
                        format_count, paper_activation_bytes)
-from zeromem.planning.model_shapes import load_model, shape_of
+from zeromem.planning.activation_trace import ActivationProfile, trace_activations
+from zeromem.planning.host_memory import OffloadKnobs
+from zeromem.planning.model_shapes import load_hf_model, load_model, shape_of
 
 __all__ = ["estimate", "plan", "load_model", "shape_of", "predict_memory", "Plan", "Hardware",
            "Workload", "Setup"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 # ---------------------------------------------------------------- the engine's layout from a config
@@ -66,9 +69,14 @@ def widths_for(config: Config) -> Widths:
 def layout_for(config: Config) -> ZeroLayout:
     """The grouping and partitioning knobs of a validated zeromem config."""
     z = config.zero_optimization
+    defaults = OffloadKnobs()
+    knobs = OffloadKnobs(
+        int(z.sub_group_size),
+        z.offload_optimizer.buffer_count if z.offload_optimizer else defaults.optimizer_buffer_count,
+        z.offload_param.buffer_count if z.offload_param else defaults.param_buffer_count)
     return ZeroLayout(z.stage, int(z.reduce_bucket_size), int(z.allgather_bucket_size),
                       int(z.stage3_param_persistence_threshold), int(z.stage3_prefetch_bucket_size),
-                      z.offload_optimizer_device, z.offload_param_device)
+                      z.offload_optimizer_device, z.offload_param_device, knobs)
 
 
 def predict_memory(model: nn.Module | ModelShape, config: dict | str | Config,
@@ -109,7 +117,32 @@ class Workload:
     gas: int = 1  # gradient accumulation steps
     dtype: str = "bf16"
     mp: int = 1  # model-parallel degree (N_d = gpus / mp)
-    flash: bool = False  # fused attention: no s x s score matrices are stored
+    flash: bool = False  # fused attention: no s x s score matrices are stored (formula only)
+    activations: ActivationProfile | None = None  # traced at this micro-batch, seq and dtype;
+    # None: the Korthikanti et al. formula (`estimate.activation_memory`)
+
+
+def activations_of(shape: ModelShape, work: Workload, checkpointing: str = "none",
+                   partition: bool | None = None) -> ActivationMemory:
+    """One rank's activation bytes: from the traced profile when there is one, else the formula."""
+    split = work.mp > 1 if partition is None else partition
+    if work.activations is not None:
+        return work.activations.memory(checkpointing, work.mp, split)
+    return activation_memory(shape, work.micro_batch, work.seq, DTYPE_BYTES[work.dtype],
+                             checkpointing != "none", work.mp, split, checkpointing == "cpu",
+                             work.flash)
+
+
+def traced_workload(model: nn.Module, shape: ModelShape, work: Workload) -> tuple[Workload, str]:
+    """`work` with the activations of one traced forward of `model`, and a note on the source."""
+    try:
+        profile = trace_activations(model, work.micro_batch, work.seq, DTYPE_TORCH[work.dtype],
+                                    shape.vocab)
+    except Exception as error:  # any forward the trace cannot run: say so, use the formula
+        return work, (f"activations from the formula (Korthikanti et al.): tracing the forward "
+                      f"failed ({type(error).__name__}: {str(error)[:120]})")
+    return (dataclasses.replace(work, activations=profile),
+            f"activations traced from one forward of the model; blocks: {profile.blocks or 'none'}")
 
 
 @dataclass(frozen=True)
@@ -225,8 +258,7 @@ def evaluate(shape: ModelShape, setup: Setup, hw: Hardware, work: Workload) -> C
     widths = Widths(p, p, 0 if p == 4 else 4, 8, 4)  # AdamW, as the written config says
     # Model parallelism splits (nearly) every parameter over MP ranks before ZeRO partitions.
     states = exact_model_states(shape, n_d, widths, layout).scaled(1 / work.mp)
-    acts = activation_memory(shape, work.micro_batch, work.seq, p, setup.checkpointing != "none",
-                             work.mp, work.mp > 1, setup.checkpointing == "cpu", work.flash)
+    acts = activations_of(shape, work, setup.checkpointing)
     device = states.model_state_bytes + states.gathered_params + states.comm_buffers + acts.device
     host = states.host_bytes + acts.host
     fits = device <= hw.gpu_mem_bytes * hw.headroom and (
@@ -255,31 +287,67 @@ class Plan:
 
 
 def plan(model: str | nn.Module | ModelShape, hardware: Hardware, workload: Workload = Workload(),
-         units: str = "GB") -> Plan:
+         units: str = "GB", nvme_path: str | None = None,
+         traced: nn.Module | None = None) -> Plan:
     """Evaluate the setups of `preference_order` for `model` and recommend the first that fits.
 
     `model`: a factory path or config JSON (see `load_model`), a module (meta is fine) or a
-    `ModelShape`.
+    `ModelShape`. Activations are traced from one forward of the real model (`traced`, else
+    `model` when it is a module or a factory, else the Hugging Face model a config JSON
+    describes) unless `workload.activations` is given; a `ModelShape` alone gets the
+    formula. `nvme_path`: the directory an NVMe setup's config names (required to
+    recommend one).
     """
     if isinstance(model, str):
-        shape = shape_of(*load_model(model), name=Path(model).stem)
+        module, cfg = load_model(model)
+        shape = shape_of(module, cfg, name=Path(model).stem)
+        traced = traced or (load_hf_model(cfg) if model.endswith(".json") else module)
     else:
         shape = model if isinstance(model, ModelShape) else shape_of(model)
+        traced = traced or (model if isinstance(model, nn.Module) else None)
     if hardware.gpus % workload.mp:
         raise ValueError(f"--gpus {hardware.gpus} is not a multiple of the model-parallel degree "
                          f"{workload.mp}")
     if not workload.seq:
         workload = dataclasses.replace(workload, seq=shape.positions or 1024)
+    source = "activations from the formula (Korthikanti et al.): no forward to trace"
+    if workload.activations is not None:
+        source = "activations traced from one forward of the model"
+    elif traced is not None:
+        workload, source = traced_workload(traced, shape, workload)
     n_d = hardware.gpus // workload.mp
     order = preference_order(n_d)
     setups = ([Setup(0)] if order[0] != Setup(0) else []) + order
     candidates = tuple(evaluate(shape, s, hardware, workload) for s in setups)
     ranked = [c for c in candidates if c.setup in order]
     chosen = next((c for c in ranked if c.fits), ranked[-1])
-    config = deepspeed_config(chosen, shape, workload, n_d)
+    config = deepspeed_config(chosen, shape, workload, n_d, nvme_path)
     reasons = _reasons(chosen, candidates, ranked, shape, hardware, workload, units)
+    reasons += [source] + _setup_calls(chosen, workload, nvme_path)
     return Plan(shape, hardware, workload, candidates, chosen,
                 tuple(reasons + _config_notes(config, n_d)), config, units)
+
+
+def checkpointing_call(setup: Setup) -> str:
+    """The call a model needs before `initialize` for `setup`'s activation checkpointing."""
+    if setup.checkpointing == "none":
+        return ""
+    return "zeromem.checkpointing.enable(model)"
+
+
+def _setup_calls(chosen: Candidate, work: Workload, nvme_path: str | None) -> list[str]:
+    """What the user must do besides passing the config: checkpointing call, NVMe path."""
+    out = []
+    if chosen.setup.checkpointing != "none":
+        blocks = work.activations.blocks if work.activations is not None else ""
+        out.append("the activation_checkpointing block acts only on calls to zeromem.checkpoint: "
+                   f"call {checkpointing_call(chosen.setup)} before zeromem.initialize"
+                   + (f" (checkpoints {blocks})" if blocks else "")
+                   + ", unless the model calls zeromem.checkpoint itself")
+    if "nvme" in (chosen.setup.offload_optimizer, chosen.setup.offload_param) and not nvme_path:
+        out.append("this setup swaps to NVMe: give --nvme-path DIR (a directory on a local NVMe "
+                   "disk) and the config will name it")
+    return out
 
 
 def _reasons(chosen: Candidate, candidates: tuple[Candidate, ...], ranked: list[Candidate],
@@ -310,8 +378,7 @@ def _reasons(chosen: Candidate, candidates: tuple[Candidate, ...], ranked: list[
         out.append("ZeRO-3 only because stages 1-2 do not fit even with checkpointing: it moves "
                    "3Ψ per micro-step, 1.5x plain data parallelism")
     if s.checkpointing != "none":
-        full = activation_memory(shape, work.micro_batch, work.seq, DTYPE_BYTES[work.dtype],
-                                 mp=work.mp, flash=work.flash).device
+        full = activations_of(shape, work).device
         out.append(f"activation checkpointing: activations {gb(full)} -> "
                    f"{gb(chosen.activations.device)} per GPU for a third more compute"
                    + (f"; checkpoints in host memory (Pa+cpu): {gb(chosen.activations.host)} per rank"
@@ -344,7 +411,8 @@ def _gpus_needed(shape: ModelShape, hw: Hardware, work: Workload) -> str:
     return "Even a million GPUs would not fit one micro-batch: shorten the sequence."
 
 
-def deepspeed_config(chosen: Candidate, shape: ModelShape, work: Workload, n_d: int) -> dict:
+def deepspeed_config(chosen: Candidate, shape: ModelShape, work: Workload, n_d: int,
+                     nvme_path: str | None = None) -> dict:
     """A ready DeepSpeed-style JSON config for `chosen` (zeromem reads the same keys)."""
     s, layout = chosen.setup, chosen.layout
     zero: dict[str, Any] = {"stage": s.stage, "contiguous_gradients": True, "overlap_comm": True,
@@ -356,7 +424,7 @@ def deepspeed_config(chosen: Candidate, shape: ModelShape, work: Workload, n_d: 
     for key, device in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_param)):
         if device != "none":
             zero[key] = {"device": device, "pin_memory": True,
-                         **({"nvme_path": "/local_nvme"} if device == "nvme" else {})}
+                         **({"nvme_path": nvme_path or ""} if device == "nvme" else {})}
     config: dict[str, Any] = {
         "train_batch_size": work.micro_batch * work.gas * n_d,
         "train_micro_batch_size_per_gpu": work.micro_batch,
@@ -371,7 +439,10 @@ def deepspeed_config(chosen: Candidate, shape: ModelShape, work: Workload, n_d: 
     if s.checkpointing != "none":
         config["activation_checkpointing"] = {
             "partition_activations": work.mp > 1, "cpu_checkpointing": s.checkpointing == "cpu",
-            "contiguous_memory_optimization": True, "number_checkpoints": shape.layers}
+            "contiguous_memory_optimization": True,
+            # MD's pool holds one stored input per checkpointed block
+            "number_checkpoints": len(work.activations.block_bytes) if work.activations is not None
+            and work.activations.block_bytes else shape.layers}
     return config
 
 
@@ -392,8 +463,7 @@ def _describe(p: Plan) -> list[str]:
     s, hw, w, u = p.shape, p.hardware, p.workload, p.units
     n_d = hw.gpus // w.mp
     node = hw.gpus_per_node
-    acts = [activation_memory(s, w.micro_batch, w.seq, DTYPE_BYTES[w.dtype], ckpt, w.mp,
-                              flash=w.flash).device for ckpt in (False, True)]
+    acts = [activations_of(s, w, ckpt).device for ckpt in ("none", "gpu")]
     paper = paper_activation_bytes(s.hidden, w.micro_batch, w.seq, s.layers)
     width = max(len(c.setup.label()) for c in p.candidates) + 2
     lines = [

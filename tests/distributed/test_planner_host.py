@@ -1,0 +1,76 @@
+"""Host and NVMe bytes the planner predicts for offload setups, against the engine's ledger.
+
+The ledger counts the tensors the engine really holds (host masters, optimizer states,
+host gradients, swap buffers, parameter shards) and the bytes of its swap files;
+`predict_memory` computes them from shapes and the config (`planning/host_memory.py`).
+Goal (issue 17): each named part within 5 %.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeromem
+from gpt import GPT, GPTConfig
+from harness import run_distributed
+from zeromem.planning.planner import predict_memory, shape_of
+
+SMALL = GPTConfig(n_layer=2, n_embd=128, block_size=32)
+SETUPS = {"stage 2, opt:cpu": (2, "cpu", None), "stage 3, opt:cpu, param:cpu": (3, "cpu", "cpu"),
+          "stage 2, opt:nvme": (2, "nvme", None),
+          "stage 3, opt:nvme, param:nvme": (3, "nvme", "nvme")}
+# host_memory's names -> the ledger's category of the same tensors
+LEDGER = {"host_masters": "master_params", "optimizer_states": "optimizer_states",
+          "host_grads": "grads", "param_shards": "params",
+          "optimizer_swap_buffers": "optimizer_states", "param_swap_buffers": "params",
+          "masters": "master_params"}
+
+
+def _config(name: str, dtype: str, path: str) -> dict:
+    stage, optimizer, param = SETUPS[name]
+    zero: dict = {"stage": stage, "sub_group_size": 40_000,
+                  "offload_optimizer": {"device": optimizer, "nvme_path": path}}
+    if param:
+        zero["offload_param"] = {"device": param, "nvme_path": path}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _measure(rank, world_size, path):
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        for name in SETUPS:
+            torch.manual_seed(0)
+            engine = zeromem.initialize(GPT(SMALL), _config(name, dtype, path))
+            for _ in range(2):
+                tokens = torch.randint(0, 256, (2, 16))
+                engine.backward(engine(tokens, tokens))
+                engine.step()
+            out[dtype, name] = engine.memory_report().to_dict()["held"]
+            engine.close()
+    return out
+
+
+def _by_category(parts: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part, nbytes in parts.items():
+        out[LEDGER[part]] = out.get(LEDGER[part], 0.0) + nbytes
+    return out
+
+
+def test_host_and_nvme_bytes_equal_the_ledger(tmp_path):
+    measured = run_distributed(_measure, 2, str(tmp_path))
+    with torch.device("meta"):
+        shape = shape_of(GPT(SMALL))
+    for (dtype, name), held in measured[0].items():
+        predicted = predict_memory(shape, _config(name, dtype, str(tmp_path)), 2)
+        for place, parts in (("host", predicted.host), ("nvme", predicted.nvme)):
+            ledger = {c: b.get(place, 0) for c, b in held.items() if b and b.get(place)}
+            expected = _by_category(parts)
+            assert set(expected) == set(ledger), (dtype, name, place, expected, ledger)
+            for category, nbytes in expected.items():
+                assert nbytes == pytest.approx(ledger[category], rel=0.05), (dtype, name, category)
+        assert predicted.host_bytes > 0 and (predicted.nvme_bytes > 0) == ("nvme" in name)
