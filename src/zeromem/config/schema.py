@@ -269,8 +269,8 @@ class OffloadOptimizerConfig(_OffloadBlock):
     """`zero_optimization.offload_optimizer`: where optimizer state and its step live."""
 
     buffer_count: Int = Field(4, ge=1)  # NVMe swap buffers (Adam needs >= 4: param, grad, m, v)
-    pipeline_read: Bool = False  # overlap reading the next tile with the step
-    pipeline_write: Bool = False  # overlap writing the previous tile with the step
+    pipeline_read: Bool = True  # overlap reading the next tile with the step (DeepSpeed: off)
+    pipeline_write: Bool = True  # overlap writing the previous tile with the step (DeepSpeed: off)
     fast_init: Bool = False  # fast optimizer initialisation for NVMe
     ratio: Float = Field(1.0, gt=0, le=1)  # fraction of optimizer state offloaded (< 1: stage 3)
 
@@ -401,14 +401,18 @@ class CheckpointConfig(_Block):
 
 
 class TimeoutsConfig(_Block):
-    """`zeromem`: how long a rank waits for the others (zeromem's own keys, not DeepSpeed's).
+    """`zeromem`: zeromem's own keys, not DeepSpeed's: how long a rank waits for the others,
+    and how much host memory NVMe offload may use.
 
     The environment variables ZEROMEM_TIMEOUT_S / ZEROMEM_GATHER_TIMEOUT_S, when set,
-    override these (an operator can change them without editing the job's file).
+    override the timeouts (an operator can change them without editing the job's file).
     """
 
     timeout_s: Float = Field(600.0, gt=0)  # a collective waiting longer fails (process group timeout)
     gather_timeout_s: Float = Field(300.0, ge=0)  # a stage-3 gather waiting longer is a divergence; 0 = off
+    # host bytes per rank for NVMe offload's buffers (optimizer and parameter pools); sizes
+    # sub_group_size and offload_optimizer.buffer_count unless those are set (offload/budget.py)
+    offload_host_budget_bytes: Int = Field(64 * 2**20, ge=1)
 
 
 # ---------------------------------------------------------------- features not built

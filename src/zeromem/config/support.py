@@ -23,6 +23,7 @@ READ: dict[str, tuple[str, ...]] = {
     "gradient_accumulation_steps": ("engine",), "gradient_clipping": ("engine",),
     "steps_per_print": ("engine",), "wall_clock_breakdown": ("engine",),
     "zeromem.timeout_s": ("__init__",), "zeromem.gather_timeout_s": ("engine",),
+    "zeromem.offload_host_budget_bytes": ("offload.placement",),
     "optimizer.type": ("optim",), "optimizer.params": ("optim",),
     "scheduler.type": ("schedulers",), "scheduler.params": ("schedulers",),
     "fp16.enabled": ("config.schema", "precision"), "fp16.auto_cast": ("engine",),

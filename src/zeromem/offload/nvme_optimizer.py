@@ -38,6 +38,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from zeromem.flat import FlatParamGroup
+from zeromem.offload.budget import size_optimizer_pool
+from zeromem.offload.grad_file import GradFile, piece_bytes, piece_view
 from zeromem.offload.nvme import ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace, round_up
 
 _adam = importlib.import_module("torch.optim.adam")  # the functional kernels behind torch.optim
@@ -84,6 +86,14 @@ def plan_sub_groups(groups: list[FlatParamGroup], sub_group_size: int) -> list[S
                 current.numel += n
                 start += n
     return subs
+
+
+def _largest_param_group(groups: list[FlatParamGroup]) -> int:
+    """Shard elements of the largest param group on this rank (sub-groups never span two)."""
+    totals: dict[int, int] = {}
+    for g in groups:
+        totals[g.param_group_index] = totals.get(g.param_group_index, 0) + g.shard_numel
+    return max(totals.values(), default=1)
 
 
 def _state_fields(template: torch.optim.Optimizer) -> tuple[str, ...]:
@@ -154,24 +164,35 @@ class SwappedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, template: torch.optim.Optimizer, groups: list[FlatParamGroup],
-                 space: SwapSpace, host_grads: dict[int, torch.Tensor], params: Any,
-                 config: Any, sub_group_size: int, pin: bool):
+                 space: SwapSpace, host_grads: dict[int, torch.Tensor] | GradFile, params: Any,
+                 policy: Any):
         super().__init__([dict(g) for g in template.param_groups], template.defaults)
         self.update = _sgd_update if isinstance(template, torch.optim.SGD) else _adam_update
         self.states = _state_fields(template)
         self.master_in_file = not all(g.master_aliases_params() for g in groups)
         self.file_fields = (("master",) if self.master_in_file else ()) + self.states
-        self.slot_fields = ("master",) + self.states
-        self.sub_groups = plan_sub_groups(groups, sub_group_size)
+        # gradients come from a file (stage 2/3) into a slot of their own, else from host memory
+        self.grad_file = host_grads if isinstance(host_grads, GradFile) else None
+        self.grad_multiplier = 1.0  # unscale and clip, applied as the gradients are read
+        self.slot_fields = ("master",) + self.states + (("grad",) if self.grad_file else ())
+        if policy.optimizer_buffers is not None:
+            self._check_depth(policy.optimizer_buffers)
+        self.size = size_optimizer_pool(
+            policy.host_budget_bytes, len(self.slot_fields), _largest_param_group(groups),
+            params.pool_bytes(), policy.sub_group_size, policy.optimizer_buffers)
+        self.sub_groups = plan_sub_groups(groups, self.size.sub_group_size)
         total = 0
         for sg in self.sub_groups:
             sg.offset, total = total, total + sg.field_bytes * len(self.file_fields)
         self.file = space.file("optimizer.swp", total)
         self.host_grads, self.params = host_grads, params
+        config = policy.optimizer_block
         self.read_ahead, self.write_behind = config.pipeline_read, config.pipeline_write
-        self.depth = self._check_depth(config.buffer_count)
-        slot_bytes = max((sg.field_bytes for sg in self.sub_groups), default=ALIGN)
-        self.pool = BufferPool(self.depth * len(self.slot_fields), slot_bytes, pin)
+        self.depth = self.size.depth
+        slot_bytes = max((max(sg.field_bytes, self._grad_bytes(sg)) for sg in self.sub_groups),
+                         default=ALIGN)
+        self.pool = BufferPool(self.depth * len(self.slot_fields), slot_bytes,
+                               policy.optimizer_pin)
         self.slots = [{name: self.pool.acquire() for name in self.slot_fields}
                       for _ in range(self.depth)]
         self.steps = [0] * len(self.param_groups)  # optimizer steps taken, per param group
@@ -195,7 +216,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         if buffer_count < per:
             raise OffloadError(f"zero_optimization.offload_optimizer.buffer_count = {buffer_count} "
                                f"< {per} buffers one sub-group needs "
-                               f"(master + {list(self.states)})")
+                               f"({' + '.join(self.slot_fields)})")
         return buffer_count // per
 
     def _write_masters(self, groups: list[FlatParamGroup]) -> None:
@@ -217,6 +238,12 @@ class SwappedOptimizer(torch.optim.Optimizer):
     def _start_reads(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
         """Start reading the sub-group's fields (and, fp32, prefetching its parameter shards)."""
         handles = self._read_fields_async(sg, slot)
+        if self.grad_file is not None:
+            for p, at in zip(sg.pieces, self._grad_places(sg)):
+                _, handle = self.grad_file.read_piece(p.group, p.start, p.numel,
+                                                      slot["grad"][at:])
+                if handle is not None:
+                    handles.append(handle)
         if not self.master_in_file:
             for p in sg.pieces:
                 self.params.prefetch(p.group)
@@ -233,12 +260,35 @@ class SwappedOptimizer(torch.optim.Optimizer):
             return [t[p.at:p.at + p.numel] for p in sg.pieces]
 
         masters = cut(views["master"])
-        grads = [self.host_grads[id(p.group)][p.start:p.start + p.numel] for p in sg.pieces]
+        grads = self._grads(sg, slot)
         states = {name: cut(views[name]) for name in self.states}
         self.update(self.param_groups[sg.param_group], masters, grads, states,
                     self.steps[sg.param_group])
         for p, m in zip(sg.pieces, masters):
             self.params.store(p.group, p.start, m)
+
+    def _grad_bytes(self, sg: SubGroup) -> int:
+        """Bytes of the grad buffer: each piece's read starts at an aligned file offset."""
+        return sum(piece_bytes(p.numel) for p in sg.pieces) if self.grad_file is not None else 0
+
+    @staticmethod
+    def _grad_places(sg: SubGroup) -> list[int]:
+        """Byte position of each piece's gradient read in the sub-group's grad buffer."""
+        places, at = [], 0
+        for p in sg.pieces:
+            places.append(at)
+            at += piece_bytes(p.numel)
+        return places
+
+    def _grads(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The sub-group's gradient pieces: read from the file (scaled here) or host buffers."""
+        if self.grad_file is None:
+            return [self.host_grads[id(p.group)][p.start:p.start + p.numel] for p in sg.pieces]
+        grads = [piece_view(p.start, p.numel, slot["grad"][at:])
+                 for p, at in zip(sg.pieces, self._grad_places(sg))]
+        if self.grad_multiplier != 1.0:
+            torch._foreach_mul_(grads, self.grad_multiplier)
+        return grads
 
     def _start_writes(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
         return [self.file.write(slot[name][:sg.field_bytes], sg.offset + k * sg.field_bytes)
@@ -252,6 +302,8 @@ class SwappedOptimizer(torch.optim.Optimizer):
             raise OffloadError(f"NVMe offload failed earlier and the optimizer state on "
                                f"{self.file.path} is not trustworthy: {self.failed}")
         free, reading, writing = list(self.slots), {}, deque()
+        if self.grad_file is not None:
+            self.grad_file.flush()  # the last gradients' writes, before their reads
         try:
             self._pipeline(free, reading, writing)
         except BaseException as e:

@@ -100,6 +100,9 @@ class ParamPlacement(Protocol):
     def file_into(self, ledger) -> None:
         """File this placement's tensors and bytes in the memory ledger."""
 
+    def pool_bytes(self) -> int:
+        """Host bytes of its staging pool, taken from the NVMe host budget (offload/budget.py)."""
+
     def close(self) -> None:
         """Release storage."""
 
@@ -135,6 +138,9 @@ class ParamsOnDevice:
 
     def file_into(self, ledger) -> None:
         """The engine files the device shards itself."""
+
+    def pool_bytes(self) -> int:
+        return 0
 
     def close(self) -> None:
         """No storage of its own."""
@@ -209,6 +215,9 @@ class ParamsOnHost:
     def file_into(self, ledger) -> None:
         for t in self.host.values():
             ledger.add("params", "host", t)
+
+    def pool_bytes(self) -> int:
+        return 0  # the shards themselves live in host memory, outside any staging budget
 
     def close(self) -> None:
         """Host tensors are freed with the placement."""
@@ -434,6 +443,9 @@ class ParamsOnNvme:
     def file_into(self, ledger) -> None:
         ledger.add("params", "host", self.pool.arena)
         ledger.add_bytes("params", "nvme", self.file.nbytes)
+
+    def pool_bytes(self) -> int:
+        return self.pool.nbytes
 
     def close(self) -> None:
         for _, buf, handle in self.reading.values():

@@ -53,6 +53,7 @@ from zeromem.flat import FlatParamGroup
 from zeromem.optim import OPTIMIZERS, build_optimizer
 from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
                             host_empty)
+from zeromem.offload.grad_file import GradFile, ShardToFile
 from zeromem.offload.nvme import AsyncIO, OffloadError, SwapSpace
 from zeromem.offload.nvme_optimizer import SwappedOptimizer
 
@@ -77,15 +78,25 @@ class OffloadPolicy:
     params_pin: bool = False  # offload_param.pin_memory, likewise
     optimizer_block: Any = None  # the offload_optimizer block (buffer_count, pipeline_*, ...)
     params_block: Any = None  # the offload_param block (buffer_count, buffer_size, ...)
-    sub_group_size: int = 1_000_000_000  # zero_optimization.sub_group_size (NVMe step)
+    # zero_optimization.sub_group_size and offload_optimizer.buffer_count when the config sets
+    # them; None: sized from the host budget (offload/budget.py)
+    sub_group_size: int | None = None
+    optimizer_buffers: int | None = None
+    host_budget_bytes: int = 64 * 2**20  # zeromem.offload_host_budget_bytes
+    host_budget_set: bool = False  # the config names the budget (else its default is logged)
 
     @classmethod
     def from_config(cls, config: Any) -> OffloadPolicy:
-        """From `zero_optimization.offload_optimizer` / `offload_param`."""
+        """From `zero_optimization.offload_optimizer` / `offload_param` and the host budget."""
         zero = config.zero_optimization
         opt, par = zero.offload_optimizer, zero.offload_param
+        sub = int(zero.sub_group_size) if "sub_group_size" in zero.model_fields_set else None
+        buffers = opt.buffer_count if opt is not None and "buffer_count" in opt.model_fields_set \
+            else None
+        own = config.zeromem
         return cls(WHERE[zero.offload_optimizer_device], WHERE[zero.offload_param_device],
-                   _pin(opt), _pin(par), opt, par, int(zero.sub_group_size))
+                   _pin(opt), _pin(par), opt, par, sub, buffers, own.offload_host_budget_bytes,
+                   "offload_host_budget_bytes" in own.model_fields_set)
 
 
 def _pin(block: Any) -> bool:
@@ -117,14 +128,23 @@ class GradsToHost:
 
 
 class HostGrads:
-    """fp32 host buffers the reduced gradient shards are copied into at the boundary."""
+    """fp32 host buffers the reduced gradient shards are copied into at the boundary.
+
+    Where the reduced shard already is an fp32 host tensor (the CPU is the device), it
+    is used as it is: a copy would hold the gradient twice in the same memory.
+    """
 
     def __init__(self, groups: list[FlatParamGroup], pin: bool):
-        self.buffers = {id(g): host_empty(g.shard_numel, torch.float32, pin).zero_()
-                        for g in groups}
+        self.buffers: dict[int, torch.Tensor] = {}
         self.boundary = False  # does the backward now running end a step (`start_backward`)
         self.cuda = any(g.param_shard.is_cuda for g in groups)
         for g in groups:
+            reduced = g.grads.reduced()
+            if reduced.device.type == "cpu" and reduced.dtype == torch.float32 \
+                    and reduced.numel() == g.shard_numel:
+                self.buffers[id(g)] = reduced
+                continue
+            self.buffers[id(g)] = host_empty(g.shard_numel, torch.float32, pin).zero_()
             g.attach_grads(GradsToHost(g.grads, self.buffers[id(g)], self))
 
     def sync(self) -> None:
@@ -256,25 +276,45 @@ class MastersOnNvme:
 
     where = "nvme"
 
-    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy, space: SwapSpace):
-        """Masters stay until SwappedOptimizer writes them to its file (fp32: they are shards)."""
-        self.groups, self.policy, self.space = groups, policy, space
+    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy, space: SwapSpace,
+                 rank: int = 0):
+        """Masters stay until SwappedOptimizer writes them to its file (fp32: they are shards).
+
+        Gradients reduced every micro-step (stage 2/3) go to a swap file as reduced
+        (offload/grad_file.py), so no gradient shard stays in memory; stage 1's whole
+        gradient is on the device anyway, and its shard is copied to host (`HostGrads`).
+        """
+        self.groups, self.policy, self.space, self.rank = groups, policy, space, rank
         self.optimizer: SwappedOptimizer | None = None
-        self.host_grads = HostGrads(groups, policy.optimizer_pin)
+        self.host_grads: HostGrads | None = None
+        self.grad_file: GradFile | None = None
+        if groups and all(g.grads.reduces_every_microstep for g in groups):
+            self.grad_file = GradFile(groups, space)
+            for g in groups:
+                g.attach_grads(ShardToFile(g, g.grads.reduced(), self.grad_file))
+        else:
+            self.host_grads = HostGrads(groups, policy.optimizer_pin)
 
     def start_backward(self, boundary: bool) -> None:
-        self.host_grads.boundary = boundary
+        if self.host_grads is not None:
+            self.host_grads.boundary = boundary
 
     def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
                         params: ParamPlacement) -> torch.optim.Optimizer:
         template = build_optimizer(config, self.groups, param_groups, factory)
         policy = self.policy
-        self.optimizer = SwappedOptimizer(template, self.groups, self.space,
-                                          self.host_grads.buffers, params, policy.optimizer_block,
-                                          policy.sub_group_size, policy.optimizer_pin)
+        grads = self.grad_file if self.grad_file is not None else self.host_grads.buffers
+        self.optimizer = SwappedOptimizer(template, self.groups, self.space, grads, params, policy)
+        if self.rank == 0:  # the default is worth a warning: it sizes every buffer
+            (log.info if policy.host_budget_set else log.warning)(
+                "%s%s", self.optimizer.size.describe(),
+                "" if policy.host_budget_set else " (the default: set it to your host's share)")
         return self.optimizer
 
     def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
+        if self.grad_file is not None:  # scaled as the step reads them
+            self.optimizer.grad_multiplier = multiplier
+            return
         self.host_grads.sync()
         if multiplier != 1.0:
             for g in groups:
@@ -293,7 +333,10 @@ class MastersOnNvme:
         if master:
             ledger.add_bytes("master_params", "nvme", master)
         ledger.add_bytes("optimizer_states", "nvme", opt.file.nbytes - master)
-        self.host_grads.file_into(ledger)
+        if self.grad_file is not None:
+            ledger.add_bytes("grads", "nvme", self.grad_file.file.nbytes)
+        else:
+            self.host_grads.file_into(ledger)
 
 
 def _store_masters(groups: list[FlatParamGroup], params: ParamPlacement) -> None:
@@ -403,7 +446,7 @@ def build_offload(config: Any, groups: list[FlatParamGroup], rank: int) -> Offlo
         return spaces[block.nvme_path]
 
     try:
-        masters = _masters_placement(policy, groups, space_for)
+        masters = _masters_placement(policy, groups, space_for, rank)
         params = _params_placement(policy, groups, space_for)
     except BaseException:
         for space in spaces.values():
@@ -416,7 +459,7 @@ def build_offload(config: Any, groups: list[FlatParamGroup], rank: int) -> Offlo
 
 
 def _masters_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],
-                       space_for: Callable) -> MastersPlacement:
+                       space_for: Callable, rank: int) -> MastersPlacement:
     if policy.optimizer == "device":
         return MastersOnDevice(groups, policy)
     if policy.optimizer_block.ratio < 1:
@@ -424,7 +467,7 @@ def _masters_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],
                     "all optimizer state is offloaded", policy.optimizer_block.ratio)
     if policy.optimizer == "host":
         return MastersOnHost(groups, policy)
-    return MastersOnNvme(groups, policy, space_for(policy.optimizer_block))
+    return MastersOnNvme(groups, policy, space_for(policy.optimizer_block), rank)
 
 
 def _params_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],

@@ -1,0 +1,135 @@
+"""Host memory and step time of stage 3 with NVMe offload, as the issue-16 table measures them.
+
+    MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/bench_nvme_memory.py --width 1024 \
+        --modes none,cpu,nvme,nvme_small [--init] [--steps 6] [--extra '{"zeromem": {...}}']
+
+16 `Linear(W, W)` layers, stage 3, fp32 AdamW, 2 gloo ranks (each mode in a fresh pair of
+processes). Per rank: resident memory (VmRSS of /proc/self/status) right after `initialize`,
+after the last step ("steady"), and its high-water mark (VmHWM), and the median step time.
+With MALLOC_MMAP_THRESHOLD_=65536 glibc returns freed blocks at once, so RSS is what is held.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+import zeromem  # noqa: E402
+
+MB = 1e6
+
+
+def vm(key: str) -> float:
+    """VmRSS / VmHWM of this process, MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024 / MB
+    return 0.0
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def config(mode: str, path: str, extra: dict) -> dict:
+    zero: dict = {"stage": 3}
+    if mode == "cpu":
+        zero |= {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    elif mode.startswith("nvme"):
+        zero |= {"offload_optimizer": {"device": "nvme", "nvme_path": path},
+                 "offload_param": {"device": "nvme", "nvme_path": path}}
+        if mode == "nvme_small":
+            zero["sub_group_size"] = 1_000_000
+    cfg = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW",
+           "params": {"lr": 1e-4}}, "zero_optimization": zero}
+    for key, value in extra.items():
+        if isinstance(value, dict):
+            cfg.setdefault(key, {}).update(value)
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def worker(rank: int, world: int, port: int, mode: str, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = config(mode, args.nvme_path, json.loads(args.extra))
+    torch.manual_seed(0)
+    if args.init:
+        with zeromem.Init(config=cfg):
+            model = Stack(args.width, args.depth)
+    else:
+        model = Stack(args.width, args.depth)
+    engine = zeromem.initialize(model, cfg)
+    after_init = vm("VmRSS")
+    times = []
+    x = torch.randn(8, args.width)
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.backward(engine(x))
+        engine.step()
+        times.append(time.perf_counter() - t)
+    out = {"rank": rank, "init": after_init, "steady": vm("VmRSS"), "peak": vm("VmHWM"),
+           "step": statistics.median(times[1:]), "report": getattr(engine, "offload_report",
+                                                                   lambda: {})()}
+    queue.put(out)
+    engine.close()
+    dist.destroy_process_group()
+
+
+def run(mode: str, args) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, 2, port, mode, args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    outs = [queue.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    states = 16 * sum(args.width * args.width + args.width for _ in range(args.depth)) / 2 / MB
+    return {"mode": mode, "states_mb": states,
+            **{k: max(o[k] for o in outs) for k in ("init", "steady", "peak", "step")},
+            "report": outs[0]["report"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--modes", default="none,cpu,nvme,nvme_small")
+    ap.add_argument("--nvme-path", default=tempfile.gettempdir())
+    ap.add_argument("--init", action="store_true", help="build the model under zeromem.Init")
+    ap.add_argument("--extra", default="{}", help="JSON merged into the config")
+    args = ap.parse_args()
+    for mode in args.modes.split(","):
+        r = run(mode, args)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

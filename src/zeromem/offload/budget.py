@@ -1,0 +1,80 @@
+"""Sizing NVMe offload's host buffers from one host budget (ZeRO-Infinity, arXiv 2104.07857, 5).
+
+With optimizer states on NVMe, the host memory offload itself holds is two pools:
+the parameter pool (`offload_param.buffer_count` buffers, each the largest
+parameter shard; its size is set by the model's largest fetch unit) and the
+optimizer pool (`buffer_count` buffers of one sub-group field each). Neither
+grows with the model's depth, so a fixed budget bounds them.
+
+`size_optimizer_pool` spends what the parameter pool leaves of the budget
+`zeromem.offload_host_budget_bytes` on the optimizer pool:
+
+    depth        = 3 sub-groups in flight (read i+1 / update i / write i-1),
+                   or buffer_count // fields when the config sets buffer_count
+    buffer_count = depth x fields   (fields = master + optimizer states)
+    sub_group    = (budget - parameter pool) / (buffer_count x 4 bytes),
+                   at least MIN_SUB_GROUP, at most the largest param group's shard,
+                   unless the config sets sub_group_size
+
+DeepSpeed's default sub_group_size (1e9 elements) makes one sub-group of a
+whole shard, i.e. a pool as large as the states it was meant to keep on disk;
+that default is therefore not used unless the config names it. Pure arithmetic,
+tested without a process group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeromem.offload.nvme import ALIGN
+
+DEPTH = 3  # sub-groups in flight: one read ahead, one updating, one written behind
+MIN_SUB_GROUP = 1 << 18  # elements (1 MiB per fp32 field): smaller requests waste the disk
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """How the optimizer pool is cut: `depth` sub-groups of `sub_group_size` elements in flight."""
+
+    sub_group_size: int
+    depth: int
+    fields: int
+    budget_bytes: int
+    params_pool_bytes: int
+    derived: bool  # sub_group_size came from the budget, not from the config
+
+    @property
+    def buffer_count(self) -> int:
+        return self.depth * self.fields
+
+    @property
+    def pool_bytes(self) -> int:
+        """Host bytes of the optimizer pool (before alignment slack)."""
+        return self.buffer_count * -(-self.sub_group_size * FP32 // ALIGN) * ALIGN
+
+    def describe(self) -> str:
+        mb = 1e6
+        source = "from the budget" if self.derived else "from the config"
+        return (f"NVMe offload host budget {self.budget_bytes / mb:.1f} MB "
+                f"(zeromem.offload_host_budget_bytes): optimizer pool {self.buffer_count} buffers "
+                f"x sub_group_size {self.sub_group_size:,} ({source}) = "
+                f"{self.pool_bytes / mb:.1f} MB, parameter pool {self.params_pool_bytes / mb:.1f} MB")
+
+
+def size_optimizer_pool(budget_bytes: int, fields: int, largest_shard_numel: int,
+                        params_pool_bytes: int, sub_group_size: int | None,
+                        buffer_count: int | None) -> PoolSize:
+    """The optimizer pool for `fields` fp32 fields per sub-group within `budget_bytes`.
+
+    `sub_group_size` / `buffer_count`: the config's values when it sets them, else None.
+    `largest_shard_numel`: the largest param group's shard on this rank (a sub-group never
+    spans param groups, so a larger one would only waste memory).
+    """
+    depth = DEPTH if buffer_count is None else max(1, buffer_count // fields)
+    if sub_group_size is not None:
+        return PoolSize(sub_group_size, depth, fields, budget_bytes, params_pool_bytes, False)
+    left = budget_bytes - params_pool_bytes
+    per_element = depth * fields * FP32
+    size = max(MIN_SUB_GROUP, left // per_element // 1024 * 1024)
+    size = max(1, min(size, largest_shard_numel))
+    return PoolSize(size, depth, fields, budget_bytes, params_pool_bytes, True)

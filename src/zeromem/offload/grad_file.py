@@ -1,0 +1,176 @@
+"""Reduced gradient shards in a swap file (ZeRO-Infinity, arXiv 2104.07857, section 5).
+
+With the optimizer on NVMe at stage 2 or 3, a rank's fp32 gradient shard is as
+large as its parameter shard (4 bytes per element); kept in host memory it
+would grow with the model. Here each flat group's reduced shard goes to the
+file grads.swp as soon as its reduce-scatter finishes (one ALIGN-aligned record
+per group), and the NVMe optimizer reads it back sub-group by sub-group beside
+the optimizer states (offload/nvme_optimizer.py).
+
+    ShardToFile (one per flat group; replaces grads.ShardAccumulated)
+        accumulate(offset, grad)   into a full-size bucket, as ShardAccumulated
+        launch(comm)               reduce-scatter; when done, `GradFile.put` the shard
+        reduced()                  the shard read back (the global norm reads it once)
+        zero()                     the next `put` starts a fresh gradient
+    GradFile
+        put(group, shard)          write (or, accumulating, read + add + write)
+        read(group) / read_piece   whole shard / an aligned range for the optimizer
+        flush()                    every write finished (before the step reads)
+
+Buffer lifetimes: a bucket lives from the group's first gradient to its
+reduce-scatter (as at stage 2/3 without offload); a reduced shard lives until its
+write completes, at most `MAX_WRITES` of them at once.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from zeromem.comm import Comm, Pending
+from zeromem.flat import FlatParamGroup
+from zeromem.offload.nvme import (ALIGN, IOHandle, OffloadError, SwapSpace, aligned_empty,
+                                  round_up)
+
+MAX_WRITES = 4  # reduced shards waiting for their write: bounds host memory in backward
+
+
+def aligned_fp32(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw aligned uint8 buffer rounded up to ALIGN, its first `numel` fp32 elements)."""
+    raw = aligned_empty(round_up(max(1, numel) * 4))
+    return raw, raw[:numel * 4].view(torch.float32)
+
+
+class GradFile:
+    """This rank's reduced gradient shards, one aligned fp32 record per flat group."""
+
+    def __init__(self, groups: list[FlatParamGroup], space: SwapSpace):
+        self.offsets: dict[int, int] = {}
+        total = 0
+        for g in groups:
+            self.offsets[id(g)] = total
+            total += round_up(g.shard_numel * 4)
+        self.file = space.file("grads.swp", total)
+        self.numel = {id(g): g.shard_numel for g in groups}
+        self.written: set[int] = set()  # groups whose record holds this step's gradient
+        self.writing: deque[tuple[torch.Tensor, IOHandle]] = deque()
+        self.bytes_written = 0
+        self.failed: BaseException | None = None  # a lost write: no later gradient is whole
+
+    def put(self, group: FlatParamGroup, raw: torch.Tensor, shard: torch.Tensor) -> None:
+        """Store `shard` (a view of the aligned `raw`) as the group's gradient, or add it."""
+        self._check()
+        key = id(group)
+        if key in self.written:  # accumulating over micro-steps: record += shard
+            shard.add_(self.read(group))
+        self.written.add(key)
+        self.writing.append((raw, self.file.write(raw, self.offsets[key])))
+        self.bytes_written += raw.numel()
+        while len(self.writing) > MAX_WRITES:
+            self._wait_oldest()
+
+    def read(self, group: FlatParamGroup) -> torch.Tensor:
+        """The group's gradient shard (zeros when none was stored this step), in fresh memory."""
+        key = id(group)
+        raw, shard = aligned_fp32(self.numel[key])
+        if key not in self.written:
+            return shard.zero_()
+        self.flush()
+        self.file.read(raw, self.offsets[key]).wait()
+        return shard
+
+    def read_piece(self, group: FlatParamGroup, start: int, numel: int,
+                   buf: torch.Tensor) -> tuple[torch.Tensor, IOHandle | None]:
+        """Start reading elements [start, start + numel) into the aligned uint8 `buf`.
+
+        Returns the fp32 view of those elements in `buf` (which must hold
+        `piece_bytes(numel)`) and the read's handle (None: no gradient, zeros).
+        """
+        begin = start * 4 // ALIGN * ALIGN
+        length = round_up(start * 4 - begin + numel * 4)
+        view = piece_view(start, numel, buf)
+        if id(group) not in self.written:
+            view.zero_()
+            return view, None
+        return view, self.file.read(buf[:length], self.offsets[id(group)] + begin)
+
+    def flush(self) -> None:
+        """Wait for every write in flight."""
+        self._check()
+        while self.writing:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        try:
+            self.writing.popleft()[1].wait()
+        except BaseException as e:
+            self.failed = e
+            raise
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise OffloadError(f"NVMe offload failed earlier and the gradients in "
+                               f"{self.file.path} are not whole: {self.failed}")
+
+    def zero(self, group: FlatParamGroup) -> None:
+        self.written.discard(id(group))
+
+
+def piece_view(start: int, numel: int, buf: torch.Tensor) -> torch.Tensor:
+    """Where `read_piece` puts elements [start, start + numel) in `buf`: past the alignment skip."""
+    skip = start * 4 % ALIGN
+    return buf[skip:skip + numel * 4].view(torch.float32)
+
+
+def piece_bytes(numel: int) -> int:
+    """Buffer bytes `GradFile.read_piece` needs for `numel` elements at any start."""
+    return round_up(numel * 4) + ALIGN
+
+
+class ShardToFile:
+    """Stage 2/3 gradients of one flat group, reduced shard stored in the `GradFile`."""
+
+    reduces_every_microstep = True
+
+    def __init__(self, group: FlatParamGroup, like: torch.Tensor, store: GradFile):
+        self.group = group
+        self.dtype = like.dtype  # the bucket's (reduce-scatter's) dtype; the file holds fp32
+        self.device = like.device
+        self.store = store
+        self.bucket: torch.Tensor | None = None
+
+    def accumulate(self, offset: int, grad: torch.Tensor) -> None:
+        if self.bucket is None:
+            self.bucket = torch.zeros(self.group.padded_numel, dtype=self.dtype,
+                                      device=self.device)
+        self.bucket[offset:offset + grad.numel()].add_(grad.reshape(-1))
+
+    def launch(self, comm: Comm) -> Pending:
+        g = self.group
+        bucket = self.bucket if self.bucket is not None else torch.zeros(
+            g.padded_numel, dtype=self.dtype, device=self.device)
+        self.bucket = None
+        comm.note_buffer(bucket)
+        raw, shard = aligned_fp32(g.shard_numel)
+        direct = self.dtype == torch.float32 and self.device.type == "cpu"
+        out = shard if direct else torch.empty(g.shard_numel, dtype=self.dtype,
+                                               device=self.device)
+        pending = comm.reduce_scatter(out, bucket, async_op=True)
+
+        def store() -> None:
+            pending.wait()
+            if out is not shard:
+                shard.copy_(out)
+            comm.release_buffer(bucket)
+            self.store.put(g, raw, shard)
+
+        return Pending(None, store)
+
+    def reduced(self) -> torch.Tensor:
+        return self.store.read(self.group).to(self.device)  # the norm's collective runs there
+
+    def zero(self) -> None:
+        self.store.zero(self.group)
+
+    def held(self) -> list[torch.Tensor]:
+        return []  # in the file; the ledger files its bytes under grads / nvme
