@@ -13,12 +13,16 @@ Layout as in DeepSpeed: `accelerator.get_accelerator`, `comm`, `zero.Init`,
 `zero.GatheredParameters`, `checkpointing` (activation checkpointing),
 `moe.utils`. The native `zeromem.initialize` is unchanged; this package only
 translates arguments and wraps its engine in `DeepSpeedEngine`.
+
+Hugging Face Trainer and Accelerate import `deepspeed` themselves: call
+`zeromem.deepspeed.install_as_deepspeed()` before importing them (`install.py`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import sys
 from typing import Any, Callable
 
 import torch
@@ -30,8 +34,10 @@ from .. import initialize as _native_initialize
 from . import accelerator, comm, moe, zero
 from .engine import DeepSpeedEngine
 from .init import init_distributed
+from .install import install_as_deepspeed
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
+           "install_as_deepspeed",
            "accelerator", "comm", "zero", "checkpointing", "moe", "__version__"]
 __version__ = "0.16.0+zeromem"  # the DeepSpeed API level this surface follows
 
@@ -60,7 +66,13 @@ def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
     if not given:
         raise ValueError("no DeepSpeed config: pass config= or args.deepspeed_config")
     value = given[0]
-    return json.loads(json.dumps(value)) if isinstance(value, dict) else value
+    if not isinstance(value, dict):
+        return value
+    value = json.loads(json.dumps(value))
+    if value.get("steps_per_print") == float("inf"):
+        # Accelerate sets it to mean "never print"; zeromem's schema takes an integer
+        value["steps_per_print"] = sys.maxsize
+    return value
 
 
 def _optimizer_factory(optimizer: Any, model_parameters: Any) -> tuple[Callable | None, Any]:
@@ -107,10 +119,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise NotImplementedError("deepspeed.initialize: mpu= and mesh_param= are not supported")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     factory, model_parameters = _optimizer_factory(optimizer, model_parameters)
-    native = _native_initialize(model, _resolve_config(args, config, config_params),
-                                model_parameters=model_parameters, optimizer=factory,
-                                lr_scheduler=lr_scheduler)
-    engine = DeepSpeedEngine(native)
+    resolved = _resolve_config(args, config, config_params)
+    native = _native_initialize(model, resolved, model_parameters=model_parameters,
+                                optimizer=factory, lr_scheduler=lr_scheduler)
+    engine = DeepSpeedEngine(native, resolved if isinstance(resolved, dict) else None)
     loader = (_training_dataloader(engine, training_data, collate_fn)
               if training_data is not None else None)
     return engine, native.optimizer, loader, native.lr_scheduler

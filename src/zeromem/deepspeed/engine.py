@@ -29,9 +29,10 @@ log = logging.getLogger("zeromem")
 class DeepSpeedEngine(nn.Module):
     """What `zeromem.deepspeed.initialize` returns first; use it as DeepSpeed's engine."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, ds_config: dict | None = None):
         super().__init__()
         self.engine = engine  # the native engine does the work; not a module, so not registered
+        self._ds_config = ds_config  # the JSON config as given (DeepSpeed's `engine.config`)
         self.module = engine.module  # registered: state_dict keys are "module.<name>"
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.global_rank = engine.comm.rank
@@ -92,6 +93,18 @@ class DeepSpeedEngine(nn.Module):
                                  f"{self.zero_optimization_stage()} (gradient partitioning)")
         yield
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Accelerate announces each micro-step's boundary; zeromem counts micro-steps itself
+        (`gradient_accumulation_steps`), so the two must agree: a boundary Accelerate forces
+        early (a last, short accumulation window) would silently step with part of the
+        gradient, and is refused instead."""
+        if is_boundary != self.engine.is_gradient_accumulation_boundary():
+            raise NotImplementedError(
+                f"set_gradient_accumulation_boundary({is_boundary}) at micro-step "
+                f"{self.engine.micro_steps}: zeromem steps every gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps()} micro-steps; make the number of batches "
+                "per epoch a multiple of it")
+
     def zero_grad(self) -> None:
         self.engine.zero_grad()
 
@@ -132,7 +145,9 @@ class DeepSpeedEngine(nn.Module):
 
     @property
     def config(self) -> Any:
-        return self.engine.config
+        """The config as given to `initialize` (a dict, as DeepSpeed's `engine.config`; HF
+        reads `config.get("zero_optimization")`); the validated `zeromem.Config` otherwise."""
+        return self._ds_config if self._ds_config is not None else self.engine.config
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -213,6 +228,18 @@ class DeepSpeedEngine(nn.Module):
         path, client_state = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states,
                                                          load_lr_scheduler_states)
         return path, client_state if client_state is not None else {}
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> dict[str, torch.Tensor]:
+        """The whole model's state dict in the compute dtype on rank 0 ({} elsewhere), keys as
+        the model's own; collective. HF's `save_model` calls it at stage 3."""
+        _refuse_unsupported(exclude_frozen_parameters=(exclude_frozen_parameters, False))
+        dtype = self.engine.compute_dtype
+        return {k: v.to(dtype) if v.is_floating_point() else v
+                for k, v in self.engine.full_state_dict().items()}
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

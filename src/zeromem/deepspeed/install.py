@@ -1,0 +1,154 @@
+"""`install_as_deepspeed()`: zeromem answers where Hugging Face looks for the `deepspeed` package.
+
+Transformers' Trainer and Accelerate enable their DeepSpeed path only when
+`importlib.util.find_spec("deepspeed")` finds a module *and*
+`importlib.metadata.metadata("deepspeed")` finds a distribution; they then import
+a handful of `deepspeed.*` names and unwrap models with
+`isinstance(model, deepspeed.DeepSpeedEngine)`. This module registers
+`zeromem.deepspeed` under the name `deepspeed` in `sys.modules`, with the
+submodules they import (table `_SUBMODULES`), and a metadata finder that reports a
+`deepspeed` distribution at version `zeromem.deepspeed.__version__`.
+
+Why an explicit call and not an import side effect: HF decides at import time
+(`transformers.integrations.deepspeed` picks its config base class,
+`accelerate.utils` its exports), so the switch must run before they are imported.
+A late call, or a real DeepSpeed already imported, would let HF wrap zeromem's
+engine without recognising it, and `save_model` would write `module.`-prefixed
+keys that `from_pretrained` ignores (random weights): both are refused here.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.metadata
+import logging
+import sys
+import types
+from typing import Iterable
+
+import torch
+
+NAME = "deepspeed"
+
+# HF modules that read "is deepspeed available?" once, when imported.
+_DECIDED_AT_IMPORT = ("transformers.integrations.deepspeed", "transformers.trainer",
+                      "accelerate.utils", "accelerate.accelerator")
+
+# What transformers' integrations/deepspeed.py, trainer.py and accelerate's accelerator.py,
+# state.py, utils/{deepspeed,other}.py import from `deepspeed` beyond the top-level package.
+_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+
+
+def _identity_constructor_wrapper(fn, *args, **kwargs):
+    """DeepSpeed's `zero_wrapper_for_fp_tensor_constructor`: zeromem's `Init` patches no
+    tensor constructor, so the wrapper HF swaps in (for RoPE `arange`) is never called."""
+    return fn
+
+
+def _clone_tensors_for_torch_save(item, device: torch.device = torch.device("cpu")):
+    """DeepSpeed's `checkpoint.utils.clone_tensors_for_torch_save`: detached copies on `device`."""
+    if torch.is_tensor(item):
+        return item.detach().clone().to(device)
+    if isinstance(item, (list, tuple)):
+        return type(item)(_clone_tensors_for_torch_save(v, device) for v in item)
+    if isinstance(item, dict):
+        return type(item)({k: _clone_tensors_for_torch_save(v, device) for k, v in item.items()})
+    return item
+
+
+def _submodules() -> dict[str, dict[str, object]]:
+    """`deepspeed.<name>` -> the attributes HF reads there (real zeromem modules are aliased)."""
+    from . import zero
+    from .engine import DeepSpeedEngine
+
+    return {
+        "utils": {"logger": logging.getLogger("zeromem.deepspeed")},
+        "runtime": {},
+        "runtime.engine": {"DeepSpeedEngine": DeepSpeedEngine},
+        "runtime.lr_schedules": {"VALID_LR_SCHEDULES": list(_LR_SCHEDULES)},
+        "runtime.zero": {"Init": zero.Init, "GatheredParameters": zero.GatheredParameters},
+        "runtime.zero.partition_parameters": {
+            "Init": zero.Init, "GatheredParameters": zero.GatheredParameters,
+            "zero_wrapper_for_fp_tensor_constructor": _identity_constructor_wrapper,
+            "_orig_torch_arange": torch.arange},
+        "checkpoint": {},
+        "checkpoint.utils": {"clone_tensors_for_torch_save": _clone_tensors_for_torch_save},
+    }
+
+
+class _Distribution(importlib.metadata.Distribution):
+    """The `deepspeed` distribution `importlib.metadata` reports while the switch is on."""
+
+    def __init__(self, version: str):
+        self._metadata = f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {version}\n" \
+                         "Summary: zeromem.deepspeed installed as deepspeed\n"
+
+    def read_text(self, filename: str) -> str | None:
+        return self._metadata if filename in ("METADATA", "PKG-INFO") else None
+
+    def locate_file(self, path):  # no files on disk
+        return None
+
+
+class _MetadataFinder:
+    """A `sys.meta_path` entry that finds no modules, only the `deepspeed` distribution."""
+
+    def __init__(self, version: str):
+        self.version = version
+
+    def find_spec(self, fullname, path=None, target=None):
+        return None
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()
+                           ) -> Iterable[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        if name is None or name.replace("_", "-").lower() == NAME:
+            return [_Distribution(self.version)]
+        return []
+
+
+def is_installed() -> bool:
+    """Whether `deepspeed` is zeromem's surface in this process."""
+    from .. import deepspeed as surface
+    return sys.modules.get(NAME) is surface
+
+
+def install_as_deepspeed() -> None:
+    """Make `import deepspeed` (and HF's checks for it) give `zeromem.deepspeed`.
+
+    Call it once, before importing `transformers` or `accelerate`, in every process
+    (first line of the training script). Idempotent. Raises `RuntimeError` when a
+    real DeepSpeed is already imported or HF already decided without it.
+    """
+    from .. import deepspeed as surface
+
+    if is_installed():
+        return
+    if NAME in sys.modules:
+        raise RuntimeError(f"install_as_deepspeed: a 'deepspeed' module is already imported "
+                           f"({getattr(sys.modules[NAME], '__file__', '?')}); call it before "
+                           "anything imports deepspeed")
+    late = [m for m in _DECIDED_AT_IMPORT if m in sys.modules]
+    if late:
+        raise RuntimeError(f"install_as_deepspeed: {', '.join(late)} already imported without "
+                           "DeepSpeed; call zeromem.deepspeed.install_as_deepspeed() before "
+                           "importing transformers or accelerate")
+    for dotted, attributes in _submodules().items():
+        _register(surface, dotted, attributes)
+    for alias in ("accelerator", "comm", "zero", "checkpointing", "moe"):  # real modules
+        sys.modules[f"{NAME}.{alias}"] = getattr(surface, alias)
+    sys.modules[f"{NAME}.moe.utils"] = importlib.import_module(f"{surface.__name__}.moe.utils")
+    sys.modules[NAME] = surface
+    sys.meta_path.append(_MetadataFinder(surface.__version__))
+
+
+def _register(surface: types.ModuleType, dotted: str, attributes: dict[str, object]) -> None:
+    """Module `deepspeed.<dotted>` holding `attributes`, also an attribute of its parent
+    (HF reads `deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES` through attributes)."""
+    name = f"{NAME}.{dotted}"
+    module = types.ModuleType(name, f"zeromem's stand-in for {name} (zeromem.deepspeed.install)")
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__dict__.update(attributes)
+    sys.modules[name] = module
+    parent, _, leaf = dotted.rpartition(".")
+    setattr(sys.modules[f"{NAME}.{parent}"] if parent else surface, leaf, module)

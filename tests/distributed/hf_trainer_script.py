@@ -1,0 +1,205 @@
+"""Hugging Face Trainer and Accelerate on zeromem, 2 ranks under torchrun (driven by
+test_hf_trainer.py, which compares what each mode writes to OUT):
+
+    torchrun --nproc-per-node 2 hf_trainer_script.py ddp OUT        # reference: plain DDP Trainer
+    torchrun --nproc-per-node 2 hf_trainer_script.py zeromem OUT    # the same runs through zeromem
+
+`zeromem` mode calls `install_as_deepspeed()` before importing transformers, then
+runs HF's own ds_config_zero2.json (losses, save_model, resume_from_checkpoint)
+and ds_config_zero3.json (the model loaded by `from_pretrained` under `zero.Init`),
+and an Accelerate loop with a DeepSpeed plugin. Rank 0 writes JSON results.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+MODE, OUT = sys.argv[1], Path(sys.argv[2])
+if MODE == "zeromem":
+    import zeromem.deepspeed
+
+    zeromem.deepspeed.install_as_deepspeed()  # the one switch: before transformers is imported
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
+CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
+VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 2, 6, 1e-2
+RANK = int(os.environ.get("RANK", 0))
+
+
+class Tokens(Dataset):
+    """Fixed random token sequences; labels are the inputs (causal LM)."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def init_model_dir() -> Path:
+    """A tiny GPT-2 saved once (rank 0), so every run starts from the same weights."""
+    path = OUT / "init"
+    if RANK == 0 and not (path / "config.json").exists():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=SEQ,
+                                         vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    torch.distributed.barrier()
+    return path
+
+
+def cpu_deepspeed_state() -> dict:
+    """Accelerate finds no backend for DeepSpeed on a CPU-only machine (it knows NCCL and
+    friends) and would run each rank as a world of one; a state configured with gloo, as
+    `accelerate launch --use_deepspeed` sets ACCELERATE_USE_DEEPSPEED, is what GPUs get."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    AcceleratorState._reset_state(reset_partial_state=True)  # a fresh state per run, as
+    PartialState(backend="gloo")                             # TrainingArguments does
+    return {"accelerator_config": {"use_configured_state": True}}
+
+
+def training_args(name: str, deepspeed: str | None, **extra) -> transformers.TrainingArguments:
+    if deepspeed is not None:
+        extra = {**cpu_deepspeed_state(), **extra}
+    options = dict(output_dir=str(OUT / name), per_device_train_batch_size=BATCH,
+                   max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant",
+                   warmup_steps=0, weight_decay=0.0, logging_steps=1, save_strategy="no",
+                   report_to=[], seed=0, use_cpu=deepspeed is None, dataloader_drop_last=True,
+                   deepspeed=deepspeed, disable_tqdm=True)
+    return transformers.TrainingArguments(**{**options, **extra})
+
+
+def train(name: str, deepspeed: str | None, resume: str | None = None, **extra) -> dict:
+    """One Trainer run: per-step losses, parameter elements this rank holds after
+    `from_pretrained`, and the trainer (for saving)."""
+    args = training_args(name, deepspeed, **extra)  # before from_pretrained: zero3 uses Init
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    held = sum(p.numel() for p in model.parameters())
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(64),
+                                   optimizers=(None, None) if deepspeed else ddp_optimizers(model))
+    trainer.train(resume_from_checkpoint=resume)
+    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    return {"losses": losses, "held": held, "trainer": trainer}
+
+
+def save(name: str, trainer: transformers.Trainer) -> None:
+    """`save_model` (what users do), and the engine's own fp32 weights to compare with."""
+    trainer.save_model(str(OUT / f"{name}_model"))
+    trained = trainer.model_wrapped.engine.full_state_dict()  # collective; rank 0 gets it
+    if RANK == 0:
+        torch.save(trained, OUT / f"{name}_trained.pt")
+
+
+def accelerate_losses() -> list[float]:
+    """A plain Accelerate loop with a DeepSpeed plugin (stage 2, optimizer from the config)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+
+    cpu_deepspeed_state()
+    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+              "zero_optimization": {"stage": 2}}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    loader = torch.utils.data.DataLoader(Tokens(4 * STEPS), batch_size=BATCH)
+    engine, _, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
+    losses = []
+    for batch in loader:
+        loss = engine(**batch).loss
+        accelerator.backward(loss)
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    keys = list(accelerator.get_state_dict(engine))
+    assert accelerator.unwrap_model(engine) is model and keys and \
+        not any(k.startswith("module.") for k in keys), keys
+    try:  # a boundary zeromem's micro-step count does not have must not pass silently
+        engine.set_gradient_accumulation_boundary(is_boundary=False)
+    except NotImplementedError:
+        return losses
+    raise AssertionError("set_gradient_accumulation_boundary(False) at a boundary was accepted")
+
+
+def single_process_losses() -> list[float]:
+    """The Accelerate loop's reference: one process, both ranks' batches at once."""
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    ids, losses = Tokens(4 * STEPS).ids, []
+    for step in range(STEPS):
+        batch = ids[2 * BATCH * step: 2 * BATCH * (step + 1)]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def ddp_optimizers(model: torch.nn.Module) -> tuple:
+    """What HF's ds_config files ask for: AdamW, and WarmupLR with `warmup_num_steps` filled
+    from `warmup_steps=0`, which DeepSpeed (and zeromem) raise to 2 steps of log warmup:
+    lr 0 for the first step, then `learning_rate`."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step > 0))
+
+
+def late_install() -> str:
+    """The switch after transformers chose its DeepSpeed glue must refuse: HF would wrap
+    zeromem's engine without recognising it (and save `module.` keys, loaded as random weights)."""
+    import zeromem.deepspeed
+
+    try:
+        zeromem.deepspeed.install_as_deepspeed()
+    except RuntimeError as error:
+        return str(error)
+    return ""
+
+
+def deepspeed_as_hf_sees_it() -> dict:
+    import importlib.metadata
+
+    import accelerate.utils
+    import deepspeed
+    from transformers.integrations.deepspeed import is_deepspeed_available
+
+    import zeromem.deepspeed
+    return {"version": importlib.metadata.version("deepspeed"),
+            "available": is_deepspeed_available() and accelerate.utils.is_deepspeed_available(),
+            "engine": deepspeed.DeepSpeedEngine is zeromem.deepspeed.DeepSpeedEngine}
+
+
+def write(name: str, data) -> None:
+    if RANK == 0:
+        (OUT / f"{name}.json").write_text(json.dumps(data))
+
+
+def main() -> None:
+    torch.distributed.init_process_group("gloo")
+    if MODE == "ddp":
+        write("ddp", {"losses": train("ddp", None)["losses"], "late_install": late_install()})
+        return
+    zero2 = str(CONFIGS / "ds_config_zero2.json")
+    run = train("zero2", zero2, save_strategy="steps", save_steps=3)
+    save("zero2", run["trainer"])
+    resumed = train("zero2", zero2, resume=str(OUT / "zero2" / "checkpoint-3"))
+    zero3 = train("zero3", str(CONFIGS / "ds_config_zero3.json"))
+    save("zero3", zero3["trainer"])
+    write("zeromem", {"deepspeed": deepspeed_as_hf_sees_it(),
+                      "zero2": run["losses"], "zero2_resumed": resumed["losses"],
+                      "zero3": zero3["losses"], "zero3_held": zero3["held"],
+                      "zero2_held": run["held"], "accelerate": accelerate_losses(),
+                      "single_process": single_process_losses()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Hugging Face Trainer and Accelerate on zeromem through `install_as_deepspeed()`.
+
+Two torchrun worlds of 2 gloo ranks run `hf_trainer_script.py`: a plain DDP Trainer
+(the reference) and the same Trainer with HF's own ds_config_zero2.json /
+ds_config_zero3.json (their "auto" values filled by HF), `resume_from_checkpoint`,
+`save_model`, stage 3's `from_pretrained` under `zero.Init`, and an Accelerate
+loop with a DeepSpeed plugin. Tiny GPT-2 from a config; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SCRIPT = Path(__file__).parent / "hf_trainer_script.py"
+TOLERANCE = 1e-5  # fp32; the step order differs (flat shards vs per-parameter tensors)
+
+
+def _torchrun(mode: str, out: Path, timeout_s: float = 240) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", str(SCRIPT), mode, str(out)]
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"torchrun {mode} ran past {timeout_s}s\n{str(error.stderr)[-3000:]}")
+    assert run.returncode == 0, f"torchrun {mode} failed:\n{run.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict, dict]:
+    """(output directory, DDP results, zeromem results): both worlds run once."""
+    out = tmp_path_factory.mktemp("hf")
+    _torchrun("ddp", out)
+    _torchrun("zeromem", out)
+    return out, json.loads((out / "ddp.json").read_text()), \
+        json.loads((out / "zeromem.json").read_text())
+
+
+def _max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and a, (a.keys(), b.keys())
+    return max(abs(a[k] - b[k]) for k in a)
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_trainer_losses_equal_ddp_trainer(runs, stage):
+    ddp, zero = runs[1]["losses"], runs[2]
+    assert len(ddp) == 6
+    assert _max_difference(zero[stage], ddp) < TOLERANCE
+
+
+def test_resume_from_checkpoint_continues_the_run(runs):
+    ddp, zero = runs[1]["losses"], runs[2]
+    resumed = {k: v for k, v in zero["zero2_resumed"].items() if int(k) > 3}  # steps 4-6 re-run
+    assert len(resumed) == 3
+    assert _max_difference(resumed, {k: ddp[k] for k in resumed}) < TOLERANCE
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_save_model_then_from_pretrained_gives_the_trained_weights(runs, stage):
+    out = runs[0]
+    model, info = transformers.GPT2LMHeadModel.from_pretrained(out / f"{stage}_model",
+                                                               output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info  # no `module.` keys
+    trained = torch.load(out / f"{stage}_trained.pt")
+    start = transformers.GPT2LMHeadModel.from_pretrained(out / "init").state_dict()
+    loaded = model.state_dict()
+    assert trained.keys() == loaded.keys()
+    for key, value in trained.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
+    assert any(not torch.equal(start[k], trained[k]) for k in trained)  # training moved them
+
+
+def test_stage3_from_pretrained_builds_under_init(runs):
+    """HF's `is_deepspeed_zero3_enabled` path: `from_pretrained` opened `zero.Init`, so each
+    rank held only its partitions (none whole), and the loaded values trained as DDP's."""
+    ddp, zero = runs[1]["losses"], runs[2]
+    assert zero["zero3_held"] < zero["zero2_held"] / 2
+    assert abs(zero["zero3"]["1"] - ddp["1"]) < TOLERANCE  # the first loss: loaded weights
+
+
+def test_accelerate_deepspeed_plugin_matches_one_process(runs):
+    zero = runs[2]
+    assert len(zero["accelerate"]) == 6
+    for got, want in zip(zero["accelerate"], zero["single_process"]):
+        assert abs(got - want) < TOLERANCE
+
+
+def test_install_answers_where_hf_looks_for_deepspeed(runs):
+    assert runs[2]["deepspeed"] == {"version": "0.16.0+zeromem", "available": True,
+                                    "engine": True}
+
+
+def test_install_after_hf_decided_is_refused(runs):
+    """Installed after transformers chose its DeepSpeed glue, HF would wrap zeromem's engine
+    without recognising it (and save `module.` keys that load as random weights)."""
+    assert "transformers.integrations.deepspeed" in runs[1]["late_install"]
