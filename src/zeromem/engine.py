@@ -32,6 +32,7 @@ from zeromem.distributed import default_store, gather_timeout_s
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.layout import pack_buckets
 from zeromem.grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
+from zeromem.mesh import global_rank, local_device
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0
 from zeromem.offload.placement import build_offload
@@ -73,8 +74,7 @@ class Engine:
         self.comm = comm
         self.dp_world_size = comm.world_size
         self.zero_stage = config.zero_optimization.stage
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if comm.backend == "nccl" else torch.device("cpu")
+        self.device = local_device(comm.backend)  # LOCAL_RANK's GPU, not the global rank's
         self.compute_dtype = config.compute_dtype
         materialize_meta(module, self.device)  # a model built on the meta device
         # The user's dtype is kept until the flat groups read the fp32 masters from it.
@@ -96,7 +96,9 @@ class Engine:
         self.psi = sum(g.numel for g in self.groups)
         # where masters, optimizer states and parameter shards live (offload/placement.py); built
         # before the stage-3 units, which receive the parameter placement
-        self.offload = build_offload(config, self.groups, comm.rank)
+        # swap files are named by the global rank: unique across nodes sharing a filesystem
+        # and across data-parallel groups (a dp_group rank repeats in each group)
+        self.offload = build_offload(config, self.groups, global_rank())
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer)
         self.reducer = Reducer(self.groups, comm, overlap=config.zero_optimization.overlap_comm
                                is not False)
