@@ -243,6 +243,7 @@ class Engine:
         self.zero_grad()
         self.counters.advance_global(skipped=overflow)
         self.comm.end_step()
+        self.offload.end_step()  # swap bytes and I/O wait of this step (offload.io_report())
 
     def _global_grad_norm(self) -> float:
         """L2 norm of the averaged, unscaled gradient of the whole model (padding holds zeros)."""

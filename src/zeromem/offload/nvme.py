@@ -35,8 +35,10 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -90,17 +92,46 @@ class BufferPool:
         self.free.append(buffer)
 
 
+@dataclass
+class IOStats:
+    """Bytes moved by one `AsyncIO` and the time callers spent blocked waiting for them."""
+
+    read_bytes: int = 0
+    written_bytes: int = 0
+    wait_s: float = 0.0  # the caller's thread blocked in `IOHandle.wait()`
+
+    def minus(self, earlier: IOStats) -> IOStats:
+        return IOStats(self.read_bytes - earlier.read_bytes,
+                       self.written_bytes - earlier.written_bytes, self.wait_s - earlier.wait_s)
+
+    def plus(self, other: IOStats) -> IOStats:
+        return IOStats(self.read_bytes + other.read_bytes,
+                       self.written_bytes + other.written_bytes, self.wait_s + other.wait_s)
+
+
 class IOHandle:
     """Chunks of one read or write in flight; `wait()` blocks and raises OffloadError."""
 
-    def __init__(self, futures: list[Future], finish: Callable[[], None] | None = None):
+    def __init__(self, futures: list[Future], finish: Callable[[], None] | None = None,
+                 stats: IOStats | None = None):
         self.futures = futures
         self.finish = finish
+        self.stats = stats
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
 
     def wait(self) -> None:
+        if self.stats is not None and self.futures and not self.done():
+            start = time.perf_counter()
+            try:
+                self._wait()
+            finally:
+                self.stats.wait_s += time.perf_counter() - start
+        else:
+            self._wait()
+
+    def _wait(self) -> None:
         error = None
         for f in self.futures:
             try:
@@ -146,6 +177,7 @@ class AsyncIO:
         self.block_size = round_up(block_size)
         self.threads = max(1, threads)
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zeromem-aio")
+        self.stats = IOStats()  # since construction; `Offload.end_step` takes per-step deltas
 
     @classmethod
     def from_config(cls, aio) -> AsyncIO:
@@ -159,7 +191,11 @@ class AsyncIO:
         step = self.block_size
         futures = [self.pool.submit(_transfer, op, fd, view[s:s + step], offset + s, path)
                    for s in range(0, len(view), step)]
-        return IOHandle(futures, finish)
+        if op == "read":
+            self.stats.read_bytes += len(view)
+        else:
+            self.stats.written_bytes += len(view)
+        return IOHandle(futures, finish, self.stats)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=True)

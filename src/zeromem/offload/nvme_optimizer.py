@@ -197,6 +197,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
                       for _ in range(self.depth)]
         self.steps = [0] * len(self.param_groups)  # optimizer steps taken, per param group
         self.failed: BaseException | None = None
+        self.overlapped = {"read_ahead": 0, "write_behind": 0}  # sub-group I/O overlapped, last step
         self.state = SwappedState()
         if self.master_in_file:
             self._write_masters(groups)
@@ -302,6 +303,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
             raise OffloadError(f"NVMe offload failed earlier and the optimizer state on "
                                f"{self.file.path} is not trustworthy: {self.failed}")
         free, reading, writing = list(self.slots), {}, deque()
+        self.overlapped = {"read_ahead": 0, "write_behind": 0}  # sub-groups, this step
         if self.grad_file is not None:
             self.grad_file.flush()  # the last gradients' writes, before their reads
         try:
@@ -344,10 +346,13 @@ class SwappedOptimizer(torch.optim.Optimizer):
                     nxt = free.pop()
                     reading[next_read] = (nxt, self._start_reads(subs[next_read], nxt))
                     next_read += 1
+                    self.overlapped["read_ahead"] += 1
             self._compute(sg, slot)
             writing.append((slot, self._start_writes(sg, slot)))
             if not self.write_behind:
                 reclaim(block=True)
+            elif i + 1 < len(subs):
+                self.overlapped["write_behind"] += 1  # stays in flight while i + 1 steps
         while writing:
             reclaim(block=True)
 

@@ -54,7 +54,7 @@ from zeromem.optim import OPTIMIZERS, build_optimizer
 from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
                             host_empty)
 from zeromem.offload.grad_file import GradFile, ShardToFile
-from zeromem.offload.nvme import AsyncIO, OffloadError, SwapSpace
+from zeromem.offload.nvme import AsyncIO, IOStats, OffloadError, SwapSpace
 from zeromem.offload.nvme_optimizer import SwappedOptimizer
 
 log = logging.getLogger("zeromem")
@@ -376,6 +376,8 @@ class Offload:
         self.params = params
         self.spaces = spaces
         self.depth = 0  # nested all_in_memory() blocks (full_state_dict inside a save)
+        self.io_last_step = IOStats()  # swap I/O of the last optimizer step (`end_step`)
+        self._io_mark = IOStats()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -421,6 +423,22 @@ class Offload:
         """File host tensors and NVMe bytes in the memory ledger."""
         self.masters.file_into(ledger)
         self.params.file_into(ledger)
+
+    def io_total(self) -> IOStats:
+        """Swap bytes read and written, and time blocked on them, since construction."""
+        total = IOStats()
+        for space in self.spaces:
+            total = total.plus(space.io.stats)
+        return total
+
+    def end_step(self) -> None:
+        """At each optimizer step's end: the I/O since the last one becomes `io_last_step`."""
+        total = self.io_total()
+        self.io_last_step, self._io_mark = total.minus(self._io_mark), total
+
+    def io_report(self) -> dict[str, dict[str, float]]:
+        """{"last_step": ..., "total": ...}: read_bytes, written_bytes, wait_s (NVMe swap I/O)."""
+        return {"last_step": vars(self.io_last_step).copy(), "total": vars(self.io_total())}
 
     def close(self) -> None:
         """Wait for I/O in flight and remove the swap files."""

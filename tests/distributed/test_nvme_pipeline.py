@@ -1,0 +1,121 @@
+"""NVMe offload at its defaults (issue 16): read-ahead and write-behind on, parameters re-read
+from disk every step, gradients through a swap file, host memory that does not grow with the
+model, and the per-step I/O on the run report."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+import zeromem
+from harness import run_distributed
+from models import Deep, Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
+from setups import parity_config
+
+STEPS = 3
+WIDTH = 384  # 8 -> 32 layers: +28 MB of model states per rank
+
+
+def defaults_case(path: str) -> dict:
+    """Only device and path set (and small sub-groups so the pipeline has several to overlap);
+    two parameter buffers for TinyLM's units, so every fetch reads its shard from disk."""
+    return {"offload_optimizer": {"device": "nvme", "nvme_path": path}, "sub_group_size": 37,
+            "offload_param": {"device": "nvme", "nvme_path": path, "buffer_count": 2}}
+
+
+def pipeline_run(rank: int, world_size: int, path: str) -> dict:
+    torch.manual_seed(0)
+    model = TinyLM()
+    gas, clip = 2, 0.05
+    ref = Reference(copy.deepcopy(model), clip=clip, per_rank=False)
+    cfg = parity_config(3, gas, clip, world_size)
+    cfg["zero_optimization"].update(defaults_case(path))
+    engine = zeromem.initialize(model, cfg)
+    opt, params = engine.optimizer, engine.offload.params
+    out = {"diffs": [], "reads": [], "overlapped": [], "io": []}
+    for step in range(STEPS):
+        before = params.counts["read_ahead"] + params.counts["on_demand"]
+        for micro in range(gas):
+            tokens, targets = micro_batch(step, rank, micro)
+            engine.backward(engine(tokens, targets, uses_sometimes(step, rank, micro, False)))
+            engine.step()
+        ref.step(step, world_size, gas)
+        out["reads"].append(params.counts["read_ahead"] + params.counts["on_demand"] - before)
+        out["overlapped"].append(dict(opt.overlapped))
+        out["io"].append(engine.offload.io_report()["last_step"])
+        with engine.offload.all_in_memory():
+            out["diffs"].append(state_dict_diff(engine.full_state_dict(), ref.model))
+    out["flags"] = (opt.read_ahead, opt.write_behind, opt.grad_file is not None)
+    out["units"] = len(engine.stage3.units)
+    out["sub_groups"] = len(opt.sub_groups)
+    out["files"] = {f.path.name: f.nbytes for s in engine.offload.spaces for f in s.files}
+    engine.close()
+    return out
+
+
+def test_defaults_overlap_io_reread_params_and_match_the_reference(tmp_path):
+    """Read-ahead / write-behind on by default; gradients accumulate (2 micro-steps) and are
+    clipped through grads.swp; every forward and backward reads the shards from disk again;
+    parameters equal the single-process reference's after every step."""
+    results = run_distributed(pipeline_run, 2, str(tmp_path))
+    for out in results:
+        assert max(out["diffs"]) <= 1e-5, out["diffs"]
+        assert out["flags"] == (True, True, True), out["flags"]
+        assert out["sub_groups"] >= 3, out["sub_groups"]
+        for overlapped in out["overlapped"]:  # read(i+1) and write(i-1) beside update(i)
+            assert overlapped["read_ahead"] > 0 and overlapped["write_behind"] > 0, overlapped
+        for reads in out["reads"]:  # 2 micro-steps x (forward + backward) of the units
+            assert reads >= 2 * (2 * out["units"] - 1), (reads, out["units"])  # last unit kept
+        for io in out["io"]:  # the run report: the step's bytes and time blocked on them
+            assert io["read_bytes"] >= out["files"]["params.swp"] + out["files"]["grads.swp"], io
+            assert io["written_bytes"] >= out["files"]["optimizer.swp"], io
+            assert io["wait_s"] >= 0.0
+
+
+# ---------------------------------------------------------------- host memory vs model size
+
+def _vm(key: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024.0
+    raise KeyError(key)
+
+
+def resident_after_training(rank: int, world_size: int, path: str, depth: int) -> dict:
+    """Steady resident bytes of a stage-3 NVMe run of `depth` Linear(WIDTH, WIDTH) layers."""
+    torch.set_num_threads(1)
+    cfg = {"train_micro_batch_size_per_gpu": 8,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "zeromem": {"offload_host_budget_bytes": 8 << 20},  # >= 3 sub-groups at 8 layers
+           "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 3_000_000,
+                                 "stage3_prefetch_bucket_size": 0,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": path},
+                                 "offload_param": {"device": "nvme", "nvme_path": path}}}
+    torch.manual_seed(0)
+    with zeromem.Init(config=cfg):
+        model = Deep(width=WIDTH, depth=depth)
+    engine = zeromem.initialize(model, cfg)
+    x = torch.randn(8, WIDTH)
+    for _ in range(2):
+        engine.backward(engine(x))
+        engine.step()
+    held = engine.memory_report().held
+    out = {"steady": _vm("VmRSS"), "states": 16 * engine.psi / world_size,
+           "host": sum(places.get("host", 0) for places in held.values())}
+    engine.close()
+    return out
+
+
+def test_host_memory_does_not_grow_with_the_model(tmp_path, monkeypatch):
+    """Four times the layers: steady resident memory moves by <= 0.25x the growth of the
+    model states (it is the budget's buffers, one unit's gather, the runtime), and the
+    host bytes in the ledger stay within the budget. MALLOC_MMAP_THRESHOLD_ makes freed
+    blocks leave the process at once, so resident memory is what is held."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    runs = [run_distributed(resident_after_training, 2, str(tmp_path), depth) for depth in (8, 32)]
+    for small, large in zip(*runs):  # fresh processes: nothing left over from the other size
+        growth = large["states"] - small["states"]
+        assert growth > 25e6, growth
+        assert abs(large["host"] - small["host"]) <= 0.01 * growth, (small, large)
+        assert large["steady"] - small["steady"] <= 0.25 * growth, (small, large, growth)
