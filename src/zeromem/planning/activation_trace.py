@@ -126,14 +126,17 @@ class _Tracer:
                 self.seen.add(key)
                 self.total += storage.nbytes()
             return tensor
+        if i is not None and ("block", i, key) not in self.seen:
+            # per block: a tensor shared by all blocks (rotary tables) is saved again by each
+            # block's recompute
+            self.seen.add(("block", i, key))
+            self.block_saved[i] += storage.nbytes()
         if key in self.seen:
             return tensor
         self.seen.add(key)
         self.total += storage.nbytes()
         if i is None:
             self.outside[self.started] += storage.nbytes()
-        else:
-            self.block_saved[i] += storage.nbytes()
         return tensor
 
     def enter(self, index: int, args: tuple, kwargs: dict) -> None:
@@ -200,22 +203,34 @@ def trace_activations(model: nn.Module, micro_batch: int, seq: int, dtype: torch
 
 @contextlib.contextmanager
 def _real_run_masks():
-    """Hugging Face builds an explicit causal mask when it sees fake tensors (it takes them
-    for torch.compile) where the real run passes `is_causal` and stores none. The check
-    that decides it reads a position offset: for those the mask builder is told it is not
-    tracing, as in the real run (tensors it would read values of still count as traced)."""
+    """Hugging Face builds an explicit attention mask when it sees fake tensors (it takes
+    them for torch.compile), where the real run on an unpadded batch passes `is_causal`
+    and stores no mask. During the trace its two skip checks are asked as for that real
+    run: no padding mask and no cache offset, and no packed sequences (our example batch
+    has none of them)."""
     try:
         from transformers import masking_utils
     except ImportError:
         yield
         return
-    real = masking_utils.is_tracing
-    masking_utils.is_tracing = lambda tensor=None: (
-        tensor is not None and (tensor.dim() > 1 or tensor.is_floating_point()) and real(tensor))
+    names = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa",
+             "find_packed_sequence_indices")
+    real = {name: getattr(masking_utils, name, None) for name in names}
+    if None in real.values():  # another transformers: trace as it is
+        yield
+        return
+    causal, bidirectional = real["_ignore_causal_mask_sdpa"], real["_ignore_bidirectional_mask_sdpa"]
+    masking_utils._ignore_causal_mask_sdpa = (
+        lambda padding_mask, q_length, kv_length, q_offset, kv_offset, *rest:
+        causal(None, q_length, kv_length, 0, kv_offset, *rest))
+    masking_utils._ignore_bidirectional_mask_sdpa = (
+        lambda padding_mask, kv_length, *rest: bidirectional(None, kv_length, *rest))
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
     finally:
-        masking_utils.is_tracing = real
+        for name, function in real.items():
+            setattr(masking_utils, name, function)
 
 
 def _call(function, *args):
