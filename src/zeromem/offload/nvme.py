@@ -62,9 +62,19 @@ def round_up(nbytes: int, align: int = ALIGN) -> int:
     return -(-nbytes // align) * align
 
 
+def swap_file_bytes(nbytes: int) -> int:
+    """The size a swap file asked for `nbytes` is created with (whole ALIGN blocks)."""
+    return round_up(max(1, nbytes))
+
+
+def aligned_nbytes(nbytes: int) -> int:
+    """Host bytes `aligned_empty(nbytes)` allocates: ALIGN more, to start on a boundary."""
+    return nbytes + ALIGN
+
+
 def aligned_empty(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
     """An uninitialised uint8 host tensor of `nbytes` starting at an ALIGN boundary."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    raw = torch.empty(aligned_nbytes(nbytes), dtype=torch.uint8, pin_memory=pin_memory)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + nbytes]
 
@@ -78,6 +88,11 @@ class BufferPool:
         self.arena = aligned_empty(count * self.buffer_bytes, pin_memory)
         size = self.buffer_bytes
         self.free = [self.arena[i * size:(i + 1) * size] for i in range(count)]
+
+    @staticmethod
+    def bytes_for(count: int, buffer_bytes: int) -> int:
+        """Host bytes a pool of `count` buffers of `buffer_bytes` holds (what `nbytes` reports)."""
+        return aligned_nbytes(count * round_up(max(1, buffer_bytes)))
 
     @property
     def nbytes(self) -> int:
@@ -218,7 +233,7 @@ class SwapFile:
 
     def __init__(self, path: Path, nbytes: int, io: AsyncIO, direct: bool = True):
         self.path = Path(path)
-        self.nbytes = round_up(max(1, nbytes))
+        self.nbytes = swap_file_bytes(nbytes)
         self.io = io
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.fd = -1

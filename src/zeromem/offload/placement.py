@@ -333,7 +333,7 @@ class MastersOnNvme:
     def file_into(self, ledger) -> None:
         opt = self._built()
         ledger.add("optimizer_states", "host", opt.pool.arena)
-        master = sum(sg.field_bytes for sg in opt.sub_groups) if opt.master_in_file else 0
+        master = opt.layout.master_nbytes
         if master:
             ledger.add_bytes("master_params", "nvme", master)
         ledger.add_bytes("optimizer_states", "nvme", opt.file.nbytes - master)
