@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -142,6 +142,17 @@ class Pending:
 
 
 DONE = Pending(None)
+
+
+class Reduction(Protocol):
+    """What gradient buffers reduce with: a `Comm`, or a two-level reduction (hierarchy.py)."""
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       async_op: bool = False) -> Pending: ...
+
+    def note_buffer(self, tensor: torch.Tensor) -> None: ...
+
+    def release_buffer(self, tensor: torch.Tensor) -> None: ...
 
 
 class Comm:

@@ -61,7 +61,7 @@ class ParamGather:
             pending = self.primary.all_gather(full, group.param_shard, async_op=True, kind=kind)
             finish = None
         else:
-            pending, finish = self._quantized(group.param_shard, full, kind)
+            pending, finish = self._quantized(group.param_shard, full, kind, self.weight_bits)
         keep = self.phase == "forward" and self.secondary is not None
 
         def done() -> None:
@@ -72,16 +72,15 @@ class ParamGather:
 
         return Pending(pending.work, done, pending.explain, pending.forget)
 
-    def _quantized(self, shard: torch.Tensor, full: torch.Tensor, kind: str):
+    def _quantized(self, shard: torch.Tensor, full: torch.Tensor, kind: str, bits: int):
         """qwZ: all-gather the packed int8 shards; `finish` dequantizes them into `full`."""
         n, numel = self.primary.world_size, shard.numel()
-        packed = quantize.pack(shard.view(1, -1), self.weight_bits, self.block).view(-1)
+        packed = quantize.pack(shard.view(1, -1), bits, self.block).view(-1)
         out = torch.empty(n * packed.numel(), dtype=torch.uint8, device=shard.device)
         pending = self.primary.all_gather(out, packed, async_op=True, kind=kind)
 
         def finish() -> None:
-            rows = quantize.unpack(out.view(n, -1), numel, self.weight_bits, self.block,
-                                   full.dtype)
+            rows = quantize.unpack(out.view(n, -1), numel, bits, self.block, full.dtype)
             full.view(n, numel).copy_(rows)
 
         return pending, finish
