@@ -229,15 +229,19 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
     hidden = dims.get("hidden") or 1
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    order = {id(p): i for i, p in enumerate(model.parameters())}
     claimed: set[int] = set()
-    units = []
+    units = []  # (first registration index, elements)
     for module in model.modules():  # a fetch unit: a module that directly owns parameters
         params = [p for p in module.parameters(recurse=False)
                   if p.requires_grad and id(p) not in claimed]
         claimed.update(id(p) for p in params)
         if params:
-            units.append(sum(p.numel() for p in params))
-    return ModelShape(name or type(model).__name__, tuple(trainable), frozen, tuple(units),
+            units.append((min(order[id(p)] for p in params), sum(p.numel() for p in params)))
+    # the engine's group order (expected backward order), which decides how NVMe sub-groups cut
+    units.sort(key=lambda u: -u[0])
+    return ModelShape(name or type(model).__name__, tuple(trainable), frozen,
+                      tuple(n for _, n in units),
                       dims.get("layers", 1), hidden, dims.get("heads", max(1, hidden // 64)),
                       dims.get("vocab", 0), dims.get("intermediate", 4 * hidden),
                       dims.get("positions"))

@@ -69,11 +69,7 @@ def widths_for(config: Config) -> Widths:
 def layout_for(config: Config) -> ZeroLayout:
     """The grouping and partitioning knobs of a validated zeromem config."""
     z = config.zero_optimization
-    defaults = OffloadKnobs()
-    knobs = OffloadKnobs(
-        int(z.sub_group_size),
-        z.offload_optimizer.buffer_count if z.offload_optimizer else defaults.optimizer_buffer_count,
-        z.offload_param.buffer_count if z.offload_param else defaults.param_buffer_count)
+    knobs = OffloadKnobs.from_config(config)  # as the engine reads them
     return ZeroLayout(z.stage, int(z.reduce_bucket_size), int(z.allgather_bucket_size),
                       int(z.stage3_param_persistence_threshold), int(z.stage3_prefetch_bucket_size),
                       z.offload_optimizer_device, z.offload_param_device, knobs)
