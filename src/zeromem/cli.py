@@ -4,6 +4,7 @@
     zeromem plan examples/configs/gpt2-small.json --gpus 8 --gpu-mem 16GB --out config.json
     zeromem report runs/ --out runs/report
     zeromem consolidate checkpoints/ model.safetensors
+    zeromem consolidate checkpoints/ hf_model/ --hf gpt2_config/
     zeromem import-deepspeed deepspeed_checkpoints/ checkpoints/
 
 A subcommand is a `Command`: its help line, a function adding its arguments to
@@ -184,12 +185,30 @@ def _run_report(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- dispatch
 
 def _consolidate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="directory given to save_checkpoint")
-    parser.add_argument("out", metavar="OUT", help="output file: .safetensors, else torch.save")
+    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="directory given to save_checkpoint "
+                                                             "(with --hf, a DeepSpeed one too)")
+    parser.add_argument("out", metavar="OUT", help="output file: .safetensors, else torch.save; "
+                                                   "with --hf, a new directory")
     parser.add_argument("--tag", help="checkpoint tag (default: the one `latest` names)")
+    parser.add_argument("--hf", metavar="MODEL_CONFIG_DIR",
+                        help="write OUT as a Hugging Face model directory (config.json + "
+                             "safetensors) for the model of this config, loadable with "
+                             "from_pretrained")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                        help="with --hf: dtype written (default: the config's dtype, else the "
+                             "checkpoint's training dtype)")
+    parser.add_argument("--max-shard-size", help="with --hf: largest safetensors file before "
+                                                 "splitting, e.g. 5GB or 2GiB (default 5GB)")
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
+    if args.hf:
+        from zeromem.checkpoints.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf
+        print(export_hf(args.ckpt_dir, args.hf, args.out, tag=args.tag, dtype=args.dtype,
+                        max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE))
+        return 0
+    if args.dtype or args.max_shard_size:
+        raise ValueError("--dtype and --max-shard-size go with --hf MODEL_CONFIG_DIR")
     from zeromem.checkpoints.consolidate import consolidate
     print(consolidate(args.ckpt_dir, args.out, tag=args.tag))
     return 0
@@ -215,7 +234,8 @@ COMMANDS: dict[str, Command] = {
                     _plan_arguments, _run_plan),
     "report": Command("plot and tabulate saved run ledgers: measured bytes beside the formula",
                       _report_arguments, _run_report),
-    "consolidate": Command("write a checkpoint's full fp32 state dict (no GPU, no process group)",
+    "consolidate": Command("write a checkpoint's full fp32 state dict, or with --hf a Hugging Face "
+                           "model directory (no GPU, no process group)",
                            _consolidate_arguments, _run_consolidate),
     "import-deepspeed": Command("convert a DeepSpeed ZeRO checkpoint (stages 1-3) into a zeromem "
                                 "one, loadable at any world size and stage",

@@ -43,7 +43,7 @@ from zeromem.schedulers import build_scheduler
 from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule, fetch_unit_modules
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
-from zeromem.training_state import RngState, StepCounters, TrainingState
+from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
 
 log = logging.getLogger("zeromem")
 
@@ -80,7 +80,7 @@ class Engine:
         # The user's dtype is kept until the flat groups read the fp32 masters from it.
         self.module = module.to(self.device)
         broadcast_from_rank0(self.module, comm)  # ranks need not be seeded alike
-        self.counters = StepCounters(config.gradient_accumulation_steps)
+        self.counters = StepCounters(config.batch()[2])
         self.grad_norm: float | None = None
         self.scaler = make_scaler(config.fp16)
         self.timers = PhaseTimers(config.wall_clock_breakdown, self.device)
@@ -197,7 +197,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied."""
-        scale = self.scaler.scale / (self.config.gradient_accumulation_steps * self.dp_world_size)
+        scale = self.scaler.scale / (self.config.batch()[2] * self.dp_world_size)
         with self.timers("backward"), self.activation_checkpointing.active():
             boundary = self.is_gradient_accumulation_boundary()
             self.offload.start_backward(boundary)  # host copies of reduced grads at the boundary
@@ -326,7 +326,7 @@ class Engine:
 
     def training_state(self) -> TrainingState:
         """What checkpoints read and restore (checkpoints/save_load.py never sees the engine)."""
-        stateful = {"counters": self.counters, "scaler": self.scaler, "rng": RngState()}
+        stateful: dict[str, Stateful] = {"counters": self.counters, "scaler": self.scaler, "rng": RngState()}
         if self.lr_scheduler is not None:
             stateful["lr_scheduler"] = self.lr_scheduler
         block = self.config.optimizer

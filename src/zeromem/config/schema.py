@@ -17,6 +17,7 @@ rules applied around them (error messages, key renames, "auto", the batch triple
 
 from __future__ import annotations
 
+import builtins
 import copy
 import inspect
 import json
@@ -127,7 +128,7 @@ _OPTIMIZER_PARAM_RULES: dict[str, Any] = {
 @cache
 def _optimizer_params_model(torch_class: type[torch.optim.Optimizer]) -> type[BaseModel]:
     """A strict pydantic model of the optimizer's keyword arguments, built from its signature."""
-    fields = {}
+    fields: dict[str, Any] = {}
     for arg, p in inspect.signature(torch_class).parameters.items():
         if arg != "params" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             fields[arg] = (_OPTIMIZER_PARAM_RULES.get(arg, Any), None)
@@ -155,7 +156,7 @@ class OptimizerConfig(_Block):
         params = dict(self.params)
         if self.type in ("Adam", "AdamW"):
             self._map_deepspeed_adam_keys(params)
-        model = _optimizer_params_model(self.torch_class)
+        model = _optimizer_params_model(self.torch_class)  # type: ignore[arg-type]  # hashable
         try:
             checked = model.model_validate(params)
         except ValidationError as error:
@@ -179,7 +180,7 @@ class OptimizerConfig(_Block):
             params.setdefault("weight_decay", 0.0)  # DeepSpeed's default; torch's AdamW uses 0.01
 
     @property
-    def torch_class(self) -> type[torch.optim.Optimizer]:
+    def torch_class(self) -> builtins.type[torch.optim.Optimizer]:  # `type` is a field here
         """The torch optimizer class this block names."""
         return self._classes[self.type]
 
@@ -189,7 +190,7 @@ def _scheduler_params_model(name: str) -> type[BaseModel]:
     """A strict pydantic model of the scheduler's keyword arguments, built from its signature."""
     cls = schedulers.SCHEDULERS[name]
     hints = get_type_hints(cls.__init__)
-    fields = {}
+    fields: dict[str, Any] = {}
     for arg, p in inspect.signature(cls.__init__).parameters.items():
         if arg in ("self", "optimizer", "last_batch_iteration"):  # resume via state_dict instead
             continue
@@ -520,12 +521,21 @@ class Config(_Block):
             raise ConfigError("fp16.enabled and bf16.enabled cannot both be true")
         world_size = (info.context or {}).get("world_size")
         if world_size is not None:
-            given = [getattr(self, key) for key in BATCH_KEYS]
+            given = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                     self.gradient_accumulation_steps)
             for key, value in zip(BATCH_KEYS, resolve_batch(*given, world_size)):
                 if getattr(self, key) is None:
                     setattr(self, key, value)
                     self._derived.add(key)
         return self
+
+    def batch(self) -> tuple[int, int, int]:
+        """(train_batch_size, micro batch per rank, accumulation steps), as `load` resolved them."""
+        train, micro, gas = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                             self.gradient_accumulation_steps)
+        if train is None or micro is None or gas is None:
+            raise ConfigError("the batch sizes are resolved only by Config.load(..., world_size=N)")
+        return train, micro, gas
 
     @classmethod
     def load(cls, source: dict | str | os.PathLike | Config, world_size: int | None = None,

@@ -20,7 +20,7 @@ log = logging.getLogger("zeromem")
 # dotted key -> the modules (under src/zeromem) that act on it
 READ: dict[str, tuple[str, ...]] = {
     "train_batch_size": ("config.rules",), "train_micro_batch_size_per_gpu": ("config.rules",),
-    "gradient_accumulation_steps": ("engine",), "gradient_clipping": ("engine",),
+    "gradient_accumulation_steps": ("config.schema",), "gradient_clipping": ("engine",),
     "steps_per_print": ("engine",), "wall_clock_breakdown": ("engine",),
     "zeromem.timeout_s": ("__init__",), "zeromem.gather_timeout_s": ("engine",),
     "zeromem.offload_host_budget_bytes": ("offload.placement",),

@@ -103,6 +103,13 @@ class BufferPool:
         """A free buffer, or None when all are lent out."""
         return self.free.pop() if self.free else None
 
+    def take(self) -> torch.Tensor:
+        """A free buffer, for owners that sized the pool to their needs."""
+        buffer = self.acquire()
+        if buffer is None:
+            raise OffloadError(f"all {self.count} swap buffers are lent out")
+        return buffer
+
     def release(self, buffer: torch.Tensor) -> None:
         self.free.append(buffer)
 
@@ -165,7 +172,7 @@ DONE = IOHandle([])
 
 
 def _failure(op: str, nbytes: int, offset: int, path: Path, e: OSError) -> OffloadError:
-    name = errno.errorcode.get(e.errno, str(e.errno))
+    name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "?"
     return OffloadError(f"{op} of {nbytes} bytes at offset {offset} of {path} failed: "
                         f"{os.strerror(e.errno) if e.errno else e} [{name}]")
 
@@ -202,7 +209,7 @@ class AsyncIO:
     def submit(self, op: str, fd: int, buffer: torch.Tensor, offset: int, path: Path,
                finish: Callable[[], None] | None = None) -> IOHandle:
         """Start reading (`op` "read") or writing `buffer` (uint8, host) at `offset`."""
-        view = memoryview(buffer.numpy())
+        view = memoryview(buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
         step = self.block_size
         futures = [self.pool.submit(_transfer, op, fd, view[s:s + step], offset + s, path)
                    for s in range(0, len(view), step)]
@@ -248,7 +255,7 @@ class SwapFile:
             else:
                 try:
                     probe = aligned_empty(ALIGN).zero_()  # the buffer itself must be aligned
-                    os.pwritev(fd, [memoryview(probe.numpy())], 0)
+                    os.pwritev(fd, [probe.numpy()], 0)  # type: ignore[list-item]  # a buffer
                     return fd
                 except OSError as e:
                     os.close(fd)

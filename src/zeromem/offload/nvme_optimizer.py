@@ -33,7 +33,7 @@ import contextlib
 import importlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -238,6 +238,8 @@ class SwappedOptimizer(torch.optim.Optimizer):
     pipeline described in the module docstring.
     """
 
+    state: SwappedState  # type: ignore[assignment]  # a dict that refuses lookups on disk
+
     def __init__(self, template: torch.optim.Optimizer, groups: list[FlatParamGroup],
                  space: SwapSpace, host_grads: dict[int, torch.Tensor] | GradFile, params: Any,
                  policy: Any):
@@ -265,7 +267,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.depth = self.size.depth
         self.pool = BufferPool(self.depth * len(self.slot_fields), self.layout.slot_bytes,
                                policy.optimizer_pin)
-        self.slots = [{name: self.pool.acquire() for name in self.slot_fields}
+        self.slots = [{name: self.pool.take() for name in self.slot_fields}
                       for _ in range(self.depth)]
         self.steps = [0] * len(self.param_groups)  # optimizer steps taken, per param group
         self.failed: BaseException | None = None
@@ -351,7 +353,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     def _grads(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The sub-group's gradient pieces: read from the file (scaled here) or host buffers."""
-        if self.grad_file is None:
+        if not isinstance(self.host_grads, GradFile):
             return [self.host_grads[id(p.group)][p.start:p.start + p.numel] for p in sg.pieces]
         grads = [piece_view(p.start, p.numel, slot["grad"][at:])
                  for p, at in zip(sg.pieces, self._grad_places(sg))]
@@ -365,12 +367,14 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     # -- the pipeline -------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Callable | None = None) -> None:
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closures
         """One optimizer step over every sub-group: read ahead, step, write behind."""
         if self.failed is not None:
             raise OffloadError(f"NVMe offload failed earlier and the optimizer state on "
                                f"{self.file.path} is not trustworthy: {self.failed}")
-        free, reading, writing = list(self.slots), {}, deque()
+        free = list(self.slots)
+        reading: dict[int, tuple[dict[str, torch.Tensor], list[IOHandle]]] = {}
+        writing: deque[tuple[dict[str, torch.Tensor], list[IOHandle]]] = deque()
         self.overlapped = {"read_ahead": 0, "write_behind": 0}  # sub-groups, this step
         if self.grad_file is not None:
             self.grad_file.flush()  # the last gradients' writes, before their reads

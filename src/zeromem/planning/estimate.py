@@ -200,7 +200,7 @@ class Estimate:
             node = self.gpus_per_node
             lines.append(f"off-device bytes are per rank; per node of {node} GPUs multiply by {node}")
         largest = self.max_params()
-        if largest:
+        if largest and self.gpu_mem_bytes is not None:
             lines.append(f"largest model whose states fit {format_bytes(self.gpu_mem_bytes, u)} {u}: "
                          + " / ".join(f"stage {s}: {format_count(n)}" for s, n in largest.items()))
         return "\n".join(lines)
