@@ -75,6 +75,19 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- plan
 
+def _calibrated(args: argparse.Namespace, shape, hardware):
+    """`hardware` with this machine's measured figures (`planning/calibrate.py`)."""
+    import dataclasses
+    import functools
+
+    from zeromem.planning.calibrate import calibrate
+    from zeromem.planning.model_shapes import build_real
+    seq = args.seq or shape.positions or 1024
+    calibration = calibrate(functools.partial(build_real, args.model), shape, args.micro_batch,
+                            seq, args.gpus, args.nvme_path)
+    return dataclasses.replace(hardware, calibration=calibration)
+
+
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="package.module:factory (built on the meta device) or a Hugging "
@@ -113,6 +126,10 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help='print {"setups": [...], "recommended": NAME} as JSON instead')
     parser.add_argument("--nvme-path", help="directory on a local NVMe disk for swap files "
                                             "(required when an NVMe setup is recommended)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine on --gpus spawned gloo ranks (the model's "
+                             "forward and backward, collectives, copies, disk, optimizer step) "
+                             "and predict step times from it instead of the assumed speeds")
 
 
 def _cluster_plan(args: argparse.Namespace, result):
@@ -147,6 +164,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                         parse_bytes(args.host_mem, args.units) if args.host_mem else None,
                         args.headroom)
     workload = Workload(args.micro_batch, args.seq, args.gas, args.dtype, args.mp, args.flash)
+    if args.calibrate:
+        hardware = _calibrated(args, shape, hardware)
     traced = load_hf_model(cfg) if args.model.endswith(".json") else model
     result = plan(shape, hardware, workload, units=args.units, nvme_path=args.nvme_path,
                   traced=traced)
