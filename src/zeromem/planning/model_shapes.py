@@ -161,7 +161,19 @@ _AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForM
                  "AutoModel")
 
 
-def load_hf_model(cfg: dict) -> nn.Module | None:
+def build_real(spec: str) -> nn.Module:
+    """The model `spec` names (as `load_model` reads it) built for real on the CPU, randomly
+    initialised: what `planning/calibrate.py` runs. A config JSON needs transformers."""
+    if spec.endswith(".json"):
+        model = load_hf_model(json.loads(Path(spec).read_text(encoding="utf-8")), "cpu")
+        if model is None:
+            raise ValueError(f"{spec}: transformers cannot build this config, so there is "
+                             "nothing to run for --calibrate")
+        return model
+    return _import_factory(spec)()
+
+
+def load_hf_model(cfg: dict, device: str = "meta") -> nn.Module | None:
     """The real Hugging Face model a config dict describes, on the meta device; None when
     transformers is not installed or does not know the `model_type` (nothing is downloaded).
     Its forward is what `planning/activation_trace.py` traces."""
@@ -179,7 +191,7 @@ def load_hf_model(cfg: dict) -> nn.Module | None:
         return None
     for name in _AUTO_CLASSES:
         try:
-            with torch.device("meta"):
+            with torch.device(device):
                 return getattr(transformers, name).from_config(config)
         except ValueError:  # this auto class has no model for the config's type
             continue
