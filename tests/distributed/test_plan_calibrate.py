@@ -86,7 +86,7 @@ def test_calibration_is_positive_and_self_consistent(tmp_path):
          for s in (Setup(0), Setup(2), Setup(3), Setup(2, "gpu"), Setup(2, "none", "nvme"))}
     for time in t.values():
         assert time.compute > 0 and time.comm > 0 and time.optimizer > 0
-        assert time.overlapped <= time.serial
+        assert time.overlapped == time.serial  # gloo: nothing overlaps
     # the compute of the measured workload is what was measured
     assert t[Setup(0)].compute == pytest.approx(cal.forward_s + cal.backward_s)
     # directions that follow from the work done, whatever the figures

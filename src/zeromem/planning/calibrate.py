@@ -23,9 +23,9 @@ in training, where they share the machine):
 `Calibration.step_time` predicts one optimizer step of a setup from these and
 the engine's layout (`estimate.exact_model_states`): the collectives it issues
 (counted as the engine issues them, see `collectives`), the optimizer step over
-the rank's elements, and the offload traffic. On a CPU machine nothing overlaps
-(one core runs compute, collectives and the step in turn), so the prediction is
-the sum; `StepTime.overlapped` and `.serial` are then equal.
+the rank's elements, and the offload traffic. With gloo (CPU ranks) nothing
+overlaps: the cores run compute, collectives and the step in turn, so the
+prediction is the sum, and `StepTime.overlapped` equals `.serial`.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class Calibration:
         placement = {"none": "device"}.get(setup.offload_optimizer, "cpu")
         optimizer = shard * self.optimizer[placement]
         return StepTime(compute, comm, self._offload(setup, states, p, shape.psi / n_d, gas),
-                        optimizer)
+                        optimizer, can_overlap=self.backend == "nccl")
 
     def _offload(self, setup: Any, states: Any, p: int, shard: float, gas: int) -> float:
         """Host copies and swap I/O of one step."""
