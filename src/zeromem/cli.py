@@ -15,6 +15,7 @@ so `zeromem --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -91,9 +92,15 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="package.module:factory (built on the meta device) or a Hugging "
                              "Face-style config .json")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    parser.add_argument("--gpus", type=int, help="GPUs in all (default: nodes x gpus per node)")
     parser.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 16GB or 80GiB")
     parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int,
+                        help="GPUs per node: also plan hybrid sharding and ZeRO++ (hpZ, qwZ, qgZ)")
+    parser.add_argument("--intra", default="300GB/s",
+                        help="bandwidth within a node, per GPU (default 300GB/s)")
+    parser.add_argument("--inter", default="25GB/s",
+                        help="bandwidth between nodes, per GPU (default 25GB/s)")
     parser.add_argument("--interconnect", type=float, default=25.0,
                         help="GB/s per GPU for data-parallel collectives (default 25)")
     parser.add_argument("--pcie", type=float, default=16.0, help="GB/s host<->GPU (default 16)")
@@ -125,12 +132,29 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "and predict step times from it instead of the assumed speeds")
 
 
+def _cluster_plan(args: argparse.Namespace, result):
+    """Hybrid sharding and ZeRO++ for --nodes x --gpus-per-node (planning/cluster.py)."""
+    from zeromem.planning.cluster import Cluster, plan_cluster
+    from zeromem.planning.estimate import parse_bytes
+    if args.nodes * args.gpus_per_node != args.gpus:
+        raise ValueError(f"--gpus {args.gpus} is not --nodes {args.nodes} x --gpus-per-node "
+                         f"{args.gpus_per_node}")
+    rate = lambda text: parse_bytes(text.removesuffix("/s"), "GB")  # noqa: E731
+    cluster = Cluster(args.nodes, args.gpus_per_node, rate(args.intra), rate(args.inter),
+                      parse_bytes(args.gpu_mem, args.units) * args.headroom)
+    return plan_cluster(result.shape.psi, cluster, result.chosen.time.compute)
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     from zeromem.planning.estimate import parse_bytes
     from zeromem.planning.model_shapes import load_hf_model
     from zeromem.planning.plan_json import needs_nvme_path, plan_json
     from zeromem.planning.planner import Hardware, Workload, load_model, plan, shape_of
 
+    if args.gpus is None:
+        if args.gpus_per_node is None:
+            raise ValueError("give --gpus, or --nodes and --gpus-per-node")
+        args.gpus = args.nodes * args.gpus_per_node
     model, cfg = load_model(args.model)
     name = Path(args.model).stem if args.model.endswith(".json") else args.model
     shape = shape_of(model, cfg, name=name, layers=args.layers, hidden=args.hidden,
@@ -149,12 +173,18 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(result if not args.json else json.dumps(plan_json(result), indent=2))
         raise ValueError(f"the recommended setup ({result.chosen.setup.label()}) swaps to NVMe: "
                          "give --nvme-path DIR so that its config names a directory that exists")
+    cluster = _cluster_plan(args, result) if args.gpus_per_node else None
     if args.json:
-        print(json.dumps(plan_json(result), indent=2))
+        data = plan_json(result)
+        if cluster is not None:
+            data["cluster"] = dataclasses.asdict(cluster)
+        print(json.dumps(data, indent=2))
         if args.out:
             Path(args.out).write_text(json.dumps(result.config, indent=2) + "\n", encoding="utf-8")
         return 0
     print(result)
+    if cluster is not None:
+        print(f"\n{cluster}")
     text = json.dumps(result.config, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")

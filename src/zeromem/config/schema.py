@@ -34,6 +34,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 from pydantic_core import PydanticCustomError
 
 from zeromem import schedulers
+from zeromem.config.cluster import ClusterConfig, check_zeropp
 from zeromem.config.rules import (AIO_RENAMED, BATCH_KEYS, TOP_LEVEL_RENAMED, ZERO_RENAMED,
                                   ConfigError, humanise, map_cpu_offload, map_renamed_keys,
                                   resolve_auto, resolve_batch)
@@ -343,6 +344,7 @@ class ZeroConfig(_Block):
                              f"got stage {self.stage}")
         if self.offload_param_device != "none" and self.stage != 3:
             raise ValueError(f"offload_param requires stage 3, got stage {self.stage}")
+        check_zeropp(self)  # hpZ / qwZ / qgZ / hybrid sharding vs the stage (config/cluster.py)
         return self
 
     @property
@@ -414,6 +416,7 @@ class TimeoutsConfig(_Block):
     # host bytes per rank for NVMe offload's buffers (optimizer and parameter pools); sizes
     # sub_group_size and offload_optimizer.buffer_count unless those are set (offload/budget.py)
     offload_host_budget_bytes: Int = Field(64 * 2**20, ge=1)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # nodes, ZeRO++ quantization
 
 
 # ---------------------------------------------------------------- features not built
@@ -425,19 +428,16 @@ def _activation_checkpointing_key(config: Config) -> str | None:
 
 
 def _zeropp_key(config: Config) -> str | None:
+    # hpZ, qwZ and qgZ are built (hierarchy.py); LoCo and quantized frozen weights are not
     zero = config.zero_optimization
-    names = ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
-             "zero_quantized_gradients", "zeropp_loco_param")
+    names = ("zero_quantized_nontrainable_weights", "zeropp_loco_param")
     used = [name for name in names if getattr(zero, name)]
-    used += ["zero_hpz_partition_size"] if zero.zero_hpz_partition_size > 1 else []
     return f"zero_optimization.{used[0]}" if used else None
 
 
 def _mics_key(config: Config) -> str | None:
+    # mics_shard_size is built (hybrid sharding, hierarchy.py); MiCS's hierarchical gather is not
     zero = config.zero_optimization
-    if zero.mics_shard_size > 0:
-        return "zero_optimization.mics_shard_size"
-    # a MiCS option on its own still says the user expects MiCS's gather schedule
     return ("zero_optimization.mics_hierarchical_params_gather"
             if zero.mics_hierarchical_params_gather else None)
 
@@ -612,13 +612,13 @@ class Config(_Block):
         return "\n".join(lines)
 
 
-def _describe_block(block: _Block, prefix: str, lines: list[str]) -> None:
+def _describe_block(block: BaseModel, prefix: str, lines: list[str]) -> None:
     for name in type(block).model_fields:
         value, path = getattr(block, name), prefix + name
-        if isinstance(value, _Block):
+        if isinstance(value, BaseModel):  # a nested block (cluster.py's is not a _Block)
             _describe_block(value, f"{path}.", lines)
             continue
-        source = ("derived" if name in block._derived
+        source = ("derived" if name in getattr(block, "_derived", ())
                   else "file" if name in block.model_fields_set else "default")
         lines.append(f"{path:<56} {value!r:<24} {source}")
 
