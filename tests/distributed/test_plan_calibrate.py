@@ -56,8 +56,8 @@ def test_counted_collectives_carry_the_bytes_the_engine_sends():
     n = 2
     # Comm counts what one rank sends: all-reduce 2(n-1)/n of the tensor, the others (n-1)/n
     sent = {"all_reduce": 2 * (n - 1) / n, "all_reduce_norm": 2 * (n - 1) / n,
-            "reduce_scatter": (n - 1) / n,
-            "all_gather": (n - 1) / n}
+            "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
+            "all_gather_forward": (n - 1) / n, "all_gather_backward": (n - 1) / n}
     for stage in range(4):
         layout = layout_for(Config.load(_config(stage), world_size=n))
         predicted = collectives(shape, layout, 4, 4, n, GAS)
