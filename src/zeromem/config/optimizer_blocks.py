@@ -133,7 +133,7 @@ class OptimizerConfig(_Block):
 def _scheduler_params_model(name: str) -> type[BaseModel]:
     """A strict pydantic model of the scheduler's keyword arguments, built from its signature."""
     cls = schedulers.SCHEDULERS[name]
-    hints = get_type_hints(cls.__init__)
+    hints = get_type_hints(cls.__init__, include_extras=True)
     fields = {}
     for arg, p in inspect.signature(cls.__init__).parameters.items():
         if arg in ("self", "optimizer", "last_batch_iteration"):  # resume via state_dict instead
@@ -146,9 +146,9 @@ def _scheduler_params_model(name: str) -> type[BaseModel]:
 
 
 class SchedulerConfig(_Block):
-    """`scheduler`: one of DeepSpeed's warmup schedules (see zeromem.schedulers)."""
+    """`scheduler`: one of DeepSpeed's schedules (see zeromem.schedulers)."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]  # case-insensitive in the file
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest", "OneCycle"]  # any case
     params: dict[str, Any] = Field(default_factory=dict)  # keywords of the schedule's constructor
 
     @field_validator("type", mode="before")
