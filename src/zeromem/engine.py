@@ -177,7 +177,9 @@ class Engine:
             persistent = group.numel < zero.stage3_param_persistence_threshold
             module_units.append((module, FetchUnit(group, self.comm, persistent, self.live_params,
                                                    self.offload.params)))
-        limits = Stage3Limits(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
+        prefetch = self.offload.params.prefetch_numel(
+            zero.stage3_prefetch_bucket_size, "stage3_prefetch_bucket_size" in zero.model_fields_set)
+        limits = Stage3Limits(prefetch, zero.stage3_max_live_parameters,
                               zero.stage3_max_reuse_distance,
                               gather_timeout_s(self.config.zeromem.gather_timeout_s))
         return FetchSchedule(self.module, module_units, limits, self.live_params, self.comm,
