@@ -161,7 +161,19 @@ _AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForM
                  "AutoModel")
 
 
-def load_hf_model(cfg: dict) -> nn.Module | None:
+def build_real(spec: str) -> nn.Module:
+    """The model `spec` names (as `load_model` reads it) built for real on the CPU, randomly
+    initialised: what `planning/calibrate.py` runs. A config JSON needs transformers."""
+    if spec.endswith(".json"):
+        model = load_hf_model(json.loads(Path(spec).read_text(encoding="utf-8")), "cpu")
+        if model is None:
+            raise ValueError(f"{spec}: transformers cannot build this config, so there is "
+                             "nothing to run for --calibrate")
+        return model
+    return _import_factory(spec)()
+
+
+def load_hf_model(cfg: dict, device: str = "meta") -> nn.Module | None:
     """The real Hugging Face model a config dict describes, on the meta device; None when
     transformers is not installed or does not know the `model_type` (nothing is downloaded).
     Its forward is what `planning/activation_trace.py` traces."""
@@ -179,7 +191,7 @@ def load_hf_model(cfg: dict) -> nn.Module | None:
         return None
     for name in _AUTO_CLASSES:
         try:
-            with torch.device("meta"):
+            with torch.device(device):
                 return getattr(transformers, name).from_config(config)
         except ValueError:  # this auto class has no model for the config's type
             continue
@@ -229,15 +241,19 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
     hidden = dims.get("hidden") or 1
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    order = {id(p): i for i, p in enumerate(model.parameters())}
     claimed: set[int] = set()
-    units = []
+    units = []  # (first registration index, elements)
     for module in model.modules():  # a fetch unit: a module that directly owns parameters
         params = [p for p in module.parameters(recurse=False)
                   if p.requires_grad and id(p) not in claimed]
         claimed.update(id(p) for p in params)
         if params:
-            units.append(sum(p.numel() for p in params))
-    return ModelShape(name or type(model).__name__, tuple(trainable), frozen, tuple(units),
+            units.append((min(order[id(p)] for p in params), sum(p.numel() for p in params)))
+    # the engine's group order (expected backward order), which decides how NVMe sub-groups cut
+    units.sort(key=lambda u: -u[0])
+    return ModelShape(name or type(model).__name__, tuple(trainable), frozen,
+                      tuple(n for _, n in units),
                       dims.get("layers", 1), hidden, dims.get("heads", max(1, hidden // 64)),
                       dims.get("vocab", 0), dims.get("intermediate", 4 * hidden),
                       dims.get("positions"))

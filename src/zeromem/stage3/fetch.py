@@ -58,6 +58,7 @@ from zeromem.comm import Comm, Pending
 from zeromem.flat import FlatParamGroup, GroupState
 from zeromem.grads import Reducer
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice
+from zeromem.stage3.gather import ParamGather
 from zeromem.stage3.partitioned_init import register_units
 
 
@@ -84,8 +85,9 @@ class FetchUnit:
     """
 
     def __init__(self, group: FlatParamGroup, comm: Comm, persistent: bool, stats: "LiveStats",
-                 placement: ParamPlacement | None = None):
+                 placement: ParamPlacement | None = None, gather: ParamGather | None = None):
         self.group = group
+        self.gather = gather or ParamGather(comm)  # flat, hpZ or qwZ (stage3/gather.py)
         self.placement = placement or ParamsOnDevice()  # where the shard lives between uses
         self.comm = comm
         self.persistent = persistent  # small units stay whole (stage3_param_persistence_threshold)
@@ -111,18 +113,16 @@ class FetchUnit:
         full = g.begin_gather()  # the group's own buffer, regrown (flat.py says why)
         self.stats.add(g.padded_numel)
         # Backward's saved views of this buffer check its version: refilling it with the
-        # same values is not the in-place change that check guards against.
+        # same values is not the in-place change that check guards against (also `_finish`).
         with torch.autograd._unsafe_preserve_version_counter(full):
-            self.pending = self.comm.all_gather(full, g.param_shard, async_op=True)
+            self.pending = self.gather.launch(g, full)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until gathered; the parameters are then views of the whole buffer."""
         if self.state is GroupState.SHARDED:
             self.unshard()
         if self.state is GroupState.GATHERING:
-            assert self.pending is not None  # GATHERING: the all-gather is in flight
-            self.pending.wait(timedelta(seconds=timeout_s) if timeout_s else None)
-            self.pending = None
+            self._finish(timeout_s)
             self.group.finish_gather()
 
     def reshard(self, force: bool = False) -> None:
@@ -130,11 +130,17 @@ class FetchUnit:
         if self.state is GroupState.SHARDED or ((self.persistent or self.pins) and not force):
             return
         if self.state is GroupState.GATHERING:
-            assert self.pending is not None  # GATHERING: the all-gather is in flight
-            self.pending.wait()
-            self.pending = None
+            self._finish(None)
         self.group.reshard()
         self.stats.add(-self.group.padded_numel)
+
+    def _finish(self, timeout_s: float | None) -> None:
+        """Wait for the gather in flight; its completion (qwZ's dequantization) writes
+        `full` too, which keeps its version for the same reason as `unshard`."""
+        assert self.pending is not None  # GATHERING: the all-gather is in flight
+        with torch.autograd._unsafe_preserve_version_counter(self.group.full):
+            self.pending.wait(timedelta(seconds=timeout_s) if timeout_s else None)
+        self.pending = None
 
     def pin(self) -> None:
         """Gather and keep whole until `unpin` (GatheredParameters)."""
@@ -228,8 +234,10 @@ class FetchSchedule:
 
     def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, FetchUnit]],
                  limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None,
-                 placement: ParamPlacement | None = None, reducer: Reducer | None = None):
+                 placement: ParamPlacement | None = None, reducer: Reducer | None = None,
+                 gather: ParamGather | None = None):
         self.units = [u for _, u in module_units]
+        self.gather = gather  # told each pass's kind and each step (hpZ's secondary copies)
         self.placement = placement or ParamsOnDevice()  # told the order of each pass (read-ahead)
         self.unit_of_module: dict[int, list[FetchUnit]] = {}
         for module, unit in module_units:
@@ -263,6 +271,8 @@ class FetchSchedule:
 
     def refresh(self) -> None:
         """After the optimizer step: persistent units re-gather, the others drop to shards."""
+        if self.gather is not None:
+            self.gather.new_step()
         for unit in self.units:
             unit.reshard(force=True)
             if unit.persistent:
@@ -276,6 +286,8 @@ class FetchSchedule:
         """
         key = ("backward", *self.pass_kind[1:]) if kind == "backward" else tuple(kind)
         self.pass_kind, self.position, self.on_track = key, 0, key in self.recorded
+        if self.gather is not None:
+            self.gather.start_pass(key[0])
         if key[0] != "backward":
             self.passes += 1
             if self.store is not None:  # published so a stuck rank can name who diverged
