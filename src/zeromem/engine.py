@@ -181,7 +181,9 @@ class Engine:
             module_units.append((module, FetchUnit(group, self.plan.shard, persistent,
                                                    self.live_params, self.offload.params,
                                                    self.plan.gather)))
-        limits = Stage3Limits(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
+        prefetch = self.offload.params.prefetch_numel(
+            zero.stage3_prefetch_bucket_size, "stage3_prefetch_bucket_size" in zero.model_fields_set)
+        limits = Stage3Limits(prefetch, zero.stage3_max_live_parameters,
                               zero.stage3_max_reuse_distance,
                               gather_timeout_s(self.config.zeromem.gather_timeout_s))
         return FetchSchedule(self.module, module_units, limits, self.live_params, self.comm,
