@@ -171,7 +171,8 @@ def build_comm_plan(config: Config, comm: Comm) -> CommPlan:
     quantized = zero.zero_quantized_weights or zero.zero_quantized_gradients
     if not (hpz > 1 or shard_size > 0 or quantized):
         return CommPlan(comm, comm, ParamGather(comm))
-    if comm.group is not None and len(comm.ranks) != _world_size():
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if comm.group is not None and len(comm.ranks) != world:
         raise ConfigError("zero_optimization: hybrid sharding and ZeRO++ need the data-parallel "
                           "group to be every rank (dp_group=None)")
     layout = comm.layout or node_layout(config, comm.world_size)
@@ -187,7 +188,10 @@ def build_comm_plan(config: Config, comm: Comm) -> CommPlan:
 
     block = cluster.quantization_block_size
     weight_bits = 8 if zero.zero_quantized_weights else None
-    if shard_size > 0 and shard_size < comm.world_size:
+    if shard_size > comm.world_size:
+        raise ConfigError(f"zero_optimization.mics_shard_size = {shard_size} is more than the "
+                          f"{comm.world_size} data-parallel ranks")
+    if 0 < shard_size < comm.world_size:
         hybrid = mesh(shard_size, "zero_optimization.mics_shard_size")
         shard = comm.sub(hybrid.block_group)
         replicas = comm.sub(hybrid.across_group)
@@ -204,8 +208,3 @@ def build_comm_plan(config: Config, comm: Comm) -> CommPlan:
                                             comm.sub(nodes.across_group),
                                             cluster.quantized_gradient_bits, block)
     return CommPlan(comm, grads, gather)
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-    return dist.get_world_size() if dist.is_initialized() else 1
