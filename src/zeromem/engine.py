@@ -40,7 +40,8 @@ from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_para
 from zeromem.stage3.partitioned_init import materialize, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler
-from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule, fetch_unit_modules
+from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule
+from zeromem.stage3.units import describe, plan_fetch_units
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
 from zeromem.training_state import RngState, StepCounters, TrainingState
@@ -90,6 +91,7 @@ class Engine:
         param_groups = normalize_param_groups(module, model_parameters)
         self.names = {id(p): n for n, p in module.named_parameters()}
         sharding = Sharding.for_stage(self.zero_stage)
+        self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
         self.groups = self._build_groups(param_groups, sharding, fetch_units)
         materialize(self.module.parameters(), self.comm)  # frozen ones built under Init
         self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
@@ -151,13 +153,19 @@ class Engine:
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
         group_of = {id(p): gi for gi, pg in enumerate(param_groups) for p in pg["params"]}
         if sharding.params:
-            self.unit_modules = []  # (module, its parameters) per fetch unit, see stage3/fetch.py
+            # (modules that gather it, its parameters) per fetch unit, see stage3/units.py
+            self.unit_modules = []
             parts = []
-            for module, params in fetch_unit_modules(self.module, fetch_units):
-                for gi in sorted({group_of[id(p)] for p in params if id(p) in group_of}):
-                    part = [p for p in params if group_of.get(id(p)) == gi]
+            bucket_numel = int(self.config.zero_optimization.reduce_bucket_size)
+            plans = plan_fetch_units(self.module, fetch_units, bucket_numel)
+            for plan in plans:
+                for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
+                    part = [p for p in plan.params if group_of.get(id(p)) == gi]
                     parts.append((gi, part))
-                    self.unit_modules.append((module, part))
+                    self.unit_modules.append((plan.modules, part))
+            module_names = {id(m): n for n, m in self.module.named_modules()}
+            self.fetch_unit_report = describe(plans, module_names, fetch_units, bucket_numel)
+            log.info("%s", self.fetch_unit_report)
             return parts
         bucket_numel = int(self.config.zero_optimization.reduce_bucket_size)
         parts = []
@@ -172,11 +180,11 @@ class Engine:
         group_of = {id(g.params[0]): g for g in self.groups}
         self.live_params = LiveStats()
         module_units = []
-        for module, params in self.unit_modules:
+        for modules, params in self.unit_modules:
             group = group_of[id(params[0])]
             persistent = group.numel < zero.stage3_param_persistence_threshold
-            module_units.append((module, FetchUnit(group, self.comm, persistent, self.live_params,
-                                                   self.offload.params)))
+            unit = FetchUnit(group, self.comm, persistent, self.live_params, self.offload.params)
+            module_units += [(module, unit) for module in modules]
         limits = Stage3Limits(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
                               zero.stage3_max_reuse_distance,
                               gather_timeout_s(self.config.zeromem.gather_timeout_s))

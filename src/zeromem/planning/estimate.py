@@ -282,7 +282,7 @@ class ModelShape:
 
     `param_numels` are the trainable parameters in registration order, a tied weight
     once (as `module.parameters()` yields them); `unit_numels` the trainable elements of
-    each stage-3 fetch unit (a module that directly owns parameters).
+    each stage-3 fetch unit, as the engine chooses them by default (stage3/units.py).
     """
 
     name: str

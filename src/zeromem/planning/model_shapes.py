@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zeromem.planning.estimate import ModelShape
+from zeromem.stage3.units import plan_fetch_units
 
 _ALIASES = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
@@ -229,14 +230,7 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
     hidden = dims.get("hidden") or 1
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    claimed: set[int] = set()
-    units = []
-    for module in model.modules():  # a fetch unit: a module that directly owns parameters
-        params = [p for p in module.parameters(recurse=False)
-                  if p.requires_grad and id(p) not in claimed]
-        claimed.update(id(p) for p in params)
-        if params:
-            units.append(sum(p.numel() for p in params))
+    units = [u.numel for u in plan_fetch_units(model)]  # the engine's default stage-3 units
     return ModelShape(name or type(model).__name__, tuple(trainable), frozen, tuple(units),
                       dims.get("layers", 1), hidden, dims.get("heads", max(1, hidden // 64)),
                       dims.get("vocab", 0), dims.get("intermediate", 4 * hidden),

@@ -1,7 +1,7 @@
 """ZeRO-3 (P_os+g+p): parameters partitioned, gathered per module on demand.
 
-Every fetch unit (by default one per module that directly owns parameters, or
-one per instance of the classes the caller names, e.g. transformer blocks) is a
+Every fetch unit (chosen by units.py: by default repeated blocks and merged
+small neighbours, or one per instance of the classes the caller names) is a
 flat group whose parameters exist only as a 1/N_d shard between uses. The group
 owns the gathered buffer and an explicit state (flat.py, `GroupState`); a
 `FetchUnit` is the scheduler's handle that issues the all-gather:
@@ -227,7 +227,8 @@ class FetchSchedule:
     def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, FetchUnit]],
                  limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None,
                  placement: ParamPlacement | None = None, reducer: Reducer | None = None):
-        self.units = [u for _, u in module_units]
+        # a unit may be gathered by several modules (merged neighbours, a tied parameter)
+        self.units = list({id(u): u for _, u in module_units}.values())
         self.placement = placement or ParamsOnDevice()  # told the order of each pass (read-ahead)
         self.unit_of_module: dict[int, list[FetchUnit]] = {}
         for module, unit in module_units:
@@ -442,29 +443,3 @@ class FetchSchedule:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def fetch_unit_modules(root: nn.Module, unit_classes: tuple[type, ...] = ()
-                       ) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """(module, its parameters) for each fetch unit, each trainable parameter in exactly one.
-
-    With `unit_classes`, every instance of those classes is one unit holding all
-    parameters below it; the remaining parameters go to the module owning them.
-    """
-    claimed: set[int] = set()
-    units = []
-
-    def take(module: nn.Module, recurse: bool) -> None:
-        params = [p for p in module.parameters(recurse=recurse)
-                  if p.requires_grad and id(p) not in claimed]
-        claimed.update(id(p) for p in params)
-        if params:
-            units.append((module, params))
-
-    if unit_classes:
-        for module in root.modules():
-            if isinstance(module, unit_classes) and module is not root:
-                take(module, recurse=True)
-    for module in root.modules():
-        take(module, recurse=False)
-    return units
