@@ -21,6 +21,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests examples benchmarks tools
+	$(VENV)/bin/mypy
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 mutants: $(VENV)/.installed

@@ -19,6 +19,7 @@ from zeromem.config.schema import Config, ConfigError
 from zeromem.distributed import LIFECYCLE, default_store, ensure_process_group, shutdown
 from zeromem.checkpoints.consolidate import CheckpointError
 from zeromem.engine import Engine
+from zeromem.hierarchy import node_layout
 from zeromem.config.support import check_knobs
 from zeromem.offload.nvme import OffloadError
 from zeromem.stage3.partitioned_init import GatheredParameters, Init
@@ -49,8 +50,10 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     `mp_group`: the tensor (model) parallel group, so gradient clipping uses the
     whole model's norm; by default the activation-checkpointing `mp_group`.
     """
-    ensure_process_group(Config.load(config).zeromem.timeout_s)
-    comm = Comm(dp_group, default_store())
+    first = Config.load(config)
+    ensure_process_group(first.zeromem.timeout_s)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    comm = Comm(dp_group, default_store(), node_layout(first, world))  # nodes split the ledger
     cfg = Config.load(config, world_size=comm.world_size)
     check_knobs(cfg)
     check_ranks_agree(cfg, model, comm)  # before any collective that a mismatch would hang

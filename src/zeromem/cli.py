@@ -4,6 +4,7 @@
     zeromem plan examples/configs/gpt2-small.json --gpus 8 --gpu-mem 16GB --out config.json
     zeromem report runs/ --out runs/report
     zeromem consolidate checkpoints/ model.safetensors
+    zeromem consolidate checkpoints/ hf_model/ --hf gpt2_config/
     zeromem import-deepspeed deepspeed_checkpoints/ checkpoints/
 
 A subcommand is a `Command`: its help line, a function adding its arguments to
@@ -14,6 +15,7 @@ so `zeromem --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -73,13 +75,32 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- plan
 
+def _calibrated(args: argparse.Namespace, shape, hardware):
+    """`hardware` with this machine's measured figures (`planning/calibrate.py`)."""
+    import dataclasses
+    import functools
+
+    from zeromem.planning.calibrate import calibrate
+    from zeromem.planning.model_shapes import build_real
+    seq = args.seq or shape.positions or 1024
+    calibration = calibrate(functools.partial(build_real, args.model), shape, args.micro_batch,
+                            seq, args.gpus, args.nvme_path)
+    return dataclasses.replace(hardware, calibration=calibration)
+
+
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="package.module:factory (built on the meta device) or a Hugging "
                              "Face-style config .json")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    parser.add_argument("--gpus", type=int, help="GPUs in all (default: nodes x gpus per node)")
     parser.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 16GB or 80GiB")
     parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int,
+                        help="GPUs per node: also plan hybrid sharding and ZeRO++ (hpZ, qwZ, qgZ)")
+    parser.add_argument("--intra", default="300GB/s",
+                        help="bandwidth within a node, per GPU (default 300GB/s)")
+    parser.add_argument("--inter", default="25GB/s",
+                        help="bandwidth between nodes, per GPU (default 25GB/s)")
     parser.add_argument("--interconnect", type=float, default=25.0,
                         help="GB/s per GPU for data-parallel collectives (default 25)")
     parser.add_argument("--pcie", type=float, default=16.0, help="GB/s host<->GPU (default 16)")
@@ -105,6 +126,23 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help='print {"setups": [...], "recommended": NAME} as JSON instead')
     parser.add_argument("--nvme-path", help="directory on a local NVMe disk for swap files "
                                             "(required when an NVMe setup is recommended)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine on --gpus spawned gloo ranks (the model's "
+                             "forward and backward, collectives, copies, disk, optimizer step) "
+                             "and predict step times from it instead of the assumed speeds")
+
+
+def _cluster_plan(args: argparse.Namespace, result):
+    """Hybrid sharding and ZeRO++ for --nodes x --gpus-per-node (planning/cluster.py)."""
+    from zeromem.planning.cluster import Cluster, plan_cluster
+    from zeromem.planning.estimate import parse_bytes
+    if args.nodes * args.gpus_per_node != args.gpus:
+        raise ValueError(f"--gpus {args.gpus} is not --nodes {args.nodes} x --gpus-per-node "
+                         f"{args.gpus_per_node}")
+    rate = lambda text: parse_bytes(text.removesuffix("/s"), "GB")  # noqa: E731
+    cluster = Cluster(args.nodes, args.gpus_per_node, rate(args.intra), rate(args.inter),
+                      parse_bytes(args.gpu_mem, args.units) * args.headroom)
+    return plan_cluster(result.shape.psi, cluster, result.chosen.time.compute)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -113,6 +151,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     from zeromem.planning.plan_json import needs_nvme_path, plan_json
     from zeromem.planning.planner import Hardware, Workload, load_model, plan, shape_of
 
+    if args.gpus is None:
+        if args.gpus_per_node is None:
+            raise ValueError("give --gpus, or --nodes and --gpus-per-node")
+        args.gpus = args.nodes * args.gpus_per_node
     model, cfg = load_model(args.model)
     name = Path(args.model).stem if args.model.endswith(".json") else args.model
     shape = shape_of(model, cfg, name=name, layers=args.layers, hidden=args.hidden,
@@ -122,6 +164,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                         parse_bytes(args.host_mem, args.units) if args.host_mem else None,
                         args.headroom)
     workload = Workload(args.micro_batch, args.seq, args.gas, args.dtype, args.mp, args.flash)
+    if args.calibrate:
+        hardware = _calibrated(args, shape, hardware)
     traced = load_hf_model(cfg) if args.model.endswith(".json") else model
     result = plan(shape, hardware, workload, units=args.units, nvme_path=args.nvme_path,
                   traced=traced)
@@ -129,12 +173,18 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(result if not args.json else json.dumps(plan_json(result), indent=2))
         raise ValueError(f"the recommended setup ({result.chosen.setup.label()}) swaps to NVMe: "
                          "give --nvme-path DIR so that its config names a directory that exists")
+    cluster = _cluster_plan(args, result) if args.gpus_per_node else None
     if args.json:
-        print(json.dumps(plan_json(result), indent=2))
+        data = plan_json(result)
+        if cluster is not None:
+            data["cluster"] = dataclasses.asdict(cluster)
+        print(json.dumps(data, indent=2))
         if args.out:
             Path(args.out).write_text(json.dumps(result.config, indent=2) + "\n", encoding="utf-8")
         return 0
     print(result)
+    if cluster is not None:
+        print(f"\n{cluster}")
     text = json.dumps(result.config, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
@@ -165,12 +215,30 @@ def _run_report(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- dispatch
 
 def _consolidate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="directory given to save_checkpoint")
-    parser.add_argument("out", metavar="OUT", help="output file: .safetensors, else torch.save")
+    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="directory given to save_checkpoint "
+                                                             "(with --hf, a DeepSpeed one too)")
+    parser.add_argument("out", metavar="OUT", help="output file: .safetensors, else torch.save; "
+                                                   "with --hf, a new directory")
     parser.add_argument("--tag", help="checkpoint tag (default: the one `latest` names)")
+    parser.add_argument("--hf", metavar="MODEL_CONFIG_DIR",
+                        help="write OUT as a Hugging Face model directory (config.json + "
+                             "safetensors) for the model of this config, loadable with "
+                             "from_pretrained")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                        help="with --hf: dtype written (default: the config's dtype, else the "
+                             "checkpoint's training dtype)")
+    parser.add_argument("--max-shard-size", help="with --hf: largest safetensors file before "
+                                                 "splitting, e.g. 5GB or 2GiB (default 5GB)")
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
+    if args.hf:
+        from zeromem.checkpoints.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf
+        print(export_hf(args.ckpt_dir, args.hf, args.out, tag=args.tag, dtype=args.dtype,
+                        max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE))
+        return 0
+    if args.dtype or args.max_shard_size:
+        raise ValueError("--dtype and --max-shard-size go with --hf MODEL_CONFIG_DIR")
     from zeromem.checkpoints.consolidate import consolidate
     print(consolidate(args.ckpt_dir, args.out, tag=args.tag))
     return 0
@@ -196,7 +264,8 @@ COMMANDS: dict[str, Command] = {
                     _plan_arguments, _run_plan),
     "report": Command("plot and tabulate saved run ledgers: measured bytes beside the formula",
                       _report_arguments, _run_report),
-    "consolidate": Command("write a checkpoint's full fp32 state dict (no GPU, no process group)",
+    "consolidate": Command("write a checkpoint's full fp32 state dict, or with --hf a Hugging Face "
+                           "model directory (no GPU, no process group)",
                            _consolidate_arguments, _run_consolidate),
     "import-deepspeed": Command("convert a DeepSpeed ZeRO checkpoint (stages 1-3) into a zeromem "
                                 "one, loadable at any world size and stage",

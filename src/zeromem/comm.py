@@ -6,6 +6,14 @@ waits on explicitly. Bytes are counted per rank as the algorithm sends them
 (ZeRO paper, section 7): a ring all-reduce sends 2(N-1)/N of its input, a
 reduce-scatter or an all-gather (N-1)/N of the full buffer.
 
+Each count is split into intra-node and inter-node bytes from the node layout
+(mesh.py): a collective is modelled as each rank sending an equal share of its
+bytes to every peer of the group (direct all-to-all; gloo's reduce-scatter here is
+one), so the inter-node part is the fraction of the group's peers on other nodes.
+A group within one node (hpZ's secondary group, a node's reduce-scatter) crosses
+nothing; a group of one rank per node (the replica group) crosses with all of it.
+Several `Comm`s over sub-groups (`Comm.sub`) write into one shared `CommLedger`.
+
 Reduce-scatter is chosen per backend. NCCL has a real one. gloo's
 `reduce_scatter_tensor` is an all-reduce underneath (it sends as many bytes as an
 all-reduce of the same input), so on gloo we run an all-to-all of the chunks
@@ -16,10 +24,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
+
+from zeromem.mesh import NodeLayout
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -28,21 +38,72 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class CommReport:
-    """Bytes sent by this rank per collective kind, for the last step and in total."""
+    """Bytes sent by this rank per collective kind, for the last step and in total.
+
+    `last_step` / `total` count all bytes; `last_step_inter` / `total_inter` the part
+    sent to ranks on other nodes (the rest stayed within the node).
+    """
 
     last_step: dict[str, int] = field(default_factory=dict)
     total: dict[str, int] = field(default_factory=dict)
     steps: int = 0
+    last_step_inter: dict[str, int] = field(default_factory=dict)
+    total_inter: dict[str, int] = field(default_factory=dict)
+
+    def split(self, kind: str, last_step: bool = True) -> tuple[int, int]:
+        """(intra-node, inter-node) bytes of `kind`, for the last step or in total."""
+        every, inter = ((self.last_step, self.last_step_inter) if last_step
+                        else (self.total, self.total_inter))
+        return every.get(kind, 0) - inter.get(kind, 0), inter.get(kind, 0)
 
     def to_dict(self) -> dict:
-        return {"last_step": dict(self.last_step), "total": dict(self.total), "steps": self.steps}
+        return {"last_step": dict(self.last_step), "total": dict(self.total), "steps": self.steps,
+                "last_step_inter": dict(self.last_step_inter),
+                "total_inter": dict(self.total_inter)}
 
     def __str__(self) -> str:
         kinds = sorted(set(self.last_step) | set(self.total))
-        rows = [f"{'collective':<16}{'last step (MB)':>16}{'total (MB)':>14}"]
-        rows += [f"{k:<16}{self.last_step.get(k, 0) / 1e6:>16.3f}{self.total.get(k, 0) / 1e6:>14.3f}"
+        rows = [f"{'collective':<22}{'last step (MB)':>16}{'of it inter-node':>18}"
+                f"{'total (MB)':>14}"]
+        rows += [f"{k:<22}{self.last_step.get(k, 0) / 1e6:>16.3f}"
+                 f"{self.last_step_inter.get(k, 0) / 1e6:>18.3f}{self.total.get(k, 0) / 1e6:>14.3f}"
                  for k in kinds]
         return "\n".join(rows)
+
+
+class CommLedger:
+    """Bytes sent per collective kind, all and inter-node, per step and in total.
+
+    One per engine, shared by the `Comm`s of its sub-groups, so one report covers them.
+    """
+
+    def __init__(self) -> None:
+        self.step_bytes: dict[str, float] = defaultdict(float)
+        self.step_inter: dict[str, float] = defaultdict(float)
+        self.total_bytes: dict[str, float] = defaultdict(float)
+        self.total_inter: dict[str, float] = defaultdict(float)
+        self.last_step: dict[str, int] = {}
+        self.last_inter: dict[str, int] = {}
+        self.steps = 0
+
+    def count(self, kind: str, nbytes: float, inter_fraction: float) -> None:
+        """`nbytes` sent by this rank, `inter_fraction` of them to other nodes."""
+        for every, inter in ((self.step_bytes, self.step_inter),
+                             (self.total_bytes, self.total_inter)):
+            every[kind] += nbytes
+            inter[kind] += nbytes * inter_fraction
+
+    def end_step(self) -> None:
+        self.last_step = {k: round(v) for k, v in self.step_bytes.items()}
+        self.last_inter = {k: round(v) for k, v in self.step_inter.items()}
+        self.step_bytes.clear()
+        self.step_inter.clear()
+        self.steps += 1
+
+    def report(self) -> CommReport:
+        return CommReport(dict(self.last_step), {k: round(v) for k, v in self.total_bytes.items()},
+                          self.steps, dict(self.last_inter),
+                          {k: round(v) for k, v in self.total_inter.items()})
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -83,19 +144,35 @@ class Pending:
 DONE = Pending(None)
 
 
+class Reduction(Protocol):
+    """What gradient buffers reduce with: a `Comm`, or a two-level reduction (hierarchy.py)."""
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       async_op: bool = False) -> Pending: ...
+
+    def note_buffer(self, tensor: torch.Tensor) -> None: ...
+
+    def release_buffer(self, tensor: torch.Tensor) -> None: ...
+
+
 class Comm:
     """Collectives over one data-parallel process group, with byte accounting."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, store=None):
+    def __init__(self, group: dist.ProcessGroup | None = None, store=None,
+                 layout: NodeLayout | None = None, ledger: CommLedger | None = None):
         self.group = group
         self.store = store  # the default group's store: names silent ranks after a timeout
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.backend = dist.get_backend(group) if dist.is_initialized() else "none"
-        self._step_bytes: dict[str, int] = defaultdict(int)
-        self._total_bytes: dict[str, int] = defaultdict(int)
-        self._last_step: dict[str, int] = {}
-        self._steps = 0
+        # global ranks of the group, and the node layout that splits the ledger's bytes
+        self.ranks = (dist.get_process_group_ranks(group) if dist.is_initialized() and group
+                      is not None else list(range(self.world_size)))
+        self.layout = layout
+        me = dist.get_rank() if dist.is_initialized() else 0
+        self.inter_fraction = layout.off_node_fraction(self.ranks, me) if layout else 0.0
+        self.ledger = ledger or CommLedger()
+        self.children: list[Comm] = []  # Comms over sub-groups, closed with this one
         self.buffer_bytes = 0  # temporary communication buffers alive now (CB)
         self.buffer_bytes_peak = 0
         # Every async Work not yet known finished, with the tensors it reads or writes.
@@ -105,10 +182,19 @@ class Comm:
         self._in_flight: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
         self._closed = False
 
+    def sub(self, group: dist.ProcessGroup | None) -> Comm:
+        """A Comm over `group` (a sub-group of this one's ranks) sharing this ledger."""
+        child = Comm(group, self.store, self.layout, self.ledger)
+        self.children.append(child)
+        return child
+
+    @property
+    def _steps(self) -> int:
+        return self.ledger.steps
+
     # -- ledger ------------------------------------------------------------
     def _count(self, kind: str, nbytes: float) -> None:
-        self._step_bytes[kind] += int(nbytes)
-        self._total_bytes[kind] += int(nbytes)
+        self.ledger.count(kind, nbytes, self.inter_fraction)
 
     def note_buffer(self, tensor: torch.Tensor) -> None:
         """Count a temporary communication buffer as alive (for the CB measurement)."""
@@ -120,12 +206,10 @@ class Comm:
 
     def end_step(self) -> None:
         """Close the current optimizer step in the ledger."""
-        self._last_step = dict(self._step_bytes)
-        self._step_bytes.clear()
-        self._steps += 1
+        self.ledger.end_step()
 
     def report(self) -> CommReport:
-        return CommReport(dict(self._last_step), dict(self._total_bytes), self._steps)
+        return self.ledger.report()
 
     # -- lifetime ------------------------------------------------------------
     def _track(self, work, *tensors: torch.Tensor):
@@ -154,6 +238,8 @@ class Comm:
         if self._closed:
             return
         self._closed = True
+        for child in self.children:  # their collectives first; one barrier below, over all
+            child.close(barrier_timeout_s=0)
         pending, self._in_flight = self._in_flight, []
         for work, _ in pending:
             try:
@@ -180,13 +266,13 @@ class Comm:
             tensor, op=op, group=self.group, async_op=async_op)), tensor)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
-                       async_op: bool = False) -> Pending:
+                       async_op: bool = False, kind: str = "reduce_scatter") -> Pending:
         """Sum `input` (N equal chunks) over ranks; this rank's chunk lands in `output`."""
         if self.world_size == 1:
             output.copy_(input)
             return DONE
         n = self.world_size
-        self._count("reduce_scatter", (n - 1) / n * input.numel() * input.element_size())
+        self._count(kind, (n - 1) / n * input.numel() * input.element_size())
         if self.backend == "nccl":
             return self._handle(_reduce_scatter_tensor(output, input, group=self.group,
                                                        async_op=async_op), output, input)
@@ -205,16 +291,28 @@ class Comm:
             pending.wait()
         return pending
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Pending:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   kind: str = "all_gather") -> Pending:
         """Concatenate every rank's `input` into `output` (N times its size)."""
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return DONE
         n = self.world_size
-        self._count("all_gather", (n - 1) / n * output.numel() * output.element_size())
+        self._count(kind, (n - 1) / n * output.numel() * output.element_size())
         return self._handle(self._sync(lambda: _all_gather_tensor(
             output, input, group=self.group, async_op=async_op)), output, input)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   kind: str = "all_to_all") -> None:
+        """Chunk i of `input` (N equal chunks) goes to rank i; rank j's lands in chunk j of
+        `output`. Blocking."""
+        if self.world_size == 1:
+            output.copy_(input)
+            return
+        n = self.world_size
+        self._count(kind, (n - 1) / n * input.numel() * input.element_size())
+        self._sync(lambda: dist.all_to_all_single(output, input, group=self.group))
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int, async_op: bool = False) -> Pending:
         """Broadcast from group rank `src_rank`."""

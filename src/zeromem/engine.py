@@ -30,6 +30,7 @@ from zeromem.comm import Comm
 from zeromem.config.schema import Config
 from zeromem.distributed import default_store, gather_timeout_s
 from zeromem.flat import FlatParamGroup, Sharding
+from zeromem.hierarchy import build_comm_plan
 from zeromem.layout import pack_buckets
 from zeromem.grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
 from zeromem.mesh import global_rank, local_device
@@ -44,7 +45,7 @@ from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedu
 from zeromem.stage3.units import describe, plan_fetch_units
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
-from zeromem.training_state import RngState, StepCounters, TrainingState
+from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
 
 log = logging.getLogger("zeromem")
 
@@ -81,13 +82,15 @@ class Engine:
         # The user's dtype is kept until the flat groups read the fp32 masters from it.
         self.module = module.to(self.device)
         broadcast_from_rank0(self.module, comm)  # ranks need not be seeded alike
-        self.counters = StepCounters(config.gradient_accumulation_steps)
+        self.counters = StepCounters(config.batch()[2])
         self.grad_norm: float | None = None
         self.scaler = make_scaler(config.fp16)
         self.timers = PhaseTimers(config.wall_clock_breakdown, self.device)
         # this engine's policy and byte ledger, active while its forward/backward run
         self.activation_checkpointing = activations.for_engine(config.activation_checkpointing)
 
+        # which group each collective runs over: hybrid sharding, hpZ, qwZ, qgZ (hierarchy.py)
+        self.plan = build_comm_plan(config, comm)
         param_groups = normalize_param_groups(module, model_parameters)
         self.names = {id(p): n for n, p in module.named_parameters()}
         sharding = Sharding.for_stage(self.zero_stage)
@@ -102,7 +105,7 @@ class Engine:
         # and across data-parallel groups (a dp_group rank repeats in each group)
         self.offload = build_offload(config, self.groups, global_rank())
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer)
-        self.reducer = Reducer(self.groups, comm, overlap=config.zero_optimization.overlap_comm
+        self.reducer = Reducer(self.groups, self.plan.grads, overlap=config.zero_optimization.overlap_comm
                                is not False)
         self.stage3 = self._build_stage3() if sharding.params else None
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
@@ -129,7 +132,7 @@ class Engine:
         for gi, params in self._partition(param_groups, sharding, fetch_units):
             materialize(params, self.comm)  # built under zeromem.Init: whole one unit at a time
             names = [self.names[id(p)] for p in params]
-            groups.append(FlatParamGroup(params, names, self.comm, sharding, gi,
+            groups.append(FlatParamGroup(params, names, self.plan.shard, sharding, gi,
                                          self.compute_dtype))
         groups.sort(key=lambda g: -min(order[id(p)] for p in g.params))
         grad_dtype = self.config.grad_dtype
@@ -183,13 +186,14 @@ class Engine:
         for modules, params in self.unit_modules:
             group = group_of[id(params[0])]
             persistent = group.numel < zero.stage3_param_persistence_threshold
-            unit = FetchUnit(group, self.comm, persistent, self.live_params, self.offload.params)
+            unit = FetchUnit(group, self.plan.shard, persistent, self.live_params,
+                             self.offload.params, self.plan.gather)
             module_units += [(module, unit) for module in modules]
         limits = Stage3Limits(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
                               zero.stage3_max_reuse_distance,
                               gather_timeout_s(self.config.zeromem.gather_timeout_s))
         return FetchSchedule(self.module, module_units, limits, self.live_params, self.comm,
-                            default_store(), self.offload.params, self.reducer)
+                            default_store(), self.offload.params, self.reducer, self.plan.gather)
 
     # -- training loop -------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -205,7 +209,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied."""
-        scale = self.scaler.scale / (self.config.gradient_accumulation_steps * self.dp_world_size)
+        scale = self.scaler.scale / (self.config.batch()[2] * self.dp_world_size)
         with self.timers("backward"), self.activation_checkpointing.active():
             boundary = self.is_gradient_accumulation_boundary()
             self.offload.start_backward(boundary)  # host copies of reduced grads at the boundary
@@ -259,7 +263,7 @@ class Engine:
             return 0.0
         sq = torch.stack([self.mp_norm.square(g) for g in self.groups]).sum()
         if self.groups[0].shard_world > 1:
-            self.comm.all_reduce(sq, kind="all_reduce_norm")
+            self.plan.shard.all_reduce(sq, kind="all_reduce_norm")
         self.mp_norm.all_reduce(sq)
         return float(sq.sqrt()) / self.scaler.scale
 
@@ -334,7 +338,8 @@ class Engine:
 
     def training_state(self) -> TrainingState:
         """What checkpoints read and restore (checkpoints/save_load.py never sees the engine)."""
-        stateful = {"counters": self.counters, "scaler": self.scaler, "rng": RngState()}
+        self.plan.check_checkpointable()
+        stateful: dict[str, Stateful] = {"counters": self.counters, "scaler": self.scaler, "rng": RngState()}
         if self.lr_scheduler is not None:
             stateful["lr_scheduler"] = self.lr_scheduler
         block = self.config.optimizer
@@ -361,6 +366,8 @@ class Engine:
             ledger.add("params", "device", g.param_shard)
         for unit in self.stage3.units if self.stage3 is not None else []:
             ledger.add("params", "device", unit.full)  # persistent (small) units stay whole
+        for shard in self.plan.gather.held():
+            ledger.add("params", "device", shard)  # hpZ's secondary copies (forward to step)
         for p in self.module.parameters():
             ledger.add("params", "device", p)  # frozen parameters (flat ones already counted)
         for g in self.groups:
@@ -378,7 +385,7 @@ class Engine:
         g0 = self.groups[0] if self.groups else None
         master_bytes = 0 if g0 is None or g0.master_aliases_params() else 4
         k = optimizer_state_bytes_per_param(self.optimizer) + master_bytes
-        formula = model_state_formula(self.psi, self.dp_world_size, self.zero_stage,
+        formula = model_state_formula(self.psi, self.plan.shard.world_size, self.zero_stage,
                                       self.compute_dtype.itemsize, self.config.grad_dtype.itemsize,
                                       k, master_bytes)
         return MemoryReport(ledger.as_dict(), formula, self.psi, self.dp_world_size,
@@ -405,7 +412,7 @@ class Engine:
             master = g.master.detach().float()
             if g.shard_world > 1:
                 whole = torch.empty(g.padded_numel, dtype=torch.float32, device=master.device)
-                self.comm.all_gather(whole, master.contiguous())
+                self.plan.shard.all_gather(whole, master.contiguous())
             else:
                 whole = master
             for p, slot in zip(g.params, g.slots):

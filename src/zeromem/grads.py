@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zeromem.comm import Comm, Pending
+from zeromem.comm import Comm, Pending, Reduction
 from zeromem.flat import FlatParamGroup
 
 
@@ -64,7 +64,7 @@ class WholeAllReduced:
 class WholeScattered(WholeAllReduced):
     """Stage 1: the whole gradient accumulates locally; the boundary reduce-scatters it."""
 
-    def launch(self, comm: Comm) -> Pending:
+    def launch(self, comm: Reduction) -> Pending:  # type: ignore[override]  # stage 0's all-reduces
         return comm.reduce_scatter(self.reduced(), self.whole, async_op=True)
 
     def reduced(self) -> torch.Tensor:
@@ -88,7 +88,7 @@ class ShardAccumulated:
                                       device=self.shard.device)
         self.bucket[offset:offset + grad.numel()].add_(grad.reshape(-1))
 
-    def launch(self, comm: Comm) -> Pending:
+    def launch(self, comm: Reduction) -> Pending:
         bucket = self.bucket if self.bucket is not None else torch.zeros(
             self.group.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
         self.bucket = None
@@ -116,7 +116,7 @@ class ShardAccumulated:
 class Reducer:
     """Hooks parameters, tracks bucket readiness and launches reductions in bucket order."""
 
-    def __init__(self, groups: list[FlatParamGroup], comm: Comm, overlap: bool,
+    def __init__(self, groups: list[FlatParamGroup], comm: Comm | Reduction, overlap: bool,
                  max_in_flight: int = 2):
         self.groups = groups
         self.comm = comm

@@ -23,7 +23,7 @@ CATEGORIES = ("params", "grads", "master_params", "optimizer_states", "comm_buff
 PLACES = ("device", "host", "nvme")
 
 
-def model_state_formula(psi: int, n_d: int, stage: int, param_bytes: int = 2,
+def model_state_formula(psi: float, n_d: int, stage: int, param_bytes: int = 2,
                         grad_bytes: int = 2, k: int = 12, master_bytes: int = 4) -> dict[str, float]:
     """Per-device model-state bytes by category for `psi` parameters (paper, section 5).
 

@@ -3,7 +3,7 @@
 torchrun numbers ranks node by node: global rank = node * ranks_per_node + local
 rank (its `GROUP_RANK`, `LOCAL_RANK` and `LOCAL_WORLD_SIZE` variables). `NodeLayout`
 is that arithmetic, pure and testable without a process group. The number of ranks
-per node comes from, in order: the config's `zeromem.ranks_per_node`, the
+per node comes from, in order: the config's `zeromem.cluster.ranks_per_node`, the
 environment variable ZEROMEM_RANKS_PER_NODE (both let tests run 4 ranks on one
 machine as 2 "nodes" of 2), torchrun's LOCAL_WORLD_SIZE, else the whole world.
 

@@ -25,9 +25,8 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
     Parameters of `module` that no group names, or that do not require grad, are
     frozen: they get no optimizer state, no gradient buffer and no communication.
     """
-    raw = list(model_parameters) if model_parameters is not None else list(module.parameters())
-    if raw and not isinstance(raw[0], dict):
-        raw = [{"params": raw}]
+    given: list = list(model_parameters) if model_parameters is not None else list(module.parameters())
+    raw: list[dict] = given if given and isinstance(given[0], dict) else [{"params": given}]
     seen: set[int] = set()
     groups = []
     for group in raw:

@@ -27,6 +27,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Literal
 
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -60,10 +61,10 @@ class _ClosedFormSchedule(LRScheduler):
         """The learning rate at `step` for a param group whose own lr is `base_lr`."""
         raise NotImplementedError
 
-    def get_lr(self) -> list[float]:
-        return [self.lr_at(self.last_epoch, base_lr) for base_lr in self.base_lrs]
+    def get_lr(self) -> list[float | Tensor]:
+        return [self.lr_at(self.last_epoch, float(base_lr)) for base_lr in self.base_lrs]
 
-    def _get_closed_form_lr(self) -> list[float]:
+    def _get_closed_form_lr(self) -> list[float | Tensor]:
         return self.get_lr()
 
 

@@ -30,6 +30,7 @@ ACT_BYTES = HIDDEN * BATCH * 4  # one fp32 block input; distinct from every weig
 @pytest.fixture(autouse=True)
 def default_policy():
     act.configure()
+    act.reset_peak_checkpoint_bytes()  # peaks of earlier tests in this process are not ours
     yield
     act.configure()
 

@@ -290,8 +290,26 @@ def test_unsupported_features_report(monkeypatch):
 
 
 def test_out_of_scope_features_are_refused():
-    message = load_error({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
-    assert "zero_optimization.zero_quantized_weights" in message and "not supported" in message
+    message = load_error({"zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}})
+    assert "zero_optimization.zeropp_loco_param" in message and "not supported" in message
+
+
+def test_zeropp_options_need_their_stage():
+    for key, value in (("zero_quantized_weights", True), ("zero_quantized_gradients", True),
+                       ("zero_hpz_partition_size", 2)):
+        message = load_error({"zero_optimization": {"stage": 2, key: value}})
+        assert "zero_optimization" in message and f"{key} requires stage 3" in message
+    assert "requires stage 1, 2 or 3" in load_error({"zero_optimization": {"mics_shard_size": 2}})
+    message = load_error({"zero_optimization": {"stage": 3, "mics_shard_size": 2,
+                                                "zero_hpz_partition_size": 2}})
+    assert "mics_shard_size with zero_hpz_partition_size is not supported" in message
+    config = Config.load({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True},
+                          "zeromem": {"cluster": {"ranks_per_node": 2,
+                                                  "quantized_gradient_bits": 8}}})
+    assert config.zeromem.cluster.quantized_gradient_bits == 8
+    assert "zeromem.cluster.ranks_per_node" in config.describe()
+    assert "quantized_gradient_bits" in load_error(
+        {"zeromem": {"cluster": {"quantized_gradient_bits": 2}}})
 
 
 # ---------------------------------------------------------------- aliases

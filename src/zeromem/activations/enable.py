@@ -37,13 +37,12 @@ def enable(model: nn.Module) -> str:
         # transformers 5 renamed it and warns on the old name; older versions have only that
         turn_on = getattr(model, "activation_checkpointing_enable", None)
         if turn_on is None:
-            model.gradient_checkpointing_enable()
-        else:
-            turn_on()
+            turn_on = getattr(model, "gradient_checkpointing_enable")
+        turn_on()
         layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
         for module in model.modules():
             if hasattr(module, "gradient_checkpointing"):
-                module._gradient_checkpointing_func = checkpoint
+                setattr(module, "_gradient_checkpointing_func", checkpoint)
         return (f"{type(model).__name__}: gradient checkpointing through zeromem.checkpoint "
                 f"({len(layers)} layers)")
     lists = [(name, m) for name, m in model.named_modules()

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import shutil
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -360,11 +360,29 @@ def consolidate(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike,
     streamed in chunks of CHUNK_BYTES, so memory stays bounded by that, not by the
     model. Every file is checked against its checksum first. Returns `out_path`.
     """
+    with checkpoint_tensors(ckpt_dir, tag) as (path, manifest, spec_of):
+        aliases = manifest["aliases"]
+        specs = [spec_of(key) for key in manifest["state_dict_keys"] if key not in aliases]
+        write_output(Path(out_path), specs, manifest["state_dict_keys"], aliases)
+    log.info("consolidated %s into %s", path, out_path)
+    return str(out_path)
+
+
+@contextmanager
+def checkpoint_tensors(ckpt_dir: str | os.PathLike, tag: str | None = None
+                       ) -> Iterator[tuple[Path, dict, Callable[[str], TensorSpec]]]:
+    """(checkpoint directory, manifest, spec_of) of a checked checkpoint, files open.
+
+    `spec_of(key)` is the TensorSpec of a canonical (non-alias) state_dict key: trained
+    parameters as their fp32 masters, buffers and frozen parameters as rank 0 saved
+    them (floating ones as fp32), streamed in chunks through one CHUNK_BYTES scratch
+    buffer, so a chunk must be used before the next is asked for. Every file is
+    checked against its checksum before this yields.
+    """
     path = resolve_checkpoint(ckpt_dir, tag)
     manifest = read_manifest(path)
     verify_files(path, manifest)
     index = pieces_by_param(manifest)
-    aliases = manifest["aliases"]
     with ExitStack() as stack:
         readers: dict[str, SafetensorsReader] = {}
 
@@ -374,11 +392,7 @@ def consolidate(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike,
             return readers[name]
 
         scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)  # every read goes through it
-        specs = [_consolidated_spec(key, manifest, index, reader, scratch)
-                 for key in manifest["state_dict_keys"] if key not in aliases]
-        write_output(Path(out_path), specs, manifest["state_dict_keys"], aliases)
-    log.info("consolidated %s into %s", path, out_path)
-    return str(out_path)
+        yield path, manifest, lambda key: _consolidated_spec(key, manifest, index, reader, scratch)
 
 
 def _consolidated_spec(key: str, manifest: dict, index: dict[str, list[Piece]],

@@ -41,7 +41,7 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -72,7 +72,7 @@ class _FragmentAddress(_Record):
     pass
 
 
-_SAFE_GLOBALS = [
+_SAFE_GLOBALS: list[tuple[Callable[..., Any], str]] = [
     (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
@@ -83,7 +83,7 @@ _SAFE_GLOBALS = [
 def load_pt(path: Path) -> dict:
     """A DeepSpeed `.pt` file, unpickled without running code (weights_only + allowlist)."""
     try:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+        with torch.serialization.safe_globals(list[Any](_SAFE_GLOBALS)):
             data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         unsafe = _unsafe_globals(path)
@@ -392,6 +392,7 @@ def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str
     schedule = None
     if sched_config is not None:
         scheduler = build_scheduler(sched_config, optimizer)
+        assert scheduler is not None  # a config block always builds a schedule
         with warnings.catch_warnings():  # stepping a schedule with no optimizer step between
             warnings.simplefilter("ignore")
             for _ in range(int((ds.model_states.get("lr_scheduler") or {})

@@ -17,6 +17,7 @@ rules applied around them (error messages, key renames, "auto", the batch triple
 
 from __future__ import annotations
 
+import builtins
 import copy
 import inspect
 import json
@@ -33,6 +34,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 from pydantic_core import PydanticCustomError
 
 from zeromem import schedulers
+from zeromem.config.cluster import ClusterConfig, check_zeropp
 from zeromem.config.rules import (AIO_RENAMED, BATCH_KEYS, TOP_LEVEL_RENAMED, ZERO_RENAMED,
                                   ConfigError, humanise, map_cpu_offload, map_renamed_keys,
                                   resolve_auto, resolve_batch)
@@ -127,7 +129,7 @@ _OPTIMIZER_PARAM_RULES: dict[str, Any] = {
 @cache
 def _optimizer_params_model(torch_class: type[torch.optim.Optimizer]) -> type[BaseModel]:
     """A strict pydantic model of the optimizer's keyword arguments, built from its signature."""
-    fields = {}
+    fields: dict[str, Any] = {}
     for arg, p in inspect.signature(torch_class).parameters.items():
         if arg != "params" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             fields[arg] = (_OPTIMIZER_PARAM_RULES.get(arg, Any), None)
@@ -155,7 +157,7 @@ class OptimizerConfig(_Block):
         params = dict(self.params)
         if self.type in ("Adam", "AdamW"):
             self._map_deepspeed_adam_keys(params)
-        model = _optimizer_params_model(self.torch_class)
+        model = _optimizer_params_model(self.torch_class)  # type: ignore[arg-type]  # hashable
         try:
             checked = model.model_validate(params)
         except ValidationError as error:
@@ -179,7 +181,7 @@ class OptimizerConfig(_Block):
             params.setdefault("weight_decay", 0.0)  # DeepSpeed's default; torch's AdamW uses 0.01
 
     @property
-    def torch_class(self) -> type[torch.optim.Optimizer]:
+    def torch_class(self) -> builtins.type[torch.optim.Optimizer]:  # `type` is a field here
         """The torch optimizer class this block names."""
         return self._classes[self.type]
 
@@ -189,7 +191,7 @@ def _scheduler_params_model(name: str) -> type[BaseModel]:
     """A strict pydantic model of the scheduler's keyword arguments, built from its signature."""
     cls = schedulers.SCHEDULERS[name]
     hints = get_type_hints(cls.__init__)
-    fields = {}
+    fields: dict[str, Any] = {}
     for arg, p in inspect.signature(cls.__init__).parameters.items():
         if arg in ("self", "optimizer", "last_batch_iteration"):  # resume via state_dict instead
             continue
@@ -342,6 +344,7 @@ class ZeroConfig(_Block):
                              f"got stage {self.stage}")
         if self.offload_param_device != "none" and self.stage != 3:
             raise ValueError(f"offload_param requires stage 3, got stage {self.stage}")
+        check_zeropp(self)  # hpZ / qwZ / qgZ / hybrid sharding vs the stage (config/cluster.py)
         return self
 
     @property
@@ -413,6 +416,7 @@ class TimeoutsConfig(_Block):
     # host bytes per rank for NVMe offload's buffers (optimizer and parameter pools); sizes
     # sub_group_size and offload_optimizer.buffer_count unless those are set (offload/budget.py)
     offload_host_budget_bytes: Int = Field(64 * 2**20, ge=1)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # nodes, ZeRO++ quantization
 
 
 # ---------------------------------------------------------------- features not built
@@ -424,19 +428,16 @@ def _activation_checkpointing_key(config: Config) -> str | None:
 
 
 def _zeropp_key(config: Config) -> str | None:
+    # hpZ, qwZ and qgZ are built (hierarchy.py); LoCo and quantized frozen weights are not
     zero = config.zero_optimization
-    names = ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
-             "zero_quantized_gradients", "zeropp_loco_param")
+    names = ("zero_quantized_nontrainable_weights", "zeropp_loco_param")
     used = [name for name in names if getattr(zero, name)]
-    used += ["zero_hpz_partition_size"] if zero.zero_hpz_partition_size > 1 else []
     return f"zero_optimization.{used[0]}" if used else None
 
 
 def _mics_key(config: Config) -> str | None:
+    # mics_shard_size is built (hybrid sharding, hierarchy.py); MiCS's hierarchical gather is not
     zero = config.zero_optimization
-    if zero.mics_shard_size > 0:
-        return "zero_optimization.mics_shard_size"
-    # a MiCS option on its own still says the user expects MiCS's gather schedule
     return ("zero_optimization.mics_hierarchical_params_gather"
             if zero.mics_hierarchical_params_gather else None)
 
@@ -520,12 +521,21 @@ class Config(_Block):
             raise ConfigError("fp16.enabled and bf16.enabled cannot both be true")
         world_size = (info.context or {}).get("world_size")
         if world_size is not None:
-            given = [getattr(self, key) for key in BATCH_KEYS]
+            given = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                     self.gradient_accumulation_steps)
             for key, value in zip(BATCH_KEYS, resolve_batch(*given, world_size)):
                 if getattr(self, key) is None:
                     setattr(self, key, value)
                     self._derived.add(key)
         return self
+
+    def batch(self) -> tuple[int, int, int]:
+        """(train_batch_size, micro batch per rank, accumulation steps), as `load` resolved them."""
+        train, micro, gas = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                             self.gradient_accumulation_steps)
+        if train is None or micro is None or gas is None:
+            raise ConfigError("the batch sizes are resolved only by Config.load(..., world_size=N)")
+        return train, micro, gas
 
     @classmethod
     def load(cls, source: dict | str | os.PathLike | Config, world_size: int | None = None,
@@ -602,13 +612,13 @@ class Config(_Block):
         return "\n".join(lines)
 
 
-def _describe_block(block: _Block, prefix: str, lines: list[str]) -> None:
+def _describe_block(block: BaseModel, prefix: str, lines: list[str]) -> None:
     for name in type(block).model_fields:
         value, path = getattr(block, name), prefix + name
-        if isinstance(value, _Block):
+        if isinstance(value, BaseModel):  # a nested block (cluster.py's is not a _Block)
             _describe_block(value, f"{path}.", lines)
             continue
-        source = ("derived" if name in block._derived
+        source = ("derived" if name in getattr(block, "_derived", ())
                   else "file" if name in block.model_fields_set else "default")
         lines.append(f"{path:<56} {value!r:<24} {source}")
 

@@ -20,7 +20,7 @@ log = logging.getLogger("zeromem")
 # dotted key -> the modules (under src/zeromem) that act on it
 READ: dict[str, tuple[str, ...]] = {
     "train_batch_size": ("config.rules",), "train_micro_batch_size_per_gpu": ("config.rules",),
-    "gradient_accumulation_steps": ("engine",), "gradient_clipping": ("engine",),
+    "gradient_accumulation_steps": ("config.schema",), "gradient_clipping": ("engine",),
     "steps_per_print": ("engine",), "wall_clock_breakdown": ("engine",),
     "zeromem.timeout_s": ("__init__",), "zeromem.gather_timeout_s": ("engine",),
     "zeromem.offload_host_budget_bytes": ("offload.placement",),
@@ -49,14 +49,18 @@ READ: dict[str, tuple[str, ...]] = {
         "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
         "number_checkpoints", "synchronize_checkpoint_boundary", "profile")},
     "checkpoint.tag_validation": ("checkpoints.save_load",),
+    **{f"zero_optimization.{key}": ("config.cluster", "hierarchy") for key in (
+        "mics_shard_size", "zero_hpz_partition_size", "zero_quantized_weights",
+        "zero_quantized_gradients")},
+    "zeromem.cluster.ranks_per_node": ("hierarchy",),
+    "zeromem.cluster.quantized_gradient_bits": ("hierarchy",),
+    "zeromem.cluster.quantization_block_size": ("hierarchy",),
 }
 
 # dotted key -> the zeromem feature (config.OUT_OF_SCOPE / NOT_BUILT) it turns on
 GATED: dict[str, str] = {
     **{f"zero_optimization.{key}": "zeropp" for key in (
-        "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-        "zero_quantized_gradients", "zeropp_loco_param")},
-    "zero_optimization.mics_shard_size": "mics",
+        "zero_quantized_nontrainable_weights", "zeropp_loco_param")},
     "zero_optimization.mics_hierarchical_params_gather": "mics",
     "zero_optimization.elastic_checkpoint": "elastic_checkpoint",
 }

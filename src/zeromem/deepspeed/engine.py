@@ -105,7 +105,8 @@ class DeepSpeedEngine(nn.Module):
                 f"{self.gradient_accumulation_steps()} micro-steps; make the number of batches "
                 "per epoch a multiple of it")
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are freed after each step anyway; `set_to_none` is accepted as torch's."""
         self.engine.zero_grad()
 
     def _log_loss(self, loss: torch.Tensor) -> None:
@@ -115,13 +116,13 @@ class DeepSpeedEngine(nn.Module):
 
     # -- getters ---------------------------------------------------------------
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.engine.config.train_micro_batch_size_per_gpu
+        return self.engine.config.batch()[1]
 
     def gradient_accumulation_steps(self) -> int:
-        return self.engine.config.gradient_accumulation_steps
+        return self.engine.config.batch()[2]
 
     def train_batch_size(self) -> int:
-        return self.engine.config.train_batch_size
+        return self.engine.config.batch()[0]
 
     def zero_optimization_stage(self) -> int:
         return self.engine.zero_stage

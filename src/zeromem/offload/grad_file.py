@@ -35,6 +35,11 @@ from zeromem.offload.nvme import (ALIGN, IOHandle, OffloadError, SwapSpace, alig
 MAX_WRITES = 4  # reduced shards waiting for their write: bounds host memory in backward
 
 
+def record_bytes(numel: int) -> int:
+    """Bytes of one flat group's record in grads.swp: its fp32 shard, ALIGN-aligned."""
+    return round_up(numel * 4)
+
+
 def aligned_fp32(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(raw aligned uint8 buffer rounded up to ALIGN, its first `numel` fp32 elements)."""
     raw = aligned_empty(round_up(max(1, numel) * 4))
@@ -49,7 +54,7 @@ class GradFile:
         total = 0
         for g in groups:
             self.offsets[id(g)] = total
-            total += round_up(g.shard_numel * 4)
+            total += record_bytes(g.shard_numel)
         self.file = space.file("grads.swp", total)
         self.numel = {id(g): g.shard_numel for g in groups}
         self.written: set[int] = set()  # groups whose record holds this step's gradient

@@ -62,9 +62,19 @@ def round_up(nbytes: int, align: int = ALIGN) -> int:
     return -(-nbytes // align) * align
 
 
+def swap_file_bytes(nbytes: int) -> int:
+    """The size a swap file asked for `nbytes` is created with (whole ALIGN blocks)."""
+    return round_up(max(1, nbytes))
+
+
+def aligned_nbytes(nbytes: int) -> int:
+    """Host bytes `aligned_empty(nbytes)` allocates: ALIGN more, to start on a boundary."""
+    return nbytes + ALIGN
+
+
 def aligned_empty(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
     """An uninitialised uint8 host tensor of `nbytes` starting at an ALIGN boundary."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    raw = torch.empty(aligned_nbytes(nbytes), dtype=torch.uint8, pin_memory=pin_memory)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + nbytes]
 
@@ -79,6 +89,11 @@ class BufferPool:
         size = self.buffer_bytes
         self.free = [self.arena[i * size:(i + 1) * size] for i in range(count)]
 
+    @staticmethod
+    def bytes_for(count: int, buffer_bytes: int) -> int:
+        """Host bytes a pool of `count` buffers of `buffer_bytes` holds (what `nbytes` reports)."""
+        return aligned_nbytes(count * round_up(max(1, buffer_bytes)))
+
     @property
     def nbytes(self) -> int:
         """Host bytes the pool holds (the arena, alignment slack included)."""
@@ -87,6 +102,13 @@ class BufferPool:
     def acquire(self) -> torch.Tensor | None:
         """A free buffer, or None when all are lent out."""
         return self.free.pop() if self.free else None
+
+    def take(self) -> torch.Tensor:
+        """A free buffer, for owners that sized the pool to their needs."""
+        buffer = self.acquire()
+        if buffer is None:
+            raise OffloadError(f"all {self.count} swap buffers are lent out")
+        return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
         self.free.append(buffer)
@@ -150,7 +172,7 @@ DONE = IOHandle([])
 
 
 def _failure(op: str, nbytes: int, offset: int, path: Path, e: OSError) -> OffloadError:
-    name = errno.errorcode.get(e.errno, str(e.errno))
+    name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "?"
     return OffloadError(f"{op} of {nbytes} bytes at offset {offset} of {path} failed: "
                         f"{os.strerror(e.errno) if e.errno else e} [{name}]")
 
@@ -187,7 +209,7 @@ class AsyncIO:
     def submit(self, op: str, fd: int, buffer: torch.Tensor, offset: int, path: Path,
                finish: Callable[[], None] | None = None) -> IOHandle:
         """Start reading (`op` "read") or writing `buffer` (uint8, host) at `offset`."""
-        view = memoryview(buffer.numpy())
+        view = memoryview(buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
         step = self.block_size
         futures = [self.pool.submit(_transfer, op, fd, view[s:s + step], offset + s, path)
                    for s in range(0, len(view), step)]
@@ -211,7 +233,7 @@ class SwapFile:
 
     def __init__(self, path: Path, nbytes: int, io: AsyncIO, direct: bool = True):
         self.path = Path(path)
-        self.nbytes = round_up(max(1, nbytes))
+        self.nbytes = swap_file_bytes(nbytes)
         self.io = io
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.fd = -1
@@ -233,7 +255,7 @@ class SwapFile:
             else:
                 try:
                     probe = aligned_empty(ALIGN).zero_()  # the buffer itself must be aligned
-                    os.pwritev(fd, [memoryview(probe.numpy())], 0)
+                    os.pwritev(fd, [probe.numpy()], 0)  # type: ignore[list-item]  # a buffer
                     return fd
                 except OSError as e:
                     os.close(fd)

@@ -33,12 +33,12 @@ import contextlib
 import importlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from zeromem.flat import FlatParamGroup
-from zeromem.offload.budget import size_optimizer_pool
+from zeromem.offload.budget import PoolSize, size_optimizer_pool
 from zeromem.offload.grad_file import GradFile, piece_bytes, piece_view
 from zeromem.offload.nvme import ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace, round_up
 
@@ -50,7 +50,7 @@ _sgd = importlib.import_module("torch.optim.sgd")
 class Piece:
     """Elements [start, start + numel) of `group`'s shard, at `at` in its sub-group."""
 
-    group: FlatParamGroup
+    group: Any  # a FlatParamGroup (or the planner's ShardSpec)
     start: int
     numel: int
     at: int
@@ -70,7 +70,7 @@ class SubGroup:
         return round_up(self.numel * 4)
 
 
-def plan_sub_groups(groups: list[FlatParamGroup], sub_group_size: int) -> list[SubGroup]:
+def plan_sub_groups(groups: Sequence[Any], sub_group_size: int) -> list[SubGroup]:
     """Cut the shards of `groups` into sub-groups, in group order, never across param groups."""
     subs: list[SubGroup] = []
     for pg in dict.fromkeys(g.param_group_index for g in groups):
@@ -88,7 +88,82 @@ def plan_sub_groups(groups: list[FlatParamGroup], sub_group_size: int) -> list[S
     return subs
 
 
-def _largest_param_group(groups: list[FlatParamGroup]) -> int:
+@dataclass(frozen=True)
+class ShardSpec:
+    """A flat group's shard as the layout below needs it (the planner has no FlatParamGroup)."""
+
+    param_group_index: int
+    shard_numel: int
+
+
+@dataclass(frozen=True)
+class OptimizerLayout:
+    """How `SwappedOptimizer` cuts a rank's shard and sizes its pool and swap file.
+
+    One function (`layout_optimizer`) computes it for the optimizer and for the
+    planner (`planning/host_memory.py`), so the two cannot drift.
+    """
+
+    size: PoolSize
+    sub_groups: list[SubGroup]  # offsets set: each record is file_fields x field_bytes
+    states: int  # optimizer states per element (fp32 fields)
+    master_in_file: bool  # the master is not the parameter shard, so it is swapped too
+    grads_in_file: bool  # gradients come from grads.swp into a slot of their own (stage 2/3)
+    slot_bytes: int  # one pool buffer: the largest field, or the largest gradient read
+
+    @property
+    def slot_fields(self) -> int:
+        """Pool buffers per sub-group in flight: master + states (+ grad)."""
+        return 1 + self.states + self.grads_in_file
+
+    @property
+    def file_fields(self) -> int:
+        """Fields per record in optimizer.swp: (master +) states."""
+        return self.master_in_file + self.states
+
+    @property
+    def pool_nbytes(self) -> int:
+        """Host bytes of the optimizer pool (`BufferPool.nbytes` of the arena it allocates)."""
+        return BufferPool.bytes_for(self.size.depth * self.slot_fields, self.slot_bytes)
+
+    @property
+    def master_nbytes(self) -> int:
+        """Bytes of optimizer.swp holding masters (0 when the master is the parameter shard)."""
+        return sum(sg.field_bytes for sg in self.sub_groups) if self.master_in_file else 0
+
+    @property
+    def file_bytes(self) -> int:
+        """The size optimizer.swp is created with."""
+        return sum(sg.field_bytes for sg in self.sub_groups) * self.file_fields
+
+
+def grad_slot_bytes(sg: SubGroup) -> int:
+    """Bytes of a sub-group's grad buffer: each piece's read starts at an aligned file offset."""
+    return sum(piece_bytes(p.numel) for p in sg.pieces)
+
+
+def layout_optimizer(groups: Sequence[Any], states: int, master_in_file: bool,
+                     grads_in_file: bool, budget_bytes: int, params_pool_bytes: int,
+                     sub_group_size: int | None, buffer_count: int | None) -> OptimizerLayout:
+    """The pool and file of an NVMe optimizer with `states` fp32 states per element.
+
+    `groups`: flat groups (or `ShardSpec`s) in order; `grads_in_file`: gradients are read
+    from grads.swp into a slot of their own (stage 2/3); the rest as `size_optimizer_pool`.
+    """
+    slot_fields = 1 + states + (1 if grads_in_file else 0)
+    size = size_optimizer_pool(budget_bytes, slot_fields, _largest_param_group(groups),
+                               params_pool_bytes, sub_group_size, buffer_count)
+    sub_groups = plan_sub_groups(groups, size.sub_group_size)
+    file_fields = int(master_in_file) + states
+    total = 0
+    for sg in sub_groups:
+        sg.offset, total = total, total + sg.field_bytes * file_fields
+    slot_bytes = max((max(sg.field_bytes, grad_slot_bytes(sg) if grads_in_file else 0)
+                      for sg in sub_groups), default=ALIGN)
+    return OptimizerLayout(size, sub_groups, states, master_in_file, grads_in_file, slot_bytes)
+
+
+def _largest_param_group(groups: Sequence[Any]) -> int:
     """Shard elements of the largest param group on this rank (sub-groups never span two)."""
     totals: dict[int, int] = {}
     for g in groups:
@@ -163,6 +238,8 @@ class SwappedOptimizer(torch.optim.Optimizer):
     pipeline described in the module docstring.
     """
 
+    state: SwappedState  # type: ignore[assignment]  # a dict that refuses lookups on disk
+
     def __init__(self, template: torch.optim.Optimizer, groups: list[FlatParamGroup],
                  space: SwapSpace, host_grads: dict[int, torch.Tensor] | GradFile, params: Any,
                  policy: Any):
@@ -177,23 +254,20 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.slot_fields = ("master",) + self.states + (("grad",) if self.grad_file else ())
         if policy.optimizer_buffers is not None:
             self._check_depth(policy.optimizer_buffers)
-        self.size = size_optimizer_pool(
-            policy.host_budget_bytes, len(self.slot_fields), _largest_param_group(groups),
-            params.pool_bytes(), policy.sub_group_size, policy.optimizer_buffers)
-        self.sub_groups = plan_sub_groups(groups, self.size.sub_group_size)
-        total = 0
-        for sg in self.sub_groups:
-            sg.offset, total = total, total + sg.field_bytes * len(self.file_fields)
-        self.file = space.file("optimizer.swp", total)
+        self.layout = layout_optimizer(
+            groups, len(self.states), self.master_in_file, self.grad_file is not None,
+            policy.host_budget_bytes, params.pool_bytes(), policy.sub_group_size,
+            policy.optimizer_buffers)
+        self.size = self.layout.size
+        self.sub_groups = self.layout.sub_groups
+        self.file = space.file("optimizer.swp", self.layout.file_bytes)
         self.host_grads, self.params = host_grads, params
         config = policy.optimizer_block
         self.read_ahead, self.write_behind = config.pipeline_read, config.pipeline_write
         self.depth = self.size.depth
-        slot_bytes = max((max(sg.field_bytes, self._grad_bytes(sg)) for sg in self.sub_groups),
-                         default=ALIGN)
-        self.pool = BufferPool(self.depth * len(self.slot_fields), slot_bytes,
+        self.pool = BufferPool(self.depth * len(self.slot_fields), self.layout.slot_bytes,
                                policy.optimizer_pin)
-        self.slots = [{name: self.pool.acquire() for name in self.slot_fields}
+        self.slots = [{name: self.pool.take() for name in self.slot_fields}
                       for _ in range(self.depth)]
         self.steps = [0] * len(self.param_groups)  # optimizer steps taken, per param group
         self.failed: BaseException | None = None
@@ -268,10 +342,6 @@ class SwappedOptimizer(torch.optim.Optimizer):
         for p, m in zip(sg.pieces, masters):
             self.params.store(p.group, p.start, m)
 
-    def _grad_bytes(self, sg: SubGroup) -> int:
-        """Bytes of the grad buffer: each piece's read starts at an aligned file offset."""
-        return sum(piece_bytes(p.numel) for p in sg.pieces) if self.grad_file is not None else 0
-
     @staticmethod
     def _grad_places(sg: SubGroup) -> list[int]:
         """Byte position of each piece's gradient read in the sub-group's grad buffer."""
@@ -283,7 +353,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     def _grads(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The sub-group's gradient pieces: read from the file (scaled here) or host buffers."""
-        if self.grad_file is None:
+        if not isinstance(self.host_grads, GradFile):
             return [self.host_grads[id(p.group)][p.start:p.start + p.numel] for p in sg.pieces]
         grads = [piece_view(p.start, p.numel, slot["grad"][at:])
                  for p, at in zip(sg.pieces, self._grad_places(sg))]
@@ -297,12 +367,14 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     # -- the pipeline -------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Callable | None = None) -> None:
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closures
         """One optimizer step over every sub-group: read ahead, step, write behind."""
         if self.failed is not None:
             raise OffloadError(f"NVMe offload failed earlier and the optimizer state on "
                                f"{self.file.path} is not trustworthy: {self.failed}")
-        free, reading, writing = list(self.slots), {}, deque()
+        free = list(self.slots)
+        reading: dict[int, tuple[dict[str, torch.Tensor], list[IOHandle]]] = {}
+        writing: deque[tuple[dict[str, torch.Tensor], list[IOHandle]]] = deque()
         self.overlapped = {"read_ahead": 0, "write_behind": 0}  # sub-groups, this step
         if self.grad_file is not None:
             self.grad_file.flush()  # the last gradients' writes, before their reads

@@ -163,7 +163,10 @@ class MastersPlacement(Protocol):
     """Where masters and optimizer states live and the step runs; one verb per step phase."""
 
     where: str  # "device" | "host" | "nvme"
-    optimizer: torch.optim.Optimizer | None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer `build_optimizer` made; None before."""
 
     def start_backward(self, boundary: bool) -> None:
         """The backward about to run ends a step (`boundary`) or accumulates."""
@@ -264,7 +267,7 @@ class MastersOnHost:
     def file_into(self, ledger) -> None:
         for g in self.groups:
             ledger.add("master_params", "host", g.master)
-        for state in self.optimizer.state.values():
+        for state in (self.optimizer.state.values() if self.optimizer is not None else ()):
             for t in state.values():
                 if torch.is_tensor(t):
                     ledger.add("optimizer_states", "host", t)
@@ -303,7 +306,7 @@ class MastersOnNvme:
                         params: ParamPlacement) -> torch.optim.Optimizer:
         template = build_optimizer(config, self.groups, param_groups, factory)
         policy = self.policy
-        grads = self.grad_file if self.grad_file is not None else self.host_grads.buffers
+        grads = self.grad_file if self.grad_file is not None else self._host().buffers
         self.optimizer = SwappedOptimizer(template, self.groups, self.space, grads, params, policy)
         if self.rank == 0:  # the default is worth a warning: it sizes every buffer
             (log.info if policy.host_budget_set else log.warning)(
@@ -313,30 +316,42 @@ class MastersOnNvme:
 
     def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
         if self.grad_file is not None:  # scaled as the step reads them
-            self.optimizer.grad_multiplier = multiplier
+            self._built().grad_multiplier = multiplier
             return
-        self.host_grads.sync()
+        host = self._host()
+        host.sync()
         if multiplier != 1.0:
             for g in groups:
-                self.host_grads.buffers[id(g)].mul_(multiplier)
+                host.buffers[id(g)].mul_(multiplier)
 
     def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         params.flush()  # the step stored every sub-group's new values already
 
     def all_in_memory(self) -> contextlib.AbstractContextManager:
-        return self.optimizer.all_in_memory(self.groups)
+        return self._built().all_in_memory(self.groups)
 
     def file_into(self, ledger) -> None:
-        opt = self.optimizer
+        opt = self._built()
         ledger.add("optimizer_states", "host", opt.pool.arena)
-        master = sum(sg.field_bytes for sg in opt.sub_groups) if opt.master_in_file else 0
+        master = opt.layout.master_nbytes
         if master:
             ledger.add_bytes("master_params", "nvme", master)
         ledger.add_bytes("optimizer_states", "nvme", opt.file.nbytes - master)
         if self.grad_file is not None:
             ledger.add_bytes("grads", "nvme", self.grad_file.file.nbytes)
         else:
-            self.host_grads.file_into(ledger)
+            self._host().file_into(ledger)
+
+    def _built(self) -> SwappedOptimizer:
+        if self.optimizer is None:
+            raise RuntimeError("the NVMe optimizer is used before build_optimizer() made it")
+        return self.optimizer
+
+    def _host(self) -> HostGrads:
+        """Stage 1's host gradient buffers (stages 2/3 keep gradients in `grad_file`)."""
+        if self.host_grads is None:
+            raise RuntimeError("stage 2/3 NVMe offload keeps gradients in a swap file, not on host")
+        return self.host_grads
 
 
 def _store_masters(groups: list[FlatParamGroup], params: ParamPlacement) -> None:

@@ -72,13 +72,14 @@ class ActivationProfile:
 
 def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
     """(description, blocks): Hugging Face's checkpointing layers, else the longest ModuleList."""
+    layer_class: type[nn.Module] | None
     try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
+        from transformers.modeling_layers import GradientCheckpointingLayer as layer_class
     except ImportError:
-        GradientCheckpointingLayer = None  # noqa: N806 - a class, or None without transformers
-    if GradientCheckpointingLayer is not None:
-        layers = [(n, m) for n, m in model.named_modules()
-                  if isinstance(m, GradientCheckpointingLayer)]
+        layer_class = None  # older transformers, or none
+    if layer_class is not None:
+        layers: list[tuple[str, nn.Module]] = [(n, m) for n, m in model.named_modules()
+                                               if isinstance(m, layer_class)]
         if layers:
             return f"{len(layers)} Hugging Face layers ({type(layers[0][1]).__name__})", \
                 [m for _, m in layers]
@@ -97,7 +98,7 @@ class _Tracer:
     blocks: list[nn.Module]
     current: int | None = None
     started: int = 0
-    seen: set[int] = field(default_factory=set)
+    seen: set[object] = field(default_factory=set)  # storages, and (tag, block, storage) keys
     outside: list[int] = field(default_factory=list)
     block_saved: list[int] = field(default_factory=list)
     block_inputs: list[set[int]] = field(default_factory=list)
@@ -189,7 +190,8 @@ def trace_activations(model: nn.Module, micro_batch: int, seq: int, dtype: torch
              for m in flagged]
     try:
         for m in flagged:
-            m.gradient_checkpointing, m._gradient_checkpointing_func = True, _call
+            setattr(m, "gradient_checkpointing", True)
+            setattr(m, "_gradient_checkpointing_func", _call)
         checkpointed = _trace(model, args, kwargs, dtype)
     finally:
         for m, (flag, func) in zip(flagged, saved):
@@ -240,7 +242,7 @@ def _call(function, *args):
 def _trace(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype) -> ActivationProfile:
     description, blocks = find_blocks(model)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        args, kwargs = ([mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args],
+        args, kwargs = (tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args),
                         {k: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
                          for k, t in kwargs.items()})
         params = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,

@@ -200,7 +200,7 @@ class Estimate:
             node = self.gpus_per_node
             lines.append(f"off-device bytes are per rank; per node of {node} GPUs multiply by {node}")
         largest = self.max_params()
-        if largest:
+        if largest and self.gpu_mem_bytes is not None:
             lines.append(f"largest model whose states fit {format_bytes(self.gpu_mem_bytes, u)} {u}: "
                          + " / ".join(f"stage {s}: {format_count(n)}" for s, n in largest.items()))
         return "\n".join(lines)
@@ -282,7 +282,8 @@ class ModelShape:
 
     `param_numels` are the trainable parameters in registration order, a tied weight
     once (as `module.parameters()` yields them); `unit_numels` the trainable elements of
-    each stage-3 fetch unit, as the engine chooses them by default (stage3/units.py).
+    each stage-3 fetch unit, as the engine chooses them by default (stage3/units.py), in
+    the engine's group order (latest-registered first: the order backward reaches them).
     """
 
     name: str
@@ -397,8 +398,11 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
         del device["master_params"], device["optimizer_states"]
     if param != "none":
         device["params"] -= widths.param * shard
+    if optimizer == "nvme" and stage >= 2:
+        device["grads"] = 0.0  # each reduced shard goes to grads.swp (offload/grad_file.py)
     host, nvme = offload_breakdown([n / n_d for n in padded], optimizer, param, widths.param,
-                                   widths.states, per_group, widths.master == 0, layout.offload)
+                                   widths.states, per_group, widths.master == 0, layout.offload,
+                                   grads_in_file=stage >= 2)
     return ShapeMemory(device, sum(host.values()), sum(nvme.values()),
                        _gathered_bytes(sizes, n_d, widths, layout),
                        _comm_buffer_bytes(padded, widths, layout), len(padded), host, nvme)

@@ -8,83 +8,91 @@ master weights and optimizer states off the device. Per element of the rank's sh
                               optimizer states (8 B for Adam, plus one scalar
                               `step` per flat group), host gradients (fp32, 4 B:
                               the reduced shard is copied there at the boundary)
-    offload_optimizer: nvme   host gradients (fp32, 4 B); swap buffers: a pool of
-                              buffer_count // (1 + states) sub-groups x (master +
-                              states) fp32 buffers of the largest sub-group
-                              (<= sub_group_size elements), 4 KiB aligned; on NVMe
-                              the master (unless it aliases fp32 parameters) and
-                              the states
+    offload_optimizer: nvme   the optimizer pool (sub-groups in flight x master,
+                              states and, at stage 2/3, gradient buffers), sized
+                              from the host budget `zeromem.offload_host_budget_bytes`;
+                              host gradients (fp32, 4 B) at stage 1 only: at stage
+                              2/3 the reduced shards go to grads.swp; on NVMe the
+                              states, the master (unless it is the fp32 parameter
+                              shard) and, at stage 2/3, the gradients
     offload_param: cpu        parameter shards (parameter width)
     offload_param: nvme       a pool of buffer_count buffers of the largest
-                              parameter shard, 4 KiB aligned; the shards on NVMe
+                              parameter shard; the shards on NVMe, one aligned slot each
 
-(`offload/placement.py`, `offload/nvme_optimizer.py`, `offload/params.py`.)
+Every size comes from the engine's own layout code (`offload/nvme_optimizer.py`
+`layout_optimizer`, `offload/budget.py`, `offload/nvme.py` `BufferPool.bytes_for`,
+`offload/grad_file.py` `record_bytes`) applied to the planner's shard sizes, so the
+prediction cannot drift from what the engine allocates.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALIGN_BYTES = 4096  # swap buffers are aligned for O_DIRECT (offload/nvme.py)
+from zeromem.config.schema import Config, OffloadParamConfig, TimeoutsConfig
+from zeromem.offload.grad_file import record_bytes
+from zeromem.offload.nvme import BufferPool, round_up, swap_file_bytes
+from zeromem.offload.nvme_optimizer import ShardSpec, layout_optimizer
+from zeromem.offload.placement import OffloadPolicy
+
 FP32 = 4
 
 
 @dataclass(frozen=True)
 class OffloadKnobs:
-    """The config keys that size swap buffers (DeepSpeed's defaults)."""
+    """The config keys that size swap buffers; None: derived from the host budget."""
 
-    sub_group_size: int = 1_000_000_000
-    optimizer_buffer_count: int = 4
-    param_buffer_count: int = 5
+    sub_group_size: int | None = None  # zero_optimization.sub_group_size, when set
+    optimizer_buffer_count: int | None = None  # offload_optimizer.buffer_count, when set
+    param_buffer_count: int = OffloadParamConfig.model_fields["buffer_count"].default
+    host_budget_bytes: int = TimeoutsConfig.model_fields["offload_host_budget_bytes"].default
 
-
-def _aligned(nbytes: float) -> float:
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
-
-
-def _largest_sub_group(shards: list[float], sub_group_size: int) -> float:
-    """Elements of the largest sub-group when the shards are cut as `plan_sub_groups` cuts."""
-    largest, current = 0.0, 0.0
-    for numel in shards:
-        left = numel
-        while left > 0:
-            if current == sub_group_size:
-                current = 0.0
-            take = min(left, sub_group_size - current)
-            current += take
-            left -= take
-            largest = max(largest, current)
-    return largest
+    @classmethod
+    def from_config(cls, config: Config) -> OffloadKnobs:
+        """The knobs as the engine reads them (`OffloadPolicy.from_config`)."""
+        policy = OffloadPolicy.from_config(config)
+        params = policy.params_block
+        return cls(policy.sub_group_size, policy.optimizer_buffers,
+                   params.buffer_count if params is not None else cls.param_buffer_count,
+                   policy.host_budget_bytes)
 
 
 def offload_breakdown(shards: list[float], optimizer: str, param: str, param_bytes: int,
                       state_bytes: int, scalar_bytes: float, fp32_params: bool,
-                      knobs: OffloadKnobs = OffloadKnobs()) -> tuple[dict[str, float],
-                                                                      dict[str, float]]:
+                      knobs: OffloadKnobs = OffloadKnobs(),
+                      grads_in_file: bool = True) -> tuple[dict[str, float], dict[str, float]]:
     """(host, nvme) bytes by name for a rank whose flat groups have `shards` elements each.
 
     `state_bytes`: optimizer state bytes per element (8 for Adam); `scalar_bytes`: the
-    per-group scalars in all; `fp32_params`: the master aliases the parameters on NVMe.
+    per-group scalars in all; `fp32_params`: the master aliases the parameters;
+    `grads_in_file`: gradients are reduced every micro-step (stage 2/3), so with the
+    optimizer on NVMe they go to grads.swp.
     """
     shard = sum(shards)
+    numels = [int(n) for n in shards]
     host: dict[str, float] = {}
     nvme: dict[str, float] = {}
+    params_pool = 0
+    if param == "cpu":
+        host["param_shards"] = param_bytes * shard
+    elif param == "nvme":
+        params_pool = BufferPool.bytes_for(knobs.param_buffer_count,
+                                           param_bytes * max(numels, default=1))
+        host["param_swap_buffers"] = params_pool
+        nvme["param_shards"] = sum(round_up(param_bytes * n) for n in numels)  # one slot each
     if optimizer == "cpu":
         host["host_masters"] = FP32 * shard
         host["optimizer_states"] = state_bytes * shard + scalar_bytes
         host["host_grads"] = FP32 * shard
     elif optimizer == "nvme":
-        fields = state_bytes // FP32
-        depth = max(1, knobs.optimizer_buffer_count // (1 + fields))
-        slot = _aligned(FP32 * _largest_sub_group(shards, knobs.sub_group_size))
-        host["host_grads"] = FP32 * shard
-        host["optimizer_swap_buffers"] = depth * (1 + fields) * slot
-        nvme["optimizer_states"] = state_bytes * shard
-        if not fp32_params:
-            nvme["masters"] = FP32 * shard
-    if param == "cpu":
-        host["param_shards"] = param_bytes * shard
-    elif param == "nvme":
-        host["param_swap_buffers"] = knobs.param_buffer_count * _aligned(
-            param_bytes * max(shards, default=0))
-        nvme["param_shards"] = sum(_aligned(param_bytes * n) for n in shards)  # one slot each
+        layout = layout_optimizer([ShardSpec(0, n) for n in numels], state_bytes // FP32,
+                                  not fp32_params, grads_in_file, knobs.host_budget_bytes,
+                                  params_pool, knobs.sub_group_size, knobs.optimizer_buffer_count)
+        host["optimizer_swap_buffers"] = layout.pool_nbytes
+        nvme["optimizer_states"] = swap_file_bytes(layout.file_bytes) - layout.master_nbytes
+        if layout.master_nbytes:
+            nvme["masters"] = layout.master_nbytes
+        if grads_in_file:
+            nvme["grads"] = swap_file_bytes(sum(record_bytes(n) for n in numels))
+        else:
+            host["host_grads"] = FP32 * shard
     return host, nvme

@@ -162,7 +162,19 @@ _AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForM
                  "AutoModel")
 
 
-def load_hf_model(cfg: dict) -> nn.Module | None:
+def build_real(spec: str) -> nn.Module:
+    """The model `spec` names (as `load_model` reads it) built for real on the CPU, randomly
+    initialised: what `planning/calibrate.py` runs. A config JSON needs transformers."""
+    if spec.endswith(".json"):
+        model = load_hf_model(json.loads(Path(spec).read_text(encoding="utf-8")), "cpu")
+        if model is None:
+            raise ValueError(f"{spec}: transformers cannot build this config, so there is "
+                             "nothing to run for --calibrate")
+        return model
+    return _import_factory(spec)()
+
+
+def load_hf_model(cfg: dict, device: str = "meta") -> nn.Module | None:
     """The real Hugging Face model a config dict describes, on the meta device; None when
     transformers is not installed or does not know the `model_type` (nothing is downloaded).
     Its forward is what `planning/activation_trace.py` traces."""
@@ -180,7 +192,7 @@ def load_hf_model(cfg: dict) -> nn.Module | None:
         return None
     for name in _AUTO_CLASSES:
         try:
-            with torch.device("meta"):
+            with torch.device(device):
                 return getattr(transformers, name).from_config(config)
         except ValueError:  # this auto class has no model for the config's type
             continue
@@ -230,8 +242,13 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
     hidden = dims.get("hidden") or 1
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    units = [u.numel for u in plan_fetch_units(model)]  # the engine's default stage-3 units
-    return ModelShape(name or type(model).__name__, tuple(trainable), frozen, tuple(units),
+    order = {id(p): i for i, p in enumerate(model.parameters())}
+    # the engine's default stage-3 units (stage3/units.py), in the engine's group order
+    # (expected backward order), which decides how NVMe sub-groups cut
+    units = [(min(order[id(p)] for p in u.params), u.numel) for u in plan_fetch_units(model)]
+    units.sort(key=lambda u: -u[0])
+    return ModelShape(name or type(model).__name__, tuple(trainable), frozen,
+                      tuple(n for _, n in units),
                       dims.get("layers", 1), hidden, dims.get("heads", max(1, hidden // 64)),
                       dims.get("vocab", 0), dims.get("intermediate", 4 * hidden),
                       dims.get("positions"))

@@ -69,11 +69,7 @@ def widths_for(config: Config) -> Widths:
 def layout_for(config: Config) -> ZeroLayout:
     """The grouping and partitioning knobs of a validated zeromem config."""
     z = config.zero_optimization
-    defaults = OffloadKnobs()
-    knobs = OffloadKnobs(
-        int(z.sub_group_size),
-        z.offload_optimizer.buffer_count if z.offload_optimizer else defaults.optimizer_buffer_count,
-        z.offload_param.buffer_count if z.offload_param else defaults.param_buffer_count)
+    knobs = OffloadKnobs.from_config(config)  # as the engine reads them
     return ZeroLayout(z.stage, int(z.reduce_bucket_size), int(z.allgather_bucket_size),
                       int(z.stage3_param_persistence_threshold), int(z.stage3_prefetch_bucket_size),
                       z.offload_optimizer_device, z.offload_param_device, knobs)
@@ -102,6 +98,8 @@ class Hardware:
     tflops: float = 100.0  # achieved per GPU (not peak)
     host_mem_bytes: float | None = None  # per node; None = not checked
     headroom: float = 0.9  # usable share of GPU memory (allocator, CUDA context, fragmentation)
+    # measured figures (`planning/calibrate.py`) that replace the assumed speeds above
+    calibration: Any = None
 
     @property
     def gpus_per_node(self) -> int:
@@ -199,14 +197,21 @@ class StepTime:
     compute: float
     comm: float
     offload: float
+    optimizer: float = 0.0  # the step itself, after backward: overlaps nothing
 
     @property
     def overlapped(self) -> float:
-        return max(self.compute, self.comm, self.offload)
+        return max(self.compute, self.comm, self.offload) + self.optimizer
 
     @property
     def serial(self) -> float:
-        return self.compute + self.comm + self.offload
+        return self.compute + self.comm + self.offload + self.optimizer
+
+
+def model_flops(shape: ModelShape, work: Workload) -> float:
+    """Forward + backward FLOPs of one micro-batch on one rank: (6Ψ + 12·L·h·s) per token."""
+    tokens = work.micro_batch * work.seq
+    return (6 * shape.psi + 12 * shape.layers * shape.hidden * work.seq) * tokens / work.mp
 
 
 @dataclass(frozen=True)
@@ -228,8 +233,7 @@ def step_time(shape: ModelShape, setup: Setup, states: ShapeMemory, acts: Activa
               hw: Hardware, work: Workload) -> StepTime:
     """Compute, data-parallel traffic and offload traffic of one step (see module docstring)."""
     n_d, gas = hw.gpus // work.mp, work.gas
-    tokens = work.micro_batch * work.seq * gas
-    flops = (6 * shape.psi + 12 * shape.layers * shape.hidden * work.seq) * tokens / work.mp
+    flops = model_flops(shape, work) * gas
     if setup.checkpointing != "none":
         flops *= 4 / 3  # one more forward pass
     elements = {0: 2, 1: 2, 2: gas + 1, 3: 3 * gas}[setup.stage] * shape.psi / work.mp
@@ -263,8 +267,9 @@ def evaluate(shape: ModelShape, setup: Setup, hw: Hardware, work: Workload) -> C
     host = states.host_bytes + acts.host
     fits = device <= hw.gpu_mem_bytes * hw.headroom and (
         hw.host_mem_bytes is None or host * hw.gpus_per_node <= hw.host_mem_bytes)
-    return Candidate(setup, layout, states, acts, step_time(shape, setup, states, acts, hw, work),
-                     device, host, states.nvme_bytes, fits)
+    time = (hw.calibration.step_time(shape, setup, layout, states, acts, work, n_d)
+            if hw.calibration is not None else step_time(shape, setup, states, acts, hw, work))
+    return Candidate(setup, layout, states, acts, time, device, host, states.nvme_bytes, fits)
 
 
 # ---------------------------------------------------------------- recommendation
@@ -393,7 +398,11 @@ def _reasons(chosen: Candidate, candidates: tuple[Candidate, ...], ranked: list[
                    f"{chosen.time.offload:.3g} s of transfers per step")
     t = chosen.time
     out.append(f"step {t.overlapped:.3g}-{t.serial:.3g} s (full overlap to none): compute "
-               f"{t.compute:.3g} s at {hw.tflops:g} TFLOPS, data-parallel traffic {t.comm:.3g} s")
+               f"{t.compute:.3g} s at "
+               + (f"{hw.calibration.flops / 1e12:.3g} TFLOPS (measured)" if hw.calibration
+                  else f"{hw.tflops:g} TFLOPS (assumed)")
+               + f", data-parallel traffic {t.comm:.3g} s"
+               + (f", optimizer step {t.optimizer:.3g} s" if t.optimizer else ""))
     if t.comm > t.compute:
         out.append("communication-bound: a faster interconnect, a larger micro-batch or more "
                    "accumulation steps would raise throughput")
@@ -474,7 +483,8 @@ def _describe(p: Plan) -> list[str]:
         f"hardware  {hw.gpus} GPUs ({hw.nodes} node{'s' * (hw.nodes > 1)}) x "
         f"{format_bytes(hw.gpu_mem_bytes, u)} {u} ({hw.headroom:.0%} usable), interconnect "
         f"{hw.interconnect / 1e9:g} GB/s, PCIe {hw.pcie / 1e9:g} GB/s, NVMe {hw.nvme / 1e9:g} "
-        f"GB/s per node, {hw.tflops:g} TFLOPS per GPU assumed",
+        f"GB/s per node, {hw.tflops:g} TFLOPS per GPU assumed" + (
+            "; step times from " + hw.calibration.describe() if hw.calibration else ""),
         f"workload  micro-batch {w.micro_batch} x seq {w.seq} x accumulation {w.gas}, {w.dtype}, "
         f"N_d = {n_d}{f', MP = {w.mp}' if w.mp > 1 else ''}: "
         f"{w.micro_batch * w.seq * w.gas * n_d:,} tokens per step",

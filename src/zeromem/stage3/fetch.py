@@ -58,6 +58,7 @@ from zeromem.comm import Comm, Pending
 from zeromem.flat import FlatParamGroup, GroupState
 from zeromem.grads import Reducer
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice
+from zeromem.stage3.gather import ParamGather
 from zeromem.stage3.partitioned_init import register_units
 
 
@@ -84,8 +85,9 @@ class FetchUnit:
     """
 
     def __init__(self, group: FlatParamGroup, comm: Comm, persistent: bool, stats: "LiveStats",
-                 placement: ParamPlacement | None = None):
+                 placement: ParamPlacement | None = None, gather: ParamGather | None = None):
         self.group = group
+        self.gather = gather or ParamGather(comm)  # flat, hpZ or qwZ (stage3/gather.py)
         self.placement = placement or ParamsOnDevice()  # where the shard lives between uses
         self.comm = comm
         self.persistent = persistent  # small units stay whole (stage3_param_persistence_threshold)
@@ -110,7 +112,7 @@ class FetchUnit:
         self.placement.fetch(g, self)  # offload_param: the shard comes from host or NVMe first
         full = torch.empty(g.padded_numel, dtype=g.param_shard.dtype, device=g.param_shard.device)
         self.stats.add(g.padded_numel)
-        self.pending = self.comm.all_gather(full, g.param_shard, async_op=True)
+        self.pending = self.gather.launch(g, full)
         g.begin_gather(full)
 
     def wait(self, timeout_s: float | None = None) -> None:
@@ -226,9 +228,11 @@ class FetchSchedule:
 
     def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, FetchUnit]],
                  limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None,
-                 placement: ParamPlacement | None = None, reducer: Reducer | None = None):
+                 placement: ParamPlacement | None = None, reducer: Reducer | None = None,
+                 gather: ParamGather | None = None):
         # a unit may be gathered by several modules (merged neighbours, a tied parameter)
         self.units = list({id(u): u for _, u in module_units}.values())
+        self.gather = gather  # told each pass's kind and each step (hpZ's secondary copies)
         self.placement = placement or ParamsOnDevice()  # told the order of each pass (read-ahead)
         self.unit_of_module: dict[int, list[FetchUnit]] = {}
         for module, unit in module_units:
@@ -262,6 +266,8 @@ class FetchSchedule:
 
     def refresh(self) -> None:
         """After the optimizer step: persistent units re-gather, the others drop to shards."""
+        if self.gather is not None:
+            self.gather.new_step()
         for unit in self.units:
             unit.reshard(force=True)
             if unit.persistent:
@@ -275,6 +281,8 @@ class FetchSchedule:
         """
         key = ("backward", *self.pass_kind[1:]) if kind == "backward" else tuple(kind)
         self.pass_kind, self.position, self.on_track = key, 0, key in self.recorded
+        if self.gather is not None:
+            self.gather.start_pass(key[0])
         if key[0] != "backward":
             self.passes += 1
             if self.store is not None:  # published so a stuck rank can name who diverged

@@ -1,0 +1,411 @@
+"""Step time from figures measured on this machine (`zeromem plan --calibrate`).
+
+The planner's defaults (100 TFLOPS, 25 GB/s, ...) are assumptions about a GPU
+cluster. `calibrate` replaces them with what this machine achieves, measured
+on `world_size` spawned ranks of the backend in use, all running at once (as
+in training, where they share the machine):
+
+    compute     forward and backward of the model itself at the workload's
+                micro-batch and sequence: achieved FLOP/s = the planner's FLOPs
+                (6Ψ + 12·L·h·s per token) / the measured time
+    collectives latency and bandwidth of each kind the engine issues
+                (all-reduce, reduce-scatter, all-gather), through the engine's
+                own `Comm`, fitted to a small and a large message:
+                t = latency + bytes / bandwidth (bytes: the tensor reduced or
+                gathered)
+    copies      host <-> device bandwidth (a CPU device: a memory copy)
+    disk        read and write bandwidth of the engine's swap I/O (`SwapSpace`,
+                O_DIRECT) under the NVMe path
+    optimizer   seconds per element of AdamW's step with the kernel each
+                placement runs: the config's on the device, torch's fused CPU
+                kernel under offload
+
+`Calibration.step_time` predicts one optimizer step of a setup from these and
+the engine's layout (`estimate.exact_model_states`): the collectives it issues
+(counted as the engine issues them, see `collectives`), the optimizer step over
+the rank's elements, and the offload traffic. On a CPU machine nothing overlaps
+(one core runs compute, collectives and the step in turn), so the prediction is
+the sum; `StepTime.overlapped` and `.serial` are then equal.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+FP32 = 4
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+LINK_OF = {"all_reduce_norm": "all_reduce"}  # Comm's name for a kind -> the link it runs on
+
+
+@dataclass(frozen=True)
+class Link:
+    """t = latency + bytes / bandwidth."""
+
+    latency: float  # seconds per call
+    bandwidth: float  # bytes per second
+
+    def seconds(self, calls: float, nbytes: float) -> float:
+        return calls * self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What this machine achieves, per rank, with `world_size` ranks of `backend` running."""
+
+    backend: str
+    world_size: int
+    tokens: int  # per forward measured (micro-batch x sequence)
+    forward_s: float
+    backward_s: float
+    flops: float  # achieved FLOP/s of forward + backward
+    collectives: dict[str, Link]
+    copy_bandwidth: float  # bytes/s host <-> device (read + write counted once)
+    disk_read: float  # bytes/s, swap I/O under `disk_path`
+    disk_write: float
+    disk_path: str
+    optimizer: dict[str, float] = field(default_factory=dict)  # "device" / "cpu": s per element
+
+    def describe(self) -> str:
+        mb = 1e6
+        links = ", ".join(f"{k} {v.latency * 1e6:.0f} us + {v.bandwidth / mb:.0f} MB/s"
+                          for k, v in self.collectives.items())
+        disk = (f"disk ({self.disk_path}) read {self.disk_read / mb:.0f} MB/s, "
+                f"write {self.disk_write / mb:.0f} MB/s")
+        return (f"measured on this machine ({self.world_size} {self.backend} ranks): "
+                f"{self.flops / 1e9:.2f} GFLOP/s per rank (forward {self.forward_s * 1e3:.0f} ms, "
+                f"backward {self.backward_s * 1e3:.0f} ms at {self.tokens} tokens); {links}; "
+                f"copies {self.copy_bandwidth / mb:.0f} MB/s; {disk}; AdamW "
+                + ", ".join(f"{k} {v * 1e9:.1f} ns" for k, v in self.optimizer.items())
+                + " per element")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def step_time(self, shape: Any, setup: Any, layout: Any, states: Any, acts: Any,
+                  work: Any, n_d: int) -> Any:
+        """The planner's `StepTime` of `setup` on this machine (see the module docstring)."""
+        from zeromem.planning.planner import DTYPE_BYTES, StepTime, model_flops
+        gas = work.gas
+        compute = gas * model_flops(shape, work) / self.flops
+        if setup.checkpointing != "none":  # one more forward per micro-step
+            compute += gas * self.forward_s * (work.micro_batch * work.seq / self.tokens)
+        p = DTYPE_BYTES[work.dtype]
+        comm = sum(self.collectives[LINK_OF.get(kind, kind)].seconds(calls, nbytes)
+                   for kind, (calls, nbytes) in collectives(shape, layout, p, p, n_d, gas).items())
+        shard = shape.psi / n_d if setup.stage >= 1 else shape.psi
+        placement = {"none": "device"}.get(setup.offload_optimizer, "cpu")
+        optimizer = shard * self.optimizer[placement]
+        return StepTime(compute, comm, self._offload(setup, states, p, shape.psi / n_d, gas),
+                        optimizer)
+
+    def _offload(self, setup: Any, states: Any, p: int, shard: float, gas: int) -> float:
+        """Host copies and swap I/O of one step."""
+        copies, read, written = 0.0, 0.0, 0.0
+        if setup.offload_optimizer == "cpu":
+            copies += (FP32 + p) * shard  # gradient shard to host, updated parameters back
+        if setup.offload_optimizer == "nvme":
+            swapped = states.nvme.get("optimizer_states", 0) + states.nvme.get("masters", 0)
+            read += swapped
+            written += swapped
+            grads = states.nvme.get("grads", 0)
+            written += grads * gas  # each micro-step's reduced shard
+            read += grads * (2 * gas - 1)  # accumulation reads it back, the step reads it
+            copies += FP32 * shard  # the gradient into the step's buffer
+        if setup.offload_param == "cpu":
+            copies += 2 * gas * p * shard  # fetched for forward and for backward
+        if setup.offload_param == "nvme":
+            read += 2 * gas * p * shard
+            written += p * shard
+        disk = (read / self.disk_read + written / self.disk_write) if read or written else 0.0
+        return copies / self.copy_bandwidth + disk
+
+
+def collectives(shape: Any, layout: Any, param_bytes: int, grad_bytes: int, n_d: int,
+                gas: int) -> dict[str, tuple[float, float]]:
+    """{kind: (calls, bytes)} one optimizer step issues, as the engine issues them.
+
+    Flat groups as `estimate.exact_model_states` lays them out. Stage 0: one
+    all-reduce per group at the boundary; stage 1: one reduce-scatter per group at
+    the boundary; stage 2: one per group every micro-step; stages 1-2: then one
+    all-gather of the updated shards per group (chunked by allgather_bucket_size).
+    Stage 3: every micro-step, each fetch unit at or over the persistence threshold
+    is gathered for forward and again for backward, and every unit's gradient is
+    reduce-scattered; after the step, the persistent units are gathered once. Stages
+    1-3 add one scalar all-reduce (the gradient norm, "all_reduce_norm"). The kinds
+    are named as `Comm` counts them.
+    """
+    from zeromem.planning.estimate import padded_numel, reduce_buckets
+    grad = grad_bytes
+    if layout.stage >= 3:
+        units = [padded_numel(n, n_d) for n in shape.unit_numels]
+        fetched = [n for n, raw in zip(units, shape.unit_numels)
+                   if raw >= layout.persistence_threshold]
+        kept = [n for n, raw in zip(units, shape.unit_numels)
+                if raw < layout.persistence_threshold]
+        return {"all_gather": (2 * gas * len(fetched) + len(kept),
+                               param_bytes * (2 * gas * sum(fetched) + sum(kept))),
+                "reduce_scatter": (gas * len(units), gas * grad * sum(units)),
+                "all_reduce_norm": (1, FP32)}
+    groups = [padded_numel(n, n_d) for n in reduce_buckets(shape.param_numels,
+                                                          layout.reduce_bucket_numel)]
+    if layout.stage == 0:
+        return {"all_reduce": (len(groups), grad * sum(groups))}
+    times = gas if layout.stage == 2 else 1
+    chunks = sum(-(-n // layout.allgather_bucket_numel) for n in groups)
+    return {"reduce_scatter": (times * len(groups), times * grad * sum(groups)),
+            "all_gather": (chunks, param_bytes * sum(groups)), "all_reduce_norm": (1, FP32)}
+
+
+# ---------------------------------------------------------------- measuring
+
+def _seconds(run: Callable[[], Any], barrier: Callable[[], None], reps: int = 1) -> float:
+    """Median seconds of `run`, every rank starting together."""
+    times = []
+    for _ in range(reps):
+        barrier()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    if hasattr(getattr(model, "config", None), "model_type"):  # Hugging Face: labels shift inside
+        return model(input_ids=tokens, labels=tokens).loss
+    return model(tokens, tokens)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What to measure (picklable: it travels to the spawned ranks)."""
+
+    build: Callable[[], nn.Module]
+    micro_batch: int
+    seq: int
+    vocab: int
+    shard_numel: int  # elements the optimizer steps on one rank (sized like the real step)
+    nvme_path: str
+    reps: int
+
+    def link_sizes(self, world_size: int) -> tuple[int, int]:
+        """Elements of the small (latency) and large (bandwidth) collective messages."""
+        n = world_size
+        return 256 * n, max(1 << 16, min(self.shard_numel * n, 1 << 22)) // n * n
+
+    @property
+    def optimizer_numel(self) -> int:
+        return max(1 << 16, min(self.shard_numel, 1 << 22))
+
+
+class Probe:
+    """One rank's instruments; `sample()` measures everything once.
+
+    Built once, sampled in rounds: a benchmark interleaves the rounds with the
+    steps it measures, so that load from other processes on a shared machine
+    falls on both alike.
+    """
+
+    DISK_BYTES = 32 << 20
+    RECORD = 1 << 20  # swap requests of 1 MiB, 4 in flight
+    COPY = 1 << 22  # elements copied
+
+    def __init__(self, what: Measurement, rank: int):
+        from zeromem.comm import Comm
+        from zeromem.config.schema import AioConfig
+        from zeromem.offload.nvme import AsyncIO, BufferPool, SwapSpace
+        torch.manual_seed(rank)
+        self.comm = Comm()
+        n = self.comm.world_size
+        self.model = what.build()
+        self.tokens = torch.randint(0, max(2, what.vocab), (what.micro_batch, what.seq))
+        self.links = {k: [self._link_op(k, m) for m in what.link_sizes(n)] for k in KINDS}
+        self.copy = (torch.ones(self.COPY), torch.empty(self.COPY))
+        numel = what.optimizer_numel
+        self.optimizers = {}
+        for name, fused in (("device", False), ("cpu", True)):
+            p = nn.Parameter(torch.zeros(numel))
+            p.grad = torch.full((numel,), 1e-3)
+            self.optimizers[name] = torch.optim.AdamW([p], lr=1e-4, fused=fused or None)
+        self.space = SwapSpace(what.nvme_path, rank, AsyncIO.from_config(AioConfig.model_validate({})))
+        self.file = self.space.file("calibrate.swp", self.DISK_BYTES)
+        self.pool = BufferPool(4, self.RECORD)
+        self.bufs = list(self.pool.free)
+        for buf in self.bufs:
+            buf.fill_(1)
+        self.sample()  # warm-up: allocations, lazy initialisation, the file's first write
+
+    def _link_op(self, kind: str, numel: int) -> Callable[[], Any]:
+        comm, n = self.comm, self.comm.world_size
+        x = torch.ones(numel)
+        if kind == "all_reduce":
+            return lambda: comm.all_reduce(x)
+        if kind == "reduce_scatter":
+            out = torch.empty(numel // n)
+            return lambda: comm.reduce_scatter(out, x)
+        shard = torch.ones(numel // n)
+        return lambda: comm.all_gather(x, shard)
+
+    def _disk(self, io: Callable) -> None:
+        handles: list = []
+        for i, offset in enumerate(range(0, self.DISK_BYTES, self.RECORD)):
+            if len(handles) == 4:
+                handles.pop(0).wait()
+            handles.append(io(self.bufs[i % 4], offset))
+        for h in handles:
+            h.wait()
+
+    def sample(self) -> dict:
+        """Seconds of each measurement, once (the small collectives: median of 4 calls)."""
+        barrier = self.comm.barrier
+
+        def forward() -> None:
+            with torch.no_grad():
+                _loss(self.model, self.tokens)
+
+        out: dict[str, Any] = {"forward": _seconds(forward, barrier),
+               "forward_backward": _seconds(lambda: _loss(self.model, self.tokens).backward(),
+                                            barrier)}
+        self.model.zero_grad(set_to_none=True)
+        for kind, (small, large) in self.links.items():
+            out[kind] = (_seconds(small, barrier, 4), _seconds(large, barrier))
+        src, dst = self.copy
+        out["copy"] = _seconds(lambda: dst.copy_(src), barrier)
+        for name, opt in self.optimizers.items():
+            out["optimizer_" + name] = _seconds(opt.step, barrier)
+        out["disk_write"] = _seconds(lambda: self._disk(self.file.write), barrier)
+        out["disk_read"] = _seconds(lambda: self._disk(self.file.read), barrier)
+        return out
+
+    def close(self) -> None:
+        self.space.close()
+
+
+def _measure_rank(rank: int, world_size: int, what: Measurement) -> list[dict]:
+    probe = Probe(what, rank)
+    try:
+        return [probe.sample() for _ in range(what.reps)]
+    finally:
+        probe.close()
+
+
+def from_samples(samples: list[list[dict]], what: Measurement, shape: Any,
+                 backend: str = "gloo") -> Calibration:
+    """The calibration from each rank's `Probe.sample()`s: per rank the median over the
+    samples, then the slowest rank (a step waits for every rank)."""
+    from zeromem.planning.planner import Workload, model_flops
+
+    def seconds(key: str, index: int | None = None) -> float:
+        return max(statistics.median(s[key] if index is None else s[key][index] for s in rank)
+                   for rank in samples)
+
+    n = len(samples)
+    small, large = what.link_sizes(n)
+    links = {}
+    for kind in KINDS:
+        t_small, t_large = seconds(kind, 0), seconds(kind, 1)
+        bandwidth = FP32 * (large - small) / max(t_large - t_small, 1e-9)
+        links[kind] = Link(max(t_small - FP32 * small / bandwidth, 1e-7), bandwidth)
+    numel = what.optimizer_numel
+    fwd, both = seconds("forward"), seconds("forward_backward")
+    tokens = what.micro_batch * what.seq
+    flops = model_flops(shape, Workload(what.micro_batch, what.seq))
+    return Calibration(backend, n, tokens, fwd, max(both - fwd, 1e-9), flops / both, links,
+                       FP32 * Probe.COPY / seconds("copy"),
+                       Probe.DISK_BYTES / seconds("disk_read"),
+                       Probe.DISK_BYTES / seconds("disk_write"), what.nvme_path,
+                       {k: seconds("optimizer_" + k) / numel for k in ("device", "cpu")})
+
+
+def measurement(build: Callable[[], nn.Module], shape: Any, micro_batch: int, seq: int,
+                world_size: int, nvme_path: str | None = None, reps: int = 3) -> Measurement:
+    """What `calibrate` measures for `shape` (the disk: `nvme_path`'s, else the temp dir's)."""
+    return Measurement(build, micro_batch, seq, shape.vocab or 256,
+                       -(-shape.psi // world_size), nvme_path or tempfile.gettempdir(), reps)
+
+
+def calibrate(build: Callable[[], nn.Module], shape: Any, micro_batch: int, seq: int,
+              world_size: int, nvme_path: str | None = None, reps: int = 3,
+              backend: str = "gloo", timeout_s: float = 600) -> Calibration:
+    """Measure this machine on `world_size` spawned `backend` ranks (see the module docstring).
+
+    `build()` makes the real model on the CPU (a picklable callable: a module-level
+    function or a `functools.partial` of one); `shape` is its planner shape. The disk
+    measured is `nvme_path`'s, else the temporary directory's.
+    """
+    what = measurement(build, shape, micro_batch, seq, world_size, nvme_path, reps)
+    samples = run_ranks(_measure_rank, world_size, (what,), backend, timeout_s)
+    return from_samples(samples, what, shape, backend)
+
+
+# ---------------------------------------------------------------- spawning ranks
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
+               queue: Any) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    finished = False
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=120))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+        finished = True
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        import zeromem
+        zeromem.shutdown(barrier_timeout_s=10 if finished else 0)  # collectives drained first
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, args: tuple, backend: str = "gloo",
+              timeout_s: float = 600) -> list:
+    """`fn(rank, world_size, *args)` on `world_size` spawned ranks; their results by rank."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores, as in training
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, backend, fn, args, queue),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"calibration ranks did not finish in {timeout_s:.0f} s")
+            if queue.empty():
+                if not any(p.is_alive() for p in procs) and queue.empty():
+                    raise RuntimeError("calibration ranks exited without a result")
+                time.sleep(0.05)
+                continue
+            rank, status, value = queue.get()
+            if status != "ok":
+                raise RuntimeError(f"calibration rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,96 @@
+"""`zeromem plan --calibrate` (planning/calibrate.py): what holds however noisy the machine.
+
+Timing values are never asserted. What is: the collectives the step-time model
+counts carry the bytes the engine's Comm really sends (stages 0-3, accumulation
+included); a calibration on spawned gloo ranks yields positive figures that agree
+with each other; and the predictions built from it order setups as the work they
+do orders them.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import zeromem
+from gpt import GPT, GPTConfig
+from harness import run_distributed
+from zeromem.config.schema import Config
+from zeromem.planning.calibrate import calibrate, collectives
+from zeromem.planning.planner import (Hardware, Setup, Workload, evaluate, layout_for,
+                                      model_flops, shape_of)
+
+SMALL = GPTConfig(n_layer=2, n_embd=128, block_size=32)
+GAS = 2
+
+
+def _config(stage: int) -> dict:
+    # small buckets: several flat groups at stages 0-2, chunked all-gathers
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 60_000,
+                                  "allgather_bucket_size": 30_000,
+                                  "stage3_param_persistence_threshold": 20_000},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+def _comm_bytes(rank, world_size):
+    out = {}
+    for stage in range(4):
+        torch.manual_seed(0)
+        engine = zeromem.initialize(GPT(SMALL), _config(stage))
+        for _ in range(2):  # the second step's report: no first-step effects
+            for _ in range(GAS):
+                tokens = torch.randint(0, 256, (2, 16))
+                engine.backward(engine(tokens, tokens))
+                engine.step()
+        out[stage] = engine.comm_report().to_dict()["last_step"]
+        engine.close()
+    return out
+
+
+def test_counted_collectives_carry_the_bytes_the_engine_sends():
+    measured = run_distributed(_comm_bytes, 2)
+    with torch.device("meta"):
+        shape = shape_of(GPT(SMALL))
+    n = 2
+    # Comm counts what one rank sends: all-reduce 2(n-1)/n of the tensor, the others (n-1)/n
+    sent = {"all_reduce": 2 * (n - 1) / n, "all_reduce_norm": 2 * (n - 1) / n,
+            "reduce_scatter": (n - 1) / n,
+            "all_gather": (n - 1) / n}
+    for stage in range(4):
+        layout = layout_for(Config.load(_config(stage), world_size=n))
+        predicted = collectives(shape, layout, 4, 4, n, GAS)
+        for rank_report in measured:
+            report = {k: v for k, v in rank_report[stage].items() if v}
+            assert set(report) == set(predicted), (stage, report, predicted)
+            for kind, (calls, nbytes) in predicted.items():
+                assert calls >= 1
+                assert report[kind] == pytest.approx(sent[kind] * nbytes, abs=1), (stage, kind)
+
+
+def test_calibration_is_positive_and_self_consistent(tmp_path):
+    with torch.device("meta"):
+        shape = shape_of(GPT(SMALL))
+    cal = calibrate(functools.partial(GPT, SMALL), shape, 2, 32, 2, str(tmp_path), reps=1)
+    assert cal.world_size == 2 and cal.backend == "gloo" and cal.tokens == 64
+    work = Workload(2, 32, 1, "fp32")
+    assert cal.forward_s > 0 and cal.backward_s > 0
+    assert cal.flops == pytest.approx(model_flops(shape, work) / (cal.forward_s + cal.backward_s))
+    for link in cal.collectives.values():
+        assert link.latency > 0 and link.bandwidth > 0
+    assert min(cal.copy_bandwidth, cal.disk_read, cal.disk_write) > 0
+    assert set(cal.optimizer) == {"device", "cpu"} and min(cal.optimizer.values()) > 0
+    hw = Hardware(2, 1e12, calibration=cal)
+    t = {s: evaluate(shape, s, hw, work).time
+         for s in (Setup(0), Setup(2), Setup(3), Setup(2, "gpu"), Setup(2, "none", "nvme"))}
+    for time in t.values():
+        assert time.compute > 0 and time.comm > 0 and time.optimizer > 0
+        assert time.overlapped <= time.serial
+    # the compute of the measured workload is what was measured
+    assert t[Setup(0)].compute == pytest.approx(cal.forward_s + cal.backward_s)
+    # directions that follow from the work done, whatever the figures
+    assert t[Setup(3)].comm > t[Setup(2)].comm  # the same reduce-scatter, two gathers per unit
+    assert t[Setup(2, "gpu")].compute == pytest.approx(t[Setup(2)].compute + cal.forward_s)
+    assert t[Setup(0)].optimizer == pytest.approx(2 * t[Setup(2)].optimizer, rel=0.01)
+    assert t[Setup(2, "none", "nvme")].offload > 0 and t[Setup(2)].offload == 0

@@ -1,0 +1,65 @@
+"""The calibrated step-time model (planning/calibrate.py) on hand-made figures: each
+measured figure moves the part of the step it measures, and only that part."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gpt import GPT, GPTConfig
+from zeromem.planning.calibrate import Calibration, Link
+from zeromem.planning.planner import Hardware, Setup, Workload, evaluate, model_flops, shape_of
+
+WORK = Workload(2, 32, 2, "fp32")
+
+
+def _shape():
+    with torch.device("meta"):
+        return shape_of(GPT(GPTConfig(n_layer=2, n_embd=128, block_size=32)))
+
+
+def _cal(**changes) -> Calibration:
+    links = {k: Link(0.0, 1e9) for k in ("all_reduce", "reduce_scatter", "all_gather")}
+    base = Calibration("gloo", 2, 64, 0.01, 0.02, 1e10, links, 1e10, 1e9, 1e9, "/tmp",
+                       {"device": 4e-9, "cpu": 1e-9})
+    return dataclasses.replace(base, **changes)
+
+
+def _time(cal: Calibration, setup: Setup):
+    return evaluate(_shape(), setup, Hardware(2, 1e12, calibration=cal), WORK).time
+
+
+@pytest.mark.parametrize("setup", [Setup(0), Setup(1), Setup(2), Setup(3)])
+def test_collective_time_follows_the_measured_bandwidth_and_latency(setup):
+    fast = _time(_cal(), setup)
+    slow = _time(_cal(collectives={k: Link(0.0, 5e8) for k in _cal().collectives}), setup)
+    assert fast.comm > 0 and slow.comm == pytest.approx(2 * fast.comm)
+    late = _time(_cal(collectives={k: Link(1e-3, 1e9) for k in _cal().collectives}), setup)
+    assert late.comm > fast.comm + 1e-3  # at least one call, each paying the latency
+    assert (slow.compute, slow.optimizer) == (fast.compute, fast.optimizer)
+
+
+def test_compute_follows_the_measured_flops_and_checkpointing_adds_a_forward():
+    base = _time(_cal(), Setup(2))
+    assert base.compute == pytest.approx(WORK.gas * model_flops(_shape(), WORK) / 1e10)
+    assert _time(_cal(flops=5e9), Setup(2)).compute == pytest.approx(2 * base.compute)
+    ckpt = _time(_cal(), Setup(2, "gpu"))
+    assert ckpt.compute == pytest.approx(base.compute + WORK.gas * 0.01 * (2 * 32) / 64)
+
+
+def test_optimizer_step_runs_the_kernel_of_its_placement():
+    device, cpu = _time(_cal(), Setup(2)), _time(_cal(), Setup(2, "none", "cpu"))
+    assert device.optimizer == pytest.approx(4 * cpu.optimizer)
+    assert _time(_cal(), Setup(0)).optimizer == pytest.approx(2 * device.optimizer, rel=0.01)
+
+
+@pytest.mark.parametrize("setup", [Setup(2, "none", "nvme"), Setup(3, "none", "nvme", "nvme")])
+def test_swap_time_follows_the_measured_disk(setup):
+    base = _time(_cal(), setup)
+    slow = _time(_cal(disk_read=5e8, disk_write=5e8), setup)
+    copies = _time(_cal(disk_read=1e30, disk_write=1e30), setup).offload
+    assert base.offload > copies >= 0
+    assert slow.offload - copies == pytest.approx(2 * (base.offload - copies))
+    assert _time(_cal(disk_read=5e8, disk_write=5e8), Setup(2, "none", "cpu")).offload == \
+        _time(_cal(), Setup(2, "none", "cpu")).offload
