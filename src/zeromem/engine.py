@@ -189,7 +189,9 @@ class Engine:
             unit = FetchUnit(group, self.plan.shard, persistent, self.live_params,
                              self.offload.params, self.plan.gather)
             module_units += [(module, unit) for module in modules]
-        limits = Stage3Limits(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
+        prefetch = self.offload.params.prefetch_numel(
+            zero.stage3_prefetch_bucket_size, "stage3_prefetch_bucket_size" in zero.model_fields_set)
+        limits = Stage3Limits(prefetch, zero.stage3_max_live_parameters,
                               zero.stage3_max_reuse_distance,
                               gather_timeout_s(self.config.zeromem.gather_timeout_s))
         return FetchSchedule(self.module, module_units, limits, self.live_params, self.comm,
@@ -208,7 +210,10 @@ class Engine:
     __call__ = forward
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied."""
+        """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied.
+
+        Scaling the loss divides every gradient by N_d before the reduction sums them:
+        DeepSpeed's `"prescale_gradients": true`, always (its default, false, divides after)."""
         scale = self.scaler.scale / (self.config.batch()[2] * self.dp_world_size)
         with self.timers("backward"), self.activation_checkpointing.active():
             boundary = self.is_gradient_accumulation_boundary()

@@ -110,6 +110,7 @@ class FlatParamGroup:
         self._view_params(self._flat_param, copy_values=True)
         self._param_shard = self._flat_param[self.shard_offset:self.shard_offset + self.shard_numel]
         self._full: torch.Tensor | None = None  # stage 3: the whole buffer while gathered
+        self._whole_storage: torch.Tensor | None = None  # stage 3: `_full`'s tensor, kept (below)
         self._state = GroupState.WHOLE
         if sharding.params:
             # Stage 3: only the shard persists; `begin_gather` brings the whole on demand.
@@ -184,11 +185,28 @@ class FlatParamGroup:
         shard.set_(torch.empty(0, dtype=shard.dtype, device=shard.device))  # type: ignore[call-overload]  # stubs lack set_(Tensor)
 
     # -- stage 3: SHARDED -> GATHERING -> GATHERED -> SHARDED ------------------
-    def begin_gather(self, full: torch.Tensor) -> None:
-        """`full` (padded_numel long) is being all-gathered from the shards."""
+    def begin_gather(self) -> torch.Tensor:
+        """The whole buffer (padded_numel long) the caller all-gathers the shards into.
+
+        It is the same tensor at every gather, its storage grown back to full size.
+        Forward saves views of the gathered parameters for backward (a Linear's
+        `weight.t()`); with a fresh buffer per gather, each old buffer would stay alive
+        through those views until backward, i.e. the whole model gathered at the end of
+        forward. `reshard` shrinks the storage to 0 bytes instead (FSDP's free_storage),
+        so the saved views hold nothing, and the gather before backward refills the very
+        storage they view. The caller keeps the version counter (the saved views check it).
+        """
         self._assert_in_states(GroupState.SHARDED)
-        self._full = full
+        shard = self._param_shard
+        whole = self._whole_storage
+        if whole is None or whole.dtype != shard.dtype or whole.device != shard.device:
+            whole = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
+            self._whole_storage = whole
+        else:
+            whole.untyped_storage().resize_(self.padded_numel * whole.element_size())
+        self._full = whole
         self._state = GroupState.GATHERING
+        return whole
 
     def finish_gather(self) -> None:
         """The all-gather into `full` completed: parameters become views of it."""
@@ -201,6 +219,8 @@ class FlatParamGroup:
         """Drop the whole buffer; parameters become empty. The caller waited for its gather."""
         self._assert_in_states(GroupState.GATHERING, GroupState.GATHERED)
         self._empty_params()
+        assert self._full is not None  # GATHERING and GATHERED hold the whole buffer
+        self._full.untyped_storage().resize_(0)  # views autograd saved now hold nothing
         self._full = None
         self._state = GroupState.SHARDED
 

@@ -78,13 +78,37 @@ def live_limit(rank, world_size):
     for _ in range(3):
         engine.backward(engine(torch.randn(2, 64)))
         engine.step()
-    return engine.live_params.peak, limit, unit
+    peaks = {"limit": engine.live_params.peak}
+    torch.manual_seed(0)  # the window alone: two units ahead, no live limit
+    engine = zeromem.initialize(Deep(), {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "stage3_prefetch_bucket_size": 2 * unit}})
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 64)))
+        engine.step()
+    peaks["window"] = engine.live_params.peak
+    saved = []  # what autograd keeps from forward for backward
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = engine(torch.randn(2, 64))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    peaks["saved_bytes"] = sum(storages.values())
+    engine.backward(loss)
+    engine.step()
+    return peaks, limit, unit
 
 
-def test_prefetch_respects_max_live_parameters():
-    for peak, limit, unit in run_distributed(live_limit, 2):
-        assert unit < peak <= limit + unit  # an on-demand gather may exceed it by one unit
-        assert peak <= limit + 64 * 2       # padding of one unit at N_d = 2 at most
+def test_prefetch_respects_max_live_parameters_and_its_window():
+    for peaks, limit, unit in run_distributed(live_limit, 2):
+        assert unit < peaks["limit"] <= limit + unit  # an on-demand gather may exceed it by one unit
+        assert peaks["limit"] <= limit + 64 * 2       # padding of one unit at N_d = 2 at most
+        # stage3_prefetch_bucket_size of two units: the unit in use and two gathered ahead,
+        # however many layers follow (units already ahead count against the window)
+        assert 2 * unit < peaks["window"] <= 3 * (unit + 2), peaks
+        # After forward the views of gathered weights autograd saved hold no memory (the
+        # gather before backward refills them): activations only, less than one unit's bytes
+        assert peaks["saved_bytes"] < 4 * unit, peaks
 
 
 def diverge(rank, world_size):

@@ -18,7 +18,7 @@ import torch
 
 import zeromem
 from harness import run_distributed
-from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
+from models import GainLM, Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
 from zeromem import quantize
 from zeromem.comm import Comm
 from zeromem.hierarchy import HierarchicalQuantizedReduce
@@ -63,10 +63,11 @@ def train_and_compare(rank: int, world_size: int, stage: int, optimizer: str, ga
     per_rank = stage < 3  # stage 3: every rank runs the same modules
     torch.manual_seed(0)
     clip = 0.05 if optimizer == "adamw" else 0.0  # AdamW cases clip: the norm must be global
-    ref = Reference(TinyLM(), optimizer=optimizer, per_rank=per_rank, clip=clip)
+    # GainLM: its backward reads the re-gathered parameters (a Linear's reads the forward's)
+    ref = Reference(GainLM(), optimizer=optimizer, per_rank=per_rank, clip=clip)
     initial = copy.deepcopy(ref.model)
     torch.manual_seed(rank * 7 + 1 if rank else 0)  # ranks seeded differently: rank 0's wins
-    engine = zeromem.initialize(TinyLM(), config(stage, optimizer, gas, clip, ranks_per_node,
+    engine = zeromem.initialize(GainLM(), config(stage, optimizer, gas, clip, ranks_per_node,
                                                  **zero))
     diffs = []
     for step in range(STEPS):

@@ -85,6 +85,9 @@ class ParamPlacement(Protocol):
     def follow(self, order: Sequence[Any] | None) -> None:
         """The fetch units in the order the pass now running recorded (None: not recorded)."""
 
+    def prefetch_numel(self, configured: int, set_in_config: bool) -> int:
+        """Elements the stage-3 schedule may gather ahead (stage3_prefetch_bucket_size)."""
+
     def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:
         """Copy shard elements [start, start + out.numel()) into `out`."""
 
@@ -123,6 +126,9 @@ class ParamsOnDevice:
 
     def follow(self, order: Sequence[Any] | None) -> None:
         """Nothing is read ahead."""
+
+    def prefetch_numel(self, configured: int, set_in_config: bool) -> int:
+        return configured
 
     def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:
         out.copy_(group.param_shard[start:start + out.numel()])
@@ -197,6 +203,9 @@ class ParamsOnHost:
     def follow(self, order: Sequence[Any] | None) -> None:
         """Nothing is read ahead."""
 
+    def prefetch_numel(self, configured: int, set_in_config: bool) -> int:
+        return configured
+
     def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:
         out.copy_(self.host[id(group)][start:start + out.numel()])
 
@@ -230,6 +239,8 @@ class ParamsOnNvme:
 
     def __init__(self, groups: list[FlatParamGroup], space: SwapSpace, config: Any, pin: bool):
         self.groups = groups
+        self.host_is_device = all(g.param_shard.device.type == "cpu" for g in groups)
+        self.largest_unit_numel = max((g.padded_numel for g in groups), default=0)
         self.nbytes = {id(g): g.shard_numel * g.param_shard.element_size() for g in groups}
         self.offsets, total = {}, 0
         for g in groups:
@@ -284,6 +295,18 @@ class ParamsOnNvme:
     def follow(self, order: Sequence[Any] | None) -> None:
         """Read ahead along `order` (fetch units, recorded by the stage-3 runner) from now on."""
         self._order_now = order
+
+    def prefetch_numel(self, configured: int, set_in_config: bool) -> int:
+        """On a CPU device, at most the units whose shards the pool reads ahead.
+
+        There the gathered units are host memory: DeepSpeed's default window (5e7
+        elements) would hold as much of the model gathered as fits in it, i.e. host
+        memory growing with the model, which NVMe offload exists to avoid. A value the
+        config sets is kept; on a GPU the gathered units are device memory.
+        """
+        if set_in_config or not self.host_is_device:
+            return configured
+        return min(configured, self.lookahead * self.largest_unit_numel)
 
     def prefetch(self, group: FlatParamGroup, keep: int | None = None) -> None:
         key = id(group)

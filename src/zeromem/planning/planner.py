@@ -198,9 +198,12 @@ class StepTime:
     comm: float
     offload: float
     optimizer: float = 0.0  # the step itself, after backward: overlaps nothing
+    can_overlap: bool = True  # False: one CPU runs everything in turn (a gloo calibration)
 
     @property
     def overlapped(self) -> float:
+        if not self.can_overlap:
+            return self.serial
         return max(self.compute, self.comm, self.offload) + self.optimizer
 
     @property

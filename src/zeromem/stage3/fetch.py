@@ -110,19 +110,19 @@ class FetchUnit:
             return
         g = self.group
         self.placement.fetch(g, self)  # offload_param: the shard comes from host or NVMe first
-        full = torch.empty(g.padded_numel, dtype=g.param_shard.dtype, device=g.param_shard.device)
+        full = g.begin_gather()  # the group's own buffer, regrown (flat.py says why)
         self.stats.add(g.padded_numel)
-        self.pending = self.gather.launch(g, full)
-        g.begin_gather(full)
+        # Backward's saved views of this buffer check its version: refilling it with the
+        # same values is not the in-place change that check guards against (also `_finish`).
+        with torch.autograd._unsafe_preserve_version_counter(full):
+            self.pending = self.gather.launch(g, full)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until gathered; the parameters are then views of the whole buffer."""
         if self.state is GroupState.SHARDED:
             self.unshard()
         if self.state is GroupState.GATHERING:
-            assert self.pending is not None  # GATHERING: the all-gather is in flight
-            self.pending.wait(timedelta(seconds=timeout_s) if timeout_s else None)
-            self.pending = None
+            self._finish(timeout_s)
             self.group.finish_gather()
 
     def reshard(self, force: bool = False) -> None:
@@ -130,11 +130,17 @@ class FetchUnit:
         if self.state is GroupState.SHARDED or ((self.persistent or self.pins) and not force):
             return
         if self.state is GroupState.GATHERING:
-            assert self.pending is not None  # GATHERING: the all-gather is in flight
-            self.pending.wait()
-            self.pending = None
+            self._finish(None)
         self.group.reshard()
         self.stats.add(-self.group.padded_numel)
+
+    def _finish(self, timeout_s: float | None) -> None:
+        """Wait for the gather in flight; its completion (qwZ's dequantization) writes
+        `full` too, which keeps its version for the same reason as `unshard`."""
+        assert self.pending is not None  # GATHERING: the all-gather is in flight
+        with torch.autograd._unsafe_preserve_version_counter(self.group.full):
+            self.pending.wait(timedelta(seconds=timeout_s) if timeout_s else None)
+        self.pending = None
 
     def pin(self) -> None:
         """Gather and keep whole until `unpin` (GatheredParameters)."""
@@ -360,15 +366,22 @@ class FetchSchedule:
         return counts
 
     def _prefetch(self) -> None:
+        """Gather ahead the next units of the recorded order, up to the prefetch window.
+
+        The window counts every unit ahead that is gathered, whether its gather starts now
+        or at an earlier call: counting only new ones would widen it by one unit per call.
+        """
         expected, budget = self.recorded[self.pass_kind], self.limits.prefetch_numel
         for unit in expected[self.position:]:
             if budget <= 0:
                 break
+            if unit.persistent or unit.pins:
+                continue  # whole anyway: no part of the window
             if unit.state is GroupState.SHARDED:
                 if self.stats.live + unit.group.padded_numel > self.limits.max_live_numel:
                     break  # stage3_max_live_parameters: no prefetch past the limit
-                budget -= unit.group.padded_numel
                 unit.unshard()
+            budget -= unit.group.padded_numel
 
     def _reused_soon(self, unit: FetchUnit) -> bool:
         """Will `unit` be used again within `stage3_max_reuse_distance` elements of this pass?"""
