@@ -5,8 +5,9 @@
 For each offload setup, on 2 gloo ranks started with MALLOC_MMAP_THRESHOLD_=65536
 (so that freed blocks go back to the system at once): build the demo GPT without
 an engine, take VmRSS as the baseline, build the engine from the setup's config,
-run 2 steps, and take VmRSS again. On this CPU machine the "device" is host
-memory too, so the engine's whole footprint shows in RSS; the prediction
+run 2 steps, and take VmRSS again (after one warm-up engine, see `_measure`). On
+this CPU machine the "device" is host memory too, so the engine's whole footprint
+shows in RSS; the prediction
 compared is therefore the planner's
 
     device model states + host bytes (`predict_memory`) - the model's own parameters
@@ -15,6 +16,12 @@ compared is therefore the planner's
 the device figure already counts). The ledger (`engine.memory_report()`, the
 tensors the engine holds) is printed beside them; RSS - ledger is what no tensor
 census sees (gloo's buffers, the swap I/O threads, allocator slack).
+
+Two differences are this machine's, not the planner's: with the CPU as the device,
+an fp32 reduced gradient shard on the "device" is already the host gradient, so
+the engine keeps it once where a GPU run holds it twice (the prediction is for the
+GPU); and NVMe swap pools are allocated uninitialised (unpinned without CUDA),
+so RSS counts only the pages the step has touched.
 """
 from __future__ import annotations
 
@@ -61,7 +68,10 @@ def rss_bytes() -> int:
 def _measure(rank: int, world: int, gpt: GPTConfig, path: str, names: list[str]) -> dict:
     import zeromem
     out = {}
-    for name in names:
+    # The first engine of a process also pays one-time costs (gloo's and autograd's
+    # buffers and threads, lazily loaded kernels: about 19 MB here); a warm-up engine
+    # takes them before any baseline.
+    for name in [names[0]] + names:
         torch.manual_seed(0)
         model = GPT(gpt)
         gc.collect()
@@ -76,7 +86,7 @@ def _measure(rank: int, world: int, gpt: GPTConfig, path: str, names: list[str])
         held = engine.memory_report().to_dict()["held"]
         ledger = sum(b for c, places in held.items() if c != "comm_buffers"
                      for place, b in places.items() if place in ("device", "host"))
-        out[name] = {"rss": rss_bytes() - base, "ledger": ledger}
+        out[name] = {"rss": rss_bytes() - base, "ledger": ledger}  # the warm-up's is replaced
         engine.close()
         del engine
         gc.collect()

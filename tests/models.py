@@ -119,3 +119,30 @@ class BufferedLM(TinyLM):
         self.register_buffer("position", torch.arange(5.0))
         if extra:
             self.extra = nn.Linear(dim, 2)
+
+
+class Gain(nn.Module):
+    """`h * weight`: autograd saves the parameter itself, so backward reads its current value."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.weight
+
+
+class GainLM(TinyLM):
+    """TinyLM with a `Gain` inside its MLP.
+
+    A Linear saves `weight.t()`, a view of the buffer its forward gathered, so its
+    backward never reads what stage 3 re-gathers. `Gain`'s backward does: a wrong
+    backward gather (hpZ's secondary copies) shows in the gradients only here.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.gain = Gain(self.fc1.out_features)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.gain(torch.tanh(self.fc1(h))))

@@ -202,7 +202,10 @@ class Engine:
     __call__ = forward
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied."""
+        """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied.
+
+        Scaling the loss divides every gradient by N_d before the reduction sums them:
+        DeepSpeed's `"prescale_gradients": true`, always (its default, false, divides after)."""
         scale = self.scaler.scale / (self.config.batch()[2] * self.dp_world_size)
         with self.timers("backward"), self.activation_checkpointing.active():
             boundary = self.is_gradient_accumulation_boundary()

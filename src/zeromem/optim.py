@@ -6,6 +6,7 @@ into the user's param groups so per-group options keep their meaning.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Callable, Iterable
 
@@ -13,6 +14,8 @@ import torch
 from torch import nn
 
 from zeromem.config.schema import ConfigError
+from zeromem.mesh import local_device
+from zeromem.optimizers import Lamb
 
 log = logging.getLogger("zeromem")
 
@@ -54,21 +57,62 @@ def build_optimizer(config, flat_groups: list, param_groups: list[dict],
         masters = [g.master for g in flat_groups if g.param_group_index == gi]
         groups.append({"params": masters, **options})
     if factory is not None:
-        return factory(groups)
-    if config is None:
+        optimizer = factory(groups)
+    elif config is None:
         raise ConfigError("no optimizer: give an 'optimizer' block in the config or an optimizer "
                           "factory to zeromem.initialize")
-    cls = OPTIMIZERS[config.type.lower()]
-    params = dict(config.params)
-    if cls is not torch.optim.SGD and not {"foreach", "fused"} & set(params):
-        # One fused kernel over each master shard: ~7x torch's default per-tensor loop on CPU.
-        params["fused"] = True
-    return cls(groups, **params)
+    else:
+        cls = config.torch_class
+        params = dict(config.params)
+        if has_fused_kernel(cls) and not {"foreach", "fused"} & set(params):
+            # One fused kernel over each master shard: ~7x torch's default per-tensor loop on CPU.
+            params["fused"] = True
+        optimizer = cls(groups, **params)
+    if isinstance(optimizer, Lamb):
+        split_by_parameter(optimizer, flat_groups)
+    return optimizer
+
+
+def split_by_parameter(optimizer: Lamb, flat_groups: list) -> None:
+    """Tell Lamb which parameter each element of each master shard belongs to, and how to
+    sum a parameter's parts over the ranks that share its flat group: its trust ratio is
+    then the whole parameter's, at any stage and world size."""
+    reduce = None
+    for g in flat_groups:
+        segments = torch.full((g.shard_numel,), len(g.slots), dtype=torch.long)
+        for i, slot in enumerate(g.slots):
+            start, _, length = g.layout.owned_slice(slot.offset, slot.numel)
+            segments[start:start + length] = i
+        if g.layout.world > 1 and reduce is None:
+            reduce = _summed_over(g.comm)
+        optimizer.split(g.master, segments, len(g.slots), reduce if g.layout.world > 1 else None)
+
+
+def _summed_over(comm) -> Callable[[torch.Tensor], None]:
+    """In-place sum over `comm`'s ranks of a small tensor wherever it lives (host masters
+    under NCCL go through the device)."""
+    device = local_device(comm.backend)
+
+    def reduce(tensor: torch.Tensor) -> None:
+        moved = tensor.to(device)
+        comm.all_reduce(moved, kind="lamb_norms")
+        if moved is not tensor:
+            tensor.copy_(moved)
+    return reduce
+
+
+def has_fused_kernel(cls: type) -> bool:
+    """Whether `cls` is a torch optimizer with a `fused` kernel worth asking for (not SGD's)."""
+    return cls is not torch.optim.SGD and "fused" in inspect.signature(cls).parameters
 
 
 def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state per parameter the paper's K counts besides the fp32 master."""
     defaults = optimizer.defaults
+    if hasattr(optimizer, "state_bytes_per_param"):  # zeromem.optimizers
+        return optimizer.state_bytes_per_param
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return 4
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return 12 if defaults.get("amsgrad") else 8
     if isinstance(optimizer, torch.optim.SGD):

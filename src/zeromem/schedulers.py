@@ -19,17 +19,33 @@ so that log(N) > 0):  "log": log(s + 1) / log(N);  "linear": s / N.
 
 WarmupLR and WarmupDecayLR set absolute learning rates (the optimizer's lr is ignored, as
 in DeepSpeed); WarmupCosineLR scales each param group's own lr.
+
+DeepSpeed's cyclic schedules, after `deepspeed.runtime.lr_schedules` (its step index
+`last_batch_iteration + 1` is the index here, so index 0 is the value set at construction):
+
+- LRRangeTest:    lr = min_lr * (1 + rate * s / size)  (staircase: floor(s / size)).
+- OneCycle:       one cycle of cycle_first_step_size steps up from cycle_min_lr to
+                  cycle_max_lr and cycle_second_step_size steps back down (optionally in
+                  stairs), then lr = cycle_min_lr / (1 + decay_lr_rate * d / decay_step_size),
+                  d steps past the cycle (no decay when either is 0). With cycle_momentum and
+                  an optimizer with betas, beta1 cycles the other way between cycle_max_mom
+                  and cycle_min_mom (after the cycle: cycle_max_mom * (1 + decay_mom_rate * d /
+                  decay_step_size)), and beta2 is set to 0.99, as DeepSpeed does; at
+                  construction beta1 is cycle_min_mom (DeepSpeed's initial value).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
+from pydantic import Field
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+
+from zeromem.config.types import Bool, Float, Int
 
 if TYPE_CHECKING:
     from zeromem.config.schema import SchedulerConfig
@@ -46,16 +62,8 @@ def warmup_fraction(step: int, warmup_num_steps: int, warmup_type: WarmupType) -
     return step / warmup_num_steps
 
 
-class _ClosedFormSchedule(LRScheduler):
+class _ClosedForm(LRScheduler):
     """Base: each group's lr is `lr_at(step, base_lr)`, a pure function of the step index."""
-
-    def __init__(self, optimizer: Optimizer, warmup_num_steps: int, warmup_type: WarmupType,
-                 last_batch_iteration: int) -> None:
-        if warmup_type not in ("log", "linear"):
-            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
-        self.warmup_num_steps = max(2, warmup_num_steps)  # log(N) must be > 0
-        self.warmup_type = warmup_type
-        super().__init__(optimizer, last_epoch=last_batch_iteration)  # steps once: step 0
 
     def lr_at(self, step: int, base_lr: float) -> float:
         """The learning rate at `step` for a param group whose own lr is `base_lr`."""
@@ -66,6 +74,18 @@ class _ClosedFormSchedule(LRScheduler):
 
     def _get_closed_form_lr(self) -> list[float | Tensor]:
         return self.get_lr()
+
+
+class _ClosedFormSchedule(_ClosedForm):
+    """Base of the warmup schedules."""
+
+    def __init__(self, optimizer: Optimizer, warmup_num_steps: int, warmup_type: WarmupType,
+                 last_batch_iteration: int) -> None:
+        if warmup_type not in ("log", "linear"):
+            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+        self.warmup_num_steps = max(2, warmup_num_steps)  # log(N) must be > 0
+        self.warmup_type = warmup_type
+        super().__init__(optimizer, last_epoch=last_batch_iteration)  # steps once: step 0
 
 
 class WarmupLR(_ClosedFormSchedule):
@@ -136,9 +156,107 @@ class WarmupCosineLR(_ClosedFormSchedule):
         return base_lr * self.ratio(step)
 
 
-# DeepSpeed scheduler name -> class; config/schema.py validates params against these signatures.
-SCHEDULERS: dict[str, type[_ClosedFormSchedule]] = {
-    "WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
+Positive = Annotated[Int, Field(ge=1)]
+NonNegative = Annotated[Float, Field(ge=0)]
+
+
+class LRRangeTest(_ClosedForm):
+    """Raise the lr from lr_range_test_min_lr by step_rate every step_size steps (LR range test)."""
+
+    def __init__(self, optimizer: Optimizer, lr_range_test_min_lr: NonNegative = 1e-3,
+                 lr_range_test_step_size: Positive = 2000, lr_range_test_step_rate: NonNegative = 1.0,
+                 lr_range_test_staircase: Bool = False, last_batch_iteration: int = -1) -> None:
+        self.min_lr = lr_range_test_min_lr
+        self.step_size = lr_range_test_step_size
+        self.step_rate = lr_range_test_step_rate
+        self.staircase = lr_range_test_staircase
+        super().__init__(optimizer, last_epoch=last_batch_iteration)
+
+    def lr_at(self, step: int, base_lr: float) -> float:
+        interval = step // self.step_size if self.staircase else step / self.step_size
+        return self.min_lr * (1 + self.step_rate * interval)
+
+
+class OneCycle(_ClosedForm):
+    """DeepSpeed's 1Cycle: lr (and beta1, inversely) over one cycle, then a decay."""
+
+    def __init__(self, optimizer: Optimizer, cycle_min_lr: NonNegative, cycle_max_lr: NonNegative,
+                 decay_lr_rate: NonNegative = 0.0, cycle_first_step_size: Positive = 2000,
+                 cycle_second_step_size: Annotated[Int, Field(ge=0)] | None = None,
+                 cycle_first_stair_count: Annotated[Int, Field(ge=0)] = 0,
+                 cycle_second_stair_count: Annotated[Int, Field(ge=0)] | None = None,
+                 decay_step_size: Annotated[Int, Field(ge=0)] = 0, cycle_momentum: Bool = True,
+                 cycle_min_mom: Annotated[Float, Field(ge=0, lt=1)] = 0.8,
+                 cycle_max_mom: Annotated[Float, Field(ge=0, lt=1)] = 0.9,
+                 decay_mom_rate: NonNegative = 0.0, last_batch_iteration: int = -1) -> None:
+        self.min_lr, self.max_lr, self.decay_lr_rate = cycle_min_lr, cycle_max_lr, decay_lr_rate
+        self.first_step_size = cycle_first_step_size
+        self.second_step_size = (cycle_first_step_size if cycle_second_step_size is None
+                                 else cycle_second_step_size)
+        self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
+                                   else cycle_second_stair_count)
+        self.decay_step_size = decay_step_size
+        self.min_mom, self.max_mom, self.decay_mom_rate = cycle_min_mom, cycle_max_mom, decay_mom_rate
+        self.cycle_momentum = cycle_momentum and "betas" in optimizer.defaults
+        if cycle_momentum and not self.cycle_momentum:
+            logger.warning("OneCycle: cycle_momentum is off: %s has no betas (as in DeepSpeed)",
+                           type(optimizer).__name__)
+        if self.cycle_momentum and optimizer.defaults["betas"][1] != 0.99:
+            logger.warning("OneCycle sets beta2 to 0.99 (as DeepSpeed's does), not %s",
+                           optimizer.defaults["betas"][1])
+        super().__init__(optimizer, last_epoch=last_batch_iteration)
+
+    def scale(self, step: int) -> float:
+        """Where `step` is between the cycle's low (0) and high (1) point."""
+        cycle = math.floor(1 + step / self.total_size)
+        x = 1.0 + step / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale, stairs = x / self.step_ratio, self.first_stair_count
+        else:
+            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
+        if stairs > 0:  # flat for each of `stairs` parts of the half cycle
+            into = step % self.total_size
+            position = (into * stairs / self.first_step_size if into <= self.first_step_size
+                        else (self.total_size - into) * stairs / self.second_step_size)
+            scale = math.floor(position) / stairs
+        return scale
+
+    def _decaying(self, rate: float) -> bool:
+        return not (math.isclose(self.decay_step_size, 0) or math.isclose(rate, 0))
+
+    def lr_at(self, step: int, base_lr: float) -> float:
+        if step <= self.total_size:
+            return self.min_lr + (self.max_lr - self.min_lr) * self.scale(step)
+        if not self._decaying(self.decay_lr_rate):
+            return self.min_lr
+        past = (step - self.total_size) / self.decay_step_size
+        return self.min_lr / (1 + self.decay_lr_rate * past)
+
+    def momentum_at(self, step: int) -> float:
+        """beta1 at `step`."""
+        if step == 0:
+            return self.min_mom  # DeepSpeed's value at construction
+        if step <= self.total_size:
+            return self.max_mom - (self.max_mom - self.min_mom) * self.scale(step)
+        if not self._decaying(self.decay_mom_rate):
+            return self.max_mom
+        return self.max_mom * (1 + self.decay_mom_rate * (step - self.total_size) / self.decay_step_size)
+
+    def step(self, epoch: int | None = None) -> None:
+        super().step(epoch)  # type: ignore[arg-type]
+        if self.cycle_momentum:
+            for group in self.optimizer.param_groups:
+                group["betas"] = (self.momentum_at(self.last_epoch), 0.99)
+
+
+# DeepSpeed scheduler name -> class; config/optimizer_blocks.py validates params against these
+# signatures (an Annotated hint is the keyword's rule as it stands).
+SCHEDULERS: dict[str, type[_ClosedForm]] = {
+    "WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
+    "LRRangeTest": LRRangeTest, "OneCycle": OneCycle}
 
 
 def build_scheduler(scheduler_config: SchedulerConfig | None,

@@ -5,7 +5,8 @@ nothing downloaded) at stages 2 and 3 (persistence threshold 0, so every paramet
 partitioned), in fp32 and bf16, and one GPT-2 wrapped in a module (`module.` keys);
 each rank returns its whole weights (gathered) and its logits on a probe batch. The
 parent, with no process group, runs the command line and checks what
-`from_pretrained` makes of the directory against every rank.
+`from_pretrained` makes of the directory against every rank. A checkpoint real DeepSpeed
+saved (tests/data/deepspeed_hf_checkpoint) is exported as well.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ CASES = {  # name -> (model, stage, training dtype, wrapped in a module)
     "llama-s2-bf16": ("llama", 2, "bf16", False),
     "gpt2-wrapped-s3": ("gpt2", 3, "fp32", True),
 }
-DEEPSPEED_CHECKPOINT = Path(__file__).parent.parent / "data" / "deepspeed_checkpoints" / \
-    "stage2_ws2_fp32"
+DATA = Path(__file__).parent.parent / "data"
+DEEPSPEED_CHECKPOINT = DATA / "deepspeed_checkpoints" / "stage2_ws2_fp32"  # not an HF model
+DEEPSPEED_GPT2 = DATA / "deepspeed_hf_checkpoint"  # tools/make_deepspeed_hf_checkpoint.py
 
 
 class Wrapper(nn.Module):
@@ -194,6 +196,24 @@ def test_dtype_is_the_override_else_the_configs_else_the_trainings(trained):
     target = root / case / "fp16"
     assert main(["consolidate", str(root / case / "ckpt"), str(target), "--hf", str(half)]) == 0
     assert {d for _, d in written(target).values()} == {"F16"}
+
+
+def test_a_deepspeed_checkpoint_becomes_the_model_deepspeed_trained(tmp_path):
+    """Real DeepSpeed's stage-3 bf16 checkpoint of a tiny GPT-2 (2 ranks): every weight as
+    DeepSpeed's own `safe_get_full_fp32_param` gathered it; bf16 by default (its config)."""
+    from safetensors.torch import load_file
+
+    expected = load_file(DEEPSPEED_GPT2 / "expected.safetensors")  # the tied lm_head once
+    for options, dtype in (([], torch.bfloat16), (["--dtype", "fp32"], torch.float32)):
+        out = tmp_path / str(dtype)
+        assert main(["consolidate", str(DEEPSPEED_GPT2 / "ckpt"), str(out),
+                     "--hf", str(DEEPSPEED_GPT2 / "config"), *options]) == 0
+        assert set(written(out)) == set(expected)
+        loaded = load(out).state_dict()
+        for key, value in expected.items():
+            torch.testing.assert_close(loaded[key].to(dtype), value.to(dtype), rtol=0, atol=0,
+                                       msg=key)
+        assert loaded["lm_head.weight"].data_ptr() == loaded["transformer.wte.weight"].data_ptr()
 
 
 def refused(root: Path, case: str, config: dict | Path, capsys, ckpt: Path | None = None) -> str:

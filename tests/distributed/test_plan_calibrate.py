@@ -56,8 +56,8 @@ def test_counted_collectives_carry_the_bytes_the_engine_sends():
     n = 2
     # Comm counts what one rank sends: all-reduce 2(n-1)/n of the tensor, the others (n-1)/n
     sent = {"all_reduce": 2 * (n - 1) / n, "all_reduce_norm": 2 * (n - 1) / n,
-            "reduce_scatter": (n - 1) / n,
-            "all_gather": (n - 1) / n}
+            "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
+            "all_gather_forward": (n - 1) / n, "all_gather_backward": (n - 1) / n}
     for stage in range(4):
         layout = layout_for(Config.load(_config(stage), world_size=n))
         predicted = collectives(shape, layout, 4, 4, n, GAS)
@@ -86,7 +86,7 @@ def test_calibration_is_positive_and_self_consistent(tmp_path):
          for s in (Setup(0), Setup(2), Setup(3), Setup(2, "gpu"), Setup(2, "none", "nvme"))}
     for time in t.values():
         assert time.compute > 0 and time.comm > 0 and time.optimizer > 0
-        assert time.overlapped <= time.serial
+        assert time.overlapped == time.serial  # gloo: nothing overlaps
     # the compute of the measured workload is what was measured
     assert t[Setup(0)].compute == pytest.approx(cal.forward_s + cal.backward_s)
     # directions that follow from the work done, whatever the figures

@@ -18,7 +18,7 @@ import torch
 
 import zeromem
 from harness import run_distributed
-from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
+from models import GainLM, Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
 from zeromem import quantize
 from zeromem.comm import Comm
 from zeromem.hierarchy import HierarchicalQuantizedReduce
@@ -63,10 +63,11 @@ def train_and_compare(rank: int, world_size: int, stage: int, optimizer: str, ga
     per_rank = stage < 3  # stage 3: every rank runs the same modules
     torch.manual_seed(0)
     clip = 0.05 if optimizer == "adamw" else 0.0  # AdamW cases clip: the norm must be global
-    ref = Reference(TinyLM(), optimizer=optimizer, per_rank=per_rank, clip=clip)
+    # GainLM: its backward reads the re-gathered parameters (a Linear's reads the forward's)
+    ref = Reference(GainLM(), optimizer=optimizer, per_rank=per_rank, clip=clip)
     initial = copy.deepcopy(ref.model)
     torch.manual_seed(rank * 7 + 1 if rank else 0)  # ranks seeded differently: rank 0's wins
-    engine = zeromem.initialize(TinyLM(), config(stage, optimizer, gas, clip, ranks_per_node,
+    engine = zeromem.initialize(GainLM(), config(stage, optimizer, gas, clip, ranks_per_node,
                                                  **zero))
     diffs = []
     for step in range(STEPS):
@@ -175,9 +176,9 @@ def quantized_collectives(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_quantized_collectives_are_exact_ones_within_their_bound():
-    for rank, errors in enumerate(run_distributed(quantized_collectives, 4)):
-        for name, (error, bound) in errors.items():
+def test_quantized_collectives_are_exact_ones_within_their_bound(measured):
+    for rank, runs in enumerate(measured):  # the same spawned world as the bytes below
+        for name, (error, bound) in runs["collectives"].items():
             assert 0 < error <= bound, (rank, name, error, bound)
 
 
@@ -206,7 +207,7 @@ def bf16_config(**zero) -> dict:
 
 
 def bytes_and_losses(rank: int, world_size: int) -> dict:
-    out = {}
+    out: dict = {"collectives": quantized_collectives(rank, world_size)}
     for name, zero in OPTIONS.items():
         engine = zeromem.initialize(wide_lm(), bf16_config(**zero))
         losses = []
@@ -218,9 +219,11 @@ def bytes_and_losses(rank: int, world_size: int) -> dict:
             losses.append(loss.item())
         report = engine.comm_report()
         shards = [g.shard_numel for g in engine.groups]
+        engine.backward(engine(*micro_batch(0, rank, 0)))  # hpZ's copies live until the step
+        params_bytes = engine.memory_report().held["params"]["device"]
         engine.close()
         out[name] = {"split": {k: report.split(k) for k in report.last_step},
-                     "losses": losses, "shards": shards}
+                     "losses": losses, "shards": shards, "params_bytes": params_bytes}
     return out
 
 
@@ -251,6 +254,9 @@ def test_ledger_shows_each_option_saving_what_it_claims(measured):
         assert plain["reduce_scatter"][1] == pytest.approx(flat_inter, abs=2)
         assert qgz["reduce_scatter"][1] == pytest.approx(qgz_inter, abs=2)
         assert plain["reduce_scatter"][1] / qgz["reduce_scatter"][1] > 6, rank  # ~8x less
+        # hpZ's secondary copy: half of each unit (2 ranks per node), bf16, until the step
+        extra = runs["+hpZ"]["params_bytes"] - runs["stage 3"]["params_bytes"]
+        assert extra == sum(4 * s // 2 * 2 for s in shards), (extra, shards)
         both = runs["all three"]["split"]
         assert both["all_gather_backward"][1] == 0
         assert both["reduce_scatter"] == qgz["reduce_scatter"]

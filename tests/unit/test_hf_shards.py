@@ -1,5 +1,5 @@
 """Pure logic of `zeromem consolidate --hf` (no process group): shard packing against
-huggingface_hub's own splitter, wrapper prefixes, sizes and dtypes."""
+huggingface_hub's own splitter, wrapper prefixes, sizes, dtypes, configs with code."""
 from __future__ import annotations
 
 import random
@@ -59,3 +59,16 @@ def test_dtype_is_the_override_then_the_config_then_the_training():
     assert output_dtype("fp32", SimpleNamespace(dtype="float16"), manifest) == torch.float32
     with pytest.raises(CheckpointError, match="the config's dtype is 'int8'"):
         output_dtype(None, SimpleNamespace(dtype="int8"), manifest)
+
+
+def test_a_config_that_needs_its_own_code_is_refused_without_running_it(tmp_path):
+    pytest.importorskip("transformers")
+    from zeromem.checkpoints.hf_export import read_hf_model
+
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "mystery", "auto_map": {"AutoConfig": "conf.MyConfig"}}')
+    ran = tmp_path / "ran"
+    (tmp_path / "conf.py").write_text(f"open({str(ran)!r}, 'w').close()\n")
+    with pytest.raises(CheckpointError, match="custom code"):
+        read_hf_model(tmp_path)
+    assert not ran.exists()

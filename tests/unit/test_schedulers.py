@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from zeromem.config.schema import Config
-from zeromem.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from zeromem.config.schema import Config, ConfigError
+from zeromem.schedulers import (LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR,
+                                build_scheduler)
 
 
 def make_optimizer(*lrs: float) -> torch.optim.Optimizer:
@@ -117,3 +118,127 @@ def test_build_scheduler_from_config():
 def test_bad_warmup_type_raises():
     with pytest.raises(ValueError, match="warmup_type"):
         WarmupLR(make_optimizer(), warmup_type="cosine")
+
+
+# ---------------------------------------------------------------- DeepSpeed's cyclic schedules
+
+class DeepSpeedOneCycle:
+    """deepspeed.runtime.lr_schedules.OneCycle's bookkeeping, transcribed: construction sets
+    the lr to cycle_min_lr and beta1 to cycle_min_mom; each step() advances
+    last_batch_iteration and recomputes from batch_iteration = last_batch_iteration + 1."""
+
+    def __init__(self, min_lr, max_lr, first, second=None, first_stairs=0, second_stairs=None,
+                 decay_step=0, decay_lr=0.0, min_mom=0.8, max_mom=0.9, decay_mom=0.0):
+        self.min_lr, self.max_lr, self.min_mom, self.max_mom = min_lr, max_lr, min_mom, max_mom
+        second = first if second is None else second
+        self.first, self.second, self.total = float(first), float(second), float(first + second)
+        self.ratio = self.first / self.total
+        self.stairs = (first_stairs, first_stairs if second_stairs is None else second_stairs)
+        self.decay_step, self.decay_lr, self.decay_mom = decay_step, decay_lr, decay_mom
+        self.last = -1
+        self.lr, self.mom = min_lr, min_mom
+
+    def scale(self):
+        it = self.last + 1
+        cycle = math.floor(1 + it / self.total)
+        x = 1.0 + it / self.total - cycle
+        if x <= self.ratio:
+            scale, stairs = x / self.ratio, self.stairs[0]
+        else:
+            scale, stairs = (x - 1) / (self.ratio - 1), self.stairs[1]
+        if stairs > 0:
+            into = it % self.total
+            pos = (into * stairs / self.first if into <= self.first
+                   else (self.total - into) * stairs / self.second)
+            scale = math.floor(pos) / stairs
+        return scale
+
+    def step(self):
+        self.last += 1
+        if self.last < self.total:
+            s = self.scale()
+            self.lr = self.min_lr + (self.max_lr - self.min_lr) * s
+            self.mom = self.max_mom - (self.max_mom - self.min_mom) * s
+        else:
+            d = (self.last - self.total + 1) / self.decay_step if self.decay_step else 0
+            self.lr = self.min_lr / (1 + self.decay_lr * d) if self.decay_step and self.decay_lr \
+                else self.min_lr
+            self.mom = self.max_mom * (1 + self.decay_mom * d) if self.decay_step and self.decay_mom \
+                else self.max_mom
+
+
+def adam(*lrs: float) -> torch.optim.Optimizer:
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in lrs or (0.1,)]
+    return torch.optim.Adam(groups, betas=(0.9, 0.99))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(first=4),  # symmetric cycle, then flat at min
+    dict(first=3, second=5, decay_step=2, decay_lr=0.5, decay_mom=0.1),  # asymmetric, decays
+    dict(first=6, first_stairs=3),  # staircase, second half as the first
+    dict(first=4, second=6, first_stairs=2, second_stairs=3, decay_step=1, decay_lr=1.0),
+])
+def test_one_cycle_follows_deepspeed_step_by_step(kwargs):
+    reference = DeepSpeedOneCycle(0.01, 0.1, **kwargs)
+    names = dict(first="cycle_first_step_size", second="cycle_second_step_size",
+                 first_stairs="cycle_first_stair_count", second_stairs="cycle_second_stair_count",
+                 decay_step="decay_step_size", decay_lr="decay_lr_rate", decay_mom="decay_mom_rate")
+    scheduler = OneCycle(adam(0.5, 0.7), cycle_min_lr=0.01, cycle_max_lr=0.1,
+                         **{names[k]: v for k, v in kwargs.items()})
+    for step in range(25):
+        for group in scheduler.optimizer.param_groups:  # every group: absolute lrs
+            assert group["lr"] == pytest.approx(reference.lr), (step, kwargs)
+            assert group["betas"] == pytest.approx((reference.mom, 0.99)), (step, kwargs)
+        scheduler.optimizer.step()
+        scheduler.step()
+        reference.step()
+
+
+def test_one_cycle_phases():
+    """Up for cycle_first_step_size steps, down for the second, then decay."""
+    scheduler = OneCycle(adam(), cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_first_step_size=4,
+                         cycle_second_step_size=2, decay_step_size=1, decay_lr_rate=1.0)
+    lrs = [h[0] for h in lrs_by_step(scheduler, 8)]
+    assert lrs[:7] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0, 0.5, 0.0])
+    assert lrs[7] == pytest.approx(0.0)  # min 0 decays to 0
+    moms = [scheduler.momentum_at(s) for s in range(7)]
+    assert moms[0] == 0.8 and moms[4] == pytest.approx(0.8) and moms[6] == pytest.approx(0.9)
+
+
+def test_one_cycle_without_betas_leaves_momentum(caplog):
+    with caplog.at_level("WARNING", logger="zeromem"):
+        scheduler = OneCycle(make_optimizer(), cycle_min_lr=0.01, cycle_max_lr=0.1,
+                             cycle_first_step_size=2)
+    assert "cycle_momentum is off" in caplog.text
+    scheduler.optimizer.step()
+    scheduler.step()
+    assert "betas" not in scheduler.optimizer.param_groups[0]
+
+
+@pytest.mark.parametrize("staircase", [False, True])
+def test_lr_range_test_follows_deepspeed(staircase):
+    scheduler = LRRangeTest(make_optimizer(0.5), lr_range_test_min_lr=0.01,
+                            lr_range_test_step_size=3, lr_range_test_step_rate=2.0,
+                            lr_range_test_staircase=staircase)
+    history = [h[0] for h in lrs_by_step(scheduler, 10)]
+    for step, lr in enumerate(history):  # DeepSpeed: (last_batch_iteration + 1) / step_size
+        interval = math.floor(step / 3) if staircase else step / 3
+        assert lr == pytest.approx(0.01 * (1 + 2.0 * interval))
+
+
+def test_cyclic_schedules_from_config_and_resume():
+    config = Config.load({"scheduler": {"type": "onecycle", "params": {
+        "cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_first_step_size": 3}}})
+    scheduler = build_scheduler(config.scheduler, adam())
+    assert isinstance(scheduler, OneCycle)
+    for _ in range(4):
+        scheduler.optimizer.step()
+        scheduler.step()
+    resumed = build_scheduler(config.scheduler, adam())
+    resumed.load_state_dict(scheduler.state_dict())
+    assert resumed.get_last_lr() == scheduler.get_last_lr()
+    assert resumed.lr_at(5, 0.1) == scheduler.lr_at(5, 0.1)
+    with pytest.raises(ConfigError, match="scheduler.params.cycle_max_lr is required"):
+        Config.load({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3}}})
+    with pytest.raises(ConfigError, match="lr_range_test_step_size must be >= 1"):
+        Config.load({"scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_step_size": 0}}})

@@ -366,7 +366,7 @@ def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str
     saved values (lr, betas, ...) replace the defaults, implementation switches excepted.
     """
     from zeromem.config.schema import OptimizerConfig, SchedulerConfig
-    from zeromem.optim import OPTIMIZERS
+    from zeromem.optim import OPTIMIZERS, has_fused_kernel
     from zeromem.schedulers import build_scheduler
 
     block = config.get("optimizer")
@@ -380,15 +380,16 @@ def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str
     saved = ds.param_groups or [{}] * len(ds.scalars)
     kind = opt_config.type.lower() if opt_config else (
         "adamw" if saved[0].get("decoupled_weight_decay") else "adam")
-    if kind not in OPTIMIZERS:
+    if opt_config is None and kind not in OPTIMIZERS:
         raise CheckpointError(f"{ds.path}: optimizer {kind!r} has no zeromem equivalent "
                               f"({sorted(OPTIMIZERS)})")
+    cls = opt_config.torch_class if opt_config else OPTIMIZERS[kind]
     params = dict(opt_config.params) if opt_config else {}
-    if OPTIMIZERS[kind] is not torch.optim.SGD and not {"foreach", "fused"} & set(params):
+    if has_fused_kernel(cls) and not {"foreach", "fused"} & set(params):
         params["fused"] = True  # as zeromem's optim.build_optimizer does
     groups = [{"params": [torch.zeros(0)],
                **{k: v for k, v in g.items() if k not in _IMPLEMENTATION}} for g in saved]
-    optimizer = OPTIMIZERS[kind](groups, **params)
+    optimizer = cls(groups, **params)
     schedule = None
     if sched_config is not None:
         scheduler = build_scheduler(sched_config, optimizer)

@@ -96,7 +96,8 @@ def read_hf_model(config_dir: str | os.PathLike) -> HfModel:
         raise CheckpointError(f"{config_dir}: no config.json; --hf takes the directory of a "
                               "Hugging Face model (or its config.json)")
     try:
-        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True,
+                                                         trust_remote_code=False)  # no prompt
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(f"{directory / 'config.json'} cannot be read as a Hugging Face "
                               f"config: {error}") from None
@@ -115,7 +116,7 @@ def _build(transformers: Any, config: Any, directory: Path) -> torch.nn.Module:
     try:
         if isinstance(cls, type):
             return cls(config)
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except (ValueError, TypeError, KeyError) as error:
         raise CheckpointError(f"{directory / 'config.json'}: cannot build the model it "
                               f"describes ({error}); set \"architectures\" to a transformers "

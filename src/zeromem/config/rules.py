@@ -30,12 +30,41 @@ class ConfigError(ValueError):
     __module__ = "zeromem.config.schema"  # its public home, which re-exports it
 
 
+class Unsupported(ConfigError):
+    """A DeepSpeed feature or setting the config turns on that zeromem does not run.
+
+    `key` is the dotted key that turns it on, `feature` DeepSpeed's name for it (None when
+    the key is the whole feature) and `reason` why zeromem refuses it and what to use
+    instead; the message says all of them.
+    """
+
+    __module__ = "zeromem.config.schema"
+
+    def __init__(self, key: str, feature: str | None, reason: str, value: Any = None,
+                 message: str | None = None):
+        self.key, self.feature, self.reason, self.value = key, feature, reason, value
+        shown = f" = {value!r}" if value is not None else ""
+        named = f" ({feature})" if feature else ""
+        super().__init__(message or f"{key}{shown} is not supported{named}: {reason}")
+
+    def __reduce__(self):  # pickles (spawned ranks) with its fields, origin prefix included
+        return (type(self), (self.key, self.feature, self.reason, self.value, str(self)))
+
+
 # ---------------------------------------------------------------- error messages
 
-def unknown_key_message(key: str, path: str, valid: list[str]) -> str:
-    """`key` at dotted `path` is not one of `valid`: suggest the closest, else list them."""
+# An unknown top-level key with no close match: DeepSpeed would ignore it, zeromem does not.
+NOT_DEEPSPEED = ("it is not a DeepSpeed or zeromem key (DeepSpeed ignores unknown top-level "
+                 "keys; zeromem refuses them so that a typo is not ignored silently: to drop them "
+                 'with a warning, set "zeromem": {"ignore_unknown_keys": true})')
+
+
+def unknown_key_message(key: str, path: str, valid: list[str], otherwise: str | None = None) -> str:
+    """`key` at dotted `path` is not one of `valid`: suggest the closest, else say `otherwise`
+    (by default: list them)."""
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}?" if close else "valid keys: " + ", ".join(sorted(valid))
+    hint = (f"did you mean {close[0]!r}?" if close
+            else otherwise or "valid keys: " + ", ".join(sorted(valid)))
     return f"unknown key {key!r} at {path}; {hint}"
 
 
@@ -70,7 +99,10 @@ def _describe_error(err: ErrorDetails, root: type[BaseModel], prefix: tuple = ()
     kind, ctx = err["type"], err.get("ctx") or {}
     if kind == "extra_forbidden":
         block = _block_at(root, err["loc"][:-1])
-        return unknown_key_message(str(loc[-1]), path, list(block.model_fields) if block else [])
+        # `_also_known`: keys the block accepts before validation (config/features.py)
+        valid = [*block.model_fields, *getattr(block, "_also_known", ())] if block else []
+        top = len(loc) == 1 and block is root
+        return unknown_key_message(str(loc[-1]), path, valid, NOT_DEEPSPEED if top else None)
     if kind == "missing":
         return f"{path} is required"
     if kind == "value_error":

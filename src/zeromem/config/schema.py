@@ -17,27 +17,26 @@ rules applied around them (error messages, key renames, "auto", the batch triple
 
 from __future__ import annotations
 
-import builtins
 import copy
-import inspect
 import json
 import logging
-import math
 import os
 import sys
-from functools import cache
-from typing import Annotated, Any, Callable, ClassVar, Literal, get_type_hints
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
 import torch
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool,
-                      ValidationError, create_model, field_validator, model_validator)
-from pydantic_core import PydanticCustomError
+from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
-from zeromem import schedulers
 from zeromem.config.cluster import ClusterConfig, check_zeropp
+from zeromem.config import features
+from zeromem.config.optimizer_blocks import (OptimizerConfig, SchedulerConfig,  # noqa: F401 (re-exported)
+                                             _optimizer_params_model, _scheduler_params_model)
 from zeromem.config.rules import (AIO_RENAMED, BATCH_KEYS, TOP_LEVEL_RENAMED, ZERO_RENAMED,
-                                  ConfigError, humanise, map_cpu_offload, map_renamed_keys,
+                                  ConfigError, Unsupported, humanise, map_cpu_offload,
                                   resolve_auto, resolve_batch)
+from zeromem.config.types import (NUMBER_LIMIT, Bool, Dtype, Float, Int,  # noqa: F401 (re-exported)
+                                  OffloadDevice, StepsPerPrint, _Block, _not_bool, _numeric)
 
 logger = logging.getLogger("zeromem")
 
@@ -46,183 +45,7 @@ logger = logging.getLogger("zeromem")
 NOT_BUILT: set[str] = set()
 # DeepSpeed features zeromem does not plan to implement; rejected rather than ignored.
 OUT_OF_SCOPE: frozenset[str] = frozenset({"zeropp", "mics", "elastic_checkpoint"})
-
-
-# Largest magnitude a number may have: sizes and counts end up in int64 tensors and C
-# size_t, and anything beyond is a typo (a 400-digit batch size), not a setting.
-NUMBER_LIMIT = 2**63 - 1
-
-
-def _numeric(kind: str) -> BeforeValidator:
-    """Reject booleans and strings where a number is expected (pydantic's lax mode takes them),
-    NaN and infinities (JSON's NaN/Infinity literals), and numbers beyond NUMBER_LIMIT."""
-
-    def check(value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PydanticCustomError(f"{kind}_type", "Input should be a valid {kind}",
-                                      {"kind": kind})
-        if isinstance(value, float) and not math.isfinite(value):
-            raise PydanticCustomError("finite_number", "Input should be a finite number")
-        if abs(value) > NUMBER_LIMIT:
-            raise PydanticCustomError("number_too_large", "Input should be at most 2**63 - 1")
-        return value
-
-    return BeforeValidator(check)
-
-
-def _not_bool(value: Any) -> Any:
-    """Reject booleans before an integer Literal: pydantic's lax mode takes true as 1."""
-    if isinstance(value, bool):
-        raise PydanticCustomError("int_type", "Input should be a valid integer")
-    return value
-
-
-Int = Annotated[int, _numeric("int")]  # whole floats like 5e8 become ints
-Float = Annotated[float, _numeric("float")]
-Bool = StrictBool
-Dtype = Literal["fp32", "fp16", "bf16"]
-OffloadDevice = Literal["none", "cpu", "nvme"]
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-# ---------------------------------------------------------------- blocks
-
-class _Block(BaseModel):
-    """Base of every config block: unknown keys are errors and legacy names are mapped."""
-
-    model_config = ConfigDict(extra="forbid")
-    # Legacy key -> (current key, deprecated?): accepted in this block, renamed before validation.
-    _renamed: ClassVar[dict[str, tuple[str, bool]]] = {}
-    # Dotted path of this block, used in warnings.
-    _section: ClassVar[str] = ""
-    # Fields whose value was derived (batch rules, "auto", stage-dependent defaults).
-    _derived: set[str] = PrivateAttr(default_factory=set)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _map_renamed_keys(cls, data: Any) -> Any:
-        return map_renamed_keys(data, cls._renamed, cls._section)
-
-
-def _pair(value: Any) -> Any:
-    """A JSON list of exactly two items (Adam's betas); pydantic would name a missing index."""
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise PydanticCustomError("pair_type", "Input should be a pair")
-    return value
-
-
-_Beta = Annotated[Float, Field(ge=0, lt=1)]
-# Rules for the torch optimizers' keywords, by name; a keyword not named here keeps its
-# torch type check. DeepSpeed passes these straight to the constructor, whose own checks
-# would surface as a torch traceback (or not at all: torch takes lr "0.01" until step()).
-_OPTIMIZER_PARAM_RULES: dict[str, Any] = {
-    "lr": Annotated[Float, Field(ge=0)], "eps": Annotated[Float, Field(gt=0)],
-    "betas": Annotated[list[_Beta], BeforeValidator(_pair)],  # a list, as torch got it before
-    "weight_decay": Annotated[Float, Field(ge=0)], "momentum": Annotated[Float, Field(ge=0)],
-    "dampening": Annotated[Float, Field(ge=0)],
-    **{name: Bool for name in ("amsgrad", "nesterov", "maximize", "capturable", "differentiable",
-                               "decoupled_weight_decay")},
-    "foreach": Bool | None, "fused": Bool | None,
-}
-
-
-@cache
-def _optimizer_params_model(torch_class: type[torch.optim.Optimizer]) -> type[BaseModel]:
-    """A strict pydantic model of the optimizer's keyword arguments, built from its signature."""
-    fields: dict[str, Any] = {}
-    for arg, p in inspect.signature(torch_class).parameters.items():
-        if arg != "params" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            fields[arg] = (_OPTIMIZER_PARAM_RULES.get(arg, Any), None)
-    return create_model(f"{torch_class.__name__}Params",
-                        __config__=ConfigDict(extra="forbid"), **fields)
-
-
-class OptimizerConfig(_Block):
-    """`optimizer`: a torch optimizer named the DeepSpeed way, with its constructor keywords."""
-
-    _classes: ClassVar[dict[str, type[torch.optim.Optimizer]]] = {
-        "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
-
-    type: Literal["Adam", "AdamW", "SGD"]  # case-insensitive in the file
-    params: dict[str, Any] = Field(default_factory=dict)  # keywords of the torch constructor
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _normalise_type(cls, value: Any) -> Any:
-        names = {name.lower(): name for name in cls._classes}
-        return names.get(value.lower(), value) if isinstance(value, str) else value
-
-    @model_validator(mode="after")
-    def _check_params(self) -> OptimizerConfig:
-        params = dict(self.params)
-        if self.type in ("Adam", "AdamW"):
-            self._map_deepspeed_adam_keys(params)
-        model = _optimizer_params_model(self.torch_class)  # type: ignore[arg-type]  # hashable
-        try:
-            checked = model.model_validate(params)
-        except ValidationError as error:
-            raise ConfigError(humanise(error, model, ("optimizer", "params"))) from None
-        self.params = checked.model_dump(exclude_unset=True)
-        return self
-
-    def _map_deepspeed_adam_keys(self, params: dict[str, Any]) -> None:
-        # zeromem always runs torch.optim, so DeepSpeed's kernel switch has nothing to select.
-        params.pop("torch_adam", None)
-        adam_w_mode = params.pop("adam_w_mode", None)
-        if self.type == "AdamW" and adam_w_mode is False:
-            raise ConfigError("optimizer.params.adam_w_mode=false contradicts type 'AdamW'; "
-                              "use type 'Adam'")
-        # DeepSpeed's "Adam" decouples weight decay (adam_w_mode defaults to true).
-        if self.type == "Adam" and adam_w_mode is not False and params.get("weight_decay", 0):
-            logger.warning("optimizer type 'Adam' with weight_decay runs as AdamW, as in DeepSpeed "
-                           "(adam_w_mode defaults to true); set adam_w_mode=false for L2 decay")
-            self.type = "AdamW"
-        if self.type == "AdamW":
-            params.setdefault("weight_decay", 0.0)  # DeepSpeed's default; torch's AdamW uses 0.01
-
-    @property
-    def torch_class(self) -> builtins.type[torch.optim.Optimizer]:  # `type` is a field here
-        """The torch optimizer class this block names."""
-        return self._classes[self.type]
-
-
-@cache
-def _scheduler_params_model(name: str) -> type[BaseModel]:
-    """A strict pydantic model of the scheduler's keyword arguments, built from its signature."""
-    cls = schedulers.SCHEDULERS[name]
-    hints = get_type_hints(cls.__init__)
-    fields: dict[str, Any] = {}
-    for arg, p in inspect.signature(cls.__init__).parameters.items():
-        if arg in ("self", "optimizer", "last_batch_iteration"):  # resume via state_dict instead
-            continue
-        # every numeric keyword is a step count, a learning rate or a ratio: none is negative
-        hint = {float: Annotated[Float, Field(ge=0)],
-                int: Annotated[Int, Field(ge=0)]}.get(hints[arg], hints[arg])
-        fields[arg] = (hint, ... if p.default is p.empty else p.default)
-    return create_model(f"{name}Params", __config__=ConfigDict(extra="forbid"), **fields)
-
-
-class SchedulerConfig(_Block):
-    """`scheduler`: one of DeepSpeed's warmup schedules (see zeromem.schedulers)."""
-
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]  # case-insensitive in the file
-    params: dict[str, Any] = Field(default_factory=dict)  # keywords of the schedule's constructor
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _normalise_type(cls, value: Any) -> Any:
-        names = {name.lower(): name for name in schedulers.SCHEDULERS}
-        return names.get(value.lower(), value) if isinstance(value, str) else value
-
-    @model_validator(mode="after")
-    def _check_params(self) -> SchedulerConfig:
-        model = _scheduler_params_model(self.type)
-        try:
-            checked = model.model_validate(self.params)
-        except ValidationError as error:
-            raise ConfigError(humanise(error, model, ("scheduler", "params"))) from None
-        self.params = checked.model_dump(exclude_unset=True)
-        return self
 
 
 class FP16Config(_Block):
@@ -417,6 +240,7 @@ class TimeoutsConfig(_Block):
     # sub_group_size and offload_optimizer.buffer_count unless those are set (offload/budget.py)
     offload_host_budget_bytes: Int = Field(64 * 2**20, ge=1)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # nodes, ZeRO++ quantization
+    ignore_unknown_keys: Bool = False  # drop top-level keys neither DeepSpeed's nor ours (warned)
 
 
 # ---------------------------------------------------------------- features not built
@@ -458,30 +282,38 @@ _FEATURE_KEYS: dict[str, Callable[[Config], str | None]] = {
 
 
 def check_supported(config: Config) -> None:
-    """Raise ConfigError if `config` uses a feature in NOT_BUILT or OUT_OF_SCOPE."""
+    """Raise Unsupported if `config` uses a feature in NOT_BUILT or OUT_OF_SCOPE."""
     for feature, key in config.unsupported_features().items():
         value = config.value_at(key)
         if feature in NOT_BUILT:
-            raise ConfigError(f"{key} = {value!r} is not supported yet (zeromem feature "
+            raise Unsupported(key, feature, "not built yet", value,
+                              f"{key} = {value!r} is not supported yet (zeromem feature "
                               f"{feature!r} is not built)")
-        raise ConfigError(f"{key} = {value!r} is not supported (zeromem does not implement "
+        raise Unsupported(key, feature, "zeromem does not implement it", value,
+                          f"{key} = {value!r} is not supported (zeromem does not implement "
                           f"{feature!r})")
 
 
 # ---------------------------------------------------------------- top level
 
 class Config(_Block):
-    """A DeepSpeed JSON config, validated. Build it with `Config.load`."""
+    """A DeepSpeed JSON config, validated. Build it with `Config.load`.
+
+    DeepSpeed features without a field are accepted while off and refused when on by
+    `config.features` (kept, when off, in `inert`).
+    """
 
     _renamed = TOP_LEVEL_RENAMED
+    _also_known: ClassVar[tuple[str, ...]] = features.TOP_LEVEL  # taken before validation
     _raw: dict | None = PrivateAttr(default=None)  # the input as given, for re-resolving
+    _inert: dict[str, Any] = PrivateAttr(default_factory=dict)  # DeepSpeed blocks left off
     _hidden_size: int | None = PrivateAttr(default=None)  # what resolved hidden-size "auto"s
 
     train_batch_size: Int | None = Field(None, ge=1)  # global batch = micro × gas × world_size
     train_micro_batch_size_per_gpu: Int | None = Field(None, ge=1)  # per-rank forward batch
     gradient_accumulation_steps: Int | None = Field(None, ge=1)  # micro-steps per optimizer step
     gradient_clipping: Float = Field(0.0, ge=0)  # global-norm clip; 0.0 = off (DeepSpeed code)
-    steps_per_print: Int = Field(10, ge=1)  # logging interval in optimizer steps
+    steps_per_print: StepsPerPrint = 10  # logging interval in optimizer steps; Infinity = never
     wall_clock_breakdown: Bool = False  # per-phase timers
     prescale_gradients: Bool = False  # scale grads before the reduction instead of after
     gradient_predivide_factor: Float = Field(1.0, gt=0)  # divide grads by this before averaging
@@ -519,6 +351,12 @@ class Config(_Block):
     def _check_cross_block_rules(self, info: Any) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled cannot both be true")
+        if self.optimizer and self.optimizer.type == "Lamb" and \
+                self.zero_optimization.offload_optimizer_device == "nvme":
+            raise Unsupported("zero_optimization.offload_optimizer.device", "Lamb with NVMe "
+                              "optimizer offload", "Lamb's trust ratio needs each parameter's "
+                              "whole update before any of it is applied, and NVMe offload steps "
+                              "the optimizer tile by tile; offload to \"cpu\" instead", "nvme")
         world_size = (info.context or {}).get("world_size")
         if world_size is not None:
             given = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
@@ -565,15 +403,22 @@ class Config(_Block):
             bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
             if value is not None and bad:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        inert = source.inert if isinstance(source, Config) else {}
         try:
+            data, taken = features.take_features(data, [*cls.model_fields, *cls._renamed])
             config = cls.model_validate(
                 data, context={"world_size": world_size, "hidden_size": hidden_size})
+            config._inert = {**inert, **taken}
             check_supported(config)
         except ValidationError as error:
             message = humanise(error, cls)
+            refused = [e["ctx"]["error"] for e in error.errors()
+                       if isinstance((e.get("ctx") or {}).get("error"), Unsupported)]
+            if refused:  # keep the kind (and key, feature, reason) of a refusal
+                raise _located(refused[0], origin, message) from None
             raise ConfigError(f"{origin}: {message}" if origin else message) from None
         except ConfigError as error:
-            raise ConfigError(f"{origin}: {error}" if origin else str(error)) from None
+            raise _located(error, origin, str(error)) from None
         return config
 
     def unsupported_features(self) -> dict[str, str]:
@@ -584,6 +429,11 @@ class Config(_Block):
             if key:
                 used[feature] = key
         return used
+
+    @property
+    def inert(self) -> dict[str, Any]:
+        """DeepSpeed feature blocks the config gave and left off, by dotted key (accepted)."""
+        return self._inert
 
     def value_at(self, dotted: str) -> Any:
         """The value at a dotted key path such as "zero_optimization.stage"; "" is self."""
@@ -609,7 +459,14 @@ class Config(_Block):
         """Every resolved value, one per line, with where it came from (default/file/derived)."""
         lines: list[str] = []
         _describe_block(self, "", lines)
+        lines += [f"{key:<56} {value!r:<24} accepted off" for key, value in self.inert.items()]
         return "\n".join(lines)
+
+
+def _located(error: ConfigError, origin: str | None, message: str) -> ConfigError:
+    """`error` (its kind and fields kept) saying `message`, prefixed by the file it came from."""
+    error.args = (f"{origin}: {message}" if origin else message,)
+    return error
 
 
 def _describe_block(block: BaseModel, prefix: str, lines: list[str]) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from zeromem.config.schema import Config, ConfigError
+from zeromem.config.schema import Config, Unsupported
 
 log = logging.getLogger("zeromem")
 
@@ -22,9 +22,11 @@ READ: dict[str, tuple[str, ...]] = {
     "train_batch_size": ("config.rules",), "train_micro_batch_size_per_gpu": ("config.rules",),
     "gradient_accumulation_steps": ("config.schema",), "gradient_clipping": ("engine",),
     "steps_per_print": ("engine",), "wall_clock_breakdown": ("engine",),
+    "prescale_gradients": ("engine",),  # always on: see Engine.backward
     "zeromem.timeout_s": ("__init__",), "zeromem.gather_timeout_s": ("engine",),
     "zeromem.offload_host_budget_bytes": ("offload.placement",),
-    "optimizer.type": ("optim",), "optimizer.params": ("optim",),
+    "zeromem.ignore_unknown_keys": ("config.features",),
+    "optimizer.type": ("config.optimizer_blocks",), "optimizer.params": ("optim",),
     "scheduler.type": ("schedulers",), "scheduler.params": ("schedulers",),
     "fp16.enabled": ("config.schema", "precision"), "fp16.auto_cast": ("engine",),
     **{f"fp16.{key}": ("precision",) for key in (
@@ -67,7 +69,6 @@ GATED: dict[str, str] = {
 
 # dotted key -> what zeromem does instead (refused when not at its default)
 REFUSED = {
-    "prescale_gradients": "gradients are averaged by scaling the loss by 1/(N_d x accumulation)",
     "gradient_predivide_factor": "gradients are averaged by scaling the loss by 1/(N_d x accumulation)",
     "communication_data_type": "gradients are reduced in data_types.grad_accum_dtype "
                                "(the compute dtype by default)",
@@ -132,7 +133,7 @@ def check_knobs(config: Config) -> None:
     """Refuse or warn about keys whose DeepSpeed meaning zeromem does not reproduce."""
     for key, instead in REFUSED.items():
         if non_default(config, key):
-            raise ConfigError(f"{key} = {config.value_at(key)!r} is not supported: {instead}")
+            raise Unsupported(key, None, instead, config.value_at(key))
     for key, why in WARNED.items():
         if non_default(config, key):
             log.warning("%s = %r has no effect in zeromem: %s", key, config.value_at(key), why)

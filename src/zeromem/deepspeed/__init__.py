@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from typing import Any, Callable
 
 import torch
@@ -68,11 +67,7 @@ def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
     value = given[0]
     if not isinstance(value, dict):
         return value
-    value = json.loads(json.dumps(value))
-    if value.get("steps_per_print") == float("inf"):
-        # Accelerate sets it to mean "never print"; zeromem's schema takes an integer
-        value["steps_per_print"] = sys.maxsize
-    return value
+    return json.loads(json.dumps(value))  # a copy (Accelerate's steps_per_print inf survives)
 
 
 def _optimizer_factory(optimizer: Any, model_parameters: Any) -> tuple[Callable | None, Any]:

@@ -141,7 +141,7 @@ class DeepSpeedEngine(nn.Module):
     def gradient_clipping(self) -> float:
         return self.engine.config.gradient_clipping
 
-    def steps_per_print(self) -> int:
+    def steps_per_print(self) -> int | float:  # Infinity: never
         return self.engine.config.steps_per_print
 
     @property

@@ -49,8 +49,10 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from zeromem.comm import Pending
+from zeromem.config.schema import ConfigError
 from zeromem.flat import FlatParamGroup
-from zeromem.optim import OPTIMIZERS, build_optimizer
+from zeromem.optim import OPTIMIZERS, build_optimizer, has_fused_kernel
+from zeromem.optimizers import Lamb
 from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
                             host_empty)
 from zeromem.offload.grad_file import GradFile, ShardToFile
@@ -305,6 +307,10 @@ class MastersOnNvme:
     def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
                         params: ParamPlacement) -> torch.optim.Optimizer:
         template = build_optimizer(config, self.groups, param_groups, factory)
+        if isinstance(template, Lamb):  # a client factory's (the config's is refused at load)
+            raise ConfigError("Lamb cannot step NVMe-offloaded optimizer state: its trust ratio "
+                              "needs each parameter's whole update before any of it is applied, "
+                              "and NVMe offload steps tile by tile; offload to \"cpu\" instead")
         policy = self.policy
         grads = self.grad_file if self.grad_file is not None else self._host().buffers
         self.optimizer = SwappedOptimizer(template, self.groups, self.space, grads, params, policy)
@@ -366,8 +372,8 @@ def _cpu_kernel_factory(config: Any) -> Callable | None:
     """A factory adding `CPU_KERNEL` to the config's optimizer, unless the config sets one."""
     if config is None or {"fused", "foreach"} & set(config.params):
         return None
-    cls = OPTIMIZERS.get(config.type.lower())
-    if cls is None:
+    cls = config.torch_class
+    if cls not in OPTIMIZERS.values() or not has_fused_kernel(cls):
         return None
 
     def factory(groups: list[dict]) -> torch.optim.Optimizer:

@@ -23,9 +23,9 @@ in training, where they share the machine):
 `Calibration.step_time` predicts one optimizer step of a setup from these and
 the engine's layout (`estimate.exact_model_states`): the collectives it issues
 (counted as the engine issues them, see `collectives`), the optimizer step over
-the rank's elements, and the offload traffic. On a CPU machine nothing overlaps
-(one core runs compute, collectives and the step in turn), so the prediction is
-the sum; `StepTime.overlapped` and `.serial` are then equal.
+the rank's elements, and the offload traffic. With gloo (CPU ranks) nothing
+overlaps: the cores run compute, collectives and the step in turn, so the
+prediction is the sum, and `StepTime.overlapped` equals `.serial`.
 """
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ from torch import nn
 
 FP32 = 4
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-LINK_OF = {"all_reduce_norm": "all_reduce"}  # Comm's name for a kind -> the link it runs on
+# Comm's name for a kind -> the link it runs on
+LINK_OF = {"all_reduce_norm": "all_reduce", "all_gather_forward": "all_gather",
+           "all_gather_backward": "all_gather"}
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class Calibration:
         placement = {"none": "device"}.get(setup.offload_optimizer, "cpu")
         optimizer = shard * self.optimizer[placement]
         return StepTime(compute, comm, self._offload(setup, states, p, shape.psi / n_d, gas),
-                        optimizer)
+                        optimizer, can_overlap=self.backend == "nccl")
 
     def _offload(self, setup: Any, states: Any, p: int, shard: float, gas: int) -> float:
         """Host copies and swap I/O of one step."""
@@ -140,7 +142,8 @@ def collectives(shape: Any, layout: Any, param_bytes: int, grad_bytes: int, n_d:
     all-gather of the updated shards per group (chunked by allgather_bucket_size).
     Stage 3: every micro-step, each fetch unit at or over the persistence threshold
     is gathered for forward and again for backward, and every unit's gradient is
-    reduce-scattered; after the step, the persistent units are gathered once. Stages
+    reduce-scattered; after the step, the persistent units are gathered once (Comm
+    files that under the forward's gathers). Stages
     1-3 add one scalar all-reduce (the gradient norm, "all_reduce_norm"). The kinds
     are named as `Comm` counts them.
     """
@@ -152,8 +155,9 @@ def collectives(shape: Any, layout: Any, param_bytes: int, grad_bytes: int, n_d:
                    if raw >= layout.persistence_threshold]
         kept = [n for n, raw in zip(units, shape.unit_numels)
                 if raw < layout.persistence_threshold]
-        return {"all_gather": (2 * gas * len(fetched) + len(kept),
-                               param_bytes * (2 * gas * sum(fetched) + sum(kept))),
+        return {"all_gather_forward": (gas * len(fetched) + len(kept),
+                                       param_bytes * (gas * sum(fetched) + sum(kept))),
+                "all_gather_backward": (gas * len(fetched), param_bytes * gas * sum(fetched)),
                 "reduce_scatter": (gas * len(units), gas * grad * sum(units)),
                 "all_reduce_norm": (1, FP32)}
     groups = [padded_numel(n, n_d) for n in reduce_buckets(shape.param_numels,

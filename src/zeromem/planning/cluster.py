@@ -125,6 +125,23 @@ class ClusterPlan:
     recommended: tuple[str, ...]
     reasons: tuple[str, ...]
 
+    def zero_keys(self, stage: int) -> tuple[dict, str | None]:
+        """The `zero_optimization` keys of the recommended options for a config at `stage`,
+        and a note when some do not apply (ZeRO++ is stage 3 only; hybrid needs stage >= 1)."""
+        costs = {o.name: o for o in self.costs}
+        names = {"hybrid sharding": "hybrid sharding", "hpZ": "+hpZ", "qwZ": "+qwZ", "qgZ": "+qgZ"}
+        keys: dict = {}
+        skipped = []
+        for option in self.recommended:
+            usable = stage >= 1 if option == "hybrid sharding" else stage == 3
+            if usable:
+                keys.update(costs[names[option]].config)
+            else:
+                skipped.append(option)
+        note = (f"not applied at stage {stage}: {', '.join(skipped)} (ZeRO++ needs stage 3, "
+                "hybrid sharding stage 1-3)" if skipped else None)
+        return keys, note
+
     def __str__(self) -> str:
         c = self.cluster
         rows = [f"cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs, intra {c.intra_bw / 1e9:g} "
@@ -159,7 +176,8 @@ def plan_cluster(psi: float, cluster: Cluster, compute_s: float | None = None,
         chosen.append("hybrid sharding")
         reasons.append(f"model states sharded over one node fit ({hybrid.memory_bytes / 1e9:.1f} "
                        f"GB per GPU): exact, and cross-node bytes fall from "
-                       f"{plain.inter_bytes / 1e9:.2f} to {hybrid.inter_bytes / 1e9:.2f} GB per step")
+                       f"{plain.inter_bytes / 1e9:.2f} to {hybrid.inter_bytes / 1e9:.2f} GB per step "
+                       "(zeromem cannot save checkpoints under hybrid sharding yet)")
         return ClusterPlan(psi, cluster, costs, tuple(chosen), tuple(reasons))
     reasons.append(f"hybrid sharding needs {hybrid.memory_bytes / 1e9:.1f} GB per GPU: too much")
     hpz = by_name["+hpZ"]

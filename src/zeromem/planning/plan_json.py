@@ -7,7 +7,9 @@
      "recommended": NAME}
 
 Bytes are per GPU unless the key says per node; `step_seconds` runs from full
-overlap of compute, communication and offload traffic to none. Each setup also
+overlap of compute, communication and offload traffic to none (plus the optimizer
+step), from the speeds measured by `--calibrate` when given ("step_seconds_from"
+holds them), else from the assumed GPU cluster's. Each setup also
 carries its host and NVMe breakdown by name and the call its checkpointing needs.
 """
 from __future__ import annotations
@@ -38,9 +40,12 @@ def setup_json(c: Candidate, gpus_per_node: int) -> dict:
 def plan_json(p: Plan) -> dict:
     """{"setups": [...], "recommended": NAME} for `p`."""
     node = p.hardware.gpus_per_node
+    cal = p.hardware.calibration
     return {"setups": [setup_json(c, node) for c in p.candidates],
             "recommended": p.chosen.setup.label(), "reasons": list(p.reasons),
-            "config": p.config}
+            "config": p.config,
+            # where step_seconds come from: this machine (`--calibrate`) or the assumed speeds
+            "step_seconds_from": cal.to_dict() if cal is not None else "assumed"}
 
 
 def needs_nvme_path(p: Plan) -> bool:
