@@ -174,6 +174,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"the recommended setup ({result.chosen.setup.label()}) swaps to NVMe: "
                          "give --nvme-path DIR so that its config names a directory that exists")
     cluster = _cluster_plan(args, result) if args.gpus_per_node else None
+    note = None
+    if cluster is not None:  # the recommended hybrid / ZeRO++ keys go into the written config
+        zero = result.config.setdefault("zero_optimization", {})
+        keys, note = cluster.zero_keys(zero.get("stage", 0))
+        zero.update(keys)
     if args.json:
         data = plan_json(result)
         if cluster is not None:
@@ -184,7 +189,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         return 0
     print(result)
     if cluster is not None:
-        print(f"\n{cluster}")
+        print(f"\n{cluster}" + (f"\n  ({note})" if note else ""))
     text = json.dumps(result.config, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")

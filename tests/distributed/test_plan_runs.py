@@ -14,7 +14,9 @@ JSON_KEYS = {"name", "stage", "checkpointing", "offload_optimizer", "offload_par
              "states_bytes", "activation_bytes", "buffer_bytes", "device_bytes",
              "host_bytes_per_node", "nvme_bytes_per_node", "step_seconds", "fits"}
 # The demo GPT at micro-batch 4 x 128, fp32, on 2 ranks: GPUs of 26 MB and 95 MB of host
-# memory leave only stage 3 with Pa+cpu and optimizer and parameters on NVMe.
+# memory leave only stage 3 with Pa+cpu and the optimizer on NVMe, its host budget
+# (`zeromem.offload_host_budget_bytes`, written into the config) the least that keeps
+# 1 MiB swap requests.
 TIGHT = ["plan", "examples/gpt.py:GPT", "--gpus", "2", "--gpu-mem", "0.026GB", "--host-mem",
          "0.095GB", "--micro-batch", "4", "--seq", "128", "--dtype", "fp32", "--json"]
 
@@ -56,7 +58,8 @@ def test_plan_json_and_the_recommended_nvme_config_runs(tmp_path, capsys):
     assert chosen["fits"] and chosen["needs"] == "zeromem.checkpointing.enable(model)"
     assert chosen["nvme_bytes_per_node"] > 0
     config = json.loads(out.read_text())
-    assert config["zero_optimization"]["offload_param"]["nvme_path"] == str(swap)
+    assert config["zero_optimization"]["offload_optimizer"]["nvme_path"] == str(swap)
+    assert 0 < config["zeromem"]["offload_host_budget_bytes"] < 64 * 2**20  # under the default
     results = run_distributed(_train, 2, config)
     for losses, nvme in results:
         assert all(loss == loss and loss < 10 for loss in losses)  # finite: it trained

@@ -50,6 +50,11 @@ def test_advice_follows_memory_and_links():
     fast = plan_cluster(7.5e9, Cluster(16, 8, gpu_mem_bytes=10e9), compute_s=100.0)
     assert fast.recommended == ("hpZ",)
     assert "4x less" in str(tight)
+    assert tight.zero_keys(3) == ({"zero_hpz_partition_size": 8, "zero_quantized_weights": True,
+                                   "zero_quantized_gradients": True}, None)
+    keys, note = tight.zero_keys(2)
+    assert keys == {} and "hpZ, qwZ, qgZ" in note
+    assert roomy.zero_keys(1) == ({"mics_shard_size": 8}, None)
 
 
 def test_plan_command_prints_the_cluster_options(capsys):
@@ -60,5 +65,6 @@ def test_plan_command_prints_the_cluster_options(capsys):
     out = capsys.readouterr().out
     assert "cluster: 2 node(s) x 8 GPUs, intra 300 GB/s, inter 25 GB/s" in out
     assert "ZeRO++ (all three)" in out and "recommended: hybrid sharding" in out
+    assert '"mics_shard_size": 8' in out  # the written config carries the recommendation
     assert main(["plan", model, "--gpus", "12", "--nodes", "2",
                  "--gpus-per-node", "8", "--gpu-mem", "16GB"]) != 0  # 12 is not 2 x 8

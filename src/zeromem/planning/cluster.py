@@ -125,6 +125,23 @@ class ClusterPlan:
     recommended: tuple[str, ...]
     reasons: tuple[str, ...]
 
+    def zero_keys(self, stage: int) -> tuple[dict, str | None]:
+        """The `zero_optimization` keys of the recommended options for a config at `stage`,
+        and a note when some do not apply (ZeRO++ is stage 3 only; hybrid needs stage >= 1)."""
+        costs = {o.name: o for o in self.costs}
+        names = {"hybrid sharding": "hybrid sharding", "hpZ": "+hpZ", "qwZ": "+qwZ", "qgZ": "+qgZ"}
+        keys: dict = {}
+        skipped = []
+        for option in self.recommended:
+            usable = stage >= 1 if option == "hybrid sharding" else stage == 3
+            if usable:
+                keys.update(costs[names[option]].config)
+            else:
+                skipped.append(option)
+        note = (f"not applied at stage {stage}: {', '.join(skipped)} (ZeRO++ needs stage 3, "
+                "hybrid sharding stage 1-3)" if skipped else None)
+        return keys, note
+
     def __str__(self) -> str:
         c = self.cluster
         rows = [f"cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs, intra {c.intra_bw / 1e9:g} "

@@ -369,6 +369,18 @@ class ShapeMemory:
                            {k: b * factor for k, b in self.nvme.items()})
 
 
+def _group_numels(shape: ModelShape, layout: ZeroLayout) -> list[int]:
+    """Elements of each flat group: a fetch unit at stage 3, else a reduce bucket."""
+    if layout.stage >= 3:
+        return list(shape.unit_numels)
+    return reduce_buckets(shape.param_numels, layout.reduce_bucket_numel)
+
+
+def rank_shards(shape: ModelShape, n_d: int, layout: ZeroLayout) -> list[float]:
+    """Elements of each flat group's shard on one rank, in the engine's group order."""
+    return [padded_numel(n, n_d) / n_d for n in _group_numels(shape, layout)]
+
+
 def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: ZeroLayout) -> ShapeMemory:
     """Per-rank memory from `shape` with the engine's bucketing, padding and partitioning.
 
@@ -377,8 +389,7 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
     most the largest unit plus one prefetch bucket is gathered at a time.
     """
     stage = layout.stage
-    sizes = list(shape.unit_numels) if stage >= 3 else reduce_buckets(
-        shape.param_numels, layout.reduce_bucket_numel)
+    sizes = _group_numels(shape, layout)
     padded = [padded_numel(n, n_d) for n in sizes]
     whole = sum(padded)
     shard = whole / n_d

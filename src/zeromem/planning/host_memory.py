@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeromem.config.schema import Config, OffloadParamConfig, TimeoutsConfig
+from zeromem.offload.budget import DEPTH, MIN_SUB_GROUP
 from zeromem.offload.grad_file import record_bytes
 from zeromem.offload.nvme import BufferPool, round_up, swap_file_bytes
 from zeromem.offload.nvme_optimizer import ShardSpec, layout_optimizer
@@ -56,6 +57,24 @@ class OffloadKnobs:
                    policy.host_budget_bytes)
 
 
+def _params_pool(numels: list[int], param: str, param_bytes: int, knobs: OffloadKnobs) -> int:
+    """Host bytes of the NVMe parameter pool (`ParamsOnNvme`): buffer_count largest shards."""
+    if param != "nvme":
+        return 0
+    return BufferPool.bytes_for(knobs.param_buffer_count, param_bytes * max(numels, default=1))
+
+
+def least_budget(shards: list[float], param: str, param_bytes: int, state_bytes: int,
+                 grads_in_file: bool, knobs: OffloadKnobs = OffloadKnobs()) -> int:
+    """The smallest `zeromem.offload_host_budget_bytes` whose sub-groups keep MIN_SUB_GROUP
+    elements (1 MiB requests, `offload/budget.py`): the parameter pool plus DEPTH
+    sub-groups of master, states and (stage 2/3) gradient fields. NVMe offload is the
+    answer when host memory is short, so the planner gives it this much and no more."""
+    fields = 1 + state_bytes // FP32 + int(grads_in_file)
+    numels = [int(n) for n in shards]
+    return _params_pool(numels, param, param_bytes, knobs) + DEPTH * fields * FP32 * MIN_SUB_GROUP
+
+
 def offload_breakdown(shards: list[float], optimizer: str, param: str, param_bytes: int,
                       state_bytes: int, scalar_bytes: float, fp32_params: bool,
                       knobs: OffloadKnobs = OffloadKnobs(),
@@ -71,12 +90,10 @@ def offload_breakdown(shards: list[float], optimizer: str, param: str, param_byt
     numels = [int(n) for n in shards]
     host: dict[str, float] = {}
     nvme: dict[str, float] = {}
-    params_pool = 0
+    params_pool = _params_pool(numels, param, param_bytes, knobs)
     if param == "cpu":
         host["param_shards"] = param_bytes * shard
     elif param == "nvme":
-        params_pool = BufferPool.bytes_for(knobs.param_buffer_count,
-                                           param_bytes * max(numels, default=1))
         host["param_swap_buffers"] = params_pool
         nvme["param_shards"] = sum(round_up(param_bytes * n) for n in numels)  # one slot each
     if optimizer == "cpu":

@@ -38,9 +38,9 @@ from torch import nn
 from zeromem.config.schema import Config
 from zeromem.planning.estimate import (ActivationMemory, ModelShape, ShapeMemory, Widths, ZeroLayout,
                        activation_memory, estimate, exact_model_states, format_bytes,
-                       format_count, paper_activation_bytes)
+                       format_count, paper_activation_bytes, rank_shards)
 from zeromem.planning.activation_trace import ActivationProfile, trace_activations
-from zeromem.planning.host_memory import OffloadKnobs
+from zeromem.planning.host_memory import OffloadKnobs, least_budget
 from zeromem.planning.model_shapes import load_hf_model, load_model, shape_of
 
 __all__ = ["estimate", "plan", "load_model", "shape_of", "predict_memory", "Plan", "Hardware",
@@ -263,6 +263,11 @@ def evaluate(shape: ModelShape, setup: Setup, hw: Hardware, work: Workload) -> C
     layout = layout_knobs(shape, setup)
     p = DTYPE_BYTES[work.dtype]
     widths = Widths(p, p, 0 if p == 4 else 4, 8, 4)  # AdamW, as the written config says
+    if setup.offload_optimizer == "nvme":  # the host budget the written config names
+        budget = least_budget(rank_shards(shape, n_d, layout), setup.offload_param, p,
+                              widths.states, setup.stage >= 2, layout.offload)
+        layout = dataclasses.replace(layout, offload=dataclasses.replace(
+            layout.offload, host_budget_bytes=budget))
     # Model parallelism splits (nearly) every parameter over MP ranks before ZeRO partitions.
     states = exact_model_states(shape, n_d, widths, layout).scaled(1 / work.mp)
     acts = activations_of(shape, work, setup.checkpointing)
@@ -448,6 +453,8 @@ def deepspeed_config(chosen: Candidate, shape: ModelShape, work: Workload, n_d: 
     }
     if work.dtype != "fp32":
         config[work.dtype] = {"enabled": True}
+    if s.offload_optimizer == "nvme":  # sizes the swap pools as planned (offload/budget.py)
+        config["zeromem"] = {"offload_host_budget_bytes": layout.offload.host_budget_bytes}
     if s.checkpointing != "none":
         config["activation_checkpointing"] = {
             "partition_activations": work.mp > 1, "cpu_checkpointing": s.checkpointing == "cpu",

@@ -137,8 +137,9 @@ class FetchUnit:
     def _finish(self, timeout_s: float | None) -> None:
         """Wait for the gather in flight; its completion (qwZ's dequantization) writes
         `full` too, which keeps its version for the same reason as `unshard`."""
-        assert self.pending is not None  # GATHERING: the all-gather is in flight
-        with torch.autograd._unsafe_preserve_version_counter(self.group.full):
+        full = self.group.full
+        assert self.pending is not None and full is not None  # GATHERING: the gather is in flight
+        with torch.autograd._unsafe_preserve_version_counter(full):
             self.pending.wait(timedelta(seconds=timeout_s) if timeout_s else None)
         self.pending = None
 
