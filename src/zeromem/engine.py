@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -316,7 +317,9 @@ class Engine:
     # -- checkpoints (checkpoints/save_load.py) -------------------------------------------
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None) -> str:
         """Atomic sharded checkpoint, loadable under any world size and stage; collective."""
-        return checkpoints.save_checkpoint(self.training_state(), save_dir, tag, client_state)
+        path = str(Path(save_dir) / (f"global_step{self.global_steps}" if tag is None else str(tag)))
+        return self.plan.write_once(lambda: checkpoints.save_checkpoint(
+            self.training_state(), save_dir, tag, client_state), path, self.comm, self.device)
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
@@ -331,17 +334,19 @@ class Engine:
 
     def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin") -> str:
         """Compute-dtype weights to save_dir/filename on rank 0; collective."""
-        return checkpoints.save_16bit_model(self.training_state(), save_dir, filename)
+        return self.plan.write_once(lambda: checkpoints.save_16bit_model(
+            self.training_state(), save_dir, filename), str(Path(save_dir) / filename),
+            self.comm, self.device)
 
     def training_state(self) -> TrainingState:
         """What checkpoints read and restore (checkpoints/save_load.py never sees the engine)."""
-        self.plan.check_checkpointable()
         stateful: dict[str, Stateful] = {"counters": self.counters, "scaler": self.scaler, "rng": RngState()}
         if self.lr_scheduler is not None:
             stateful["lr_scheduler"] = self.lr_scheduler
         block = self.config.optimizer
         return TrainingState(
-            self.module, self.groups, self.optimizer, self.comm, self.device, stateful,
+            # the shards' group: under hybrid sharding, one block of the replicated ranks
+            self.module, self.groups, self.optimizer, self.plan.shard, self.device, stateful,
             self.zero_stage, self.compute_dtype,
             (block.type if block is not None else type(self.optimizer).__name__).lower(),
             self.config.checkpoint.tag_validation,

@@ -27,8 +27,10 @@ ZEROMEM_RANKS_PER_NODE or torchrun's LOCAL_WORLD_SIZE.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from zeromem import quantize
 from zeromem.comm import DONE, Comm, Pending
@@ -132,13 +134,34 @@ class CommPlan:
     shard: Comm  # the flat groups' shards, their all-gathers and the gradient norm
     grads: Comm | ReplicatedReduce | HierarchicalQuantizedReduce  # the reducer's
     gather: ParamGather  # stage-3 parameter gathers
-    replicated: bool = False  # hybrid sharding: each shard is held by several ranks
+    replicas: Comm | None = None  # hybrid sharding: the ranks holding the same shard as this one
 
-    def check_checkpointable(self) -> None:
-        """Checkpoints name files by shard rank: replicas would write the same files."""
-        if self.replicated:
-            raise NotImplementedError("checkpoints under hybrid sharding (mics_shard_size) are "
-                                      "not supported yet; train without it to save")
+    def write_once(self, write: Callable[[], str], fallback: str, world: Comm,
+                   device: torch.device) -> str:
+        """Run a checkpoint writer `write` (collective over `shard`) on one copy of the shards.
+
+        Under hybrid sharding every block of ranks holds the same shards, and files are
+        named by shard rank, so only the first block writes (a checkpoint of
+        `mics_shard_size` ranks, which loads under any world size); the others return
+        `fallback`, the same path. Every rank learns whether the write failed. Each
+        rank's RNG state is saved by its first-block counterpart only.
+        """
+        if self.replicas is None:
+            return write()
+        result, error = fallback, None
+        if self.replicas.rank == 0:
+            try:
+                result = write()
+            except Exception as caught:  # noqa: BLE001 - re-raised below, after the others hear
+                error = caught
+        failed = torch.tensor([int(error is not None)], device=device)
+        world.all_reduce(failed, op=dist.ReduceOp.MAX, kind="checkpoint")
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError("writing the checkpoint failed on the first block of ranks "
+                               "(hybrid sharding); see its error")
+        return result
 
 
 def build_comm_plan(config: Config, comm: Comm) -> CommPlan:
@@ -167,8 +190,9 @@ def build_comm_plan(config: Config, comm: Comm) -> CommPlan:
     if shard_size > 0 and shard_size < comm.world_size:
         hybrid = mesh(shard_size, "zero_optimization.mics_shard_size")
         shard = comm.sub(hybrid.block_group)
-        return CommPlan(shard, ReplicatedReduce(shard, comm.sub(hybrid.across_group)),
-                        ParamGather(shard, None, weight_bits, block), replicated=True)
+        replicas = comm.sub(hybrid.across_group)
+        return CommPlan(shard, ReplicatedReduce(shard, replicas),
+                        ParamGather(shard, None, weight_bits, block), replicas)
     secondary = None
     if hpz > 1:
         secondary = comm.sub(mesh(hpz, "zero_optimization.zero_hpz_partition_size").block_group)

@@ -91,13 +91,48 @@ EXACT_CASES += [(3, optimizer, gas, {"zero_hpz_partition_size": 2})
                 for optimizer, gas in (("adamw", 1), ("sgd", 2))]
 
 
-def exact_options(rank: int, world_size: int) -> list:
+def exact_options(rank: int, world_size: int, save_dir: str) -> list:
     return [train_and_compare(rank, world_size, stage, optimizer, gas, **zero)
-            for stage, optimizer, gas, zero in EXACT_CASES]
+            for stage, optimizer, gas, zero in EXACT_CASES] + [hybrid_checkpoint(rank, save_dir)]
 
 
-def test_hybrid_sharding_and_hpz_train_like_one_process():
-    for rank, results in enumerate(run_distributed(exact_options, 4)):
+def hybrid_checkpoint(rank: int, save_dir: str) -> dict:
+    """Save under hybrid sharding (one block writes), resume it there and load it flat."""
+    def build(**zero):
+        torch.manual_seed(0)
+        return zeromem.initialize(GainLM(), config(2, "adamw", 1, 0.05, **zero))
+
+    def train(engine, steps) -> None:
+        for step in steps:
+            engine.backward(engine(*micro_batch(step, rank, 0)))
+            engine.step()
+
+    def masters(engine) -> list[torch.Tensor]:
+        return [g.master.detach().clone() for g in engine.groups]
+
+    first = build(mics_shard_size=2)
+    train(first, range(2))
+    path = first.save_checkpoint(save_dir)
+    saved = first.full_state_dict()  # collective; {} off rank 0
+    train(first, range(2, 4))
+    resumed = build(mics_shard_size=2)
+    resumed.load_checkpoint(save_dir)
+    train(resumed, range(2, 4))
+    same = max((a - b).abs().max().item() for a, b in zip(masters(first), masters(resumed)))
+    flat = build()  # the checkpoint of the 2-rank block loads on 4 plain ranks
+    flat.load_checkpoint(save_dir)
+    loaded = flat.full_state_dict()
+    flat_diff = max(((loaded[k] - saved[k]).abs().max().item() for k in saved), default=0.0)
+    for engine in (first, resumed, flat):
+        engine.close()
+    return {"path": path, "resumed_diff": same, "flat_diff": flat_diff}
+
+
+def test_hybrid_sharding_and_hpz_train_like_one_process(tmp_path):
+    for rank, results in enumerate(run_distributed(exact_options, 4, str(tmp_path))):
+        checkpoint = results.pop()
+        assert checkpoint["path"] == str(tmp_path / "global_step2"), checkpoint
+        assert checkpoint["resumed_diff"] <= 1e-6 and checkpoint["flat_diff"] <= 1e-6, checkpoint
         for (stage, optimizer, gas, zero), result in zip(EXACT_CASES, results):
             case = f"rank {rank} stage {stage} {optimizer} gas {gas} {zero}"
             assert max(result["diffs"]) <= 1e-5, f"{case}: diffs {result['diffs']}"

@@ -176,8 +176,7 @@ def plan_cluster(psi: float, cluster: Cluster, compute_s: float | None = None,
         chosen.append("hybrid sharding")
         reasons.append(f"model states sharded over one node fit ({hybrid.memory_bytes / 1e9:.1f} "
                        f"GB per GPU): exact, and cross-node bytes fall from "
-                       f"{plain.inter_bytes / 1e9:.2f} to {hybrid.inter_bytes / 1e9:.2f} GB per step "
-                       "(zeromem cannot save checkpoints under hybrid sharding yet)")
+                       f"{plain.inter_bytes / 1e9:.2f} to {hybrid.inter_bytes / 1e9:.2f} GB per step")
         return ClusterPlan(psi, cluster, costs, tuple(chosen), tuple(reasons))
     reasons.append(f"hybrid sharding needs {hybrid.memory_bytes / 1e9:.1f} GB per GPU: too much")
     hpz = by_name["+hpZ"]
