@@ -27,15 +27,24 @@ test: $(VENV)/.installed
 mutants: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) tools/mutants.py
 
-# Benchmarks (not tests): DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed and zeromem side by side.
-.venv-bench/.installed: pyproject.toml
-	python3 -m venv .venv-bench
-	.venv-bench/bin/pip install -q torch==2.13.0 numpy deepspeed
-	.venv-bench/bin/pip install -q -e .
+# Benchmarks (not tests). make bench: DDP, FSDP2, DeepSpeed and zeromem step times on five
+# model shapes, 2 gloo ranks, as ratios to DDP (benchmarks/results/bench_models.md and .png);
+# a few minutes on an idle machine. BENCH_VENV=path reuses an environment with the `bench`
+# and `plots` extras. make bench-detail: memory / bytes sent on one model, and collectives.
+BENCH_VENV ?= .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+
+$(BENCH_VENV)/.installed: pyproject.toml
+	python3 -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install -q torch==2.13.0 numpy
+	$(BENCH_PY) -m pip install -q -e '.[bench,plots]'
 	touch $@
 
-bench: .venv-bench/.installed
-	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv-bench/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_collectives.py
-	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv-bench/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_zero.py
+bench: $(BENCH_VENV)/.installed
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(BENCH_PY) benchmarks/bench_models.py
 
-.PHONY: install demo test mutants bench
+bench-detail: $(BENCH_VENV)/.installed
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(BENCH_VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_collectives.py
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(BENCH_VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_zero.py
+
+.PHONY: install demo test mutants bench bench-detail

@@ -9,6 +9,14 @@ after the last step ("steady"), and its high-water mark (VmHWM), and the median 
 With MALLOC_MMAP_THRESHOLD_=65536 glibc returns freed blocks at once, so RSS is what is held.
 "peak" is training's high-water mark (reset after `initialize`), "init_peak" construction's;
 "io" is rank 0's swap I/O of the last step (`engine.offload.io_report()`).
+
+Item 2 of issue 16 (at the disk's pace), with `--disk-mb N`: the disk's best read and
+write rates under --nvme-path are measured first (bench_offload.raw_best: several
+threads, deep queue, O_DIRECT, no fsync), and each NVMe row also gets
+`io_s` = last step's bytes read / read rate + bytes written / write rate, `compute_s` =
+the "cpu" mode's step (the same work with nothing on disk), and `vs_bound` = step /
+max(compute_s, io_s) (goal <= 1.2). Modes run one after another: timings on a shared
+machine are noisy, so compare medians of several runs.
 """
 from __future__ import annotations
 
@@ -127,9 +135,25 @@ def main() -> None:
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
     ap.add_argument("--init", action="store_true", help="build the model under zeromem.Init")
     ap.add_argument("--extra", default="{}", help="JSON merged into the config")
+    ap.add_argument("--disk-mb", type=int, default=0, help="measure the disk first (MiB)")
     args = ap.parse_args()
+    disk = None
+    if args.disk_mb:
+        from bench_offload import raw_best
+        disk = raw_best(Path(args.nvme_path), args.disk_mb << 20)
+        print(json.dumps({"disk_read_MBps": round(disk["read"] / MB), "disk_write_MBps":
+                          round(disk["write"] / MB), "direct": disk["direct"]}), flush=True)
+    compute_s = None
     for mode in args.modes.split(","):
         r = run(mode, args)
+        if mode == "cpu":
+            compute_s = r["step"]
+        if disk is not None and mode.startswith("nvme"):
+            io = r["io"]
+            r["io_s"] = io["read_bytes"] / disk["read"] + io["written_bytes"] / disk["write"]
+            if compute_s is not None:
+                r["compute_s"] = compute_s
+                r["vs_bound"] = r["step"] / max(compute_s, r["io_s"])
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}),
               flush=True)
 

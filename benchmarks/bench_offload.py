@@ -4,14 +4,17 @@
 
 Three measurements, printed as one table (and saved as JSON with `--out`):
 
-1. Disk. The raw sequential bandwidth of the disk under `--nvme-path`, measured
-   dd-style in this run: one thread, `--raw-block-mb` requests, O_DIRECT (or,
-   where the filesystem refuses it, buffered I/O + fsync; the table says which).
-   Against it, zeromem's swapper (swap.py: AsyncIO thread pool, block-sized
+1. Disk. The disk's best under `--nvme-path`, measured in this run: write then
+   read with several shapes (threads x request size, every thread's request in
+   flight: a deep queue), O_DIRECT where the filesystem allows it, and no fsync
+   the swapper does not pay (with O_DIRECT none; buffered, one fdatasync, as the
+   swapper syncs each write); per operation the best shape counts. Against it,
+   zeromem's swapper (offload/nvme.py: AsyncIO thread pool, block-sized
    pwritev/preadv on O_DIRECT files) writing and reading the same number of bytes
    as `--record-mb` records from a pool of 4 aligned buffers, 4 records in flight,
-   as the NVMe optimizer does. Write, then read; raw and swapper interleaved, the
-   median of `--reps` rounds. Target: swapper >= 80 % of raw.
+   as the NVMe optimizer does. Raw and swapper interleaved, the median of `--reps`
+   rounds. Target: swapper >= 80 % of raw. A virtual machine's host cache can
+   serve reads of fresh data (the table prints that note).
 2. CPU optimizer. AdamW over `--numel` fp32 parameters: torch's fused and
    foreach CPU kernels and the single-tensor loop, zeromem's sub-group step
    (torch's functional fused kernel on `sub_group_size` views, what the NVMe path
@@ -26,14 +29,22 @@ Three measurements, printed as one table (and saved as JSON with `--out`):
    to oversubscription (each parallel region waits for its slowest thread).
 3. Stage 3 step time (forward + backward + step) of the demo GPT on 2 gloo ranks
    (mp.spawn): no offload, CPU optimizer offload, NVMe optimizer offload, and NVMe
-   optimizer + parameter offload, all alive at once and stepped in turn (so machine
-   noise is shared). Median over the timed steps of the slower rank.
+   optimizer + parameter offload with 2 parameter buffers for more units, so that
+   the shards are read from disk again at every forward and backward (the counts
+   are printed), all alive at once and stepped in turn (so machine noise is
+   shared). Median over the timed steps of the slower rank, with the last step's
+   swap I/O from the run report (`engine.offload.io_report()`).
+4. DeepSpeed's ZeRO-Infinity on the same GPT and batch (optimizer and parameters
+   on NVMe, DS_ACCELERATOR=cpu), where its async I/O op builds (libaio); else a
+   note saying why it was skipped. `--deepspeed-path` names a `pip install
+   --target` folder when deepspeed is not installed in this environment.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -276,7 +287,8 @@ def stage3_configs(root: str, sub_group: int) -> dict[str, dict]:
         "stage 3 + nvme optimizer": {"offload_optimizer": nvme_opt, "sub_group_size": sub_group},
         "stage 3 + nvme optimizer + params": {
             "offload_optimizer": nvme_opt, "sub_group_size": sub_group,
-            "offload_param": {"device": "nvme", "nvme_path": root, "buffer_count": 8}},
+            # 2 buffers for 6+ units: every forward and backward reads the shards from disk again
+            "offload_param": {"device": "nvme", "nvme_path": root, "buffer_count": 2}},
     }
 
 
@@ -312,15 +324,33 @@ def stage3_worker(rank: int, world: int, port: int, root: str, args, queue) -> N
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slower rank's time
                 if step >= args.warmup:
                     times[name].append(float(elapsed))
-        queue.put((rank, {name: {"step_s": statistics.median(t), "psi": engines[name].psi}
-                          for name, t in times.items()}))
+        queue.put((rank, {name: {"step_s": statistics.median(t), "psi": engines[name].psi,
+                                 **disk_traffic(engines[name])} for name, t in times.items()}))
     finally:
         for engine in engines.values():
             engine.close()
         dist.destroy_process_group()
 
 
+def disk_traffic(engine) -> dict:
+    """The last step's swap I/O (the run report) and how parameter shards were fetched."""
+    if not getattr(engine.offload, "spaces", None):
+        return {}
+    out = {"io": engine.offload.io_report()["last_step"]}
+    counts = getattr(engine.offload.params, "counts", None)
+    if counts is not None:  # since construction: reads from disk vs units
+        out["param_reads"] = counts["read_ahead"] + counts["on_demand"]
+        out["param_in_memory"] = counts["in_memory"]
+        out["units"] = len(engine.stage3.units)
+    return out
+
+
 def bench_stage3(args) -> dict:
+    return spawn_pair(stage3_worker, args)
+
+
+def spawn_pair(worker, args) -> dict:
+    """Run `worker` on 2 spawned gloo ranks; rank 0's result."""
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -328,32 +358,110 @@ def bench_stage3(args) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     root = tempfile.mkdtemp(prefix="zeromem-bench-", dir=args.nvme_path)
-    procs = [ctx.Process(target=stage3_worker, args=(r, 2, port, root, args, queue))
-             for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, port, root, args, queue)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(queue.get() for _ in procs)
     for p in procs:
         p.join()
-    os.rmdir(root)
+    shutil.rmtree(root, ignore_errors=True)  # DeepSpeed leaves its swap folders behind
     return results[0]
+
+
+# ---------------------------------------------------------------- 4. DeepSpeed side by side
+
+def deepspeed_aio(ds_path: str | None) -> str | None:
+    """None if DeepSpeed's async I/O op builds here (libaio), else why not (a skip note)."""
+    if ds_path:
+        sys.path.insert(0, ds_path)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError as e:
+        return f"deepspeed is not installed ({e}); pip install deepspeed, then --deepspeed-path"
+    builder = AsyncIOBuilder()
+    if not builder.is_compatible(verbose=False):
+        return "DeepSpeed's async_io op is not compatible here (libaio-dev missing?)"
+    try:
+        builder.load(verbose=False)
+    except Exception as e:  # a failed JIT build: say so, do not stop the benchmark
+        return f"DeepSpeed's async_io op did not build: {type(e).__name__}: {e}"
+    return None
+
+
+def deepspeed_worker(rank: int, world: int, port: int, root: str, args, queue) -> None:
+    """DeepSpeed's ZeRO-Infinity (optimizer and parameters on NVMe) on the same GPT and batch."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    if args.deepspeed_path:
+        sys.path.insert(0, args.deepspeed_path)
+    torch.set_num_threads(1)
+    import deepspeed
+    import torch.distributed as dist
+    from gpt import GPT, GPTConfig
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=args.layers, n_embd=args.width))
+    nvme = {"device": "nvme", "nvme_path": root}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3, "stage3_prefetch_bucket_size": 2_000_000,
+            "sub_group_size": args.sub_group,
+            "offload_optimizer": {**nvme, "buffer_count": 4, "pipeline_read": True,
+                                  "pipeline_write": True},
+            # DeepSpeed asserts "Not enough buffers" below one buffer per parameter in flight
+            "offload_param": {**nvme, "buffer_count": args.deepspeed_param_buffers,
+                              "buffer_size": 1 << 20}}})
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, 256, (4, 128), generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        engine.backward(engine(tokens, tokens))
+        engine.step()
+        elapsed = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if step >= args.warmup:
+            times.append(float(elapsed))
+    queue.put((rank, {"step_s": statistics.median(times)}))
+    dist.destroy_process_group()
+
+
+def bench_deepspeed(args) -> dict:
+    """DeepSpeed's NVMe step beside zeromem's, or {"skipped": why}."""
+    why = deepspeed_aio(args.deepspeed_path)
+    if why is not None:
+        return {"skipped": why}
+    return spawn_pair(deepspeed_worker, args)
 
 
 # ---------------------------------------------------------------- report
 
-def print_table(disk: dict, opt: dict, stage3: dict, args) -> None:
+HOST_CACHE_NOTE = (
+    "note: on a virtual machine the hypervisor's host page cache may sit under the guest's\n"
+    "disk: reads of data written moments ago (swap files, fresh by design) can be served from\n"
+    "host memory even with O_DIRECT, so read rates here may exceed the physical disk's.")
+
+
+def print_table(disk: dict, opt: dict, stage3: dict, ds: dict, args) -> None:
     gb = 1e9
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
           "(other processes share this machine: expect noise)")
-    mode = "O_DIRECT" if disk["raw"]["direct"] else "buffered + fsync (no O_DIRECT here)"
-    print(f"\n1. disk under {args.nvme_path}: {args.disk_mb} MiB, raw = dd-like {mode}, "
-          f"{args.raw_block_mb} MiB blocks; swapper = {args.record_mb} MiB records, "
-          f"{args.aio_threads} threads x {args.aio_block_mb} MiB blocks, "
+    mode = "O_DIRECT" if disk["raw"]["direct"] else "buffered, fdatasync (no O_DIRECT here)"
+    print(f"\n1. disk under {args.nvme_path}: {args.disk_mb} MiB; raw = the best of "
+          f"{', '.join(f'{t} x {m} MiB' for t, m in RAW_SHAPES)} (threads x request, all in "
+          f"flight), {mode}, no fsync the swapper does not pay; swapper = {args.record_mb} MiB "
+          f"records, {args.aio_threads} threads x {args.aio_block_mb} MiB blocks, "
           f"{'O_DIRECT' if disk['swap']['direct'] else 'buffered'}")
-    print(f"{'':<14}{'raw GB/s':>10}{'swapper GB/s':>14}{'swapper/raw':>13}")
+    print(f"{'':<14}{'raw GB/s':>10}{'(best shape)':>16}{'swapper GB/s':>14}{'swapper/raw':>13}")
     for op in ("write", "read"):
         raw, swap = disk["raw"][op], disk["swap"][op]
-        print(f"{op:<14}{raw / gb:>10.2f}{swap / gb:>14.2f}{swap / raw:>12.0%}")
+        print(f"{op:<14}{raw / gb:>10.2f}{disk['raw'][op + '_shape']:>16}{swap / gb:>14.2f}"
+              f"{swap / raw:>12.0%}")
+    print(HOST_CACHE_NOTE)
     threads = sorted(opt)
     print(f"\n2. CPU AdamW, {args.numel:,} fp32 parameters, sub-group {args.sub_group:,}; "
           f"Mparam/s (and % of the memory-bandwidth bound) at {' / '.join(map(str, threads))} "
@@ -370,16 +478,36 @@ def print_table(disk: dict, opt: dict, stage3: dict, args) -> None:
     print(f"\n3. stage 3 on 2 gloo ranks, GPT {args.layers} layers x {args.width} "
           f"({next(iter(stage3.values()))['psi']:,} parameters), micro-batch 4 x 128")
     base = stage3["stage 3"]["step_s"]
-    print(f"{'configuration':<38}{'step ms':>10}{'vs stage 3':>12}")
+    print(f"{'configuration':<38}{'step ms':>10}{'vs stage 3':>12}{'read MB':>9}{'written MB':>11}"
+          f"{'I/O wait ms':>12}")
+    rows = dict(stage3)
+    if "step_s" in ds:
+        rows["DeepSpeed: nvme optimizer + params"] = ds
+    for name, r in rows.items():
+        io = r.get("io", {})
+        cells = (f"{io['read_bytes'] / 1e6:>9.1f}{io['written_bytes'] / 1e6:>11.1f}"
+                 f"{io['wait_s'] * 1e3:>12.1f}" if io else "")
+        print(f"{name:<38}{r['step_s'] * 1e3:>10.1f}{r['step_s'] / base:>11.2f}x{cells}")
     for name, r in stage3.items():
-        print(f"{name:<38}{r['step_s'] * 1e3:>10.1f}{r['step_s'] / base:>11.2f}x")
+        if "param_reads" in r:
+            steps = args.warmup + args.steps
+            print(f"{name}: {r['param_reads']} parameter shard reads from disk in {steps} steps "
+                  f"for {r['units']} units ({r['param_in_memory']} found in memory): re-read "
+                  "every forward and backward")
+    if "skipped" in ds:
+        print(f"DeepSpeed side by side skipped: {ds['skipped']}")
+    else:
+        print(f"DeepSpeed: offload_param.buffer_count {args.deepspeed_param_buffers} "
+              "(zeromem runs with 2)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nvme-path", default=tempfile.gettempdir())
     parser.add_argument("--disk-mb", type=int, default=1024)
-    parser.add_argument("--raw-block-mb", type=int, default=8)
+    parser.add_argument("--deepspeed-path", default=None,
+                        help="a folder holding the deepspeed package (pip install --target)")
+    parser.add_argument("--deepspeed-param-buffers", type=int, default=40)
     parser.add_argument("--record-mb", type=int, default=32)
     parser.add_argument("--aio-threads", type=int, default=8)
     parser.add_argument("--aio-block-mb", type=int, default=1)
@@ -400,11 +528,12 @@ def main() -> None:
     disk = bench_disk(args)
     opt = bench_optimizer(args, disk)
     stage3 = bench_stage3(args)
-    print_table(disk, opt, stage3, args)
+    ds = bench_deepspeed(args)
+    print_table(disk, opt, stage3, ds, args)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"args": vars(args), "disk": disk, "optimizer": opt,
-                                              "stage3": stage3}, indent=2))
+                                              "stage3": stage3, "deepspeed": ds}, indent=2))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 import zeromem  # noqa: E402
-from gpt import GPT, Block, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
 
 
 def load_text() -> torch.Tensor:
@@ -70,8 +70,9 @@ def main() -> None:
     else:
         model = GPT(shape)
     model.checkpoint_blocks = args.checkpoint_activations
-    # stage 3 gathers one transformer block at a time (ignored by stages 0-2)
-    engine = zeromem.initialize(model, args.config, fetch_units=(Block,))
+    # stage 3 picks its fetch units (repeated blocks, small neighbours merged); the report
+    # below prints the choice; fetch_units=(Block,) would gather one block at a time
+    engine = zeromem.initialize(model, args.config)
     rank, world = engine.comm.rank, engine.dp_world_size
     micro, gas = engine.config.train_micro_batch_size_per_gpu, engine.config.gradient_accumulation_steps
     data = load_text()
@@ -113,6 +114,8 @@ def main() -> None:
         print(f"\nfinal loss {loss.item():.4f} after {engine.global_steps} steps "
               f"({engine.skipped_steps} skipped)\n")
         print(report)
+        if engine.fetch_unit_report:
+            print("\n" + engine.fetch_unit_report)
         print("\nper rank: " + ", ".join(
             f"rank {r}: {d['model_state_bytes'] / 1e6:.2f} MB held / "
             f"{d['formula_bytes'] / 1e6:.2f} MB formula"
@@ -122,7 +125,8 @@ def main() -> None:
         Path(args.report).write_text(json.dumps({
             "config": args.config, "stage": engine.zero_stage, "world_size": world,
             "steps": engine.global_steps, "final_loss": loss.item(),
-            "memory": reports, "comm": comm.to_dict()}, indent=2))
+            "memory": reports, "comm": comm.to_dict(),
+            "fetch_units": engine.fetch_unit_report.splitlines()}, indent=2))
         print(f"\nrun ledger saved to {args.report}")
     zeromem.shutdown()  # collectives finished and dropped, then the group ends: a clean exit
 

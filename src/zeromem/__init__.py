@@ -45,7 +45,8 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     factory `param_groups -> torch.optim.Optimizer` applied to the engine's fp32
     master shards; by default the config's `optimizer` block is used.
     `fetch_units` (stage 3): module classes whose instances are gathered as one
-    unit (e.g. a transformer block); by default each module owning parameters is one.
+    unit (e.g. a transformer block); by default repeated blocks, small neighbours merged
+    (stage3/units.py; the choice is `engine.fetch_unit_report`).
     `mp_group`: the tensor (model) parallel group, so gradient clipping uses the
     whole model's norm; by default the activation-checkpointing `mp_group`.
     """

@@ -32,17 +32,18 @@ from zeromem.config.schema import Config
 from zeromem.distributed import default_store, gather_timeout_s
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
-from zeromem.layout import pack_buckets
+from zeromem.layout import derived_bucket_numel, derived_prefetch_numel, pack_buckets
 from zeromem.grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
 from zeromem.mesh import global_rank, local_device
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0
 from zeromem.offload.placement import build_offload
 from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
-from zeromem.stage3.partitioned_init import materialize, materialize_meta
+from zeromem.stage3.partitioned_init import full_numel, materialize, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler
-from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule, fetch_unit_modules
+from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule
+from zeromem.stage3.units import describe, plan_fetch_units
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
 from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
@@ -94,6 +95,8 @@ class Engine:
         param_groups = normalize_param_groups(module, model_parameters)
         self.names = {id(p): n for n, p in module.named_parameters()}
         sharding = Sharding.for_stage(self.zero_stage)
+        self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
+        self.bucket_sizes = self._bucket_sizes(param_groups)  # explicit, or from the model
         self.groups = self._build_groups(param_groups, sharding, fetch_units)
         materialize(self.module.parameters(), self.comm)  # frozen ones built under Init
         self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
@@ -123,6 +126,19 @@ class Engine:
         return lr_scheduler
 
     # -- construction ------------------------------------------------------
+    def _bucket_sizes(self, param_groups: list[dict]) -> dict[str, int]:
+        """reduce / all-gather bucket elements: the config's where given, else derived from
+        the model size and N_d (layout.py); stage 3's prefetch depth follows in
+        `_build_stage3`, once the fetch units are known."""
+        zero = self.config.zero_optimization
+        psi = sum(full_numel(p) for pg in param_groups for p in pg["params"])
+        derived = derived_bucket_numel(psi, self.dp_world_size)
+        sizes = {key: int(getattr(zero, key)) if key in zero.model_fields_set else derived
+                 for key in ("reduce_bucket_size", "allgather_bucket_size")}
+        log.info("bucket sizes (elements): %s (derived from %s elements on %d ranks: %d)",
+                 sizes, f"{psi:,}", self.dp_world_size, derived)
+        return sizes
+
     def _build_groups(self, param_groups: list[dict], sharding: Sharding,
                       fetch_units: tuple[type, ...]) -> list[FlatParamGroup]:
         """One flat group per bucket (per fetch unit at stage 3), in expected backward order."""
@@ -155,15 +171,21 @@ class Engine:
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
         group_of = {id(p): gi for gi, pg in enumerate(param_groups) for p in pg["params"]}
         if sharding.params:
-            self.unit_modules = []  # (module, its parameters) per fetch unit, see stage3/fetch.py
+            # (modules that gather it, its parameters) per fetch unit, see stage3/units.py
+            self.unit_modules = []
             parts = []
-            for module, params in fetch_unit_modules(self.module, fetch_units):
-                for gi in sorted({group_of[id(p)] for p in params if id(p) in group_of}):
-                    part = [p for p in params if group_of.get(id(p)) == gi]
+            bucket_numel = self.bucket_sizes["reduce_bucket_size"]
+            plans = plan_fetch_units(self.module, fetch_units, bucket_numel)
+            for plan in plans:
+                for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
+                    part = [p for p in plan.params if group_of.get(id(p)) == gi]
                     parts.append((gi, part))
-                    self.unit_modules.append((module, part))
+                    self.unit_modules.append((plan.modules, part))
+            module_names = {id(m): n for n, m in self.module.named_modules()}
+            self.fetch_unit_report = describe(plans, module_names, fetch_units, bucket_numel)
+            log.info("%s", self.fetch_unit_report)
             return parts
-        bucket_numel = int(self.config.zero_optimization.reduce_bucket_size)
+        bucket_numel = self.bucket_sizes["reduce_bucket_size"]
         parts = []
         for gi, pg in enumerate(param_groups):
             params = sorted(pg["params"], key=lambda p: -order[id(p)])  # backward runs last-first
@@ -176,14 +198,17 @@ class Engine:
         group_of = {id(g.params[0]): g for g in self.groups}
         self.live_params = LiveStats()
         module_units = []
-        for module, params in self.unit_modules:
+        for modules, params in self.unit_modules:
             group = group_of[id(params[0])]
             persistent = group.numel < zero.stage3_param_persistence_threshold
-            module_units.append((module, FetchUnit(group, self.plan.shard, persistent,
-                                                   self.live_params, self.offload.params,
-                                                   self.plan.gather)))
-        prefetch = self.offload.params.prefetch_numel(
-            zero.stage3_prefetch_bucket_size, "stage3_prefetch_bucket_size" in zero.model_fields_set)
+            unit = FetchUnit(group, self.plan.shard, persistent, self.live_params,
+                             self.offload.params, self.plan.gather)
+            module_units += [(module, unit) for module in modules]
+        explicit = "stage3_prefetch_bucket_size" in zero.model_fields_set
+        prefetch = int(zero.stage3_prefetch_bucket_size) if explicit else derived_prefetch_numel(
+            max((g.numel for g in self.groups), default=0))
+        prefetch = self.offload.params.prefetch_numel(prefetch, explicit)
+        self.bucket_sizes["stage3_prefetch_bucket_size"] = prefetch
         limits = Stage3Limits(prefetch, zero.stage3_max_live_parameters,
                               zero.stage3_max_reuse_distance,
                               gather_timeout_s(self.config.zeromem.gather_timeout_s))
@@ -271,7 +296,7 @@ class Engine:
         self.offload.unscale_grads(self.groups, coef / self.scaler.scale)
 
     def _gather_params(self) -> None:
-        bucket = int(self.config.zero_optimization.allgather_bucket_size)
+        bucket = self.bucket_sizes["allgather_bucket_size"]
         self.offload.write_back(self.groups)  # masters -> parameter shards, wherever they live
         in_flight: deque = deque()
         for g in self.groups:

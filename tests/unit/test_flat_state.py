@@ -27,24 +27,31 @@ def test_stage3_group_walks_sharded_gathering_gathered_and_memory_matches():
         g.finish_gather()  # nothing is being gathered
     with pytest.raises(AssertionError):
         g.adopt_whole()
-    full = torch.arange(g.padded_numel, dtype=torch.float32)
-    g.begin_gather(full)
+    full = g.begin_gather()  # the group's own whole buffer, for the all-gather to fill
+    assert full.numel() == g.padded_numel and g.full is full
+    full.copy_(torch.arange(g.padded_numel, dtype=torch.float32))
     assert g.state is GroupState.GATHERING and all(p.numel() == 0 for p in g.params)
     with pytest.raises(AssertionError):
         g.drop_shard_storage()  # the all-gather in flight reads the shard
     with pytest.raises(AssertionError):
-        g.begin_gather(full)
+        g.begin_gather()
     g.finish_gather()
     assert g.state is GroupState.GATHERED
     assert [tuple(p.shape) for p in g.params] == SHAPES
     assert g.params[1].data_ptr() == full[15:].data_ptr()  # views of the whole buffer
     g.adopt_whole()
     assert torch.equal(g.param_shard, full[g.shard_offset:g.shard_offset + g.shard_numel])
+    kept = g.params[1].data.view(-1)  # as autograd keeps a view it saved in forward
     g.reshard()
     assert g.state is GroupState.SHARDED and g.full is None
     assert all(p.numel() == 0 for p in g.params)
+    assert kept.untyped_storage().nbytes() == 0  # the saved view holds no memory now
     with pytest.raises(AssertionError):
         g.reshard()
+    again = g.begin_gather()  # the next gather refills the storage that view shares
+    again.copy_(torch.arange(g.padded_numel, dtype=torch.float32))
+    g.finish_gather()
+    assert torch.equal(kept, torch.arange(15, 15 + kept.numel(), dtype=torch.float32))
 
 
 def test_whole_groups_refuse_stage3_transitions():
@@ -53,7 +60,7 @@ def test_whole_groups_refuse_stage3_transitions():
         assert g.state is GroupState.WHOLE and g.flat_param is not None
         assert [tuple(p.shape) for p in g.params] == SHAPES
         with pytest.raises(AssertionError, match="WHOLE"):
-            g.begin_gather(torch.zeros(g.padded_numel))
+            g.begin_gather()
         with pytest.raises(AssertionError):
             g.reshard()
 

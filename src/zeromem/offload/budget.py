@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from zeromem.offload.nvme import ALIGN
 
 DEPTH = 3  # sub-groups in flight: one read ahead, one updating, one written behind
-MIN_SUB_GROUP = 1 << 18  # elements (1 MiB per fp32 field): smaller requests waste the disk
+# elements (256 KiB per fp32 field): with a deep queue, requests of this size keep an NVMe
+# drive busy; below it a small budget is exceeded (`PoolSize.over_budget` says so)
+MIN_SUB_GROUP = 1 << 16
 FP32 = 4
 
 
@@ -42,6 +44,9 @@ class PoolSize:
     budget_bytes: int
     params_pool_bytes: int
     derived: bool  # sub_group_size came from the budget, not from the config
+    # one pool buffer once the sub-groups are cut (nvme_optimizer.layout_optimizer): a gradient
+    # read of several pieces needs ALIGN more per piece; 0 = not cut yet, one field's bytes
+    slot_bytes: int = 0
 
     @property
     def buffer_count(self) -> int:
@@ -49,16 +54,30 @@ class PoolSize:
 
     @property
     def pool_bytes(self) -> int:
-        """Host bytes of the optimizer pool (before alignment slack)."""
-        return self.buffer_count * -(-self.sub_group_size * FP32 // ALIGN) * ALIGN
+        """Host bytes of the optimizer pool (before the arena's alignment slack)."""
+        field = -(-self.sub_group_size * FP32 // ALIGN) * ALIGN
+        return self.buffer_count * max(field, self.slot_bytes)
+
+    def room_bytes(self) -> int:
+        """What the budget leaves the optimizer pool (its arena's alignment slack aside)."""
+        return self.budget_bytes - self.params_pool_bytes - ALIGN
+
+    @property
+    def over_budget(self) -> bool:
+        """The pools exceed the budget (it is below the minimum sub-group, or the config's
+        sub_group_size / buffer_count ask for more)."""
+        return self.pool_bytes > self.room_bytes()
 
     def describe(self) -> str:
         mb = 1e6
         source = "from the budget" if self.derived else "from the config"
+        over = (f"; EXCEEDS the budget (at least {MIN_SUB_GROUP:,} elements per sub-group, "
+                "or the config's sizes)" if self.over_budget else "")
         return (f"NVMe offload host budget {self.budget_bytes / mb:.1f} MB "
                 f"(zeromem.offload_host_budget_bytes): optimizer pool {self.buffer_count} buffers "
                 f"x sub_group_size {self.sub_group_size:,} ({source}) = "
-                f"{self.pool_bytes / mb:.1f} MB, parameter pool {self.params_pool_bytes / mb:.1f} MB")
+                f"{self.pool_bytes / mb:.1f} MB, parameter pool {self.params_pool_bytes / mb:.1f} MB"
+                f"{over}")
 
 
 def size_optimizer_pool(budget_bytes: int, fields: int, largest_shard_numel: int,

@@ -32,7 +32,9 @@ from zeromem.flat import FlatParamGroup
 from zeromem.offload.nvme import (ALIGN, IOHandle, OffloadError, SwapSpace, aligned_empty,
                                   round_up)
 
-MAX_WRITES = 4  # reduced shards waiting for their write: bounds host memory in backward
+# reduced shards waiting for their write: bounds host memory in backward (each is one
+# unit's shard: with more, backward's peak grows with the units' size)
+MAX_WRITES = 2
 
 
 def record_bytes(numel: int) -> int:

@@ -143,6 +143,11 @@ class IOHandle:
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
 
+    @property
+    def settled(self) -> bool:
+        """`wait()` has run (its errors raised), or there was nothing to wait for."""
+        return not self.futures
+
     def wait(self) -> None:
         if self.stats is not None and self.futures and not self.done():
             start = time.perf_counter()

@@ -32,13 +32,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from zeromem.flat import FlatParamGroup
-from zeromem.offload.budget import PoolSize, size_optimizer_pool
+from zeromem.offload.budget import MIN_SUB_GROUP, PoolSize, size_optimizer_pool
+from zeromem.offload.budget import FP32 as FP32_BYTES
 from zeromem.offload.grad_file import GradFile, piece_bytes, piece_view
 from zeromem.offload.nvme import ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace, round_up
 
@@ -153,13 +154,20 @@ def layout_optimizer(groups: Sequence[Any], states: int, master_in_file: bool,
     slot_fields = 1 + states + (1 if grads_in_file else 0)
     size = size_optimizer_pool(budget_bytes, slot_fields, _largest_param_group(groups),
                                params_pool_bytes, sub_group_size, buffer_count)
-    sub_groups = plan_sub_groups(groups, size.sub_group_size)
+    while True:  # a derived size shrinks until the cut sub-groups' buffers fit the budget
+        sub_groups = plan_sub_groups(groups, size.sub_group_size)
+        slot_bytes = max((max(sg.field_bytes, grad_slot_bytes(sg) if grads_in_file else 0)
+                          for sg in sub_groups), default=ALIGN)
+        size = replace(size, slot_bytes=slot_bytes)
+        over = size.pool_bytes - size.room_bytes()
+        if not size.derived or over <= 0 or size.sub_group_size <= MIN_SUB_GROUP:
+            break
+        fewer = -(-over // (size.buffer_count * FP32_BYTES)) // 1024 * 1024 + 1024
+        size = replace(size, sub_group_size=max(MIN_SUB_GROUP, size.sub_group_size - fewer))
     file_fields = int(master_in_file) + states
     total = 0
     for sg in sub_groups:
         sg.offset, total = total, total + sg.field_bytes * file_fields
-    slot_bytes = max((max(sg.field_bytes, grad_slot_bytes(sg) if grads_in_file else 0)
-                      for sg in sub_groups), default=ALIGN)
     return OptimizerLayout(size, sub_groups, states, master_in_file, grads_in_file, slot_bytes)
 
 
@@ -272,6 +280,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.steps = [0] * len(self.param_groups)  # optimizer steps taken, per param group
         self.failed: BaseException | None = None
         self.overlapped = {"read_ahead": 0, "write_behind": 0}  # sub-group I/O overlapped, last step
+        self.writes_of: dict[int, list[IOHandle]] = {}  # id(slot) -> its last write-behind
         self.state = SwappedState()
         if self.master_in_file:
             self._write_masters(groups)
@@ -312,6 +321,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
     # -- one sub-group ------------------------------------------------------------
     def _start_reads(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
         """Start reading the sub-group's fields (and, fp32, prefetching its parameter shards)."""
+        self._check_written(slot)
         handles = self._read_fields_async(sg, slot)
         if self.grad_file is not None:
             for p, at in zip(sg.pieces, self._grad_places(sg)):
@@ -362,8 +372,17 @@ class SwappedOptimizer(torch.optim.Optimizer):
         return grads
 
     def _start_writes(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
-        return [self.file.write(slot[name][:sg.field_bytes], sg.offset + k * sg.field_bytes)
-                for k, name in enumerate(self.file_fields)]
+        handles = [self.file.write(slot[name][:sg.field_bytes], sg.offset + k * sg.field_bytes)
+                   for k, name in enumerate(self.file_fields)]
+        self.writes_of[id(slot)] = handles
+        return handles
+
+    def _check_written(self, slot: dict[str, torch.Tensor]) -> None:
+        """A slot is read into only after its last write was waited for: a write still in
+        flight would store the new read's bytes, and its error would be lost."""
+        if not all(h.settled for h in self.writes_of.pop(id(slot), ())):
+            raise OffloadError(f"{self.file.path}: a pool buffer was reused before its "
+                               "write-behind was waited for")
 
     # -- the pipeline -------------------------------------------------------------
     @torch.no_grad()

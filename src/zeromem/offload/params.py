@@ -297,7 +297,8 @@ class ParamsOnNvme:
         self._order_now = order
 
     def prefetch_numel(self, configured: int, set_in_config: bool) -> int:
-        """On a CPU device, at most the units whose shards the pool reads ahead.
+        """On a CPU device, one unit gathered ahead (its gather overlaps this unit's compute;
+        the shards of the units after it are read ahead into the pool meanwhile).
 
         There the gathered units are host memory: DeepSpeed's default window (5e7
         elements) would hold as much of the model gathered as fits in it, i.e. host
@@ -306,7 +307,7 @@ class ParamsOnNvme:
         """
         if set_in_config or not self.host_is_device:
             return configured
-        return min(configured, self.lookahead * self.largest_unit_numel)
+        return min(configured, self.largest_unit_numel)
 
     def prefetch(self, group: FlatParamGroup, keep: int | None = None) -> None:
         key = id(group)

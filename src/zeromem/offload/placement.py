@@ -315,7 +315,8 @@ class MastersOnNvme:
         grads = self.grad_file if self.grad_file is not None else self._host().buffers
         self.optimizer = SwappedOptimizer(template, self.groups, self.space, grads, params, policy)
         if self.rank == 0:  # the default is worth a warning: it sizes every buffer
-            (log.info if policy.host_budget_set else log.warning)(
+            quiet = policy.host_budget_set and not self.optimizer.size.over_budget
+            (log.info if quiet else log.warning)(
                 "%s%s", self.optimizer.size.describe(),
                 "" if policy.host_budget_set else " (the default: set it to your host's share)")
         return self.optimizer

@@ -282,8 +282,8 @@ class ModelShape:
 
     `param_numels` are the trainable parameters in registration order, a tied weight
     once (as `module.parameters()` yields them); `unit_numels` the trainable elements of
-    each stage-3 fetch unit (a module that directly owns parameters), in the engine's
-    group order (latest-registered first: the order backward reaches them).
+    each stage-3 fetch unit, as the engine chooses them by default (stage3/units.py), in
+    the engine's group order (latest-registered first: the order backward reaches them).
     """
 
     name: str

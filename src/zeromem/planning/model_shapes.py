@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zeromem.planning.estimate import ModelShape
+from zeromem.stage3.units import plan_fetch_units
 
 _ALIASES = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
@@ -231,10 +232,11 @@ def _dims_from_modules(model: nn.Module) -> dict[str, int]:
 
 
 def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
-             **overrides: int | None) -> ModelShape:
+             bucket_numel: int | None = None, **overrides: int | None) -> ModelShape:
     """The planner's view of `model`: parameter sizes, fetch units and dimensions.
 
     Dimensions come from `overrides`, then `cfg` (a model config), then the modules.
+    `bucket_numel`: the run's reduce_bucket_size, which caps merged fetch units.
     """
     dims = {**_dims_from_modules(model), **read_dims(cfg or {}),
             **{k: v for k, v in overrides.items() if v}}
@@ -242,15 +244,10 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     order = {id(p): i for i, p in enumerate(model.parameters())}
-    claimed: set[int] = set()
-    units = []  # (first registration index, elements)
-    for module in model.modules():  # a fetch unit: a module that directly owns parameters
-        params = [p for p in module.parameters(recurse=False)
-                  if p.requires_grad and id(p) not in claimed]
-        claimed.update(id(p) for p in params)
-        if params:
-            units.append((min(order[id(p)] for p in params), sum(p.numel() for p in params)))
-    # the engine's group order (expected backward order), which decides how NVMe sub-groups cut
+    # the engine's default stage-3 units (stage3/units.py), in the engine's group order
+    # (expected backward order), which decides how NVMe sub-groups cut
+    plans = plan_fetch_units(model, bucket_numel=bucket_numel)  # reduce_bucket_size caps a merge
+    units = [(min(order[id(p)] for p in u.params), u.numel) for u in plans]
     units.sort(key=lambda u: -u[0])
     return ModelShape(name or type(model).__name__, tuple(trainable), frozen,
                       tuple(n for _, n in units),

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from zeromem.config.schema import Config
+from zeromem.layout import derived_bucket_numel, derived_prefetch_numel
 from zeromem.planning.estimate import (ActivationMemory, ModelShape, ShapeMemory, Widths, ZeroLayout,
                        activation_memory, estimate, exact_model_states, format_bytes,
                        format_count, paper_activation_bytes, rank_shards)
@@ -66,12 +67,22 @@ def widths_for(config: Config) -> Widths:
                   0 if compute == torch.float32 else 4, states, scalars)
 
 
-def layout_for(config: Config) -> ZeroLayout:
-    """The grouping and partitioning knobs of a validated zeromem config."""
+def layout_for(config: Config, shape: ModelShape | None = None, n_d: int = 1) -> ZeroLayout:
+    """The grouping and partitioning knobs of a validated zeromem config; with `shape`, the
+    bucket sizes the config leaves out are derived as the engine derives them (layout.py)."""
     z = config.zero_optimization
+    buckets = {k: int(getattr(z, k)) for k in ("reduce_bucket_size", "allgather_bucket_size",
+                                                "stage3_prefetch_bucket_size")}
+    if shape is not None:
+        derived = derived_bucket_numel(shape.psi, n_d)
+        buckets.update({k: derived for k in ("reduce_bucket_size", "allgather_bucket_size")
+                        if k not in z.model_fields_set})
+        if "stage3_prefetch_bucket_size" not in z.model_fields_set:
+            buckets["stage3_prefetch_bucket_size"] = derived_prefetch_numel(shape.largest_unit)
     knobs = OffloadKnobs.from_config(config)  # as the engine reads them
-    return ZeroLayout(z.stage, int(z.reduce_bucket_size), int(z.allgather_bucket_size),
-                      int(z.stage3_param_persistence_threshold), int(z.stage3_prefetch_bucket_size),
+    return ZeroLayout(z.stage, buckets["reduce_bucket_size"], buckets["allgather_bucket_size"],
+                      int(z.stage3_param_persistence_threshold),
+                      buckets["stage3_prefetch_bucket_size"],
                       z.offload_optimizer_device, z.offload_param_device, knobs)
 
 
@@ -80,7 +91,7 @@ def predict_memory(model: nn.Module | ModelShape, config: dict | str | Config,
     """Per-rank bytes the engine will hold for `model` under `config` on N_d ranks."""
     shape = model if isinstance(model, ModelShape) else shape_of(model)
     cfg = Config.load(config, world_size=n_d)
-    return exact_model_states(shape, n_d, widths_for(cfg), layout_for(cfg))
+    return exact_model_states(shape, n_d, widths_for(cfg), layout_for(cfg, shape, n_d))
 
 
 # ---------------------------------------------------------------- hardware, workload, setups

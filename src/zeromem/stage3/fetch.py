@@ -1,7 +1,7 @@
 """ZeRO-3 (P_os+g+p): parameters partitioned, gathered per module on demand.
 
-Every fetch unit (by default one per module that directly owns parameters, or
-one per instance of the classes the caller names, e.g. transformer blocks) is a
+Every fetch unit (chosen by units.py: by default repeated blocks and merged
+small neighbours, or one per instance of the classes the caller names) is a
 flat group whose parameters exist only as a 1/N_d shard between uses. The group
 owns the gathered buffer and an explicit state (flat.py, `GroupState`); a
 `FetchUnit` is the scheduler's handle that issues the all-gather:
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -223,6 +224,29 @@ class _Tracing:
             self.eager.__exit__(None, None, None)
 
 
+class RecordedOrder:
+    """The units one kind of pass used, in order, with O(1) look-ups for the schedule:
+    elements from one position to another (prefetch window, reuse distance) and the
+    next position that uses the same unit. Built once per recording, not per hook."""
+
+    def __init__(self, units: list[FetchUnit]):
+        self.units = units
+        # elements of the prefetch window: persistent units are whole anyway, count nothing
+        self.ahead = list(accumulate((0 if u.persistent else u.group.padded_numel
+                                      for u in units), initial=0))
+        self.next_use = [len(units)] * len(units)
+        seen: dict[int, int] = {}
+        for i in range(len(units) - 1, -1, -1):
+            self.next_use[i] = seen.get(id(units[i]), len(units))
+            seen[id(units[i])] = i
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def numel_between(self, start: int, end: int) -> int:
+        return self.ahead[end] - self.ahead[start]
+
+
 def _branch_flags(args: tuple, kwargs: dict) -> tuple:
     """The flag arguments of a root call (bool, str, None): what usually picks a branch."""
     flag = (bool, str, type(None))
@@ -237,7 +261,8 @@ class FetchSchedule:
                  limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None,
                  placement: ParamPlacement | None = None, reducer: Reducer | None = None,
                  gather: ParamGather | None = None):
-        self.units = [u for _, u in module_units]
+        # a unit may be gathered by several modules (merged neighbours, a tied parameter)
+        self.units = list({id(u): u for _, u in module_units}.values())
         self.gather = gather  # told each pass's kind and each step (hpZ's secondary copies)
         self.placement = placement or ParamsOnDevice()  # told the order of each pass (read-ahead)
         self.unit_of_module: dict[int, list[FetchUnit]] = {}
@@ -253,20 +278,26 @@ class FetchSchedule:
         self.module_stack: list[int] = []
         # orders by kind of pass: ("forward" | "eval" | "backward", training, flags)
         self.orders: dict[tuple, list[FetchUnit]] = {}
-        self.recorded: dict[tuple, list[FetchUnit]] = {}
+        self.recorded: dict[tuple, RecordedOrder] = {}
         self.pass_kind: tuple = ("forward", root.training, ())
         self.position = 0
+        self.frontier = 0  # prefetch issued up to here in the recorded order
+        self.used_at: dict[int, int] = {}  # unit id -> its latest position in this pass
         self.on_track = True
         self.tracing: _Tracing | None = None  # on while this pass's order is not known
         self.busy = False  # inside our own hooks: the tracer must not see our tensor ops
+        self.root = root
         self.handles = [root.register_forward_pre_hook(self._start_forward, with_kwargs=True)]
+        # Modules that gather something are hooked for good; the others only while the
+        # tracer needs to know which module runs (each hook costs a few microseconds).
+        self.module_hooks: dict[int, list] = {}
+        self.idle_hooked = False
         for module in root.modules():
-            self.handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(module.register_forward_hook(self._post_forward))
+            if module is root or id(module) in self.unit_of_module:
+                self._hook_module(module)
         self.unit_of_group = {id(u.group): u for u in self.units}
         if reducer is not None:  # the reducer counts gradient readiness; we release on its word
             reducer.on_grads_ready(self._grads_ready)
-        self.root = root
         register_units(self.units)
         self.refresh()
 
@@ -276,8 +307,33 @@ class FetchSchedule:
             self.gather.new_step()
         for unit in self.units:
             unit.reshard(force=True)
-            if unit.persistent:
-                unit.wait()
+        persistent = [u for u in self.units if u.persistent]
+        for unit in persistent:  # every re-gather in flight at once, then wait for each
+            unit.unshard()
+        for unit in persistent:
+            unit.wait()
+
+    # -- hooks on modules -------------------------------------------------------
+    def _hook_module(self, module: nn.Module) -> None:
+        self.module_hooks[id(module)] = [module.register_forward_pre_hook(self._pre_forward),
+                                         module.register_forward_hook(self._post_forward)]
+
+    def _hook_idle_modules(self) -> None:
+        """Hook every module, so the tracer knows which one reads a parameter."""
+        if not self.idle_hooked:
+            for module in self.root.modules():
+                if id(module) not in self.module_hooks:
+                    self._hook_module(module)
+            self.idle_hooked = True
+
+    def _unhook_idle_modules(self) -> None:
+        """Drop the hooks of modules that gather nothing (kept: those that read other units)."""
+        if self.idle_hooked:
+            keep = {id(self.root), *self.unit_of_module, *self.extra_units}
+            for key in [k for k in self.module_hooks if k not in keep]:
+                for handle in self.module_hooks.pop(key):
+                    handle.remove()
+            self.idle_hooked = False
 
     # -- passes ------------------------------------------------------------
     def start_pass(self, kind: str | tuple) -> None:
@@ -287,6 +343,8 @@ class FetchSchedule:
         """
         key = ("backward", *self.pass_kind[1:]) if kind == "backward" else tuple(kind)
         self.pass_kind, self.position, self.on_track = key, 0, key in self.recorded
+        self.frontier = 0
+        self.used_at.clear()
         if self.gather is not None:
             self.gather.start_pass(key[0])
         if key[0] != "backward":
@@ -294,20 +352,23 @@ class FetchSchedule:
             if self.store is not None:  # published so a stuck rank can name who diverged
                 self.store.set(f"zeromem/stage3/passes/{self.comm.rank}", str(self.passes))
         self.orders[key] = []
-        self.placement.follow(self.recorded.get(key))  # None: a pass of a new kind
+        recorded = self.recorded.get(key)
+        self.placement.follow(recorded.units if recorded else None)  # None: a new kind
 
     def finish_pass(self) -> None:
         """Release every unit still gathered and keep this pass's order for prefetching."""
         kind = self.pass_kind
-        if self.orders[kind]:
-            self.recorded[kind] = self.orders[kind]
-            self.placement.follow(self.recorded[kind])
+        order = self.orders[kind]
+        if order and (not self.on_track or len(order) != len(self.recorded[kind])):  # changed
+            self.recorded[kind] = RecordedOrder(order)
+            self.placement.follow(order)
         for unit in self.units:
             unit.reshard()
 
     def _start_tracing(self) -> None:
         """Watch which parameters each op reads until the root's forward ends."""
         if self.tracing is None and self.pass_kind[0] != "backward" and self.module_stack:
+            self._hook_idle_modules()
             self.tracing = _Tracing(self).enter()
 
     def _stop_tracing(self) -> None:
@@ -327,10 +388,11 @@ class FetchSchedule:
         expected = self.recorded.get(self.pass_kind)
         for unit in units:
             if self.on_track and (expected is None or self.position >= len(expected)
-                                  or expected[self.position] is not unit):
+                                  or expected.units[self.position] is not unit):
                 self.on_track = False  # the order changed: gather on demand this pass
                 self._start_tracing()  # a new branch may read other modules' parameters
             self.orders[self.pass_kind].append(unit)
+            self.used_at[id(unit)] = self.position
             self.position += 1
             self._wait(unit)
         if self.on_track:
@@ -368,33 +430,31 @@ class FetchSchedule:
     def _prefetch(self) -> None:
         """Gather ahead the next units of the recorded order, up to the prefetch window.
 
-        The window counts every unit ahead that is gathered, whether its gather starts now
-        or at an earlier call: counting only new ones would widen it by one unit per call.
+        The window counts every unit ahead that is gathered (persistent ones are whole
+        anyway and count nothing), whether its gather starts now or at an earlier call.
+        Each unit of the order is looked at once per pass: `frontier` moves forward only.
         """
-        expected, budget = self.recorded[self.pass_kind], self.limits.prefetch_numel
-        for unit in expected[self.position:]:
-            if budget <= 0:
-                break
-            if unit.persistent or unit.pins:
-                continue  # whole anyway: no part of the window
-            if unit.state is GroupState.SHARDED:
+        order = self.recorded[self.pass_kind]
+        at = max(self.frontier, self.position)
+        while (at < len(order)
+               and order.numel_between(self.position, at) < self.limits.prefetch_numel):
+            unit = order.units[at]
+            if unit.state is GroupState.SHARDED and not unit.persistent:
                 if self.stats.live + unit.group.padded_numel > self.limits.max_live_numel:
-                    break  # stage3_max_live_parameters: no prefetch past the limit
+                    break  # stage3_max_live_parameters: no prefetch past the limit (retried)
                 unit.unshard()
-            budget -= unit.group.padded_numel
+            at += 1
+        self.frontier = at
 
     def _reused_soon(self, unit: FetchUnit) -> bool:
         """Will `unit` be used again within `stage3_max_reuse_distance` elements of this pass?"""
-        if not self.on_track:
+        at = self.used_at.get(id(unit))
+        if not self.on_track or at is None:
             return False
-        budget = self.limits.max_reuse_distance
-        for later in self.recorded[self.pass_kind][self.position:]:
-            if later is unit:
-                return True
-            budget -= later.group.padded_numel
-            if budget < 0:
-                return False
-        return False
+        order = self.recorded[self.pass_kind]
+        later = order.next_use[at]
+        return (later < len(order)
+                and order.numel_between(self.position, later) <= self.limits.max_reuse_distance)
 
     # -- hooks -------------------------------------------------------------
     def _units_for(self, module: nn.Module) -> list[FetchUnit]:
@@ -412,17 +472,24 @@ class FetchSchedule:
     @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args) -> None:
         self.module_stack.append(id(module))
-        if module is self.root and self.pass_kind not in self.recorded:
-            self._start_tracing()  # first pass of this kind: its external reads are unknown
-        self._use(self._units_for(module))
+        if module is self.root:
+            if self.pass_kind not in self.recorded:
+                self._start_tracing()  # first pass of this kind: its external reads are unknown
+            else:
+                self._unhook_idle_modules()  # order known: only gathering modules need hooks
+        units = self._units_for(module)
+        if units:
+            self._use(units)
 
     @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> object:
-        self.module_stack.pop()
+        if self.module_stack and self.module_stack[-1] == id(module):
+            self.module_stack.pop()  # (hooked while it ran: no pre-hook was called for it)
         units = self._units_for(module)
         if units and torch.is_grad_enabled():
             output = self._hook_backward(module, output)
-        self._release(units)
+        if units:
+            self._release(units)
         if module is self.root:
             self._stop_tracing()
             self.finish_pass()
@@ -462,31 +529,5 @@ class FetchSchedule:
         self._release([self.unit_of_group[id(group)]])
 
     def remove(self) -> None:
-        for h in self.handles:
+        for h in self.handles + [h for hs in self.module_hooks.values() for h in hs]:
             h.remove()
-
-
-def fetch_unit_modules(root: nn.Module, unit_classes: tuple[type, ...] = ()
-                       ) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """(module, its parameters) for each fetch unit, each trainable parameter in exactly one.
-
-    With `unit_classes`, every instance of those classes is one unit holding all
-    parameters below it; the remaining parameters go to the module owning them.
-    """
-    claimed: set[int] = set()
-    units = []
-
-    def take(module: nn.Module, recurse: bool) -> None:
-        params = [p for p in module.parameters(recurse=recurse)
-                  if p.requires_grad and id(p) not in claimed]
-        claimed.update(id(p) for p in params)
-        if params:
-            units.append((module, params))
-
-    if unit_classes:
-        for module in root.modules():
-            if isinstance(module, unit_classes) and module is not root:
-                take(module, recurse=True)
-    for module in root.modules():
-        take(module, recurse=False)
-    return units

@@ -140,6 +140,12 @@ def materialize_meta(module: nn.Module, device: torch.device) -> None:
                 reset()
 
 
+def full_numel(p: nn.Parameter) -> int:
+    """Elements of `p` whole, also while `Init` holds only its shard."""
+    entry = _SHARDS.get(p)
+    return entry.numel if entry is not None else p.numel()
+
+
 def partitioned_bytes(module: nn.Module) -> int:
     """Bytes this rank holds for `module`'s parameters (shards and whole ones)."""
     return sum(_SHARDS[p].shard.nbytes if p in _SHARDS else p.nbytes for p in module.parameters())

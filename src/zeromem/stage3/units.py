@@ -1,0 +1,165 @@
+"""Which parameters are gathered together at stage 3: the fetch-unit policy.
+
+Every stage-3 gather costs a collective, a buffer, two hooks and some Python,
+whatever its size; on a model of many small layers that fixed cost, not the
+bytes, sets the step time (issue 15). So by default units are chosen to
+amortise it, in two passes over the module tree (ZeRO paper section 5.3 fetches
+"per module"; FSDP1's size-based wrap policy and DeepSpeed's
+`stage3_prefetch_bucket_size` batch small modules the same way):
+
+1. **Repeated blocks.** The children of a `ModuleList` / `Sequential` whose
+   children (two or more) are all of one class, e.g. transformer layers, each
+   become one unit holding every parameter below them. Outermost wins: the
+   inside of a block is not searched again. Every other parameter belongs to
+   the module that registers it.
+2. **Coalescing.** Walking units in module order (usually forward order),
+   neighbours are merged while the merged unit stays within
+   `clamp(psi // 8, 2**16, 2**22)` elements: about eight units or more per
+   model, none so large that gathering it costs more memory than a block; and
+   within `reduce_bucket_size`, since a unit's gradients are reduce-scattered as
+   one bucket (the constant buffers, CB, stay as the user sized them).
+   A unit holding a parameter registered by two modules (a tied embedding and
+   head) is never merged: its other user runs elsewhere in the pass, and should
+   gather only what it reads.
+
+With `fetch_units` (module classes) the user's choice wins: every instance of
+those classes is one unit, the rest go to the module owning them, nothing is
+merged. Either way every trainable parameter is in exactly one unit, and a unit
+lists every module that registers one of its parameters (the hooks gather it
+when any of them runs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from zeromem.stage3.partitioned_init import full_numel
+
+MIN_UNIT_NUMEL = 2 ** 16
+MAX_UNIT_NUMEL = 2 ** 22
+
+
+@dataclass
+class UnitPlan:
+    """One fetch unit to build: its parameters and the modules whose hooks gather it."""
+
+    params: list[nn.Parameter]
+    modules: list[nn.Module]
+    kind: str  # "block", "module" or "user" (a `fetch_units` instance); "+" joined if merged
+    shared: bool = False  # holds a parameter registered by two modules (tied)
+    numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.numel = sum(full_numel(p) for p in self.params)
+
+
+def coalesce_target_numel(psi: int, bucket_numel: int | None = None) -> int:
+    """Largest merged unit, in elements, for a model of `psi` trainable elements."""
+    target = max(MIN_UNIT_NUMEL, min(MAX_UNIT_NUMEL, psi // 8))
+    return target if bucket_numel is None else min(target, bucket_numel)
+
+
+def plan_fetch_units(root: nn.Module, unit_classes: tuple[type, ...] = (),
+                     bucket_numel: int | None = None) -> list[UnitPlan]:
+    """The fetch units of `root`, in module order; each trainable parameter in exactly one.
+
+    `bucket_numel` (reduce_bucket_size) caps a merged unit."""
+    holders = _holders(root)
+    claim = _Claims(holders)
+    if unit_classes:
+        for module in root.modules():
+            if isinstance(module, unit_classes) and module is not root:
+                claim.take(module, recurse=True, kind="user")
+        for module in root.modules():
+            claim.take(module, recurse=False, kind="module")
+        return claim.units
+    _claim_blocks(root, claim)
+    psi = sum(u.numel for u in claim.units)
+    return coalesce(claim.units, coalesce_target_numel(psi, bucket_numel))
+
+
+def _holders(root: nn.Module) -> dict[int, list[nn.Module]]:
+    """Parameter id -> every module that registers it (two or more: a tied parameter)."""
+    holders: dict[int, list[nn.Module]] = {}
+    for module in root.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(module)
+    return holders
+
+
+class _Claims:
+    """Hands each trainable parameter to the first unit that takes it."""
+
+    def __init__(self, holders: dict[int, list[nn.Module]]):
+        self.holders = holders
+        self.claimed: set[int] = set()
+        self.units: list[UnitPlan] = []
+
+    def take(self, module: nn.Module, recurse: bool, kind: str) -> None:
+        params = [p for p in module.parameters(recurse=recurse)
+                  if p.requires_grad and id(p) not in self.claimed]
+        if not params:
+            return
+        self.claimed.update(id(p) for p in params)
+        modules = [module]
+        tied = [p for p in params if len(self.holders[id(p)]) > 1]
+        for p in tied:  # a tied parameter's other holders gather this unit too
+            modules += [m for m in self.holders[id(p)] if all(m is not k for k in modules)
+                        and not _is_below(m, module)]
+        self.units.append(UnitPlan(params, modules, kind, shared=bool(tied)))
+
+
+def _is_below(module: nn.Module, ancestor: nn.Module) -> bool:
+    """`module` runs inside `ancestor` (so `ancestor`'s hooks already gather for it)."""
+    return any(m is module for m in ancestor.modules())
+
+
+def _is_repeated(module: nn.Module) -> bool:
+    """A ModuleList / Sequential of two or more children of one class."""
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return False
+    kinds = {type(child) for child in module.children()}
+    return len(module) >= 2 and len(kinds) == 1
+
+
+def _claim_blocks(module: nn.Module, claim: _Claims) -> None:
+    """Pre-order: a module's own parameters, then its children (blocks whole)."""
+    claim.take(module, recurse=False, kind="module")
+    repeated = _is_repeated(module)
+    for child in module.children():
+        if repeated:
+            claim.take(child, recurse=True, kind="block")
+        else:
+            _claim_blocks(child, claim)
+
+
+def coalesce(units: list[UnitPlan], target_numel: int) -> list[UnitPlan]:
+    """Merge neighbours while the merged unit stays within `target_numel`; tied units alone."""
+    merged: list[UnitPlan] = []
+    for unit in units:
+        last = merged[-1] if merged else None
+        if (last is not None and not last.shared and not unit.shared
+                and last.numel + unit.numel <= target_numel):
+            kind = last.kind if last.kind.endswith(unit.kind) else f"{last.kind}+{unit.kind}"
+            merged[-1] = UnitPlan(last.params + unit.params, last.modules + unit.modules, kind)
+        else:
+            merged.append(unit)
+    return merged
+
+
+def describe(units: list[UnitPlan], names: dict[int, str], user_classes: tuple[type, ...],
+             bucket_numel: int | None = None) -> str:
+    """One line per unit for the run report: size, kind and the modules it spans."""
+    if user_classes:
+        policy = "user fetch_units " + ", ".join(c.__name__ for c in user_classes)
+    else:
+        psi = sum(u.numel for u in units)
+        policy = (f"default: repeated blocks, neighbours merged up to "
+                  f"{coalesce_target_numel(psi, bucket_numel):,} elements")
+    lines = [f"stage-3 fetch units ({policy}): {len(units)}"]
+    for i, unit in enumerate(units):
+        first, last = names.get(id(unit.modules[0]), "?"), names.get(id(unit.modules[-1]), "?")
+        span = first if len(unit.modules) == 1 else f"{first} .. {last}"
+        lines.append(f"  {i:3d} {unit.numel:>12,}  {unit.kind:<14} {span or '(root)'}")
+    return "\n".join(lines)

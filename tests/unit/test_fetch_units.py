@@ -1,0 +1,125 @@
+"""The default stage-3 fetch units (stage3/units.py) on real model shapes, no process group."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gpt import GPT, Block, GPTConfig
+from setups import hf_tiny_builders
+from zeromem.stage3.units import coalesce_target_numel, describe, plan_fetch_units
+
+
+def repeated_blocks(root: nn.Module) -> list[nn.Module]:
+    """Children of every ModuleList / Sequential of two or more children of one class."""
+    return [child for m in root.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
+            and len(m) >= 2 and len({type(c) for c in m.children()}) == 1
+            for child in m.children()]
+
+
+def check_plan(root: nn.Module, units) -> dict[int, int]:
+    """Invariants of any plan; returns parameter id -> unit index."""
+    unit_of: dict[int, int] = {}
+    for i, unit in enumerate(units):
+        for p in unit.params:
+            assert id(p) not in unit_of, f"a parameter in units {unit_of[id(p)]} and {i}"
+            unit_of[id(p)] = i
+    trainable = {id(p) for p in root.parameters() if p.requires_grad}
+    assert set(unit_of) == trainable, "every trainable parameter in exactly one unit"
+    for unit in units:  # every module registering a unit's parameter runs under a gatherer
+        ids = {id(q) for q in unit.params}
+        covered = {id(m) for k in unit.modules for m in k.modules()}
+        for m in root.modules():
+            if any(id(p) in ids for p in m.parameters(recurse=False)):
+                assert id(m) in covered, type(m).__name__
+    return unit_of
+
+
+def check_default(root: nn.Module, min_blocks_per_unit: int = 1) -> list:
+    units = plan_fetch_units(root)
+    unit_of = check_plan(root, units)
+    blocks = repeated_blocks(root)
+    assert blocks, "the model has repeated blocks"
+    for block in blocks:  # a block is never split between units
+        assert len({unit_of[id(p)] for p in block.parameters()}) == 1, type(block).__name__
+    per_unit = [sum(any(p is q for q in u.params) for p in (next(b.parameters()) for b in blocks))
+                for u in units]
+    assert max(per_unit) >= min_blocks_per_unit, per_unit
+    target = coalesce_target_numel(sum(p.numel() for p in root.parameters() if p.requires_grad))
+    for unit in units:  # a merged unit stays within the target; only a lone block may exceed it
+        assert unit.numel <= target or "+" not in unit.kind and len(unit.modules) <= 2, unit.kind
+    # a tied parameter's unit holds nothing else: its second user gathers only what it reads
+    for unit in units:
+        if unit.shared:
+            assert len(unit.params) == 1, [tuple(p.shape) for p in unit.params]
+    return units
+
+
+def test_deep_gpt_merges_small_blocks_and_keeps_the_tied_embedding_alone():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, n_layer=32, n_embd=64))
+    units = check_default(model, min_blocks_per_unit=3)
+    assert len(units) < 32 // 2, len(units)  # 32 blocks of ~50k elements -> ~9 units
+    embed = next(u for u in units if any(p is model.token_embedding.weight for p in u.params))
+    assert embed.shared and any(m is model.head for m in embed.modules)  # the tied head too
+    report = describe(units, {id(m): n for n, m in model.named_modules()}, ())
+    assert f": {len(units)}" in report and "blocks.3" in report
+
+
+def test_small_gpt_keeps_one_block_per_unit():
+    torch.manual_seed(0)
+    model = GPT()  # 6 blocks of ~790k elements: each over the merge target on its own
+    units = check_default(model)
+    assert sum(u.kind == "block" for u in units) == 6, [u.kind for u in units]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hugging_face_blocks_become_units(name):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = hf_tiny_builders()[name]()
+    units = check_default(model)
+    layers = model.transformer.h if name == "gpt2" else model.model.layers
+    # every decoder layer's parameters in one unit, not one unit per Linear
+    assert len(units) < sum(1 for m in layers.modules() if isinstance(m, nn.Linear)
+                            or type(m).__name__ == "Conv1D")
+
+
+def test_a_frozen_layer_and_a_parameter_shared_inside_a_block():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Linear(8, 8)
+            self.stem.requires_grad_(False)
+            self.layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3)))
+            self.layers[2].weight = self.layers[0].weight  # shared inside the repeated list
+            self.out = nn.Linear(8, 2)
+
+    model = Mixed()
+    units = plan_fetch_units(model)
+    check_plan(model, units)
+    shared = next(u for u in units if any(p is model.layers[0].weight for p in u.params))
+    assert any(m is model.layers[2] for m in shared.modules)
+
+
+def test_user_fetch_units_win():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, n_layer=4, n_embd=32))
+    by_block = plan_fetch_units(model, (Block,))
+    check_plan(model, by_block)
+    assert [u.kind for u in by_block].count("user") == 4
+    by_linear = plan_fetch_units(model, (nn.Linear,))
+    check_plan(model, by_linear)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)
+               and any(p.requires_grad for p in m.parameters(recurse=False))]
+    assert [u.kind for u in by_linear].count("user") == len(linears)
+    assert all(len(u.modules) == 1 or u.shared for u in by_linear), "nothing merged"
+
+
+def test_merged_units_stay_within_the_reduce_bucket():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, n_layer=32, n_embd=64))  # 4 blocks a unit uncapped
+    units = plan_fetch_units(model, bucket_numel=120_000)  # a unit is reduced as one bucket
+    check_plan(model, units)
+    assert max(u.numel for u in units) <= 120_000
+    assert any("+" in u.kind or len(u.modules) > 1 for u in units), "still merged"
