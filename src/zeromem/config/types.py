@@ -21,21 +21,21 @@ from zeromem.config.rules import map_renamed_keys
 NUMBER_LIMIT = 2**63 - 1
 
 
+def _check_number(kind: str, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PydanticCustomError(f"{kind}_type", "Input should be a valid {kind}",
+                                  {"kind": kind})
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PydanticCustomError("finite_number", "Input should be a finite number")
+    if abs(value) > NUMBER_LIMIT:
+        raise PydanticCustomError("number_too_large", "Input should be at most 2**63 - 1")
+    return value
+
+
 def _numeric(kind: str) -> BeforeValidator:
     """Reject booleans and strings where a number is expected (pydantic's lax mode takes them),
     NaN and infinities (JSON's NaN/Infinity literals), and numbers beyond NUMBER_LIMIT."""
-
-    def check(value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PydanticCustomError(f"{kind}_type", "Input should be a valid {kind}",
-                                      {"kind": kind})
-        if isinstance(value, float) and not math.isfinite(value):
-            raise PydanticCustomError("finite_number", "Input should be a finite number")
-        if abs(value) > NUMBER_LIMIT:
-            raise PydanticCustomError("number_too_large", "Input should be at most 2**63 - 1")
-        return value
-
-    return BeforeValidator(check)
+    return BeforeValidator(lambda value: _check_number(kind, value))
 
 
 def _not_bool(value: Any) -> Any:
@@ -49,7 +49,7 @@ def _steps_per_print(value: Any) -> Any:
     """A positive whole number, or Infinity (never print): what Accelerate passes."""
     if isinstance(value, float) and value == math.inf:
         return value
-    value = _numeric("int").func(value)  # type: ignore[attr-defined]
+    value = _check_number("int", value)
     if isinstance(value, float) and not value.is_integer():
         raise PydanticCustomError("int_from_float", "Input should be a whole number")
     if value < 1:
