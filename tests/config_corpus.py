@@ -90,8 +90,9 @@ def hf_filled(paths: list[Path]) -> dict[Path, dict]:
         import transformers  # noqa: F401
     except ImportError:
         return {}
-    src = Path(__file__).resolve().parents[1] / "src"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    import zeromem  # the child imports the same zeromem (a mutant's copy under tools/mutants.py)
+    src = str(Path(zeromem.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", FILL, *map(str, auto)], capture_output=True,
                          text=True, env=env, timeout=300)
     if run.returncode:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ import torch.distributed as dist
 from zeromem.mesh import NodeLayout
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
+if TYPE_CHECKING:
+    from zeromem.comm_log import CommLog
+
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -181,6 +184,7 @@ class Comm:
         # (SIGABRT). So `close()` waits for each of them and drops them here, in Python.
         self._in_flight: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
         self._closed = False
+        self.log: CommLog | None = None  # `comms_logger`: each collective's size and latency
 
     def sub(self, group: dist.ProcessGroup | None) -> Comm:
         """A Comm over `group` (a sub-group of this one's ranks) sharing this ledger."""
@@ -254,6 +258,26 @@ class Comm:
             except RuntimeError:
                 pass
 
+    # -- comms_logger (comm_log.py) ------------------------------------------
+    def _logged(self, collective: str, kind: str, nbytes: int, issue: Callable[[], Pending],
+                async_op: bool) -> Pending:
+        """Run `issue` and, with a log attached, record the collective when it completes."""
+        token = self.log.start(collective, kind, nbytes) if self.log is not None else None
+        pending = issue()
+        if token is None:
+            return pending
+        if not async_op or pending is DONE:  # done already
+            self.log.finish(token)  # type: ignore[union-attr]
+            return pending
+        inner = pending.finish
+
+        def finish() -> None:
+            if inner is not None:
+                inner()
+            self.log.finish(token)  # type: ignore[union-attr]
+        pending.finish = finish
+        return pending
+
     # -- collectives -------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
                    kind: str = "all_reduce") -> Pending:
@@ -262,8 +286,10 @@ class Comm:
             return DONE
         n = self.world_size
         self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
-        return self._handle(self._sync(lambda: dist.all_reduce(
-            tensor, op=op, group=self.group, async_op=async_op)), tensor)
+        return self._logged("all_reduce", kind, tensor.numel() * tensor.element_size(),
+                            lambda: self._handle(self._sync(lambda: dist.all_reduce(
+                                tensor, op=op, group=self.group, async_op=async_op)), tensor),
+                            async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        async_op: bool = False, kind: str = "reduce_scatter") -> Pending:
@@ -271,6 +297,11 @@ class Comm:
         if self.world_size == 1:
             output.copy_(input)
             return DONE
+        return self._logged("reduce_scatter", kind, input.numel() * input.element_size(),
+                            lambda: self._reduce_scatter(output, input, async_op, kind), async_op)
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool,
+                        kind: str) -> Pending:
         n = self.world_size
         self._count(kind, (n - 1) / n * input.numel() * input.element_size())
         if self.backend == "nccl":
@@ -300,8 +331,10 @@ class Comm:
             return DONE
         n = self.world_size
         self._count(kind, (n - 1) / n * output.numel() * output.element_size())
-        return self._handle(self._sync(lambda: _all_gather_tensor(
-            output, input, group=self.group, async_op=async_op)), output, input)
+        return self._logged("all_gather", kind, output.numel() * output.element_size(),
+                            lambda: self._handle(self._sync(lambda: _all_gather_tensor(
+                                output, input, group=self.group, async_op=async_op)), output, input),
+                            async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                    kind: str = "all_to_all") -> None:
@@ -320,8 +353,10 @@ class Comm:
             return DONE
         self._count("broadcast", tensor.numel() * tensor.element_size() * (self.rank == src_rank))
         src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
-        return self._handle(self._sync(lambda: dist.broadcast(
-            tensor, src=src, group=self.group, async_op=async_op)), tensor)
+        return self._logged("broadcast", "broadcast", tensor.numel() * tensor.element_size(),
+                            lambda: self._handle(self._sync(lambda: dist.broadcast(
+                                tensor, src=src, group=self.group, async_op=async_op)), tensor),
+                            async_op)
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -36,6 +36,7 @@ from zeromem.layout import derived_bucket_numel, derived_prefetch_numel, pack_bu
 from zeromem.grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
 from zeromem.mesh import global_rank, local_device
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
+from zeromem.monitors import Observers, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0
 from zeromem.offload.placement import build_offload
 from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
@@ -116,6 +117,8 @@ class Engine:
         if mp_group is None:  # DeepSpeed's way: the group given to checkpointing.configure
             mp_group = self.activation_checkpointing.config.mp_group
         self.mp_norm = ModelParallelNorm(module, mp_group)
+        # monitors, comms_logger, flops_profiler, throughput, dump_state (monitors.py)
+        self.observers = Observers(self)
 
     def _make_scheduler(self, lr_scheduler: Any):
         """A factory `optimizer -> scheduler`, a ready scheduler, or the config's `scheduler`."""
@@ -222,7 +225,8 @@ class Engine:
             cast = lambda x: x.half() if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
-        with self.timers("forward"), self.activation_checkpointing.active():
+        with self.timers("forward"), self.activation_checkpointing.active(), \
+                self.observers.forward():
             return self.module(*args, **kwargs)
 
     __call__ = forward
@@ -233,7 +237,8 @@ class Engine:
         Scaling the loss divides every gradient by N_d before the reduction sums them:
         DeepSpeed's `"prescale_gradients": true`, always (its default, false, divides after)."""
         scale = self.scaler.scale / (self.config.batch()[2] * self.dp_world_size)
-        with self.timers("backward"), self.activation_checkpointing.active():
+        with self.timers("backward"), self.activation_checkpointing.active(), \
+                self.observers.backward(loss):
             boundary = self.is_gradient_accumulation_boundary()
             self.offload.start_backward(boundary)  # host copies of reduced grads at the boundary
             self.reducer.start_backward(boundary)
@@ -257,10 +262,11 @@ class Engine:
             return
         with self.timers("step"):
             self._optimizer_step(lr_kwargs)
-        if self.global_steps % max(1, self.config.steps_per_print or 10) == 0:
-            log.info("step %d: lr %s, grad norm %.4g, loss scale %g, skipped %d%s",
+        self.observers.after_step()
+        if due(self.global_steps, self.config.steps_per_print):
+            log.info("step %d: lr %s, grad norm %.4g, loss scale %g, skipped %d%s%s",
                      self.global_steps, self.get_lr(), self.grad_norm, self.loss_scale,
-                     self.skipped_steps, self.timers.summary())
+                     self.skipped_steps, self.timers.summary(), self.observers.log_line_extras())
 
     def _optimizer_step(self, lr_kwargs: dict | None = None) -> None:
         norm = self._global_grad_norm()                          # 1. norm
@@ -421,6 +427,7 @@ class Engine:
     def close(self, barrier_timeout_s: float = 10.0) -> None:
         """Finish and drop collectives in flight, meet the other ranks (bounded wait),
         and release offload storage (swap files). Also run at exit and on SIGTERM."""
+        self.observers.close()
         self.comm.close(barrier_timeout_s)
         self.offload.close()
 

@@ -293,11 +293,14 @@ class FlatParamGroup:
             out = torch.empty(n, end - start, dtype=full.dtype, device=full.device)
             self.comm.note_buffer(out)
 
-            def scatter_back(out=out, start=start, end=end) -> None:
+            pending = self.comm.all_gather(out.view(-1), self.param_shard[start:end], async_op=True)
+
+            def scatter_back(out=out, start=start, end=end, inner=pending.finish) -> None:
+                if inner is not None:  # the collective's own finishing step (comms_logger)
+                    inner()
                 full[:, start:end].copy_(out)
                 self.comm.release_buffer(out)
 
-            pending = self.comm.all_gather(out.view(-1), self.param_shard[start:end], async_op=True)
             yield Pending(pending.work, scatter_back, forget=pending.forget)
 
     # -- views ------------------------------------------------------------

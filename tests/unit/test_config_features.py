@@ -46,11 +46,6 @@ SAMPLES = {
     "optimizer.legacy_fusion": (False, True),
     "checkpoint.writer": (None, {"type": "fast", "io_buffer_size": 1e9}),
     "checkpoint.checkpoint_serialization": (True, False),
-    "timers": ({"throughput": {"enabled": False}}, {"throughput": {"enabled": True}}),
-    "dump_state": (False, True),
-    "memory_breakdown": (False, True),
-    "dataloader_drop_last": (False, True),
-    "log_level": (None, "info"),
 }
 CONTEXT = {"optimizer": {"type": "AdamW"}}  # blocks a nested key needs besides itself
 
@@ -70,6 +65,7 @@ def sample(feature: features.Feature) -> tuple:
 
 
 def test_every_feature_has_samples():
+    assert set(SAMPLES) <= set(features.BY_KEY)
     generic = [f.key for f in features.FEATURES if f.key not in SAMPLES]
     for key in generic:  # only blocks switched by "enabled" may use the generic sample
         assert features.BY_KEY[key].active(key, {"enabled": True}), key

@@ -151,18 +151,6 @@ FEATURES: tuple[Feature, ...] = (
     Feature("pipeline", "pipeline parallelism (PipelineModule)", "zeromem has no pipeline "
             "engine", present),
     Feature("comet", "Comet monitor", "zeromem's monitors are csv_monitor, tensorboard and wandb"),
-    # implemented in the next commits
-    Feature("csv_monitor", "CSV monitor", "not built yet"),
-    Feature("tensorboard", "TensorBoard monitor", "not built yet"),
-    Feature("wandb", "Weights & Biases monitor", "not built yet"),
-    Feature("comms_logger", "communication logger", "not built yet"),
-    Feature("flops_profiler", "flops profiler", "not built yet"),
-    Feature("timers", "throughput timer", "not built yet", lambda key, block: enabled(True)(
-        key, _object(key, block).get("throughput", {}))),
-    Feature("dump_state", "state dump", "not built yet", differs_from(False)),
-    Feature("memory_breakdown", "memory breakdown", "not built yet", differs_from(False)),
-    Feature("dataloader_drop_last", "drop_last loader", "not built yet", differs_from(False)),
-    Feature("log_level", "log level", "not built yet", differs_from(None)),
     Feature("sequence_parallel_size", "Ulysses sequence parallelism", "zeromem has no sequence "
             "parallelism", differs_from(1)),
     Feature("seq_parallel_communication_data_type", "Ulysses sequence parallelism",

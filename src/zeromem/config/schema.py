@@ -30,6 +30,7 @@ from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, Validation
 
 from zeromem.config.cluster import ClusterConfig, check_zeropp
 from zeromem.config import features
+from zeromem.config.extras import Extras
 from zeromem.config.optimizer_blocks import (OptimizerConfig, SchedulerConfig,  # noqa: F401 (re-exported)
                                              _optimizer_params_model, _scheduler_params_model)
 from zeromem.config.rules import (AIO_RENAMED, BATCH_KEYS, TOP_LEVEL_RENAMED, ZERO_RENAMED,
@@ -296,11 +297,12 @@ def check_supported(config: Config) -> None:
 
 # ---------------------------------------------------------------- top level
 
-class Config(_Block):
+class Config(Extras):
     """A DeepSpeed JSON config, validated. Build it with `Config.load`.
 
-    DeepSpeed features without a field are accepted while off and refused when on by
-    `config.features` (kept, when off, in `inert`).
+    The monitors, comms_logger, flops_profiler and other DeepSpeed extras zeromem runs are
+    fields of `config.extras.Extras`; DeepSpeed features without a field are accepted while
+    off and refused when on by `config.features` (kept, when off, in `inert`).
     """
 
     _renamed = TOP_LEVEL_RENAMED

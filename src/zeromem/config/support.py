@@ -57,6 +57,19 @@ READ: dict[str, tuple[str, ...]] = {
     "zeromem.cluster.ranks_per_node": ("hierarchy",),
     "zeromem.cluster.quantized_gradient_bits": ("hierarchy",),
     "zeromem.cluster.quantization_block_size": ("hierarchy",),
+    # DeepSpeed's extras (config/extras.py)
+    **{f"{block}.{key}": ("monitors",) for block in ("csv_monitor", "tensorboard")
+       for key in ("enabled", "output_path", "job_name")},
+    **{f"wandb.{key}": ("monitors",) for key in ("enabled", "group", "team", "project")},
+    "comms_logger.enabled": ("monitors",),
+    **{f"comms_logger.{key}": ("comm_log",) for key in ("prof_all", "prof_ops", "verbose", "debug")},
+    "flops_profiler.enabled": ("monitors",),
+    **{f"flops_profiler.{key}": ("flops",) for key in (
+        "recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed",
+        "output_file")},
+    "timers.throughput.enabled": ("monitors",), "timers.throughput.synchronized": ("monitors",),
+    "dump_state": ("monitors",), "memory_breakdown": ("monitors",), "log_level": ("monitors",),
+    "dataloader_drop_last": ("deepspeed.__init__",),
 }
 
 # dotted key -> the zeromem feature (config.OUT_OF_SCOPE / NOT_BUILT) it turns on

@@ -90,7 +90,8 @@ def _training_dataloader(engine: DeepSpeedEngine, training_data: Any,
     sampler: DistributedSampler = DistributedSampler(training_data, num_replicas=engine.dp_world_size,
                                  rank=engine.global_rank)
     return DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
-                      sampler=sampler, collate_fn=collate_fn)
+                      sampler=sampler, collate_fn=collate_fn,
+                      drop_last=engine.engine.config.dataloader_drop_last)
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,

@@ -19,7 +19,7 @@ from .init import init_distributed
 __all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "get_rank",
            "get_world_size", "get_local_rank", "get_global_rank", "get_backend", "barrier",
            "all_reduce", "broadcast", "broadcast_object", "all_gather", "all_gather_into_tensor", "reduce",
-           "new_group", "destroy_process_group"]
+           "new_group", "destroy_process_group", "log_summary"]
 
 
 def is_initialized() -> bool:
@@ -108,3 +108,23 @@ def new_group(ranks=None, **kwargs):
 def destroy_process_group(group=None) -> None:
     if dist.is_initialized():
         dist.destroy_process_group(group)
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False):
+    """DeepSpeed's `log_summary`: the `comms_logger` table of the live engine's collectives,
+    printed on rank 0 (`return_dict`: the table as a dict instead). Needs `comms_logger`
+    enabled in the config."""
+    from zeromem.distributed import LIFECYCLE
+
+    if show_straggler:
+        raise NotImplementedError("log_summary(show_straggler=True) is not supported: zeromem's "
+                                  "comms log is per rank (each rank can print its own table)")
+    logs = [engine.comm.log for engine in list(LIFECYCLE.engines) if engine.comm.log is not None]
+    if not logs:
+        raise RuntimeError('log_summary: no engine records its collectives; set "comms_logger": '
+                           '{"enabled": true} in the config')
+    if return_dict:
+        return logs[-1].table()
+    if get_rank() == 0:
+        print(logs[-1].summary())
+    return None
