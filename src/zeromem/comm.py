@@ -184,13 +184,24 @@ class Comm:
         # (SIGABRT). So `close()` waits for each of them and drops them here, in Python.
         self._in_flight: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
         self._closed = False
-        self.log: CommLog | None = None  # `comms_logger`: each collective's size and latency
+        self._log: CommLog | None = None  # `comms_logger`: each collective's size and latency
+        self._parent: Comm | None = None  # set by `sub`: the parent's log records ours too
 
     def sub(self, group: dist.ProcessGroup | None) -> Comm:
         """A Comm over `group` (a sub-group of this one's ranks) sharing this ledger."""
         child = Comm(group, self.store, self.layout, self.ledger)
+        child._parent = self
         self.children.append(child)
         return child
+
+    @property
+    def log(self) -> CommLog | None:
+        """The `comms_logger` of the root Comm: sub-groups' collectives are recorded there."""
+        return self._parent.log if self._parent is not None else self._log
+
+    @log.setter
+    def log(self, value: CommLog | None) -> None:
+        self._log = value
 
     @property
     def _steps(self) -> int:

@@ -191,7 +191,8 @@ def test_monitors_comms_logger_and_flops_profiler_report(tmp_path, stage):
                 sent["all_reduce"] += 2 * (n - 1) / n * nbytes
         ledger = r["ledger"]
         assert sent["reduce_scatter"] == pytest.approx(ledger["reduce_scatter"])
-        assert sent["all_gather"] == pytest.approx(ledger["all_gather"])
+        gathered = sum(v for k, v in ledger.items() if k.startswith("all_gather"))  # stage 3: by pass
+        assert sent["all_gather"] == pytest.approx(gathered)
         reduced = sum(v for k, v in ledger.items() if k.startswith("all_reduce") or k == "monitor")
         assert sent["all_reduce"] == pytest.approx(reduced)
         assert sum(row["count"] for sizes in r["table"].values() for row in sizes.values()) \

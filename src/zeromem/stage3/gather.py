@@ -63,8 +63,11 @@ class ParamGather:
         else:
             pending, finish = self._quantized(group.param_shard, full, kind, self.weight_bits)
         keep = self.phase == "forward" and self.secondary is not None
+        inner = pending.finish  # Comm's own finishing step (the comms_logger's record)
 
         def done() -> None:
+            if inner is not None:
+                inner()
             if finish is not None:
                 finish()
             if keep:
