@@ -53,6 +53,30 @@ def _state_step(state: dict, like: torch.Tensor, moments: Iterable[str]) -> torc
     return state["step"]
 
 
+def _closure_loss(closure):
+    """torch's closure convention: re-evaluate the loss with gradients enabled."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+class _PerParameter(torch.optim.Optimizer):
+    """An optimizer whose update of each parameter needs only that parameter's own state."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = _closure_loss(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        raise NotImplementedError
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al. 2019) as DeepSpeed's FusedLamb computes it; see the module docstring."""
 
@@ -104,10 +128,7 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         live: list[tuple[torch.Tensor, dict]] = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -158,7 +179,7 @@ class Lamb(torch.optim.Optimizer):
         return loss
 
 
-class Adam(torch.optim.Optimizer):
+class Adam(_PerParameter):
     """DeepSpeed's FusedAdam math, for `bias_correction=False` (torch's Adam always corrects)."""
 
     state_bytes_per_param = 8
@@ -170,36 +191,27 @@ class Adam(torch.optim.Optimizer):
                         adam_w_mode=adam_w_mode, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            decay = group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                step = float(_state_step(state, p, ("exp_avg", "exp_avg_sq")))
-                g = p.grad
-                if decay and not group["adam_w_mode"]:
-                    g = g.add(p, alpha=decay)  # L2: the decay goes through the moments
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(beta1).add_(g, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                bc1, bc2 = ((1 - beta1 ** step, 1 - beta2 ** step) if group["bias_correction"]
-                            else (1.0, 1.0))
-                update = (m / bc1).div_((v / bc2).sqrt_().add_(group["eps"]))
-                if decay and group["adam_w_mode"]:
-                    update.add_(p, alpha=decay)
-                p.add_(update, alpha=-group["lr"])
-        return loss
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        decay = group["weight_decay"]
+        state = self.state[p]
+        step = float(_state_step(state, p, ("exp_avg", "exp_avg_sq")))
+        g = p.grad
+        assert g is not None  # _PerParameter skips parameters without one
+        if decay and not group["adam_w_mode"]:
+            g = g.add(p, alpha=decay)  # L2: the decay goes through the moments
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bc1, bc2 = ((1 - beta1 ** step, 1 - beta2 ** step) if group["bias_correction"]
+                    else (1.0, 1.0))
+        update = (m / bc1).div_((v / bc2).sqrt_().add_(group["eps"]))
+        if decay and group["adam_w_mode"]:
+            update.add_(p, alpha=decay)
+        p.add_(update, alpha=-group["lr"])
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(_PerParameter):
     """Lion (Chen et al. 2023) as DeepSpeed's FusedLion computes it."""
 
     state_bytes_per_param = 4  # exp_avg
@@ -208,22 +220,13 @@ class Lion(torch.optim.Optimizer):
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                _state_step(state, p, ("exp_avg",))
-                m, g = state["exp_avg"], p.grad
-                if group["weight_decay"]:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(m.mul(beta1).add_(g, alpha=1 - beta1).sign_(), alpha=-group["lr"])
-                m.mul_(beta2).add_(g, alpha=1 - beta2)
-        return loss
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        state = self.state[p]
+        _state_step(state, p, ("exp_avg",))
+        m, g = state["exp_avg"], p.grad
+        assert g is not None  # _PerParameter skips parameters without one
+        if group["weight_decay"]:
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(m.mul(beta1).add_(g, alpha=1 - beta1).sign_(), alpha=-group["lr"])
+        m.mul_(beta2).add_(g, alpha=1 - beta2)
