@@ -44,7 +44,7 @@ from zeromem.stage3.partitioned_init import full_numel, materialize, materialize
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler
 from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule
-from zeromem.stage3.units import describe, plan_fetch_units
+from zeromem.stage3.units import describe, merge_persistent, plan_fetch_units
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
 from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
@@ -179,11 +179,15 @@ class Engine:
             parts = []
             bucket_numel = self.bucket_sizes["reduce_bucket_size"]
             plans = plan_fetch_units(self.module, fetch_units, bucket_numel)
+            if not fetch_units:  # the default policy: small units, never gathered, as one
+                zero = self.config.zero_optimization
+                plans = merge_persistent(plans, zero.stage3_param_persistence_threshold,
+                                         bucket_numel)
             for plan in plans:
                 for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
                     part = [p for p in plan.params if group_of.get(id(p)) == gi]
                     parts.append((gi, part))
-                    self.unit_modules.append((plan.modules, part))
+                    self.unit_modules.append((plan.modules, part, plan.persistent))
             module_names = {id(m): n for n, m in self.module.named_modules()}
             self.fetch_unit_report = describe(plans, module_names, fetch_units, bucket_numel)
             log.info("%s", self.fetch_unit_report)
@@ -201,9 +205,9 @@ class Engine:
         group_of = {id(g.params[0]): g for g in self.groups}
         self.live_params = LiveStats()
         module_units = []
-        for modules, params in self.unit_modules:
+        for modules, params, merged_persistent in self.unit_modules:
             group = group_of[id(params[0])]
-            persistent = group.numel < zero.stage3_param_persistence_threshold
+            persistent = merged_persistent or group.numel < zero.stage3_param_persistence_threshold
             unit = FetchUnit(group, self.plan.shard, persistent, self.live_params,
                              self.offload.params, self.plan.gather)
             module_units += [(module, unit) for module in modules]

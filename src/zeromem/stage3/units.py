@@ -3,7 +3,7 @@
 Every stage-3 gather costs a collective, a buffer, two hooks and some Python,
 whatever its size; on a model of many small layers that fixed cost, not the
 bytes, sets the step time (issue 15). So by default units are chosen to
-amortise it, in two passes over the module tree (ZeRO paper section 5.3 fetches
+amortise it, in three passes over the module tree (ZeRO paper section 5.3 fetches
 "per module"; FSDP1's size-based wrap policy and DeepSpeed's
 `stage3_prefetch_bucket_size` batch small modules the same way):
 
@@ -21,6 +21,10 @@ amortise it, in two passes over the module tree (ZeRO paper section 5.3 fetches
    A unit holding a parameter registered by two modules (a tied embedding and
    head) is never merged: its other user runs elsewhere in the pass, and should
    gather only what it reads.
+3. **Persistent units together.** Units under `stage3_param_persistence_threshold`
+   stay whole between optimizer steps, so no pass gathers them; wherever they sit,
+   they are merged into one (within `reduce_bucket_size`): one reduce-scatter and one
+   all-gather a step for all of them (`merge_persistent`).
 
 With `fetch_units` (module classes) the user's choice wins: every instance of
 those classes is one unit, the rest go to the module owning them, nothing is
@@ -48,6 +52,7 @@ class UnitPlan:
     modules: list[nn.Module]
     kind: str  # "block", "module" or "user" (a `fetch_units` instance); "+" joined if merged
     shared: bool = False  # holds a parameter registered by two modules (tied)
+    persistent: bool = False  # small units merged by `merge_persistent`: whole between steps
     numel: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +151,37 @@ def coalesce(units: list[UnitPlan], target_numel: int) -> list[UnitPlan]:
         else:
             merged.append(unit)
     return merged
+
+
+def merge_persistent(units: list[UnitPlan], persistent_numel: int,
+                     cap_numel: int | None = None) -> list[UnitPlan]:
+    """Units under `persistent_numel` (stage3_param_persistence_threshold) merged into as
+    few units as `cap_numel` (reduce_bucket_size) allows, wherever they are in the model.
+
+    A persistent unit stays whole from one optimizer step to the next: no pass gathers
+    it, so where it runs does not matter, only that each unit costs a step one
+    reduce-scatter and one all-gather (on a tiny model, the whole of stage 3's extra
+    collectives over DDP). A merged unit is placed where its first member was."""
+    small = [u for u in units if u.numel < persistent_numel]
+    if len(small) < 2:
+        return units
+    packs: list[list[UnitPlan]] = [[]]
+    for unit in small:
+        if packs[-1] and cap_numel is not None and \
+                sum(u.numel for u in packs[-1]) + unit.numel > cap_numel:
+            packs.append([])
+        packs[-1].append(unit)
+    first = {id(pack[0]): pack for pack in packs}
+    out = []
+    for unit in units:
+        if id(unit) in first:
+            pack = first[id(unit)]
+            out.append(UnitPlan([p for u in pack for p in u.params],
+                                [m for u in pack for m in u.modules], "persistent",
+                                shared=any(u.shared for u in pack), persistent=True))
+        elif unit.numel >= persistent_numel:
+            out.append(unit)
+    return out
 
 
 def describe(units: list[UnitPlan], names: dict[int, str], user_classes: tuple[type, ...],
