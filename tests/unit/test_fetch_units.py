@@ -7,7 +7,8 @@ from torch import nn
 
 from gpt import GPT, Block, GPTConfig
 from setups import hf_tiny_builders
-from zeromem.stage3.units import coalesce_target_numel, describe, plan_fetch_units
+from zeromem.stage3.units import (coalesce_target_numel, describe, merge_persistent,
+                                  plan_fetch_units)
 
 
 def repeated_blocks(root: nn.Module) -> list[nn.Module]:
@@ -123,3 +124,61 @@ def test_merged_units_stay_within_the_reduce_bucket():
     check_plan(model, units)
     assert max(u.numel for u in units) <= 120_000
     assert any("+" in u.kind or len(u.modules) > 1 for u in units), "still merged"
+
+
+def top_names(model: nn.Module, unit) -> list[str]:
+    """The unit's parameters, named down to the decoder layer (h.0, layers.1) or module."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for p in unit.params:
+        parts = names[id(p)].split(".")
+        cut = next((i + 2 for i, part in enumerate(parts) if part in ("h", "layers")), -1)
+        name = ".".join(parts[:cut])
+        if name not in out:
+            out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("name, expected", [
+    # the tied embedding alone (its head runs at the other end); each block whole, with
+    # the small module before or after it: fewer units than blocks + 1
+    ("gpt2", [["transformer.wte"], ["transformer.wpe", "transformer.h.0"],
+              ["transformer.h.1", "transformer.ln_f"]]),
+    ("llama", [["model.embed_tokens", "model.layers.0"],
+               ["model.layers.1", "model.norm", "lm_head"]]),
+])
+def test_hugging_face_default_units_are_the_blocks_with_their_neighbours(name, expected):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = hf_tiny_builders(seq=64)[name]()  # as benchmarks/bench_models.py builds them
+    units = plan_fetch_units(model)
+    check_plan(model, units)
+    assert [top_names(model, u) for u in units] == expected
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_tiny_hugging_face_models_are_one_persistent_unit(name):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = hf_tiny_builders(seq=64)[name]()  # ~120k elements, every unit under 100k
+    units = merge_persistent(plan_fetch_units(model), 100_000, 2 ** 20)
+    check_plan(model, units)
+    assert len(units) == 1 and units[0].persistent and units[0].kind == "persistent"
+
+
+def test_persistent_units_merge_wherever_they_are_within_the_bucket():
+    torch.manual_seed(0)
+    model = GPT()  # small GPT: tied embedding (65k), positions (33k), ln_final; 6 big blocks
+    plain = plan_fetch_units(model)
+    units = merge_persistent(plain, 100_000)
+    check_plan(model, units)
+    assert [u.kind for u in units] == ["persistent"] + ["block"] * 6
+    kept = units[0]
+    assert kept.shared and kept.numel == sum(u.numel for u in plain if u.numel < 100_000)
+    assert any(m is model.ln_final for m in kept.modules)  # from the far end of the model
+    assert [id(u) for u in units[1:]] == [id(u) for u in plain if u.numel >= 100_000]
+    capped = merge_persistent(plain, 100_000, cap_numel=70_000)  # a unit is one bucket
+    check_plan(model, capped)
+    assert sum(u.persistent for u in capped) == 2
+    assert all(u.numel <= 70_000 for u in capped if u.persistent)
+    assert merge_persistent(plain, 0) == plain  # threshold 0: nothing is persistent
