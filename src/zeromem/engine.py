@@ -38,13 +38,14 @@ from zeromem.mesh import global_rank, local_device
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitors import Observers, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0
-from zeromem.offload.placement import build_offload
+from zeromem.offload.placement import OffloadPolicy, build_offload
 from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import full_numel, materialize, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler
 from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule
-from zeromem.stage3.units import describe, plan_fetch_units
+from zeromem.stage3.units import (UnitCaps, default_target, describe, plan_fetch_units,
+                                   unmerged_units)
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
 from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
@@ -177,15 +178,16 @@ class Engine:
             # (modules that gather it, its parameters) per fetch unit, see stage3/units.py
             self.unit_modules = []
             parts = []
-            bucket_numel = self.bucket_sizes["reduce_bucket_size"]
-            plans = plan_fetch_units(self.module, fetch_units, bucket_numel)
+            caps = self._unit_caps()
+            plans = plan_fetch_units(self.module, fetch_units, caps)
             for plan in plans:
                 for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
                     part = [p for p in plan.params if group_of.get(id(p)) == gi]
                     parts.append((gi, part))
                     self.unit_modules.append((plan.modules, part))
             module_names = {id(m): n for n, m in self.module.named_modules()}
-            self.fetch_unit_report = describe(plans, module_names, fetch_units, bucket_numel)
+            target = default_target(unmerged_units(self.module), caps)
+            self.fetch_unit_report = describe(plans, module_names, fetch_units, target)
             log.info("%s", self.fetch_unit_report)
             return parts
         bucket_numel = self.bucket_sizes["reduce_bucket_size"]
@@ -194,6 +196,13 @@ class Engine:
             params = sorted(pg["params"], key=lambda p: -order[id(p)])  # backward runs last-first
             parts += [(gi, bucket) for bucket in _bucket_params(params, bucket_numel)]
         return parts
+
+    def _unit_caps(self) -> UnitCaps:
+        """What bounds a merged fetch unit: the reduce bucket, and with parameters on NVMe
+        the parameter pool's share of the host budget (offload/budget.py)."""
+        pool = OffloadPolicy.from_config(self.config).pool_unit_numel(
+            self.compute_dtype.itemsize, self.plan.shard.world_size)
+        return UnitCaps(self.bucket_sizes["reduce_bucket_size"], pool)
 
     def _build_stage3(self) -> FetchSchedule:
         """One FetchUnit per (module, flat group); small units stay whole (persistent)."""
