@@ -34,12 +34,10 @@ when any of them runs).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from torch import nn
-
-from zeromem.stage3.partitioned_init import full_numel
 
 MIN_UNIT_NUMEL = 2 ** 16
 MAX_UNIT_NUMEL = 2 ** 22
@@ -52,11 +50,8 @@ class UnitPlan:
     params: list[nn.Parameter]
     modules: list[nn.Module]
     kind: str  # "block", "module" or "user" (a `fetch_units` instance); "+" joined if merged
+    numel: int  # elements of `params` whole (also while `Init` holds only their shards)
     shared: bool = False  # holds a parameter registered by two modules (tied)
-    numel: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.numel = sum(full_numel(p) for p in self.params)
 
 
 @dataclass(frozen=True)
@@ -79,14 +74,18 @@ def coalesce_target_numel(psi: int, caps: UnitCaps = UnitCaps(), largest_numel: 
 
 
 def plan_fetch_units(root: nn.Module, unit_classes: tuple[type, ...] = (),
-                     caps: UnitCaps = UnitCaps()) -> list[UnitPlan]:
+                     caps: UnitCaps = UnitCaps(),
+                     numel_of: Callable[[nn.Parameter], int] = nn.Parameter.numel
+                     ) -> list[UnitPlan]:
     """The fetch units of `root`, in module order; each trainable parameter in exactly one.
 
-    `caps` bound a merged unit (nothing is merged when `unit_classes` are given)."""
+    `caps` bound a merged unit (nothing is merged when `unit_classes` are given);
+    `numel_of` counts a parameter whole (`Partitions.full_numel` for a model built
+    under `Init`)."""
     if not unit_classes:
-        units = unmerged_units(root)
+        units = unmerged_units(root, numel_of)
         return coalesce(units, default_target(units, caps))
-    claim = _Claims(_holders(root))
+    claim = _Claims(_holders(root), numel_of)
     for module in root.modules():
         if isinstance(module, unit_classes) and module is not root:
             claim.take(module, recurse=True, kind="user")
@@ -95,9 +94,11 @@ def plan_fetch_units(root: nn.Module, unit_classes: tuple[type, ...] = (),
     return claim.units
 
 
-def unmerged_units(root: nn.Module) -> list[UnitPlan]:
+def unmerged_units(root: nn.Module,
+                   numel_of: Callable[[nn.Parameter], int] = nn.Parameter.numel
+                   ) -> list[UnitPlan]:
     """The default policy's units before coalescing: blocks, then each module's own."""
-    claim = _Claims(_holders(root))
+    claim = _Claims(_holders(root), numel_of)
     _claim_blocks(root, claim)
     return claim.units
 
@@ -120,8 +121,10 @@ def _holders(root: nn.Module) -> dict[int, list[nn.Module]]:
 class _Claims:
     """Hands each trainable parameter to the first unit that takes it."""
 
-    def __init__(self, holders: dict[int, list[nn.Module]]):
+    def __init__(self, holders: dict[int, list[nn.Module]],
+                 numel_of: Callable[[nn.Parameter], int]):
         self.holders = holders
+        self.numel_of = numel_of
         self.claimed: set[int] = set()
         self.units: list[UnitPlan] = []
 
@@ -136,7 +139,8 @@ class _Claims:
         for p in tied:  # a tied parameter's other holders gather this unit too
             modules += [m for m in self.holders[id(p)] if all(m is not k for k in modules)
                         and not _is_below(m, module)]
-        self.units.append(UnitPlan(params, modules, kind, shared=bool(tied)))
+        numel = sum(self.numel_of(p) for p in params)
+        self.units.append(UnitPlan(params, modules, kind, numel, shared=bool(tied)))
 
 
 def _is_below(module: nn.Module, ancestor: nn.Module) -> bool:
@@ -192,7 +196,7 @@ def _merged(units: list[UnitPlan]) -> UnitPlan:
     for unit in units[1:]:
         kind = kind if kind.endswith(unit.kind) else f"{kind}+{unit.kind}"
     return UnitPlan([p for u in units for p in u.params], [m for u in units for m in u.modules],
-                    kind)
+                    kind, sum(u.numel for u in units))
 
 
 def describe(units: list[UnitPlan], names: dict[int, str], user_classes: tuple[type, ...],
