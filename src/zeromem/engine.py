@@ -44,8 +44,8 @@ from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler
 from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule
-from zeromem.stage3.units import (UnitCaps, default_target, describe, merge_persistent,
-                                   plan_fetch_units, unmerged_units)
+from zeromem.stage3.units import (UnitCaps, default_target, describe, plan_fetch_units,
+                                   unmerged_units)
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
 from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
@@ -182,15 +182,11 @@ class Engine:
             parts = []
             caps = self._unit_caps()
             plans = plan_fetch_units(self.module, fetch_units, caps, self.partitions.full_numel)
-            if not fetch_units:  # the default policy: small units, never gathered, as one
-                zero = self.config.zero_optimization
-                plans = merge_persistent(plans, zero.stage3_param_persistence_threshold,
-                                         caps.merged_persistent_numel())
             for plan in plans:
                 for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
                     part = [p for p in plan.params if group_of.get(id(p)) == gi]
                     parts.append((gi, part))
-                    self.unit_modules.append((plan.modules, part, plan.persistent))
+                    self.unit_modules.append((plan.modules, part))
             module_names = {id(m): n for n, m in self.module.named_modules()}
             target = default_target(unmerged_units(self.module, self.partitions.full_numel),
                                     caps)
@@ -206,10 +202,12 @@ class Engine:
 
     def _unit_caps(self) -> UnitCaps:
         """What bounds a merged fetch unit: the reduce bucket, and with parameters on NVMe
-        the parameter pool's share of the host budget (offload/budget.py)."""
+        the parameter pool's share of the host budget (offload/budget.py); and which units
+        merge as persistent (stage3_param_persistence_threshold)."""
         pool = OffloadPolicy.from_config(self.config).pool_unit_numel(
             self.compute_dtype.itemsize, self.plan.shard.world_size)
-        return UnitCaps(self.bucket_sizes["reduce_bucket_size"], pool)
+        return UnitCaps(self.bucket_sizes["reduce_bucket_size"], pool,
+                        int(self.config.zero_optimization.stage3_param_persistence_threshold))
 
     def _build_stage3(self) -> FetchSchedule:
         """One FetchUnit per (module, flat group); small units stay whole (persistent)."""
@@ -217,9 +215,9 @@ class Engine:
         group_of = {id(g.params[0]): g for g in self.groups}
         self.live_params = LiveStats()
         module_units = []
-        for modules, params, merged_persistent in self.unit_modules:
+        for modules, params in self.unit_modules:
             group = group_of[id(params[0])]
-            persistent = merged_persistent or group.numel < zero.stage3_param_persistence_threshold
+            persistent = group.numel < zero.stage3_param_persistence_threshold
             unit = FetchUnit(group, self.plan.shard, persistent, self.live_params,
                              self.offload.params, self.plan.gather)
             module_units += [(module, unit) for module in modules]

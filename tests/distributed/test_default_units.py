@@ -3,9 +3,9 @@ like one process on the global batch: the demo GPT and tiny HF GPT-2 / Llama, ev
 checking its own master and parameter shards, persistence threshold 0 (all partitioned).
 
 Then tiny HF GPT-2 / Llama at the default persistence threshold, where every unit is under
-it: they train alike as one persistent unit (one reduce-scatter and one all-gather a step,
-stage3/units.py `merge_persistent`), no module but the root keeps stage-3 hooks (nothing to
-gather), and only the first forward runs the parameter tracer (an empty order is recorded)."""
+it: they train alike with every unit persistent (GPT-2's three merged into two, stage3/units.py
+`merge_persistent`), no module but the root keeps stage-3 hooks (nothing to gather), and only
+the first forward runs the parameter tracer (an empty order is recorded)."""
 from __future__ import annotations
 
 import copy
@@ -106,7 +106,7 @@ def test_stage3_default_units_match_one_process_on_every_rank():
         assert set(per_model) == {"gpt", "gpt2", "llama", "gpt2-persistent", "llama-persistent"}
         for name in ("gpt2-persistent", "llama-persistent"):
             (units, losses, diffs, _, moved), (persistent, hooked, traced) = per_model.pop(name)
-            assert units == 1 and persistent == [True], (name, persistent)
+            assert units == 2 and persistent == [True, True], (name, persistent)
             assert hooked == ["(root)"], (name, "hooked though nothing to gather", hooked)
             assert traced == [True] + [False] * (STEPS - 1), (name, "tracer on", traced)
             assert max(losses) < 1e-5 and max(diffs) < 1e-5, (name, losses, diffs)

@@ -10,7 +10,7 @@ from setups import hf_tiny_builders
 from zeromem.offload.budget import PARAMS_SHARE, pool_unit_numel
 from zeromem.planning.model_shapes import shape_of
 from zeromem.stage3.units import (UnitCaps, coalesce_target_numel, default_target, describe,
-                                  merge_persistent, plan_fetch_units, unmerged_units)
+                                  plan_fetch_units, unmerged_units)
 
 
 def repeated_blocks(root: nn.Module) -> list[nn.Module]:
@@ -197,29 +197,50 @@ def test_hugging_face_default_units_are_the_blocks_with_their_neighbours(name, e
     assert [top_names(model, u) for u in units] == expected
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_tiny_hugging_face_models_are_one_persistent_unit(name):
+PERSISTENT = UnitCaps(persistent_numel=100_000)  # stage3_param_persistence_threshold's default
+
+
+def test_tiny_hugging_face_gpt2_merges_its_persistent_units():
     pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = hf_tiny_builders(seq=64)[name]()  # ~120k elements, every unit under 100k
-    units = merge_persistent(plan_fetch_units(model), 100_000, 2 ** 20)
+    model = hf_tiny_builders(seq=64)["gpt2"]()  # ~120k elements, every unit under 100k
+    units = plan_fetch_units(model, caps=PERSISTENT)
     check_plan(model, units)
-    assert len(units) == 1 and units[0].persistent and units[0].kind == "persistent"
+    # the tied embedding (16k) joins wpe + h.0 (54k); h.1 + ln_f (50k) would pass 100k
+    assert [top_names(model, u) for u in units] == [
+        ["transformer.wte", "transformer.wpe", "transformer.h.0"],
+        ["transformer.h.1", "transformer.ln_f"]]
+    assert units[0].kind == "persistent" and units[0].shared
 
 
-def test_persistent_units_merge_wherever_they_are_within_the_bucket():
+def test_persistent_units_merge_wherever_they_are_under_the_threshold():
     torch.manual_seed(0)
     model = GPT()  # small GPT: tied embedding (65k), positions (33k), ln_final; 6 big blocks
     plain = plan_fetch_units(model)
-    units = merge_persistent(plain, 100_000)
+    units = plan_fetch_units(model, caps=PERSISTENT)
     check_plan(model, units)
     assert [u.kind for u in units] == ["persistent"] + ["block"] * 6
     kept = units[0]
     assert kept.shared and kept.numel == sum(u.numel for u in plain if u.numel < 100_000)
+    assert kept.numel < 100_000  # still persistent: the engine keeps it whole
     assert any(m is model.ln_final for m in kept.modules)  # from the far end of the model
-    assert [id(u) for u in units[1:]] == [id(u) for u in plain if u.numel >= 100_000]
-    capped = merge_persistent(plain, 100_000, cap_numel=70_000)  # a unit is one bucket
+    assert [[id(p) for p in u.params] for u in units[1:]] == [
+        [id(p) for p in u.params] for u in plain if u.numel >= 100_000]
+    capped = plan_fetch_units(model, caps=UnitCaps(70_000, None, 100_000))  # one bucket each
     check_plan(model, capped)
-    assert sum(u.persistent for u in capped) == 2
-    assert all(u.numel <= 70_000 for u in capped if u.persistent)
-    assert merge_persistent(plain, 0) == plain  # threshold 0: nothing is persistent
+    assert [u.numel for u in capped if u.numel < 100_000] == [65_536, 32_768 + 512]
+    under = plan_fetch_units(model, caps=UnitCaps(persistent_numel=90_000))
+    assert [u.numel for u in under if u.numel < 90_000] == [65_536, 32_768 + 512]
+
+
+def test_planner_merges_persistent_units_as_the_engine_does():
+    for caps in (PERSISTENT, UnitCaps(70_000, None, 100_000)):
+        torch.manual_seed(0)
+        model = GPT()
+        order = {id(p): i for i, p in enumerate(model.parameters())}
+        units = plan_fetch_units(model, caps=caps)
+        engine = [u.numel for u in sorted(units, key=lambda u: -min(order[id(p)]
+                                                                  for p in u.params))]
+        with torch.device("meta"):
+            shape = shape_of(GPT())
+        assert list(shape.with_unit_caps(caps).unit_numels) == engine
