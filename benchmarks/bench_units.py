@@ -1,18 +1,22 @@
 """Stage-3 fetch units, default against hand-picked, measured side by side in one process pair.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_units.py [--models hf-gpt2,hf-llama,deep]
-        [--rounds 30] [--profile SYSTEM:MODEL]
+        [--rounds 30] [--profile SYSTEM:MODEL [--clock thread] [--stats FILE]]
 
-On a shared, noisy machine separate trials see different loads (issue 15); here every
-system is built once per model in the same two gloo workers, and the rounds interleave
-them step by step (the order rotated each round), so a burst of load hits all alike.
-Systems: `ddp` (DistributedDataParallel + AdamW), `z3-default` (zeromem stage 3, fetch
-units chosen by zeromem), `z3-blocks` (fetch_units=(block class,)), and with `--units
-z3-layer` a unit per Linear / Embedding / norm for contrast. Per step it records wall time
-(the slower rank's) and CPU time (rank 0's process time, every thread): CPU time is the
-work a step does, which the load on the machine changes far less than wall time. Printed:
-medians and the ratio to DDP's, the load average before and after; with `--profile`,
-a cProfile of rank 0 over the timed steps of one system, by cumulative and own time.
+On a shared, noisy machine separate trials see different loads (issue 15: one such run
+put zeromem-3 at 3.31x DDP on HF GPT-2 and block units at 2.05x, where side by side the
+two are within noise); here every system is built once per model in the same two gloo
+workers, and the rounds interleave them step by step (the order rotated each round), so
+a burst of load hits all alike. Systems: `ddp` (DistributedDataParallel + AdamW),
+`z3-default` (zeromem stage 3, fetch units chosen by zeromem), `z3-blocks`
+(fetch_units=(block class,)). Per step it records wall time (the slower rank's) and CPU
+time (rank 0's process time, every thread), the work a step does, which load changes
+less than wall time (it still moves: caches, frequency). Printed: medians, the ratios
+to DDP's, the load average before and after. With `--profile`, a cProfile of rank 0
+over the timed steps of one system: a per-category breakdown (`BREAKDOWN`: stage-3
+hooks, gradient hooks, collective launches and waits, the step's phases) and the top
+functions; `--clock thread` profiles the main thread's CPU time instead of wall time
+(waits then cost nothing; cProfile's own cost inflates Python-heavy rows either way).
 Models and systems come from bench_models.py.
 """
 from __future__ import annotations
