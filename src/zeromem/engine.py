@@ -32,7 +32,8 @@ from zeromem.config.schema import Config
 from zeromem.distributed import default_store, gather_timeout_s
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
-from zeromem.layout import derived_bucket_numel, derived_prefetch_numel, pack_buckets
+from zeromem.layout import (GATHER_IN_FLIGHT, derived_bucket_numel, derived_prefetch_numel,
+                            pack_buckets)
 from zeromem.grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
 from zeromem.mesh import global_rank, local_device
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
@@ -308,7 +309,7 @@ class Engine:
         for g in self.groups:
             for pending in g.launch_all_gather(bucket):
                 in_flight.append(pending)
-                if len(in_flight) > 2:  # two buckets in flight: overlap with constant buffers
+                if len(in_flight) > GATHER_IN_FLIGHT:  # overlap with constant buffers
                     in_flight.popleft().wait()
         for pending in in_flight:
             pending.wait()
