@@ -27,7 +27,7 @@ loss by 1/(N_d * accumulation steps) before backward, so the sums are means.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -37,7 +37,14 @@ from zeromem.flat import FlatParamGroup
 from zeromem.layout import REDUCE_IN_FLIGHT
 
 
-def launch_copies(kind: type, backend: str) -> int:
+class GradKind(Protocol):
+    """What sizes a gradient kind's communication buffers (class attributes)."""
+
+    temporary_buckets: int
+    scatters: bool
+
+
+def launch_copies(kind: GradKind, backend: str) -> int:
     """Full-size buffers (each as large as the group's bucket) that one launch of a group of
     gradient `kind` holds until it is waited on, all noted in Comm's CB figure: the bucket
     itself when it is a temporary, and the backend's receive buffer when it is

@@ -31,7 +31,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from zeromem.grads import ShardAccumulated, WholeAllReduced, WholeScattered, launch_copies
+from zeromem.grads import (GradKind, ShardAccumulated, WholeAllReduced, WholeScattered,
+                           launch_copies)
 from zeromem.layout import (GATHER_IN_FLIGHT, REDUCE_IN_FLIGHT, gather_chunks, pack_buckets,
                             padded_numel, peak_in_flight)
 from zeromem.memory import model_state_formula
@@ -436,7 +437,8 @@ def _gathered_bytes(sizes: list[int], n_d: int, widths: Widths, layout: ZeroLayo
     return widths.param * min(sum(gathered), max(gathered) + layout.prefetch_numel)
 
 
-GRAD_KINDS = {0: WholeAllReduced, 1: WholeScattered, 2: ShardAccumulated, 3: ShardAccumulated}
+GRAD_KINDS: dict[int, GradKind] = {0: WholeAllReduced, 1: WholeScattered, 2: ShardAccumulated,
+                                   3: ShardAccumulated}  # as the engine picks them by stage
 
 
 def comm_buffer_parts(padded: list[int], n_d: int, widths: Widths,
