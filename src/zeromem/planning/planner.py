@@ -220,16 +220,17 @@ class StepTime:
     offload: float
     optimizer: float = 0.0  # the step itself, after backward: overlaps nothing
     can_overlap: bool = True  # False: one CPU runs everything in turn (a gloo calibration)
+    overhead: float = 0.0  # the engine's own work (hooks, bookkeeping): calibrated only
 
     @property
     def overlapped(self) -> float:
         if not self.can_overlap:
             return self.serial
-        return max(self.compute, self.comm, self.offload) + self.optimizer
+        return max(self.compute, self.comm, self.offload) + self.optimizer + self.overhead
 
     @property
     def serial(self) -> float:
-        return self.compute + self.comm + self.offload + self.optimizer
+        return self.compute + self.comm + self.offload + self.optimizer + self.overhead
 
 
 def model_flops(shape: ModelShape, work: Workload) -> float:
