@@ -10,9 +10,11 @@
 3. Measure in interleaved rounds (`--rounds`, after 2 warm-up rounds): each round
    takes one calibration sample (`calibrate.Probe`) and then one barrier-to-barrier
    step of every setup's engine (built from that config on 2 gloo ranks, all alive
-   at once), in an order rotated from round to round. Each round's steps are
-   predicted from that round's calibration sample, so that load from other
-   processes on a shared machine falls on both alike.
+   at once), in an order rotated from round to round, each step right after a
+   forward and backward of the bare model (`Probe.sample_compute`). Each step is
+   predicted from its round's calibration with that adjacent compute sample, so
+   that load from other processes on a shared machine (which moves within
+   seconds) falls on prediction and step alike.
 
 Prints, per setup, the median predicted and measured step, the median of the
 per-round errors and their spread (lowest and highest round); and, for every pair
@@ -67,6 +69,7 @@ def _measure(rank: int, world: int, configs: dict, gpt: GPTConfig, what: Measure
         times = {}
         for name in names[i % len(names):] + names[:i % len(names)]:
             engine = engines[name]
+            sample[name] = probe.sample_compute()["forward_backward"]  # beside this step
             dist.barrier()
             start = time.perf_counter()
             engine.backward(engine(x, x))
@@ -114,12 +117,13 @@ def main() -> None:
     measured: dict[str, list[float]] = {name: [] for name in configs}
     parts: dict[str, list[tuple[float, ...]]] = {name: [] for name in configs}
     for r in range(args.rounds):
-        # this round's calibration (each rank's sample, the slower rank) and steps (slower rank)
-        hw = Hardware(world, 1e12, calibration=from_samples([[rank[r][0]] for rank in results],
-                                                              what, shape))
         for s in SETUPS:
+            # this round's calibration with the compute sampled beside this step (each rank's
+            # sample, the slower rank), and the step (the slower rank)
             name = s.label()
-            t = evaluate(shape, s, hw, work).time
+            cal_r = from_samples([[{**rank[r][0], "forward_backward": rank[r][0][name]}]
+                                  for rank in results], what, shape)
+            t = evaluate(shape, s, Hardware(world, 1e12, calibration=cal_r), work).time
             predicted[name].append(t.serial)
             parts[name].append((t.compute, t.comm, t.optimizer, t.offload, t.overhead))
             measured[name].append(max(rank[r][1][name] for rank in results))

@@ -354,6 +354,13 @@ class Probe:
         for h in handles:
             h.wait()
 
+    def sample_compute(self) -> dict:
+        """Seconds of one forward and backward of the model (a benchmark takes one beside
+        each step it measures: the compute dominates, and the load moves within seconds)."""
+        seconds = _seconds(lambda: _loss(self.model, self.tokens).backward(), self.comm.barrier)
+        self.model.zero_grad(set_to_none=True)
+        return {"forward_backward": seconds}
+
     def sample(self) -> dict:
         """Seconds of each measurement, once (the small collectives: median of 4 calls)."""
         barrier = self.comm.barrier
@@ -362,10 +369,7 @@ class Probe:
             with torch.no_grad():
                 _loss(self.model, self.tokens)
 
-        out: dict[str, Any] = {"forward": _seconds(forward, barrier),
-               "forward_backward": _seconds(lambda: _loss(self.model, self.tokens).backward(),
-                                            barrier)}
-        self.model.zero_grad(set_to_none=True)
+        out: dict[str, Any] = {"forward": _seconds(forward, barrier), **self.sample_compute()}
         for kind, (small, large) in self.links.items():
             out[kind] = (_seconds(small, barrier, 4), _seconds(large, barrier))
         src, dst = self.copy
