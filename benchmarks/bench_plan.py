@@ -16,10 +16,12 @@
    that load from other processes on a shared machine (which moves within
    seconds) falls on prediction and step alike.
 
-Prints, per setup, the median predicted and measured step, the median of the
-per-round errors and their spread (lowest and highest round); and, for every pair
-of setups whose median predictions differ by more than 10 %, in how many rounds the
-measured ratio points the predicted way and the median measured ratio.
+Prints, per setup, the step predicted from the median calibration of all rounds
+against the median measured step, and the median of the per-step errors (each step
+against its own round's prediction) with their spread (lowest and highest round);
+and, for every pair of setups whose predictions (median calibration: the model's
+difference, not the noise's) differ by more than 10 %, the median of the measured
+per-round ratios and in how many rounds it points the predicted way.
 """
 from __future__ import annotations
 
@@ -113,9 +115,10 @@ def main() -> None:
     cal = from_samples([[s for s, _ in rank] for rank in results], what, shape)
     print(f"measured in {time.perf_counter() - started:.0f} s; calibration (median of the "
           f"rounds): {cal.describe()}\n")
+    common = {s.label(): evaluate(shape, s, Hardware(world, 1e12, calibration=cal), work).time
+              for s in SETUPS}
     predicted: dict[str, list[float]] = {name: [] for name in configs}
     measured: dict[str, list[float]] = {name: [] for name in configs}
-    parts: dict[str, list[tuple[float, ...]]] = {name: [] for name in configs}
     for r in range(args.rounds):
         for s in SETUPS:
             # this round's calibration with the compute sampled beside this step (each rank's
@@ -125,25 +128,25 @@ def main() -> None:
                                   for rank in results], what, shape)
             t = evaluate(shape, s, Hardware(world, 1e12, calibration=cal_r), work).time
             predicted[name].append(t.serial)
-            parts[name].append((t.compute, t.comm, t.optimizer, t.offload, t.overhead))
             measured[name].append(max(rank[r][1][name] for rank in results))
     fb = [max(rank[r][0]["forward_backward"] for rank in results) for r in range(args.rounds)]
     print(f"noise: forward+backward highest/lowest round {max(fb) / min(fb):.2f}; steps "
           + ", ".join(f"{max(t) / min(t):.2f}" for t in measured.values()))
-    print(f"{'setup':<32}{'compute':>8}{'comm':>8}{'optim':>8}{'offload':>8}{'overhead':>9}"
-          f"{'predicted':>10}{'measured':>9}   error (lowest, highest round)")
+    print(f"{'setup':<32}{'compute':>8}{'comm':>7}{'optim':>7}{'offload':>8}{'overhead':>9}"
+          f"{'predicted':>10}{'measured':>9}{'error':>7}   per step: median (lowest, highest)")
     rows = {}
     for name in configs:
         errors = [p / m - 1 for p, m in zip(predicted[name], measured[name])]
         low, mid, high = _quartiles(errors)
-        pm, mm = statistics.median(predicted[name]), statistics.median(measured[name])
-        split = [statistics.median(c) for c in zip(*parts[name])]
-        rows[name] = {"predicted": pm, "measured": mm, "error": mid, "error_low": low,
-                      "error_high": high, "rounds_predicted": predicted[name],
-                      "rounds_measured": measured[name],
+        t, mm = common[name], statistics.median(measured[name])
+        split = (t.compute, t.comm, t.optimizer, t.offload, t.overhead)
+        rows[name] = {"predicted": t.serial, "measured": mm, "error": t.serial / mm - 1,
+                      "step_error": mid, "step_error_low": low, "step_error_high": high,
+                      "rounds_predicted": predicted[name], "rounds_measured": measured[name],
                       **dict(zip(("compute", "comm", "optimizer", "offload", "overhead"), split))}
-        print(f"{name:<32}" + "".join(f"{v:>8.3f}" for v in split[:4]) + f"{split[4]:>9.4f}"
-              f"{pm:>10.3f}{mm:>9.3f}   {mid:+.0%} ({low:+.0%}, {high:+.0%})")
+        print(f"{name:<32}{split[0]:>8.3f}{split[1]:>7.3f}{split[2]:>7.3f}{split[3]:>8.3f}"
+              f"{split[4]:>9.4f}{t.serial:>10.3f}{mm:>9.3f}{t.serial / mm - 1:>+7.0%}   "
+              f"{mid:+.0%} ({low:+.0%}, {high:+.0%})")
     _ratios(rows, predicted, measured)
     if args.out:
         Path(args.out).write_text(json.dumps({"calibration": cal.to_dict(), "setups": rows,
