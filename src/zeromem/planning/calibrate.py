@@ -238,8 +238,9 @@ def _engine_overhead(seconds: Callable[[str], float], links: dict[str, Link],
     out = {}
     for stage in STAGES:
         layout = layout_for(Config.load(overhead_config(stage), world_size=n), shape, n)
+        units = shape.with_unit_caps(layout.unit_caps(FP32, n))  # as the engine merges them
         comm = sum(links[LINK_OF.get(kind, kind)].seconds(calls, nbytes)
-                   for kind, (calls, nbytes) in collectives(shape, layout, FP32, FP32, n,
+                   for kind, (calls, nbytes) in collectives(units, layout, FP32, FP32, n,
                                                             1).items())
         own = seconds(f"engine_{stage}") - seconds("engine_none") - comm
         out[stage] = max(own, 0.0) / len(shape.param_numels)

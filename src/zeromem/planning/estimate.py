@@ -28,6 +28,7 @@ two can be compared side by side.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -36,7 +37,9 @@ from zeromem.grads import (GradKind, ShardAccumulated, WholeAllReduced, WholeSca
 from zeromem.layout import (GATHER_IN_FLIGHT, REDUCE_IN_FLIGHT, gather_chunks, pack_buckets,
                             padded_numel, peak_in_flight)
 from zeromem.memory import model_state_formula
+from zeromem.offload.budget import pool_unit_numel
 from zeromem.planning.host_memory import OffloadKnobs, offload_breakdown
+from zeromem.stage3.units import UnitCaps, coalesce_target_numel, merge_runs
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
          "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
@@ -280,6 +283,24 @@ def deepspeed_estimate(psi: float, largest_layer: float, stage: int, gpus_per_no
 # ---------------------------------------------------------------- exact, from real shapes
 
 @dataclass(frozen=True)
+class UnmergedUnit:
+    """A default fetch unit before merging (stage3/units.py `unmerged_units`), in module order."""
+
+    first: int  # registration index of its first parameter: the engine orders groups by it
+    numel: int
+    shared: bool = False  # holds a tied parameter: never merged
+
+
+def merged_unit_numels(unmerged: tuple[UnmergedUnit, ...], caps: UnitCaps) -> tuple[int, ...]:
+    """Elements of each merged unit (the engine's `coalesce`), in the engine's group order."""
+    numels = [u.numel for u in unmerged]
+    target = coalesce_target_numel(sum(numels), caps, max(numels, default=0))
+    runs = merge_runs(numels, [u.shared for u in unmerged], target)
+    units = [(min(unmerged[i].first for i in run), sum(numels[i] for i in run)) for run in runs]
+    return tuple(n for _, n in sorted(units, key=lambda u: -u[0]))
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the planner needs of a model: parameter sizes, fetch units and dimensions.
 
@@ -287,6 +308,8 @@ class ModelShape:
     once (as `module.parameters()` yields them); `unit_numels` the trainable elements of
     each stage-3 fetch unit, as the engine chooses them by default (stage3/units.py), in
     the engine's group order (latest-registered first: the order backward reaches them).
+    `unmerged` (from `shape_of`; empty in a shape built by hand) are those units before
+    merging, from which `with_unit_caps` merges them again under a run's caps.
     """
 
     name: str
@@ -299,10 +322,17 @@ class ModelShape:
     vocab: int
     intermediate: int
     positions: int | None = None
+    unmerged: tuple[UnmergedUnit, ...] = ()
 
     @property
     def psi(self) -> int:
         return sum(self.param_numels)
+
+    def with_unit_caps(self, caps: UnitCaps) -> ModelShape:
+        """This shape with its fetch units merged as the engine merges them under `caps`."""
+        if not self.unmerged:
+            return self
+        return dataclasses.replace(self, unit_numels=merged_unit_numels(self.unmerged, caps))
 
     @property
     def largest_unit(self) -> int:
@@ -338,6 +368,15 @@ class ZeroLayout:
     offload: OffloadKnobs = OffloadKnobs()  # swap-buffer sizes (sub_group_size, buffer_count)
     overlap_comm: bool | None = None  # None: as the config's default, on at stage 3 only
     backend: str = "nccl"  # the collectives' backend: gloo stages reduce-scatters in a copy
+
+    def unit_caps(self, param_bytes: int, n_d: int) -> UnitCaps:
+        """What bounds a merged fetch unit, as the engine's `_unit_caps` reads it: the reduce
+        bucket, and with parameters on NVMe the parameter pool's share of the host budget."""
+        pool = None
+        if self.stage >= 3 and self.offload_param == "nvme":
+            pool = pool_unit_numel(self.offload.host_budget_bytes,
+                                   self.offload.param_buffer_count, param_bytes, n_d)
+        return UnitCaps(self.reduce_bucket_numel, pool)
 
 
 def reduce_buckets(param_numels: tuple[int, ...], bucket_numel: int) -> list[int]:

@@ -43,6 +43,7 @@ from zeromem.planning.estimate import (ActivationMemory, ModelShape, ShapeMemory
 from zeromem.planning.activation_trace import ActivationProfile, trace_activations
 from zeromem.planning.host_memory import OffloadKnobs, least_budget
 from zeromem.planning.model_shapes import load_hf_model, load_model, shape_of
+from zeromem.stage3.units import UnitCaps
 
 __all__ = ["estimate", "plan", "load_model", "shape_of", "predict_memory", "Plan", "Hardware",
            "Workload", "Setup"]
@@ -95,7 +96,11 @@ def predict_memory(model: nn.Module | ModelShape, config: dict | str | Config,
     `backend` (which sizes the communication buffers)."""
     shape = model if isinstance(model, ModelShape) else shape_of(model)
     cfg = Config.load(config, world_size=n_d)
-    return exact_model_states(shape, n_d, widths_for(cfg), layout_for(cfg, shape, n_d, backend))
+    widths = widths_for(cfg)
+    # fetch units merged as the engine merges them under this config; then the prefetch
+    # depth the engine derives from the largest of them
+    shape = shape.with_unit_caps(layout_for(cfg, shape, n_d).unit_caps(widths.param, n_d))
+    return exact_model_states(shape, n_d, widths, layout_for(cfg, shape, n_d, backend))
 
 
 # ---------------------------------------------------------------- hardware, workload, setups
@@ -285,11 +290,15 @@ def evaluate(shape: ModelShape, setup: Setup, hw: Hardware, work: Workload) -> C
     layout = dataclasses.replace(layout_knobs(shape, setup), backend=hw.backend)
     p = DTYPE_BYTES[work.dtype]
     widths = Widths(p, p, 0 if p == 4 else 4, 8, 4)  # AdamW, as the written config says
+    # fetch units merged as the engine will under the written config: within its reduce
+    # bucket, then (the budget known) within the NVMe parameter pool's share of it
+    shape = shape.with_unit_caps(UnitCaps(layout.reduce_bucket_numel))
     if setup.offload_optimizer == "nvme":  # the host budget the written config names
         budget = least_budget(rank_shards(shape, n_d, layout), setup.offload_param, p,
                               widths.states, setup.stage >= 2, layout.offload)
         layout = dataclasses.replace(layout, offload=dataclasses.replace(
             layout.offload, host_budget_bytes=budget))
+        shape = shape.with_unit_caps(layout.unit_caps(p, n_d))
     # Model parallelism splits (nearly) every parameter over MP ranks before ZeRO partitions.
     states = exact_model_states(shape, n_d, widths, layout).scaled(1 / work.mp)
     acts = activations_of(shape, work, setup.checkpointing)
