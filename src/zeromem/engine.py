@@ -346,11 +346,16 @@ class Engine:
         return self.grad_norm
 
     # -- checkpoints (checkpoints/save_load.py) -------------------------------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None) -> str:
-        """Atomic sharded checkpoint, loadable under any world size and stage; collective."""
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """Atomic sharded checkpoint, loadable under any world size and stage; collective.
+
+        `exclude_frozen_parameters` leaves out parameters with requires_grad False (a
+        load keeps the loading model's values for them)."""
         path = str(Path(save_dir) / (f"global_step{self.global_steps}" if tag is None else str(tag)))
         return self.plan.write_once(lambda: checkpoints.save_checkpoint(
-            self.training_state(), save_dir, tag, client_state), path, self.comm, self.device)
+            self.training_state(), save_dir, tag, client_state, exclude_frozen_parameters),
+            path, self.comm, self.device)
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
