@@ -443,8 +443,15 @@ def _check_model(state: TrainingState, manifest: dict, file: Path,
                  load_optimizer_states: bool) -> None:
     """The checkpoint must hold exactly this model's parameters and buffers, same shapes;
     frozen parameters it left out (exclude_frozen_parameters) keep this model's values."""
-    _compare("parameter", {s.name: list(s.shape) for g in state.groups for s in g.slots},
-             {n: p["shape"] for n, p in manifest["params"].items()}, file)
+    trained = {s.name: list(s.shape) for g in state.groups for s in g.slots}
+    unset = [n for n in trained if n not in manifest["params"]
+             and n not in manifest["module_tensors"]]
+    if unset and manifest.get("frozen_parameters_excluded"):
+        raise CheckpointError(f"{file} was saved without frozen parameters and lacks "
+                              f"{unset[:5]}, which this model trains: the load would leave "
+                              "them unset. Freeze them as the saving run did, or load a "
+                              "checkpoint that holds them")
+    _compare("parameter", trained, {n: p["shape"] for n, p in manifest["params"].items()}, file)
     kept = _kept_frozen(state, manifest)
     _compare("buffer or frozen parameter",
              {k: list(t.shape) for k, t in _module_tensors(state).items() if k not in kept},
