@@ -1,13 +1,14 @@
 """Checkpoints saved with `exclude_frozen_parameters=True` (issue 13, item 4).
 
 A user who freezes a layer (TinyLM's `frozen`, as one would freeze pretrained
-embeddings) saves without it and resumes with the model's own copy: at stages 0-3
-on 2 ranks, each checkpoint resumed at another stage on 2 ranks (and those of stages 1
-and 3 at their own stage on 1 rank), and the resumed runs end where the uninterrupted run ended. The files hold
-no frozen tensor; a load keeps the loading model's frozen values (even when they differ
-from the saver's); a load that would leave a trained parameter unset is refused naming
-it, and so is a checkpoint not marked as saved without frozen parameters that lacks
-them. `zeromem.deepspeed`'s engine takes DeepSpeed's keywords for the same.
+embeddings) saves without it and resumes with the model's own copy: at stages 0-3 on
+2 ranks, each checkpoint resumed at another stage on 2 ranks (and those of stages 1 and
+3 at their own stage on 1 rank), and the resumed runs end where the uninterrupted run
+ended. The files hold no frozen tensor; a load keeps the loading model's frozen values
+(even when they differ from the saver's); a load that would leave a trained parameter
+unset is refused naming it, and so is a checkpoint not marked as saved without frozen
+parameters that lacks them. `zeromem.deepspeed`'s engine takes DeepSpeed's keywords
+for the same.
 
 One spawned world of 2 ranks; the 1-rank cases run in this process.
 """
