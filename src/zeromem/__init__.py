@@ -22,7 +22,8 @@ from zeromem.engine import Engine
 from zeromem.hierarchy import node_layout
 from zeromem.config.support import check_knobs
 from zeromem.offload.nvme import OffloadError
-from zeromem.stage3.partitioned_init import GatheredParameters, Init
+from zeromem.stage3 import partitioned_init
+from zeromem.stage3.partitioned_init import GatheredParameters, Init, Partitions
 from zeromem.rank_check import RankMismatchError, check_ranks_agree
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "checkpoint",
@@ -37,7 +38,8 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
                lr_scheduler: Any = None,
                dp_group: dist.ProcessGroup | None = None,
                fetch_units: tuple[type, ...] = (),
-               mp_group: dist.ProcessGroup | None = None) -> Engine:
+               mp_group: dist.ProcessGroup | None = None,
+               partitions: Partitions | None = None) -> Engine:
     """Wrap `model` for ZeRO training as `config` (DeepSpeed's JSON format) says.
 
     Creates the default process group from torchrun's environment when none
@@ -49,15 +51,18 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     (stage3/units.py; the choice is `engine.fetch_unit_report`).
     `mp_group`: the tensor (model) parallel group, so gradient clipping uses the
     whole model's norm; by default the activation-checkpointing `mp_group`.
+    `partitions`: where `zeromem.Init` put the model's shards, and where
+    `GatheredParameters` will find the engine's; by default the one both use by default.
     """
+    partitions = partitioned_init.DEFAULT if partitions is None else partitions
     first = Config.load(config)
     ensure_process_group(first.zeromem.timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
     comm = Comm(dp_group, default_store(), node_layout(first, world))  # nodes split the ledger
     cfg = Config.load(config, world_size=comm.world_size)
     check_knobs(cfg)
-    check_ranks_agree(cfg, model, comm)  # before any collective that a mismatch would hang
+    check_ranks_agree(cfg, model, comm, partitions)  # before any collective that a mismatch would hang
     engine = Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler, tuple(fetch_units),
-                    mp_group)
+                    mp_group, partitions)
     LIFECYCLE.register(engine)  # closed at exit / SIGTERM unless closed before
     return engine

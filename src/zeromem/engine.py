@@ -40,7 +40,7 @@ from zeromem.monitors import Observers, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0
 from zeromem.offload.placement import build_offload
 from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
-from zeromem.stage3.partitioned_init import full_numel, materialize, materialize_meta
+from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler
 from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule
@@ -73,9 +73,11 @@ class Engine:
                  model_parameters: Iterable | None = None,
                  optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
                  lr_scheduler: Any = None, fetch_units: tuple[type, ...] = (),
-                 mp_group: Any = None):
+                 mp_group: Any = None, partitions: Partitions | None = None):
         self.config = config
         self.comm = comm
+        # parameters built under zeromem.Init, and where this engine files its fetch units
+        self.partitions = Partitions() if partitions is None else partitions
         self.dp_world_size = comm.world_size
         self.zero_stage = config.zero_optimization.stage
         self.device = local_device(comm.backend)  # LOCAL_RANK's GPU, not the global rank's
@@ -99,7 +101,7 @@ class Engine:
         self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
         self.bucket_sizes = self._bucket_sizes(param_groups)  # explicit, or from the model
         self.groups = self._build_groups(param_groups, sharding, fetch_units)
-        materialize(self.module.parameters(), self.comm)  # frozen ones built under Init
+        self.partitions.materialize(self.module.parameters(), self.comm)  # frozen, built under Init
         self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
         self.psi = sum(g.numel for g in self.groups)
         # where masters, optimizer states and parameter shards live (offload/placement.py); built
@@ -134,7 +136,7 @@ class Engine:
         the model size and N_d (layout.py); stage 3's prefetch depth follows in
         `_build_stage3`, once the fetch units are known."""
         zero = self.config.zero_optimization
-        psi = sum(full_numel(p) for pg in param_groups for p in pg["params"])
+        psi = sum(self.partitions.full_numel(p) for pg in param_groups for p in pg["params"])
         derived = derived_bucket_numel(psi, self.dp_world_size)
         sizes = {key: int(getattr(zero, key)) if key in zero.model_fields_set else derived
                  for key in ("reduce_bucket_size", "allgather_bucket_size")}
@@ -148,7 +150,7 @@ class Engine:
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
         groups = []
         for gi, params in self._partition(param_groups, sharding, fetch_units):
-            materialize(params, self.comm)  # built under zeromem.Init: whole one unit at a time
+            self.partitions.materialize(params, self.comm)  # built under Init: one unit at a time
             names = [self.names[id(p)] for p in params]
             groups.append(FlatParamGroup(params, names, self.plan.shard, sharding, gi,
                                          self.compute_dtype))
@@ -178,7 +180,8 @@ class Engine:
             self.unit_modules = []
             parts = []
             bucket_numel = self.bucket_sizes["reduce_bucket_size"]
-            plans = plan_fetch_units(self.module, fetch_units, bucket_numel)
+            plans = plan_fetch_units(self.module, fetch_units, bucket_numel,
+                                     self.partitions.full_numel)
             for plan in plans:
                 for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
                     part = [p for p in plan.params if group_of.get(id(p)) == gi]
@@ -215,8 +218,11 @@ class Engine:
         limits = Stage3Limits(prefetch, zero.stage3_max_live_parameters,
                               zero.stage3_max_reuse_distance,
                               gather_timeout_s(self.config.zeromem.gather_timeout_s))
-        return FetchSchedule(self.module, module_units, limits, self.live_params, self.comm,
-                            default_store(), self.offload.params, self.reducer, self.plan.gather)
+        schedule = FetchSchedule(self.module, module_units, limits, self.live_params, self.comm,
+                                 default_store(), self.offload.params, self.reducer,
+                                 self.plan.gather)
+        self.partitions.add_units(schedule.units)  # GatheredParameters finds them there
+        return schedule
 
     # -- training loop -------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -18,8 +18,7 @@ from torch import nn
 
 from zeromem.comm import Comm
 from zeromem.config.schema import Config, ConfigError
-# parameters built under Init keep their whole shape there
-from zeromem.stage3.partitioned_init import _SHARDS
+from zeromem.stage3.partitioned_init import Partitions
 
 SHOWN = 8  # differing keys / parameters listed in the message
 # Keys that may differ by rank without changing the numbers: each node (or rank) may
@@ -49,11 +48,11 @@ def config_items(config: Config) -> dict[str, str]:
     return flat
 
 
-def model_items(module: nn.Module) -> dict[str, str]:
+def model_items(module: nn.Module, partitions: Partitions) -> dict[str, str]:
     """Parameter name -> 'shape dtype requires_grad' (whole shapes for Init-built ones)."""
     items = {}
     for name, p in module.named_parameters():
-        shape = _SHARDS[p].shape if p in _SHARDS else p.shape
+        shape = partitions.full_shape(p)
         items[name] = f"{tuple(shape)} {p.dtype} requires_grad={p.requires_grad}"
     return items
 
@@ -62,11 +61,14 @@ def _digest(items: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(items.items())).encode()).hexdigest()
 
 
-def check_ranks_agree(config: Config, module: nn.Module, comm: Comm) -> None:
-    """Raise RankMismatchError on every rank if any two ranks differ in config or model."""
+def check_ranks_agree(config: Config, module: nn.Module, comm: Comm,
+                      partitions: Partitions) -> None:
+    """Raise RankMismatchError on every rank if any two ranks differ in config or model.
+
+    `partitions` knows the whole shapes of parameters built under `Init`."""
     if comm.world_size == 1:
         return
-    mine = (config_items(config), model_items(module))
+    mine = (config_items(config), model_items(module, partitions))
     digests: list[object] = [None] * comm.world_size
     dist.all_gather_object(digests, (_digest(mine[0]), _digest(mine[1])), group=comm.group)
     if all(d == digests[0] for d in digests):

@@ -8,7 +8,7 @@ from harness import run_distributed
 from models import Deep, micro_batch
 from setups import build_tiny_lm, parity_config
 from zeromem.comm import Comm
-from zeromem.stage3.partitioned_init import materialize, partitioned_bytes
+from zeromem.stage3.partitioned_init import Partitions
 
 
 def init_memory_and_values(rank, world_size):
@@ -16,13 +16,19 @@ def init_memory_and_values(rank, world_size):
     plain = Deep(width=256, depth=4)
     full_bytes = sum(p.nbytes for p in plain.parameters())
     torch.manual_seed(0)
-    with zeromem.Init():
+    partitions = Partitions()  # explicit, not the default table
+    with zeromem.Init(partitions=partitions):
         model = Deep(width=256, depth=4)
-    held = partitioned_bytes(model)
-    engine = zeromem.initialize(model, parity_config(3, 1, 0.0, world_size))
+    held = partitions.held_bytes(model)
+    engine = zeromem.initialize(model, parity_config(3, 1, 0.0, world_size), partitions=partitions)
     full = engine.full_state_dict()
     same = all(torch.equal(full[k], v) for k, v in plain.state_dict().items()) if full else True
-    return held / full_bytes, same
+    weight = model.layers[0].weight
+    with zeromem.GatheredParameters(weight, partitions=partitions):  # the engine's units are there
+        whole = tuple(weight.shape)
+    unknown = zeromem.GatheredParameters(weight)  # the default table never saw this model
+    own_table = whole == (256, 256) and not unknown.units and not unknown.loose
+    return held / full_bytes, same and own_table
 
 
 def test_init_partitions_while_building():
@@ -109,9 +115,10 @@ def init_vs_plain(seed_of_rank: int) -> tuple[float, float]:
     torch.manual_seed(0)
     plain = WritesThroughViews()
     torch.manual_seed(seed_of_rank)
-    with zeromem.Init():
+    partitions = Partitions()
+    with zeromem.Init(partitions=partitions):
         model = WritesThroughViews()
-    materialize(model.parameters(), Comm(None))
+    partitions.materialize(model.parameters(), Comm(None))
     reference = plain.state_dict()
     diff = {k: float((v - reference[k]).abs().max()) for k, v in model.state_dict().items()}
     return max(diff.values()), float(model.embed.weight.detach()[0].abs().max()), diff

@@ -60,7 +60,6 @@ from zeromem.flat import FlatParamGroup, GroupState
 from zeromem.grads import Reducer
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice
 from zeromem.stage3.gather import ParamGather
-from zeromem.stage3.partitioned_init import register_units
 
 
 class Stage3DivergenceError(RuntimeError):
@@ -298,7 +297,6 @@ class FetchSchedule:
         self.unit_of_group = {id(u.group): u for u in self.units}
         if reducer is not None:  # the reducer counts gradient readiness; we release on its word
             reducer.on_grads_ready(self._grads_ready)
-        register_units(self.units)
         self.refresh()
 
     def refresh(self) -> None:

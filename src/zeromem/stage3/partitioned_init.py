@@ -10,10 +10,14 @@ broadcast (as DDP and DeepSpeed do), so ranks need not be seeded alike. No const
 is patched: torch's global module-registration hooks tell us when a child is
 attached, and parameter-registration hooks list the parameters built inside.
 
-Partitioned parameters, and the stage-3 fetch units of running engines, are
-found through one weak registry keyed by parameter (`_SHARDS`, `_UNITS`): the
-DeepSpeed-compatible `GatheredParameters(params)` receives bare parameters, and
-we keep no attributes on `nn.Parameter`.
+Who holds a partitioned parameter is a `Partitions` table, passed to whoever needs
+it: `Init` writes the shards it makes into one, the engine reads them (and files its
+stage-3 fetch units there), `GatheredParameters` looks parameters up in it. We keep
+no attributes on `nn.Parameter`, and DeepSpeed's `GatheredParameters(params)`
+hands over bare parameters, so the public entry points (`Init()`,
+`GatheredParameters()`, `zeromem.initialize`) fall back to one table, `DEFAULT`,
+when given none: a default at the edge only, as `checkpointing.configure` keeps;
+nothing beneath them reads it.
 """
 from __future__ import annotations
 
@@ -65,61 +69,85 @@ class _WeakById:
         return self[key] if key in self else default
 
 
-_SHARDS = _WeakById()  # parameter -> ParamShard, for parameters built under Init
-_UNITS = _WeakById()   # parameter -> stage3.FetchUnit of a live engine
+class Partitions:
+    """Who holds each partitioned parameter: the shard `Init` made, or a live engine's fetch unit.
 
-
-def register_units(units: Iterable) -> None:
-    """Let `GatheredParameters` find the fetch unit of each stage-3 parameter."""
-    for unit in units:
-        for p in unit.group.params:
-            _UNITS[p] = unit
-
-
-def _partition(p: nn.Parameter, comm: Comm) -> None:
-    """Keep this rank's part of rank 0's `p` (ranks need not be seeded alike, as in DDP)."""
-    if p in _SHARDS or p.numel() == 0:
-        return
-    layout = ShardLayout(p.numel(), comm.world_size, comm.rank)
-    flat = torch.zeros(layout.padded_numel, dtype=p.dtype, device=p.device)
-    flat[:p.numel()].copy_(p.detach().reshape(-1))
-    comm.broadcast(flat, 0)
-    start = layout.shard_offset
-    _SHARDS[p] = ParamShard(flat[start:start + layout.shard_numel].clone(), p.shape, p.numel())
-    p.data = p.data.new_empty(0)
-
-
-def _gather_whole(p: nn.Parameter, comm: Comm, flat: torch.Tensor | None = None) -> torch.Tensor:
-    """`p`'s whole value, all-gathered into `flat` (padded, N shards long) or a new buffer."""
-    entry = _SHARDS[p]
-    if flat is None:
-        flat = torch.empty(entry.shard.numel() * comm.world_size, dtype=entry.shard.dtype,
-                           device=entry.shard.device)
-    comm.all_gather(flat, entry.shard)
-    return flat[:entry.numel].view(entry.shape).to(p.dtype)
-
-
-def _reshard(p: nn.Parameter, comm: Comm, src_rank: int | None = None) -> None:
-    """Copy this rank's part of whole `p` (rank `src_rank`'s, if given) back into its shard.
-
-    `p` becomes empty again.
+    Entries are keyed weakly by parameter identity and live as long as the parameter.
+    The shard verbs (`partition`, `gather_whole`, `reshard`, `materialize`) are the
+    only writers of the shard entries; `add_units` is the engine's.
     """
-    entry = _SHARDS[p]
-    layout = ShardLayout(entry.numel, comm.world_size, comm.rank)
-    flat = torch.zeros(layout.padded_numel, dtype=p.dtype, device=p.device)
-    flat[:entry.numel].copy_(p.detach().reshape(-1))
-    if src_rank is not None:
-        comm.broadcast(flat, src_rank)
-    entry.shard.copy_(flat[layout.shard_offset:layout.shard_offset + layout.shard_numel])
-    p.data = p.data.new_empty(0)
+
+    def __init__(self) -> None:
+        self.shards = _WeakById()  # parameter -> ParamShard, for parameters built under Init
+        self.units = _WeakById()   # parameter -> stage3.FetchUnit of a live engine
+
+    def add_units(self, units: Iterable) -> None:
+        """Let `GatheredParameters` find the fetch unit of each stage-3 parameter."""
+        for unit in units:
+            for p in unit.group.params:
+                self.units[p] = unit
+
+    def partition(self, p: nn.Parameter, comm: Comm) -> None:
+        """Keep this rank's part of rank 0's `p` (ranks need not be seeded alike, as in DDP)."""
+        if p in self.shards or p.numel() == 0:
+            return
+        layout = ShardLayout(p.numel(), comm.world_size, comm.rank)
+        flat = torch.zeros(layout.padded_numel, dtype=p.dtype, device=p.device)
+        flat[:p.numel()].copy_(p.detach().reshape(-1))
+        comm.broadcast(flat, 0)
+        start = layout.shard_offset
+        self.shards[p] = ParamShard(flat[start:start + layout.shard_numel].clone(), p.shape,
+                                    p.numel())
+        p.data = p.data.new_empty(0)
+
+    def gather_whole(self, p: nn.Parameter, comm: Comm,
+                     flat: torch.Tensor | None = None) -> torch.Tensor:
+        """`p`'s whole value, all-gathered into `flat` (padded, N shards long) or a new buffer."""
+        entry = self.shards[p]
+        if flat is None:
+            flat = torch.empty(entry.shard.numel() * comm.world_size, dtype=entry.shard.dtype,
+                               device=entry.shard.device)
+        comm.all_gather(flat, entry.shard)
+        return flat[:entry.numel].view(entry.shape).to(p.dtype)
+
+    def reshard(self, p: nn.Parameter, comm: Comm, src_rank: int | None = None) -> None:
+        """Copy this rank's part of whole `p` (rank `src_rank`'s, if given) back into its shard.
+
+        `p` becomes empty again.
+        """
+        entry = self.shards[p]
+        layout = ShardLayout(entry.numel, comm.world_size, comm.rank)
+        flat = torch.zeros(layout.padded_numel, dtype=p.dtype, device=p.device)
+        flat[:entry.numel].copy_(p.detach().reshape(-1))
+        if src_rank is not None:
+            comm.broadcast(flat, src_rank)
+        entry.shard.copy_(flat[layout.shard_offset:layout.shard_offset + layout.shard_numel])
+        p.data = p.data.new_empty(0)
+
+    def materialize(self, params: Iterable[nn.Parameter], comm: Comm) -> None:
+        """Give parameters built under `Init` their whole values again (collective)."""
+        for p in params:
+            if p in self.shards:
+                p.data = self.gather_whole(p, comm)
+                del self.shards[p]
+
+    def full_numel(self, p: nn.Parameter) -> int:
+        """Elements of `p` whole, also while `Init` holds only its shard."""
+        entry = self.shards.get(p)
+        return entry.numel if entry is not None else p.numel()
+
+    def full_shape(self, p: nn.Parameter) -> torch.Size:
+        """Shape of `p` whole, also while `Init` holds only its shard."""
+        entry = self.shards.get(p)
+        return entry.shape if entry is not None else p.shape
+
+    def held_bytes(self, module: nn.Module) -> int:
+        """Bytes this rank holds for `module`'s parameters (shards and whole ones)."""
+        return sum(self.shards[p].shard.nbytes if p in self.shards else p.nbytes
+                   for p in module.parameters())
 
 
-def materialize(params: Iterable[nn.Parameter], comm: Comm) -> None:
-    """Give parameters built under `Init` their whole values again (collective)."""
-    for p in params:
-        if p in _SHARDS:
-            p.data = _gather_whole(p, comm)
-            del _SHARDS[p]
+DEFAULT = Partitions()  # the public entry points' table when given none (module docstring)
 
 
 def materialize_meta(module: nn.Module, device: torch.device) -> None:
@@ -140,17 +168,6 @@ def materialize_meta(module: nn.Module, device: torch.device) -> None:
                 reset()
 
 
-def full_numel(p: nn.Parameter) -> int:
-    """Elements of `p` whole, also while `Init` holds only its shard."""
-    entry = _SHARDS.get(p)
-    return entry.numel if entry is not None else p.numel()
-
-
-def partitioned_bytes(module: nn.Module) -> int:
-    """Bytes this rank holds for `module`'s parameters (shards and whole ones)."""
-    return sum(_SHARDS[p].shard.nbytes if p in _SHARDS else p.nbytes for p in module.parameters())
-
-
 class Init:
     """Context in which modules are built with their parameters already partitioned.
 
@@ -162,11 +179,15 @@ class Init:
     rank 0 as it is partitioned (and after any later in-place write), and buffers
     on exit, so ranks seeded differently build the same model.
     `config` is accepted for DeepSpeed compatibility (stage 3 is implied).
+    The shards go into `partitions` (`DEFAULT` if none is given), where the engine
+    and `GatheredParameters` look for them.
     """
 
-    def __init__(self, config=None, dp_group=None, enabled: bool = True):
+    def __init__(self, config=None, dp_group=None, enabled: bool = True,
+                 partitions: Partitions | None = None):
         ensure_process_group()
         self.comm = Comm(dp_group)
+        self.partitions = DEFAULT if partitions is None else partitions
         self.enabled = enabled
         self.built: list[weakref.ref] = []
         self.buffers: list[weakref.ref] = []
@@ -188,7 +209,7 @@ class Init:
             self.busy = True
             try:
                 for p in child.parameters():
-                    _partition(p, self.comm)
+                    self.partitions.partition(p, self.comm)
             finally:
                 self.busy = False
 
@@ -212,7 +233,7 @@ class Init:
         for ref in self.built:
             p = ref()
             if p is not None:
-                _partition(p, self.comm)
+                self.partitions.partition(p, self.comm)
         # buffers are never partitioned, so their final values are broadcast once, here
         alive = {id(b): b for b in (ref() for ref in self.buffers) if b is not None}
         for b in alive.values():
@@ -258,16 +279,16 @@ class _WholeWhileTouched(TorchFunctionMode):
         touched = self._touched(tree_leaves((args, kwargs)))
         if not touched:
             return func(*args, **kwargs)
-        comm = self.init.comm
+        comm, partitions = self.init.comm, self.init.partitions
         for p, flat in touched:
-            p.data = _gather_whole(p, comm, flat)
+            p.data = partitions.gather_whole(p, comm, flat)
         try:
             out = func(*args, **kwargs)
             self._remember_views(tree_leaves(out), touched)
             return out
         finally:
             for p, _ in touched:
-                _reshard(p, comm, src_rank=0)  # rank 0's writes, as its plain build would hold
+                partitions.reshard(p, comm, src_rank=0)  # rank 0's writes, as its plain build would hold
 
     def forget_views(self) -> None:
         """Init is closed: later writes through old views are ordinary writes."""
@@ -277,8 +298,9 @@ class _WholeWhileTouched(TorchFunctionMode):
     def _touched(self, leaves: list) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, buffer to gather it into) for each partitioned parameter an op reaches."""
         params = {}
+        shards = self.init.partitions.shards
         for a in leaves:
-            if isinstance(a, nn.Parameter) and a in _SHARDS:
+            if isinstance(a, nn.Parameter) and a in shards:
                 params[id(a)] = a
             elif isinstance(a, torch.Tensor) and a in self.views:
                 p = self.views[a][0]
@@ -290,7 +312,7 @@ class _WholeWhileTouched(TorchFunctionMode):
         ref = self.buffers.get(p)
         flat = ref() if ref is not None else None
         if flat is None:
-            shard = _SHARDS[p].shard
+            shard = self.init.partitions.shards[p].shard
             flat = shard.new_empty(shard.numel() * self.init.comm.world_size)
         return flat
 
@@ -315,13 +337,18 @@ class GatheredParameters:
         with zeromem.GatheredParameters(model.head.weight, modifier_rank=0):
             if rank == 0:
                 model.head.weight.zero_()
+
+    The parameters are looked up in `partitions` (`DEFAULT` if none is given): an
+    engine's fetch units, or the shards `Init` made.
     """
 
     def __init__(self, params, modifier_rank: int | None = None, dp_group=None,
-                 enabled: bool = True):
+                 enabled: bool = True, partitions: Partitions | None = None):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self.units = list({id(_UNITS[p]): _UNITS[p] for p in params if p in _UNITS}.values())
-        self.loose = [p for p in params if p in _SHARDS]
+        self.partitions = DEFAULT if partitions is None else partitions
+        units = self.partitions.units
+        self.units = list({id(units[p]): units[p] for p in params if p in units}.values())
+        self.loose = [p for p in params if p in self.partitions.shards]
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self.comm = self.units[0].comm if self.units else Comm(dp_group)
@@ -332,7 +359,7 @@ class GatheredParameters:
         for unit in self.units:
             unit.pin()
         for p in self.loose:
-            p.data = _gather_whole(p, self.comm)
+            p.data = self.partitions.gather_whole(p, self.comm)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -347,4 +374,4 @@ class GatheredParameters:
         for p in self.loose:
             if src is not None:
                 self.comm.broadcast(p.data, src)
-            _reshard(p, self.comm)
+            self.partitions.reshard(p, self.comm)

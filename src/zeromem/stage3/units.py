@@ -30,11 +30,10 @@ when any of them runs).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 from torch import nn
-
-from zeromem.stage3.partitioned_init import full_numel
 
 MIN_UNIT_NUMEL = 2 ** 16
 MAX_UNIT_NUMEL = 2 ** 22
@@ -47,11 +46,8 @@ class UnitPlan:
     params: list[nn.Parameter]
     modules: list[nn.Module]
     kind: str  # "block", "module" or "user" (a `fetch_units` instance); "+" joined if merged
+    numel: int  # elements of `params` whole (also while `Init` holds only their shards)
     shared: bool = False  # holds a parameter registered by two modules (tied)
-    numel: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.numel = sum(full_numel(p) for p in self.params)
 
 
 def coalesce_target_numel(psi: int, bucket_numel: int | None = None) -> int:
@@ -61,12 +57,15 @@ def coalesce_target_numel(psi: int, bucket_numel: int | None = None) -> int:
 
 
 def plan_fetch_units(root: nn.Module, unit_classes: tuple[type, ...] = (),
-                     bucket_numel: int | None = None) -> list[UnitPlan]:
+                     bucket_numel: int | None = None,
+                     numel_of: Callable[[nn.Parameter], int] = nn.Parameter.numel
+                     ) -> list[UnitPlan]:
     """The fetch units of `root`, in module order; each trainable parameter in exactly one.
 
-    `bucket_numel` (reduce_bucket_size) caps a merged unit."""
+    `bucket_numel` (reduce_bucket_size) caps a merged unit; `numel_of` counts a
+    parameter whole (`Partitions.full_numel` for a model built under `Init`)."""
     holders = _holders(root)
-    claim = _Claims(holders)
+    claim = _Claims(holders, numel_of)
     if unit_classes:
         for module in root.modules():
             if isinstance(module, unit_classes) and module is not root:
@@ -91,8 +90,10 @@ def _holders(root: nn.Module) -> dict[int, list[nn.Module]]:
 class _Claims:
     """Hands each trainable parameter to the first unit that takes it."""
 
-    def __init__(self, holders: dict[int, list[nn.Module]]):
+    def __init__(self, holders: dict[int, list[nn.Module]],
+                 numel_of: Callable[[nn.Parameter], int]):
         self.holders = holders
+        self.numel_of = numel_of
         self.claimed: set[int] = set()
         self.units: list[UnitPlan] = []
 
@@ -107,7 +108,8 @@ class _Claims:
         for p in tied:  # a tied parameter's other holders gather this unit too
             modules += [m for m in self.holders[id(p)] if all(m is not k for k in modules)
                         and not _is_below(m, module)]
-        self.units.append(UnitPlan(params, modules, kind, shared=bool(tied)))
+        numel = sum(self.numel_of(p) for p in params)
+        self.units.append(UnitPlan(params, modules, kind, numel, shared=bool(tied)))
 
 
 def _is_below(module: nn.Module, ancestor: nn.Module) -> bool:
@@ -142,7 +144,8 @@ def coalesce(units: list[UnitPlan], target_numel: int) -> list[UnitPlan]:
         if (last is not None and not last.shared and not unit.shared
                 and last.numel + unit.numel <= target_numel):
             kind = last.kind if last.kind.endswith(unit.kind) else f"{last.kind}+{unit.kind}"
-            merged[-1] = UnitPlan(last.params + unit.params, last.modules + unit.modules, kind)
+            merged[-1] = UnitPlan(last.params + unit.params, last.modules + unit.modules, kind,
+                                  last.numel + unit.numel)
         else:
             merged.append(unit)
     return merged
