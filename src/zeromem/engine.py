@@ -374,11 +374,12 @@ class Engine:
                                            load_optimizer_states,
                                            load_lr_scheduler_states, trust_client_state)
 
-    def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin") -> str:
+    def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> str:
         """Compute-dtype weights to save_dir/filename on rank 0; collective."""
         return self.plan.write_once(lambda: checkpoints.save_16bit_model(
-            self.training_state(), save_dir, filename), str(Path(save_dir) / filename),
-            self.comm, self.device)
+            self.training_state(), save_dir, filename, exclude_frozen_parameters),
+            str(Path(save_dir) / filename), self.comm, self.device)
 
     def training_state(self) -> TrainingState:
         """What checkpoints read and restore (checkpoints/save_load.py never sees the engine)."""

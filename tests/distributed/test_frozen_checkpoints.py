@@ -95,6 +95,11 @@ def deepspeed_keywords(rank: int, world_size: int, root: Path) -> None:
     for key, value in model.state_dict().items():
         if key in trained:
             torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=key)
+    weights = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    assert engine.save_16bit_model(root, "m16.bin", exclude_frozen_parameters=True)
+    if rank == 0:
+        assert weights.keys() == trained.keys()
+        assert torch.load(root / "m16.bin").keys() == trained.keys()
 
 
 def two_ranks(rank: int, world_size: int, root: Path) -> tuple:

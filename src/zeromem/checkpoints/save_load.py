@@ -597,7 +597,8 @@ def _apply(state: TrainingState, staged: _Staged, load_lr_scheduler_states: bool
 # ---------------------------------------------------------------- 16-bit model
 
 def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
-                     filename: str = "pytorch_model.bin") -> str:
+                     filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> str:
     """Save the model's weights in the compute dtype to `save_dir/filename` (rank 0); collective.
 
     Keys as `module.state_dict()`; trained parameters are the fp32 masters cast to
@@ -605,6 +606,7 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
     parameters as held. `.safetensors` names give a safetensors file (tied
     weights stored once, aliases in the metadata), others a torch.save file. At
     stage 3 this needs `zero_optimization.stage3_gather_16bit_weights_on_model_save`.
+    `exclude_frozen_parameters` leaves out parameters with requires_grad False.
     """
     if state.zero_stage == 3 and not state.gather_16bit_weights:
         raise CheckpointError(
@@ -616,6 +618,9 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
 
     with state.resident():
         weights = _gathered_state_dict(state, state.compute_dtype)
+    if exclude_frozen_parameters:
+        frozen = _frozen_keys(state)
+        weights = {k: v for k, v in weights.items() if k not in frozen}
     path = Path(save_dir) / filename
     _collective(state, "saving the 16-bit model",
                 lambda: write_state_dict(path, weights) if state.comm.rank == 0 else None)

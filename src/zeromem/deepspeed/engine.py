@@ -242,15 +242,19 @@ class DeepSpeedEngine(nn.Module):
                                              ) -> dict[str, torch.Tensor]:
         """The whole model's state dict in the compute dtype on rank 0 ({} elsewhere), keys as
         the model's own; collective. HF's `save_model` calls it at stage 3."""
-        _refuse_unsupported(exclude_frozen_parameters=(exclude_frozen_parameters, False))
         dtype = self.engine.compute_dtype
+        frozen = self._frozen_keys() if exclude_frozen_parameters else set()
         return {k: v.to(dtype) if v.is_floating_point() else v
-                for k, v in self.engine.full_state_dict().items()}
+                for k, v in self.engine.full_state_dict().items() if k not in frozen}
+
+    def _frozen_keys(self) -> set[str]:
+        """The model's state_dict keys of parameters with requires_grad False."""
+        return {k for k, p in self.module.named_parameters(remove_duplicate=False)
+                if not p.requires_grad}
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        _refuse_unsupported(exclude_frozen_parameters=(exclude_frozen_parameters, False))
-        self.engine.save_16bit_model(save_dir, save_filename)
+        self.engine.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
         return True
 
     # -- reports and teardown ----------------------------------------------------
