@@ -32,19 +32,21 @@ from zeromem.config.schema import Config
 from zeromem.distributed import default_store, gather_timeout_s
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
-from zeromem.layout import derived_bucket_numel, derived_prefetch_numel, pack_buckets
+from zeromem.layout import (GATHER_IN_FLIGHT, derived_bucket_numel, derived_prefetch_numel,
+                            pack_buckets)
 from zeromem.grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
 from zeromem.mesh import global_rank, local_device
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitors import Observers, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0
-from zeromem.offload.placement import build_offload
+from zeromem.offload.placement import OffloadPolicy, build_offload
 from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler
 from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule
-from zeromem.stage3.units import describe, plan_fetch_units
+from zeromem.stage3.units import (UnitCaps, default_target, describe, plan_fetch_units,
+                                   unmerged_units)
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
 from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
@@ -179,16 +181,17 @@ class Engine:
             # (modules that gather it, its parameters) per fetch unit, see stage3/units.py
             self.unit_modules = []
             parts = []
-            bucket_numel = self.bucket_sizes["reduce_bucket_size"]
-            plans = plan_fetch_units(self.module, fetch_units, bucket_numel,
-                                     self.partitions.full_numel)
+            caps = self._unit_caps()
+            plans = plan_fetch_units(self.module, fetch_units, caps, self.partitions.full_numel)
             for plan in plans:
                 for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
                     part = [p for p in plan.params if group_of.get(id(p)) == gi]
                     parts.append((gi, part))
                     self.unit_modules.append((plan.modules, part))
             module_names = {id(m): n for n, m in self.module.named_modules()}
-            self.fetch_unit_report = describe(plans, module_names, fetch_units, bucket_numel)
+            target = default_target(unmerged_units(self.module, self.partitions.full_numel),
+                                    caps)
+            self.fetch_unit_report = describe(plans, module_names, fetch_units, target)
             log.info("%s", self.fetch_unit_report)
             return parts
         bucket_numel = self.bucket_sizes["reduce_bucket_size"]
@@ -197,6 +200,13 @@ class Engine:
             params = sorted(pg["params"], key=lambda p: -order[id(p)])  # backward runs last-first
             parts += [(gi, bucket) for bucket in _bucket_params(params, bucket_numel)]
         return parts
+
+    def _unit_caps(self) -> UnitCaps:
+        """What bounds a merged fetch unit: the reduce bucket, and with parameters on NVMe
+        the parameter pool's share of the host budget (offload/budget.py)."""
+        pool = OffloadPolicy.from_config(self.config).pool_unit_numel(
+            self.compute_dtype.itemsize, self.plan.shard.world_size)
+        return UnitCaps(self.bucket_sizes["reduce_bucket_size"], pool)
 
     def _build_stage3(self) -> FetchSchedule:
         """One FetchUnit per (module, flat group); small units stay whole (persistent)."""
@@ -314,7 +324,7 @@ class Engine:
         for g in self.groups:
             for pending in g.launch_all_gather(bucket):
                 in_flight.append(pending)
-                if len(in_flight) > 2:  # two buckets in flight: overlap with constant buffers
+                if len(in_flight) > GATHER_IN_FLIGHT:  # overlap with constant buffers
                     in_flight.popleft().wait()
         for pending in in_flight:
             pending.wait()
