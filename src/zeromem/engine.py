@@ -362,11 +362,16 @@ class Engine:
         return self.grad_norm
 
     # -- checkpoints (checkpoints/save_load.py) -------------------------------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None) -> str:
-        """Atomic sharded checkpoint, loadable under any world size and stage; collective."""
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """Atomic sharded checkpoint, loadable under any world size and stage; collective.
+
+        `exclude_frozen_parameters` leaves out parameters with requires_grad False (a
+        load keeps the loading model's values for them)."""
         path = str(Path(save_dir) / (f"global_step{self.global_steps}" if tag is None else str(tag)))
         return self.plan.write_once(lambda: checkpoints.save_checkpoint(
-            self.training_state(), save_dir, tag, client_state), path, self.comm, self.device)
+            self.training_state(), save_dir, tag, client_state, exclude_frozen_parameters),
+            path, self.comm, self.device)
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
@@ -379,11 +384,12 @@ class Engine:
                                            load_optimizer_states,
                                            load_lr_scheduler_states, trust_client_state)
 
-    def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin") -> str:
+    def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> str:
         """Compute-dtype weights to save_dir/filename on rank 0; collective."""
         return self.plan.write_once(lambda: checkpoints.save_16bit_model(
-            self.training_state(), save_dir, filename), str(Path(save_dir) / filename),
-            self.comm, self.device)
+            self.training_state(), save_dir, filename, exclude_frozen_parameters),
+            str(Path(save_dir) / filename), self.comm, self.device)
 
     def training_state(self) -> TrainingState:
         """What checkpoints read and restore (checkpoints/save_load.py never sees the engine)."""
