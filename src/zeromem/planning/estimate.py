@@ -433,7 +433,7 @@ def _comm_buffer_bytes(padded: list[int], widths: Widths, layout: ZeroLayout) ->
     """Temporary buffers: chunked all-gathers of updated shards (stages 1-2) when a group
     exceeds `allgather_bucket_size`; at stages >= 2 full-size reduce buckets.
 
-    Stage 2's reducer keeps at most two buckets in flight while a third fills (grads.py).
+    Stage 2's reducer keeps at most two buckets in flight while a third fills (zero_optimizer.py).
     This is NCCL's footprint; gloo's reduce-scatter also allocates a receive buffer as
     large as each bucket in flight (comm.py).
     """
