@@ -27,13 +27,14 @@ from zeromem.layout import derived_bucket_numel, derived_prefetch_numel, pack_bu
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitors import Observers, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0
-from zeromem.offload.placement import build_offload
+from zeromem.offload.placement import OffloadPolicy, build_offload
 from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler
 from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule
-from zeromem.stage3.units import describe, plan_fetch_units
+from zeromem.stage3.units import (UnitCaps, default_target, describe, plan_fetch_units,
+                                   unmerged_units)
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
 from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
@@ -176,16 +177,17 @@ class Engine:
             # (modules that gather it, its parameters) per fetch unit, see stage3/units.py
             self.unit_modules = []
             parts = []
-            bucket_numel = self.bucket_sizes["reduce_bucket_size"]
-            plans = plan_fetch_units(self.module, fetch_units, bucket_numel,
-                                     self.partitions.full_numel)
+            caps = self._unit_caps()
+            plans = plan_fetch_units(self.module, fetch_units, caps, self.partitions.full_numel)
             for plan in plans:
                 for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
                     part = [p for p in plan.params if group_of.get(id(p)) == gi]
                     parts.append((gi, part))
                     self.unit_modules.append((plan.modules, part))
             module_names = {id(m): n for n, m in self.module.named_modules()}
-            self.fetch_unit_report = describe(plans, module_names, fetch_units, bucket_numel)
+            target = default_target(unmerged_units(self.module, self.partitions.full_numel),
+                                    caps)
+            self.fetch_unit_report = describe(plans, module_names, fetch_units, target)
             log.info("%s", self.fetch_unit_report)
             return parts
         bucket_numel = self.bucket_sizes["reduce_bucket_size"]
@@ -194,6 +196,13 @@ class Engine:
             params = sorted(pg["params"], key=lambda p: -order[id(p)])  # backward runs last-first
             parts += [(gi, bucket) for bucket in _bucket_params(params, bucket_numel)]
         return parts
+
+    def _unit_caps(self) -> UnitCaps:
+        """What bounds a merged fetch unit: the reduce bucket, and with parameters on NVMe
+        the parameter pool's share of the host budget (offload/budget.py)."""
+        pool = OffloadPolicy.from_config(self.config).pool_unit_numel(
+            self.compute_dtype.itemsize, self.plan.shard.world_size)
+        return UnitCaps(self.bucket_sizes["reduce_bucket_size"], pool)
 
     def _build_stage3(self) -> FetchSchedule:
         """One FetchUnit per (module, flat group); small units stay whole (persistent)."""
@@ -310,11 +319,16 @@ class Engine:
         return self.grad_norm
 
     # -- checkpoints (checkpoints/save_load.py) -------------------------------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None) -> str:
-        """Atomic sharded checkpoint, loadable under any world size and stage; collective."""
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """Atomic sharded checkpoint, loadable under any world size and stage; collective.
+
+        `exclude_frozen_parameters` leaves out parameters with requires_grad False (a
+        load keeps the loading model's values for them)."""
         path = str(Path(save_dir) / (f"global_step{self.global_steps}" if tag is None else str(tag)))
         return self.plan.write_once(lambda: checkpoints.save_checkpoint(
-            self.training_state(), save_dir, tag, client_state), path, self.comm, self.device)
+            self.training_state(), save_dir, tag, client_state, exclude_frozen_parameters),
+            path, self.comm, self.device)
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
@@ -327,11 +341,12 @@ class Engine:
                                            load_optimizer_states,
                                            load_lr_scheduler_states, trust_client_state)
 
-    def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin") -> str:
+    def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> str:
         """Compute-dtype weights to save_dir/filename on rank 0; collective."""
         return self.plan.write_once(lambda: checkpoints.save_16bit_model(
-            self.training_state(), save_dir, filename), str(Path(save_dir) / filename),
-            self.comm, self.device)
+            self.training_state(), save_dir, filename, exclude_frozen_parameters),
+            str(Path(save_dir) / filename), self.comm, self.device)
 
     def training_state(self) -> TrainingState:
         """What checkpoints read and restore (checkpoints/save_load.py never sees the engine)."""

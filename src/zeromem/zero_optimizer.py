@@ -45,24 +45,44 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 from torch import nn
 
-from zeromem.comm import Comm, Pending, Reduction
+from zeromem.comm import Comm, Pending, Reduction, reduce_scatter_copies
 from zeromem.flat import FlatParamGroup
-from zeromem.hierarchy import CommPlan
-from zeromem.offload.params import ParamPlacement
-from zeromem.offload.placement import MastersPlacement
-from zeromem.precision import DynamicScaler, NoScaler, StaticScaler
-from zeromem.tensor_parallel import ModelParallelNorm
+from zeromem.layout import GATHER_IN_FLIGHT, REDUCE_IN_FLIGHT
+
+if TYPE_CHECKING:  # the parts the engine builds and passes in; the planner imports this module
+    from zeromem.hierarchy import CommPlan
+    from zeromem.offload.params import ParamPlacement
+    from zeromem.offload.placement import MastersPlacement
+    from zeromem.precision import DynamicScaler, NoScaler, StaticScaler
+    from zeromem.tensor_parallel import ModelParallelNorm
+
+
+class GradKind(Protocol):
+    """What sizes a gradient kind's communication buffers (class attributes)."""
+
+    temporary_buckets: int
+    scatters: bool
+
+
+def launch_copies(kind: GradKind, backend: str) -> int:
+    """Full-size buffers (each as large as the group's bucket) that one launch of a group of
+    gradient `kind` holds until it is waited on, all noted in Comm's CB figure: the bucket
+    itself when it is a temporary, and the backend's receive buffer when it is
+    reduce-scattered (`comm.reduce_scatter_copies`). The planner sizes CB with this."""
+    return kind.temporary_buckets + (reduce_scatter_copies(backend) if kind.scatters else 0)
 
 
 class WholeAllReduced:
     """Stage 0: every rank keeps the whole summed gradient."""
 
     reduces_every_microstep = False
+    temporary_buckets = 0  # full-size buffers a launch holds besides the collective's own
+    scatters = False  # all-reduced in place: no receive buffer
 
     def __init__(self, group: FlatParamGroup, dtype: torch.dtype):
         self.group = group
@@ -87,6 +107,8 @@ class WholeAllReduced:
 class WholeScattered(WholeAllReduced):
     """Stage 1: the whole gradient accumulates locally; the boundary reduce-scatters it."""
 
+    scatters = True
+
     def launch(self, comm: Reduction) -> Pending:  # type: ignore[override]  # stage 0's all-reduces
         return comm.reduce_scatter(self.reduced(), self.whole, async_op=True)
 
@@ -99,6 +121,8 @@ class ShardAccumulated:
     """Stage 2: only the reduced shard persists; full-size gradients live one bucket at a time."""
 
     reduces_every_microstep = True
+    temporary_buckets = 1  # the full-size bucket, dropped once reduced
+    scatters = True
 
     def __init__(self, group: FlatParamGroup, shard: torch.Tensor):
         self.group = group
@@ -143,7 +167,7 @@ class StepSettings:
     overlap: bool = True  # overlap_comm: reductions run while backward goes on
     gradient_clipping: float = 0.0  # gradient_clipping: max global norm, 0 = off
     allgather_bucket_numel: int = 500_000_000  # allgather_bucket_size, in elements
-    max_in_flight: int = 2  # buckets reduced at once while a third fills (constant buffers)
+    max_in_flight: int = REDUCE_IN_FLIGHT  # buckets reduced at once while the next fills (CB)
 
 
 class ZeroOptimizer:
@@ -280,7 +304,7 @@ class ZeroOptimizer:
         for g in self.groups:
             for pending in g.launch_all_gather(self.settings.allgather_bucket_numel):
                 in_flight.append(pending)
-                if len(in_flight) > 2:  # two buckets in flight: overlap with constant buffers
+                if len(in_flight) > GATHER_IN_FLIGHT:  # overlap with constant buffers
                     in_flight.popleft().wait()
         for pending in in_flight:
             pending.wait()

@@ -7,7 +7,6 @@ import argparse
 import copy
 from pathlib import Path
 
-import pytest
 import torch
 
 import zeromem
@@ -110,12 +109,6 @@ def resident_after_training(rank: int, world_size: int, path: str, depth: int) -
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known regression, found merging issues 15 and 16 (cause inferred, not yet confirmed): "
-    "default fetch units now coalesce to psi/8, so at "
-    "4x the layers each unit, and the NVMe parameter pool sized by the largest unit, is 4x "
-    "larger (ledger host 8.38 -> 9.22 MB, over the 8 MiB budget). Fix: cap coalescing by the "
-    "parameter pool's share of the host budget, in units.py and the planner alike"))
 def test_host_memory_does_not_grow_with_the_model(tmp_path, monkeypatch):
     """Four times the layers, stage-3 keys at their defaults: steady and peak resident
     memory in training move by <= 0.25x the growth of the model states (they are the

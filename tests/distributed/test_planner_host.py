@@ -13,7 +13,8 @@ import torch
 import zeromem
 from gpt import GPT, GPTConfig
 from harness import run_distributed
-from zeromem.planning.planner import predict_memory, shape_of
+from zeromem.config.schema import Config
+from zeromem.planning.planner import layout_for, predict_memory, shape_of
 
 SMALL = GPTConfig(n_layer=2, n_embd=128, block_size=32)
 SETUPS = {"stage 2, opt:cpu": (2, "cpu", None), "stage 3, opt:cpu, param:cpu": (3, "cpu", "cpu"),
@@ -21,7 +22,12 @@ SETUPS = {"stage 2, opt:cpu": (2, "cpu", None), "stage 3, opt:cpu, param:cpu": (
           "stage 3, opt:nvme, param:nvme": (3, "nvme", "nvme"),
           # no sub_group_size: derived from the host budget (offload/budget.py), here clamped
           # to the rank's shard
-          "stage 3, opt:nvme, param:nvme, budget": (3, "nvme", "nvme")}
+          "stage 3, opt:nvme, param:nvme, budget": (3, "nvme", "nvme"),
+          # a deep thin model and a small budget: the parameter pool's share of it, not
+          # psi / 8, bounds how far fetch units merge (stage3/units.py, issue 16)
+          "stage 3, opt:nvme, param:nvme, budget bounds units": (3, "nvme", "nvme")}
+DEEP = GPTConfig(n_layer=32, n_embd=64, block_size=32)  # merged 4 blocks a unit uncapped
+SMALL_BUDGET = 2 << 20
 # host_memory's names -> the ledger's category of the same tensors
 LEDGER = {"host_masters": "master_params", "optimizer_states": "optimizer_states",
           "host_grads": "grads", "param_shards": "params",
@@ -36,11 +42,17 @@ def _config(name: str, dtype: str, path: str) -> dict:
         zero["offload_param"] = {"device": param, "nvme_path": path}
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    if not name.endswith("budget"):
+    if "budget" not in name:
         zero["sub_group_size"] = 40_000
+    if name.endswith("bounds units"):
+        config["zeromem"] = {"offload_host_budget_bytes": SMALL_BUDGET}
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     return config
+
+
+def _model(name: str) -> GPTConfig:
+    return DEEP if name.endswith("bounds units") else SMALL
 
 
 def _measure(rank, world_size, path):
@@ -50,7 +62,8 @@ def _measure(rank, world_size, path):
             if (dtype, SETUPS[name][0]) == ("fp32", 1):
                 continue  # on CPU its host gradient is a view of the whole device gradient
             torch.manual_seed(0)
-            engine = zeromem.initialize(GPT(SMALL), _config(name, dtype, path))
+            engine = zeromem.initialize(GPT(_model(name)), _config(name, dtype, path))
+            out[dtype, name, "units"] = len(engine.stage3.units) if engine.stage3 else 0
             for _ in range(2):
                 tokens = torch.randint(0, 256, (2, 16))
                 engine.backward(engine(tokens, tokens))
@@ -70,9 +83,16 @@ def _by_category(parts: dict[str, float]) -> dict[str, float]:
 def test_host_and_nvme_bytes_equal_the_ledger(tmp_path):
     measured = run_distributed(_measure, 2, str(tmp_path))
     with torch.device("meta"):
-        shape = shape_of(GPT(SMALL))
-    for (dtype, name), held in measured[0].items():
+        shapes = {model: shape_of(GPT(model)) for model in (SMALL, DEEP)}
+    for (dtype, name), held in ((k, v) for k, v in measured[0].items() if len(k) == 2):
+        shape = shapes[_model(name)]
         predicted = predict_memory(shape, _config(name, dtype, str(tmp_path)), 2)
+        if name.endswith("bounds units"):  # fewer merges than uncapped, as many as the engine
+            units = measured[0][dtype, name, "units"]
+            capped = shape.with_unit_caps(layout_for(Config.load(
+                _config(name, dtype, str(tmp_path)), world_size=2), shape, 2).unit_caps(
+                2 if dtype == "bf16" else 4, 2))
+            assert len(capped.unit_numels) == units > len(shape.unit_numels), (dtype, units)
         for place, parts in (("host", predicted.host), ("nvme", predicted.nvme)):
             ledger = {c: b.get(place, 0) for c, b in held.items() if b and b.get(place)}
             expected = _by_category(parts)

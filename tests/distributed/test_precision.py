@@ -22,15 +22,31 @@ def test_hysteresis_delays_the_first_halving():
     assert s.scale == 4  # hysteresis stays spent until a window passes
 
 
-def test_scale_doubles_after_a_clean_window():
+def test_scale_doubles_on_the_clean_step_after_a_clean_window():
+    """DeepSpeed 0.19's DynamicLossScaler: after an overflow, `loss_scale_window` clean steps
+    pass at the lowered scale, and the next clean step doubles it (then every window)."""
     s = DynamicScaler(initial_scale_power=4, loss_scale_window=3, hysteresis=1)
     s.update(True)
     assert s.scale == 8
-    for _ in range(2):
+    for _ in range(3):
         s.update(False)
     assert s.scale == 8
     s.update(False)
     assert s.scale == 16
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 16
+    s.update(False)
+    assert s.scale == 32
+
+
+def test_scale_first_grows_after_window_plus_one_clean_steps():
+    s = DynamicScaler(initial_scale_power=4, loss_scale_window=2, hysteresis=2)
+    s.update(False)
+    s.update(False)
+    assert s.scale == 16
+    s.update(False)
+    assert s.scale == 32
 
 
 def test_overflow_at_minimum_raises():

@@ -7,7 +7,10 @@ from torch import nn
 
 from gpt import GPT, Block, GPTConfig
 from setups import hf_tiny_builders
-from zeromem.stage3.units import coalesce_target_numel, describe, plan_fetch_units
+from zeromem.offload.budget import PARAMS_SHARE, pool_unit_numel
+from zeromem.planning.model_shapes import shape_of
+from zeromem.stage3.units import (UnitCaps, coalesce_target_numel, default_target, describe,
+                                  plan_fetch_units, unmerged_units)
 
 
 def repeated_blocks(root: nn.Module) -> list[nn.Module]:
@@ -62,8 +65,9 @@ def test_deep_gpt_merges_small_blocks_and_keeps_the_tied_embedding_alone():
     assert len(units) < 32 // 2, len(units)  # 32 blocks of ~50k elements -> ~9 units
     embed = next(u for u in units if any(p is model.token_embedding.weight for p in u.params))
     assert embed.shared and any(m is model.head for m in embed.modules)  # the tied head too
-    report = describe(units, {id(m): n for n, m in model.named_modules()}, ())
-    assert f": {len(units)}" in report and "blocks.3" in report
+    target = default_target(unmerged_units(model), UnitCaps())
+    report = describe(units, {id(m): n for n, m in model.named_modules()}, (), target)
+    assert f": {len(units)}" in report and "blocks.3" in report and f"{target:,}" in report
 
 
 def test_small_gpt_keeps_one_block_per_unit():
@@ -119,7 +123,45 @@ def test_user_fetch_units_win():
 def test_merged_units_stay_within_the_reduce_bucket():
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, n_layer=32, n_embd=64))  # 4 blocks a unit uncapped
-    units = plan_fetch_units(model, bucket_numel=120_000)  # a unit is reduced as one bucket
+    units = plan_fetch_units(model, caps=UnitCaps(120_000))  # a unit is reduced as one bucket
     check_plan(model, units)
     assert max(u.numel for u in units) <= 120_000
     assert any("+" in u.kind or len(u.modules) > 1 for u in units), "still merged"
+
+
+def test_nvme_parameter_pool_bounds_merging_whatever_the_depth():
+    """With parameters on NVMe the pool holds buffer_count shards of the largest unit: merging
+    stops at the pool's share of the budget, so the pool is the same at 8 and 32 layers
+    (issue 16); merging up to the largest unmerged unit (a block) costs the pool nothing."""
+    budget, buffers, world = 8 << 20, 5, 2
+    cap = pool_unit_numel(budget, buffers, 4, world)
+    assert cap == budget // PARAMS_SHARE // buffers // 4 * world
+    largest = {}
+    for depth in (8, 32):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(384, 384) for _ in range(depth)))
+        units = plan_fetch_units(model, caps=UnitCaps(None, cap))
+        check_plan(model, units)
+        largest[depth] = max(u.numel for u in units)
+        assert largest[depth] <= cap
+        assert max(u.numel for u in plan_fetch_units(model)) > cap or depth == 8  # uncapped
+    assert largest[8] == largest[32] == 384 * 385
+    wide = nn.Sequential(nn.Linear(512, 512), *(nn.Linear(64, 64) for _ in range(12)))
+    units = plan_fetch_units(wide, caps=UnitCaps(None, 1))  # a pool of the wide layer's shards
+    assert max(u.numel for u in units) == 512 * 513 and len(units) == 2, len(units)
+
+
+@pytest.mark.parametrize("caps", [UnitCaps(), UnitCaps(120_000), UnitCaps(None, 100_000),
+                                  UnitCaps(90_000, 150_000)])
+def test_planner_merges_units_as_the_engine_does(caps):
+    """`ModelShape.with_unit_caps` merges the planner's unmerged units to the engine's units,
+    in the engine's group order (latest registered first)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, n_layer=32, n_embd=64))
+    order = {id(p): i for i, p in enumerate(model.parameters())}
+    units = plan_fetch_units(model, caps=caps)
+    engine = [u.numel for u in sorted(units, key=lambda u: -min(order[id(p)] for p in u.params))]
+    with torch.device("meta"):
+        shape = shape_of(GPT(GPTConfig(block_size=32, n_layer=32, n_embd=64)))
+    assert list(shape.with_unit_caps(caps).unit_numels) == engine
+    assert shape.unit_numels == shape.with_unit_caps(UnitCaps()).unit_numels

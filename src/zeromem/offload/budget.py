@@ -16,6 +16,12 @@ grows with the model's depth, so a fixed budget bounds them.
                    at least MIN_SUB_GROUP, at most the largest param group's shard,
                    unless the config sets sub_group_size
 
+The parameter pool's buffers are as large as the largest fetch unit's shard, so
+by default fetch units are merged only while that shard stays within the pool's
+share of the budget (`pool_unit_numel`, 1/PARAMS_SHARE of it; stage3/units.py):
+merging by the model's size would make the pool, and so the host memory, grow
+with the model.
+
 DeepSpeed's default sub_group_size (1e9 elements) makes one sub-group of a
 whole shard, i.e. a pool as large as the states it was meant to keep on disk;
 that default is therefore not used unless the config names it. Pure arithmetic,
@@ -32,6 +38,9 @@ DEPTH = 3  # sub-groups in flight: one read ahead, one updating, one written beh
 # drive busy; below it a small budget is exceeded (`PoolSize.over_budget` says so)
 MIN_SUB_GROUP = 1 << 16
 FP32 = 4
+# the parameter pool's share of the budget (1/PARAMS_SHARE) when it decides how far fetch
+# units merge: the optimizer pool keeps the rest, room for sub-groups well above MIN_SUB_GROUP
+PARAMS_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -97,3 +106,12 @@ def size_optimizer_pool(budget_bytes: int, fields: int, largest_shard_numel: int
     size = max(MIN_SUB_GROUP, left // per_element // 1024 * 1024)
     size = max(1, min(size, largest_shard_numel))
     return PoolSize(size, depth, fields, budget_bytes, params_pool_bytes, True)
+
+
+def pool_unit_numel(budget_bytes: int, buffer_count: int, param_bytes: int,
+                    shard_world: int) -> int:
+    """Largest merged fetch unit (elements over all `shard_world` ranks) whose shard keeps a
+    pool of `buffer_count` buffers within 1/PARAMS_SHARE of `budget_bytes` (`param_bytes`
+    per parameter element). A unit that is one block stays whole whatever its size."""
+    shard_numel = budget_bytes // PARAMS_SHARE // buffer_count // param_bytes
+    return max(1, shard_numel) * shard_world

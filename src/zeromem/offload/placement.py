@@ -56,6 +56,7 @@ from zeromem.optim import OPTIMIZERS, build_optimizer, has_fused_kernel
 from zeromem.optimizers import Lamb
 from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
                             host_empty)
+from zeromem.offload.budget import pool_unit_numel
 from zeromem.offload.grad_file import GradFile, ShardToFile
 from zeromem.offload.nvme import AsyncIO, IOStats, OffloadError, SwapSpace
 from zeromem.offload.nvme_optimizer import SwappedOptimizer
@@ -100,6 +101,14 @@ class OffloadPolicy:
         return cls(WHERE[zero.offload_optimizer_device], WHERE[zero.offload_param_device],
                    _pin(opt), _pin(par), opt, par, sub, buffers, own.offload_host_budget_bytes,
                    "offload_host_budget_bytes" in own.model_fields_set)
+
+    def pool_unit_numel(self, param_bytes: int, shard_world: int) -> int | None:
+        """With parameters on NVMe, the largest merged fetch unit the parameter pool's share
+        of the host budget allows (offload/budget.py); None: nothing to bound."""
+        if self.params != "nvme":
+            return None
+        return pool_unit_numel(self.host_budget_bytes, self.params_block.buffer_count,
+                               param_bytes, shard_world)
 
 
 def _pin(block: Any) -> bool:

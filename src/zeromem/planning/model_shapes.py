@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zeromem.planning.estimate import ModelShape
-from zeromem.stage3.units import plan_fetch_units
+from zeromem.planning.estimate import ModelShape, UnmergedUnit, merged_unit_numels
+from zeromem.stage3.units import UnitCaps, unmerged_units
 
 _ALIASES = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
@@ -245,12 +245,12 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     order = {id(p): i for i, p in enumerate(model.parameters())}
     # the engine's default stage-3 units (stage3/units.py), in the engine's group order
-    # (expected backward order), which decides how NVMe sub-groups cut
-    plans = plan_fetch_units(model, bucket_numel=bucket_numel)  # reduce_bucket_size caps a merge
-    units = [(min(order[id(p)] for p in u.params), u.numel) for u in plans]
-    units.sort(key=lambda u: -u[0])
-    return ModelShape(name or type(model).__name__, tuple(trainable), frozen,
-                      tuple(n for _, n in units),
+    # (expected backward order), which decides how NVMe sub-groups cut; merged again under a
+    # run's caps by `ModelShape.with_unit_caps`
+    unmerged = tuple(UnmergedUnit(min(order[id(p)] for p in u.params), u.numel, u.shared)
+                     for u in unmerged_units(model))
+    units = merged_unit_numels(unmerged, UnitCaps(bucket_numel))  # reduce_bucket_size caps
+    return ModelShape(name or type(model).__name__, tuple(trainable), frozen, units,
                       dims.get("layers", 1), hidden, dims.get("heads", max(1, hidden // 64)),
                       dims.get("vocab", 0), dims.get("intermediate", 4 * hidden),
-                      dims.get("positions"))
+                      dims.get("positions"), unmerged)

@@ -17,7 +17,11 @@ amortise it, in two passes over the module tree (ZeRO paper section 5.3 fetches
    `clamp(psi // 8, 2**16, 2**22)` elements: about eight units or more per
    model, none so large that gathering it costs more memory than a block; and
    within `reduce_bucket_size`, since a unit's gradients are reduce-scattered as
-   one bucket (the constant buffers, CB, stay as the user sized them).
+   one bucket (the constant buffers, CB, stay as the user sized them); and, with
+   parameters on NVMe, within the parameter pool's share of the host budget
+   (offload/budget.py `pool_unit_numel`): the pool holds `buffer_count` shards of
+   the largest unit, so merging by psi/8 would grow it with the model (issue 16).
+   Merging up to the largest unmerged unit costs that pool nothing.
    A unit holding a parameter registered by two modules (a tied embedding and
    head) is never merged: its other user runs elsewhere in the pass, and should
    gather only what it reads.
@@ -31,7 +35,7 @@ when any of them runs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from torch import nn
 
@@ -50,32 +54,59 @@ class UnitPlan:
     shared: bool = False  # holds a parameter registered by two modules (tied)
 
 
-def coalesce_target_numel(psi: int, bucket_numel: int | None = None) -> int:
-    """Largest merged unit, in elements, for a model of `psi` trainable elements."""
+@dataclass(frozen=True)
+class UnitCaps:
+    """What bounds a merged unit besides the model's size, in elements (None: nothing)."""
+
+    bucket_numel: int | None = None  # reduce_bucket_size: a unit is reduced as one bucket
+    pool_numel: int | None = None  # NVMe parameters: the parameter pool's share of the budget
+
+
+def coalesce_target_numel(psi: int, caps: UnitCaps = UnitCaps(), largest_numel: int = 0) -> int:
+    """Largest merged unit, in elements, for a model of `psi` trainable elements whose
+    largest unmerged unit has `largest_numel` (the parameter pool holds that one anyway)."""
     target = max(MIN_UNIT_NUMEL, min(MAX_UNIT_NUMEL, psi // 8))
-    return target if bucket_numel is None else min(target, bucket_numel)
+    if caps.bucket_numel is not None:
+        target = min(target, caps.bucket_numel)
+    if caps.pool_numel is not None:
+        target = min(target, max(caps.pool_numel, largest_numel))
+    return target
 
 
 def plan_fetch_units(root: nn.Module, unit_classes: tuple[type, ...] = (),
-                     bucket_numel: int | None = None,
+                     caps: UnitCaps = UnitCaps(),
                      numel_of: Callable[[nn.Parameter], int] = nn.Parameter.numel
                      ) -> list[UnitPlan]:
     """The fetch units of `root`, in module order; each trainable parameter in exactly one.
 
-    `bucket_numel` (reduce_bucket_size) caps a merged unit; `numel_of` counts a
-    parameter whole (`Partitions.full_numel` for a model built under `Init`)."""
-    holders = _holders(root)
-    claim = _Claims(holders, numel_of)
-    if unit_classes:
-        for module in root.modules():
-            if isinstance(module, unit_classes) and module is not root:
-                claim.take(module, recurse=True, kind="user")
-        for module in root.modules():
-            claim.take(module, recurse=False, kind="module")
-        return claim.units
+    `caps` bound a merged unit (nothing is merged when `unit_classes` are given);
+    `numel_of` counts a parameter whole (`Partitions.full_numel` for a model built
+    under `Init`)."""
+    if not unit_classes:
+        units = unmerged_units(root, numel_of)
+        return coalesce(units, default_target(units, caps))
+    claim = _Claims(_holders(root), numel_of)
+    for module in root.modules():
+        if isinstance(module, unit_classes) and module is not root:
+            claim.take(module, recurse=True, kind="user")
+    for module in root.modules():
+        claim.take(module, recurse=False, kind="module")
+    return claim.units
+
+
+def unmerged_units(root: nn.Module,
+                   numel_of: Callable[[nn.Parameter], int] = nn.Parameter.numel
+                   ) -> list[UnitPlan]:
+    """The default policy's units before coalescing: blocks, then each module's own."""
+    claim = _Claims(_holders(root), numel_of)
     _claim_blocks(root, claim)
-    psi = sum(u.numel for u in claim.units)
-    return coalesce(claim.units, coalesce_target_numel(psi, bucket_numel))
+    return claim.units
+
+
+def default_target(units: list[UnitPlan], caps: UnitCaps) -> int:
+    """`coalesce_target_numel` for these unmerged units."""
+    numels = [u.numel for u in units]
+    return coalesce_target_numel(sum(numels), caps, max(numels, default=0))
 
 
 def _holders(root: nn.Module) -> dict[int, list[nn.Module]]:
@@ -136,30 +167,46 @@ def _claim_blocks(module: nn.Module, claim: _Claims) -> None:
             _claim_blocks(child, claim)
 
 
+def merge_runs(numels: Sequence[int], shared: Sequence[bool], target_numel: int) -> list[range]:
+    """Index runs of neighbours merged while a run stays within `target_numel`; a shared
+    (tied) unit is a run of its own. Pure arithmetic, shared with the planner."""
+    runs: list[range] = []
+    total = 0
+    for i, (numel, tied) in enumerate(zip(numels, shared)):
+        last = runs[-1] if runs else None
+        if (last is not None and not tied and not shared[last.start]
+                and total + numel <= target_numel):
+            runs[-1] = range(last.start, i + 1)
+            total += numel
+        else:
+            runs.append(range(i, i + 1))
+            total = numel
+    return runs
+
+
 def coalesce(units: list[UnitPlan], target_numel: int) -> list[UnitPlan]:
     """Merge neighbours while the merged unit stays within `target_numel`; tied units alone."""
-    merged: list[UnitPlan] = []
-    for unit in units:
-        last = merged[-1] if merged else None
-        if (last is not None and not last.shared and not unit.shared
-                and last.numel + unit.numel <= target_numel):
-            kind = last.kind if last.kind.endswith(unit.kind) else f"{last.kind}+{unit.kind}"
-            merged[-1] = UnitPlan(last.params + unit.params, last.modules + unit.modules, kind,
-                                  last.numel + unit.numel)
-        else:
-            merged.append(unit)
-    return merged
+    runs = merge_runs([u.numel for u in units], [u.shared for u in units], target_numel)
+    return [units[run.start] if len(run) == 1 else _merged(units[run.start:run.stop])
+            for run in runs]
+
+
+def _merged(units: list[UnitPlan]) -> UnitPlan:
+    kind = units[0].kind
+    for unit in units[1:]:
+        kind = kind if kind.endswith(unit.kind) else f"{kind}+{unit.kind}"
+    return UnitPlan([p for u in units for p in u.params], [m for u in units for m in u.modules],
+                    kind, sum(u.numel for u in units))
 
 
 def describe(units: list[UnitPlan], names: dict[int, str], user_classes: tuple[type, ...],
-             bucket_numel: int | None = None) -> str:
-    """One line per unit for the run report: size, kind and the modules it spans."""
+             target_numel: int = 0) -> str:
+    """One line per unit for the run report: size, kind and the modules it spans;
+    `target_numel`: the merge target the default policy used (`default_target`)."""
     if user_classes:
         policy = "user fetch_units " + ", ".join(c.__name__ for c in user_classes)
     else:
-        psi = sum(u.numel for u in units)
-        policy = (f"default: repeated blocks, neighbours merged up to "
-                  f"{coalesce_target_numel(psi, bucket_numel):,} elements")
+        policy = f"default: repeated blocks, neighbours merged up to {target_numel:,} elements"
     lines = [f"stage-3 fetch units ({policy}): {len(units)}"]
     for i, unit in enumerate(units):
         first, last = names.get(id(unit.modules[0]), "?"), names.get(id(unit.modules[-1]), "?")
