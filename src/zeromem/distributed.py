@@ -28,10 +28,13 @@ import sys
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from zeromem.mesh import global_rank, local_device
 
 log = logging.getLogger("zeromem")
 
@@ -59,6 +62,24 @@ def gather_timeout_s(config_value: float | None = None) -> float | None:
     value = float(env) if env else (DEFAULT_GATHER_TIMEOUT_S if config_value is None
                                     else float(config_value))
     return value if value > 0 else None
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the process environment decides for one engine, read once at the edge.
+
+    `zeromem.initialize` reads it (`from_env`) and passes it down, so nothing inside
+    the engine reads an environment variable or the default process group.
+    """
+
+    device: torch.device  # LOCAL_RANK's GPU under NCCL (never the global rank's), else the CPU
+    global_rank: int  # names swap files: unique across nodes and data-parallel groups
+    gather_timeout_s: float | None  # a stage-3 gather waiting longer is a divergence
+
+    @classmethod
+    def from_env(cls, backend: str, gather_timeout_config_s: float | None) -> Runtime:
+        """From torchrun's variables, the default group and ZEROMEM_GATHER_TIMEOUT_S."""
+        return cls(local_device(backend), global_rank(), gather_timeout_s(gather_timeout_config_s))
 
 
 def ensure_process_group(timeout_s: float | None = None) -> bool:
@@ -127,14 +148,19 @@ class Lifecycle:
     """
 
     def __init__(self) -> None:
-        self.engines: weakref.WeakSet = weakref.WeakSet()
+        self._engines: list[weakref.ref] = []  # in the order built: the newest is the last
         self.owns_group = False
         self.failed = False  # an uncaught exception is ending the process
         self._installed = False
 
     def register(self, engine) -> None:
         """Close `engine` at shutdown unless it was closed before."""
-        self.engines.add(engine)
+        self._engines = [ref for ref in self._engines if ref() is not None] + [weakref.ref(engine)]
+
+    @property
+    def engines(self) -> list:
+        """The engines still referenced, oldest first."""
+        return [engine for engine in (ref() for ref in self._engines) if engine is not None]
 
     def install_handlers(self) -> None:
         """At exit and on SIGTERM (torchrun's stop signal), shut down cleanly."""
@@ -159,9 +185,9 @@ class Lifecycle:
         The barrier is bounded: a rank leaving after an error must not wait for
         peers that will never arrive. `barrier_timeout_s` 0 skips it.
         """
-        for engine in list(self.engines):
+        for engine in self.engines:
             engine.close(barrier_timeout_s=0)  # one barrier below, over every rank
-        self.engines = weakref.WeakSet()
+        self._engines = []
         if barrier_timeout_s > 0 and dist.is_initialized() and dist.get_world_size() > 1:
             try:  # no rank leaves while another still runs a collective with it
                 dist.barrier(async_op=True).wait(timedelta(seconds=barrier_timeout_s))

@@ -17,7 +17,7 @@ are sharded (ZeRO paper, section 5):
     3      shard    shard, reduce-scattered every micro   shard
 
 That choice is data (`Sharding`) and the gradient buffer is an object chosen once
-(`grads.py`); nothing here branches on a stage number. The arithmetic of padding
+(`zero_optimizer.py`); nothing here branches on a stage number. The arithmetic of padding
 and shard ranges is layout.py's. The group is the one owner of its buffers and of
 its `GroupState`: other modules change them only through its named transitions.
 """
@@ -32,7 +32,7 @@ from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
 from zeromem.comm import Comm, Pending
-from zeromem.layout import ShardLayout, padded_numel, slices_of
+from zeromem.layout import ShardLayout, gather_chunks, padded_numel, slices_of
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class FlatParamGroup:
             self._empty_params()
             self._state = GroupState.SHARDED
         self._master = self._param_shard if master is None else master  # fp32: no second copy
-        self._grads = None  # set by `attach_grads` (engine.py, offload/placement.py); see grads.py
+        self._grads = None  # set by `attach_grads` (engine.py, offload/placement.py); see zero_optimizer.py
 
     # -- read-only views of the owned state ---------------------------------
     @property
@@ -158,7 +158,7 @@ class FlatParamGroup:
 
     # -- transitions of the buffers other modules place -----------------------
     def attach_grads(self, buffer) -> None:
-        """Hold gradients in `buffer` (grads.py), or in a wrapper of the current one (offload)."""
+        """Hold gradients in `buffer` (zero_optimizer.py), or in a wrapper of the current one (offload)."""
         self._grads = buffer
 
     def place_master(self, master: torch.Tensor) -> None:
@@ -281,15 +281,13 @@ class FlatParamGroup:
         if self.shard_world == 1 or self.flat_param is None:
             return  # nothing to gather: stage 0, or stage 3 (gathered when used)
         n, shard = self.shard_world, self.shard_numel
-        if self.padded_numel <= bucket_numel:
+        chunks = gather_chunks(self.padded_numel, n, bucket_numel)  # the planner's sizes too
+        if not chunks:
             # In place: this rank's shard already sits at its slot of the output (NCCL and gloo allow it).
             yield self.comm.all_gather(self.flat_param, self.param_shard, async_op=True)
             return
-        # Chunk the shard so no single collective exceeds the bucket (constant buffers).
-        chunk = max(1, bucket_numel // n)
         full = self.flat_param.view(n, shard)
-        for start in range(0, shard, chunk):
-            end = min(start + chunk, shard)
+        for start, end in chunks:
             out = torch.empty(n, end - start, dtype=full.dtype, device=full.device)
             self.comm.note_buffer(out)
 
