@@ -112,7 +112,7 @@ class Engine:
         self.offload = build_offload(config, self.groups, global_rank())
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer)
         self.reducer = Reducer(self.groups, self.plan.grads, overlap=config.zero_optimization.overlap_comm
-                               is not False)
+                               is not False, max_buckets=self.offload.buckets_alive)
         self.stage3 = self._build_stage3() if sharding.params else None
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)

@@ -9,7 +9,10 @@ launched asynchronously while backward goes on.
 Ranks must issue collectives in the same order even when their graphs differ
 (a parameter unused on one rank only), so buckets launch strictly in index order:
 a ready bucket waits for the ones before it, and `finish_backward()` launches
-whatever is left (a bucket no gradient reached reduces zeros) and waits.
+whatever is left (a bucket no gradient reached reduces zeros) and waits. At most
+`max_buckets` full-size buckets are alive, filling or reducing (BUCKETS_ALIVE by
+default; 1 when reduced shards go to an NVMe file, offload/grad_file.py, so that
+backward's host memory is one unit's gradient path).
 
 Three buffer kinds, chosen once from `Sharding` (llm.c style: data, not branches):
 
@@ -34,6 +37,10 @@ from torch import nn
 
 from zeromem.comm import Comm, Pending, Reduction
 from zeromem.flat import FlatParamGroup
+
+# full-size buckets alive at once by default: two reducing (one finishing while the next
+# overlaps backward) and one filling. Each reducing one also holds gloo's receive buffer.
+BUCKETS_ALIVE = 3
 
 
 class WholeAllReduced:
@@ -117,11 +124,14 @@ class Reducer:
     """Hooks parameters, tracks bucket readiness and launches reductions in bucket order."""
 
     def __init__(self, groups: list[FlatParamGroup], comm: Comm | Reduction, overlap: bool,
-                 max_in_flight: int = 2):
+                 max_buckets: int = BUCKETS_ALIVE):
         self.groups = groups
         self.comm = comm
         self.overlap = overlap
-        self.max_in_flight = max_in_flight
+        # full-size buckets alive, filling or reducing: a reduction waits for older ones until
+        # it is within max_buckets - 1 in flight, and a bucket starts filling only when fewer
+        # than max_buckets are in flight (1: one bucket at a time)
+        self.max_buckets = max_buckets
         self.in_flight: deque[Pending] = deque()
         self.reducing = False
         self.next_to_launch = 0
@@ -142,6 +152,8 @@ class Reducer:
                 name = next(s.name for s in group.slots if s.offset == offset)
                 raise RuntimeError(f"parameter {name!r} received a second gradient in one backward "
                                    "after its bucket was reduced; use zeromem.checkpoint")
+            if self.reducing and self.missing[gi] == len(group.params):  # a bucket starts
+                self._wait_in_flight(self.max_buckets - 1)
             group.grads.accumulate(offset, param.grad)
             param.grad = None
             self.missing[gi] -= 1
@@ -167,9 +179,13 @@ class Reducer:
         while self.next_to_launch < len(self.groups) and self.missing[self.next_to_launch] <= 0:
             self._launch(self.next_to_launch)
 
-    def _launch(self, gi: int) -> None:
-        while len(self.in_flight) >= self.max_in_flight:
+    def _wait_in_flight(self, most: int) -> None:
+        """Wait for the oldest reductions until at most `most` are in flight."""
+        while len(self.in_flight) > max(0, most):
             self.in_flight.popleft().wait()
+
+    def _launch(self, gi: int) -> None:
+        self._wait_in_flight(self.max_buckets - 2)
         pending = self.groups[gi].grads.launch(self.comm)
         self.next_to_launch = gi + 1
         if self.overlap:
