@@ -33,7 +33,8 @@ from zeromem.distributed import default_store, gather_timeout_s
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
 from zeromem.layout import derived_bucket_numel, derived_prefetch_numel, pack_buckets
-from zeromem.grads import Reducer, ShardAccumulated, WholeAllReduced, WholeScattered
+from zeromem.grads import (ContiguousShards, Reducer, ShardAccumulated, WholeAllReduced,
+                           WholeScattered)
 from zeromem.mesh import global_rank, local_device
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitors import Observers, due
@@ -158,13 +159,10 @@ class Engine:
         groups.sort(key=lambda g: -min(order[id(p)] for p in g.params))
         grad_dtype = self.config.grad_dtype
         if sharding.grads:
-            # contiguous_gradients: every group's gradient shard is a view into one buffer.
-            flat = torch.zeros(sum(g.shard_numel for g in groups), dtype=grad_dtype,
-                               device=self.device)
-            offset = 0
-            for g in groups:
-                g.attach_grads(ShardAccumulated(g, flat[offset:offset + g.shard_numel]))
-                offset += g.shard_numel
+            # contiguous_gradients: every group's gradient shard is a view into one buffer
+            shards = ContiguousShards([g.shard_numel for g in groups], grad_dtype, self.device)
+            for i, g in enumerate(groups):
+                g.attach_grads(ShardAccumulated(g, shards, i))
         else:
             kind = WholeScattered if sharding.optimizer else WholeAllReduced
             for g in groups:

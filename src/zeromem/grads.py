@@ -79,28 +79,54 @@ class WholeScattered(WholeAllReduced):
         return self.whole[g.shard_offset:g.shard_offset + g.shard_numel]
 
 
+class ContiguousShards:
+    """`contiguous_gradients`: every group's reduced shard is a view into one zeroed buffer.
+
+    The buffer is allocated when a shard is first read, not at construction: a placement
+    that stores reduced shards elsewhere (offload/grad_file.py) replaces the gradient
+    objects before any backward, and then no rank ever holds the model's gradient shard.
+    """
+
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device):
+        self.offsets = [sum(numels[:i]) for i in range(len(numels))]
+        self.numels = numels
+        self.dtype, self.device = dtype, device
+        self.views: list[torch.Tensor] = []  # one per group, always the same tensor
+
+    def shard(self, index: int) -> torch.Tensor:
+        if not self.views:
+            flat = torch.zeros(sum(self.numels), dtype=self.dtype, device=self.device)
+            self.views = [flat[start:start + n] for start, n in zip(self.offsets, self.numels)]
+        return self.views[index]
+
+
 class ShardAccumulated:
     """Stage 2: only the reduced shard persists; full-size gradients live one bucket at a time."""
 
     reduces_every_microstep = True
 
-    def __init__(self, group: FlatParamGroup, shard: torch.Tensor):
+    def __init__(self, group: FlatParamGroup, shards: ContiguousShards, index: int):
         self.group = group
-        self.shard = shard
+        self.shards, self.index = shards, index
+        self.dtype, self.device = shards.dtype, shards.device  # the bucket's (reduce-scatter's)
         self.bucket: torch.Tensor | None = None
+
+    @property
+    def shard(self) -> torch.Tensor:
+        return self.shards.shard(self.index)
 
     def accumulate(self, offset: int, grad: torch.Tensor) -> None:
         if self.bucket is None:
-            self.bucket = torch.zeros(self.group.padded_numel, dtype=self.shard.dtype,
-                                      device=self.shard.device)
+            self.bucket = torch.zeros(self.group.padded_numel, dtype=self.dtype,
+                                      device=self.device)
         self.bucket[offset:offset + grad.numel()].add_(grad.reshape(-1))
 
     def launch(self, comm: Reduction) -> Pending:
         bucket = self.bucket if self.bucket is not None else torch.zeros(
-            self.group.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+            self.group.padded_numel, dtype=self.dtype, device=self.device)
         self.bucket = None
         comm.note_buffer(bucket)
-        out = torch.empty_like(self.shard)
+        out = torch.empty(self.group.shard_numel, dtype=self.dtype, device=self.device)
         pending = comm.reduce_scatter(out, bucket, async_op=True)
 
         def add_into_shard() -> None:

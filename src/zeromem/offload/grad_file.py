@@ -142,10 +142,11 @@ class ShardToFile:
 
     reduces_every_microstep = True
 
-    def __init__(self, group: FlatParamGroup, like: torch.Tensor, store: GradFile):
+    def __init__(self, group: FlatParamGroup, dtype: torch.dtype, device: torch.device,
+                 store: GradFile):
         self.group = group
-        self.dtype = like.dtype  # the bucket's (reduce-scatter's) dtype; the file holds fp32
-        self.device = like.device
+        self.dtype = dtype  # the bucket's (reduce-scatter's) dtype; the file holds fp32
+        self.device = device
         self.store = store
         self.bucket: torch.Tensor | None = None
 

@@ -315,7 +315,7 @@ class MastersOnNvme:
             # backward, as its first gradient is computed before the bucket is needed
             self.buckets_alive = 1
             for g in groups:
-                g.attach_grads(ShardToFile(g, g.grads.reduced(), self.grad_file))
+                g.attach_grads(ShardToFile(g, g.grads.dtype, g.grads.device, self.grad_file))
         else:
             self.host_grads = HostGrads(groups, policy.optimizer_pin)
 
