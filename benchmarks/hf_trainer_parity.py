@@ -11,7 +11,7 @@ steps, the step where it happens, and the losses at the first and last step.
 
 The reference's schedule is what the configs ask for: AdamW, and WarmupLR with
 `warmup_num_steps` filled from `warmup_steps=0`, which DeepSpeed (and zeromem) raise to
-2 steps of log warmup: lr 0 for the first step, then `learning_rate`.
+2 steps of log warmup: lr 0 for the first two steps, then `learning_rate`.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def tokens(torch, n: int):
 
 def ddp_optimizers(torch, model) -> tuple:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step > 0))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step > 1))
 
 
 def cpu_deepspeed_state() -> dict:

@@ -96,3 +96,18 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
         missing = sorted(set(range(world_size)) - set(results))
         raise TimeoutError(f"ranks {missing} did not finish within {timeout_s}s")
     return [results[r] for r in range(world_size)]
+
+
+def _each_call(rank: int, world_size: int, calls: dict) -> dict:
+    return {name: fn(rank, world_size, *args) for name, (fn, args) in calls.items()}
+
+
+def run_together(calls: dict[str, tuple[Callable, tuple]], world_size: int,
+                 timeout_s: float = 300) -> dict[str, list]:
+    """Run several `fn(rank, world_size, *args)` one after another in ONE spawned world.
+
+    Spawning a world costs more than most cases, so a test file runs its cases this way
+    from a module-scoped fixture. Returns, per call name, the per-rank results.
+    """
+    per_rank = run_distributed(_each_call, world_size, calls, timeout_s=timeout_s)
+    return {name: [results[name] for results in per_rank] for name in calls}

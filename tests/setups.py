@@ -109,18 +109,23 @@ def deepspeed_resume_config(expected: dict, stage: int, world_size: int) -> dict
     return config
 
 
-def deepspeed_curve(engine, rank: int, world_size: int, expected: dict) -> list[list[float]]:
-    """This rank's losses over the steps DeepSpeed recorded after its save: [step][micro]."""
+def deepspeed_curve(engine, rank: int, world_size: int, expected: dict,
+                    trace: list | None = None) -> list[list[float]]:
+    """This rank's losses over the steps DeepSpeed recorded after its save: [step][micro].
+    `trace` gets, per step, (loss scale, lr) it ran with and whether it was skipped."""
     gas = expected["micro_batches_per_step"] // world_size
     curve = []
     for i in range(len(expected["losses"])):
         step, losses = expected["save_at"] + i, []
+        before = (engine.loss_scale, engine.get_lr()[0], engine.skipped_steps)
         for micro in range(gas):
             loss = engine(*micro_batch(step, rank * gas + micro, 0), True)
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
         curve.append(losses)
+        if trace is not None:
+            trace.append((before[0], before[1], engine.skipped_steps > before[2]))
     return curve
 
 

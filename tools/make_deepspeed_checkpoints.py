@@ -3,9 +3,13 @@
 Needs DeepSpeed (a test-data tool, never a zeromem dependency); on CPU:
 
     python3 -m venv .venv-ds && .venv-ds/bin/pip install torch==2.13.0 deepspeed
-    DS_ACCELERATOR=cpu .venv-ds/bin/python tools/make_deepspeed_checkpoints.py
+    DS_ACCELERATOR=cpu .venv-ds/bin/python tools/make_deepspeed_checkpoints.py [CASE ...]
 
-For each case (ZeRO stage, world size, precision) it trains `tests/models.py`'s TinyLM
+(CASE: a directory name below, e.g. stage2_ws2_fp16; default: every case.)
+
+For each case (ZeRO stage, world size, precision, whether `save_checkpoint` was given
+`exclude_frozen_parameters=True`) it trains `tests/models.py`'s TinyLM (whose `frozen`
+layer has requires_grad False)
 with real DeepSpeed (gloo) for SAVE_AT optimizer steps on `micro_batch` data, saves a
 checkpoint, trains AFTER more steps and records, in `<case>/expected.json`:
 
@@ -14,7 +18,13 @@ checkpoint, trains AFTER more steps and records, in `<case>/expected.json`:
 - `states`: per trained parameter, a fingerprint (sum, sum of squares, first elements) of the
   fp32 master, exp_avg and exp_avg_sq at the save, read through DeepSpeed's own API, and Adam's
   step;
-- `config`: the DeepSpeed config used (gradient_accumulation_steps for one rank).
+- `config`: the DeepSpeed config used (gradient_accumulation_steps for one rank);
+- fp16 cases: `scaler`, DeepSpeed's dynamic loss scaler at the save (`cur_scale`,
+  `cur_hysteresis`, `cur_iter`, `last_overflow_iter`), and per step after it the loss
+  scale it ran with (`loss_scales`), whether it was skipped on overflow (`skipped`) and
+  its lr (`lrs`). The fp16 config starts at a scale high enough to overflow, with a
+  short `loss_scale_window`, so that skips, hysteresis and growth all happen around
+  the save.
 
 DeepSpeed copies its conversion script into every checkpoint; it is removed here.
 """
@@ -37,10 +47,18 @@ from models import TinyLM, micro_batch  # noqa: E402
 OUT = ROOT / "tests" / "data" / "deepspeed_checkpoints"
 G = 4  # micro-batches per optimizer step, whatever the world size
 SAVE_AT, AFTER = 3, 3
-CASES = [  # (stage, world size, precision)
-    (1, 1, "fp32"), (2, 2, "fp32"), (3, 2, "fp32"),
-    (1, 2, "bf16"), (2, 1, "bf16"), (3, 2, "bf16"),
+CASES = [  # (stage, world size, precision, exclude_frozen_parameters)
+    (1, 1, "fp32", False), (2, 2, "fp32", False), (3, 2, "fp32", False),
+    (1, 2, "bf16", False), (2, 1, "bf16", False), (3, 2, "bf16", False),
+    (2, 2, "fp16", False), (3, 2, "fp16", True), (1, 1, "fp32", True),
 ]
+FP16 = {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 1, "hysteresis": 2,
+        "min_loss_scale": 1}
+
+
+def case_name(stage: int, world_size: int, precision: str, exclude_frozen: bool) -> str:
+    return (f"stage{stage}_ws{world_size}_{precision}"
+            + ("_exclude_frozen" if exclude_frozen else ""))
 
 
 def ds_config(stage: int, world_size: int, precision: str) -> dict:
@@ -57,7 +75,13 @@ def ds_config(stage: int, world_size: int, precision: str) -> dict:
                               "stage3_param_persistence_threshold": 0},
         "bf16": {"enabled": precision == "bf16"},
         "steps_per_print": 1000,
-    }
+    } | ({"fp16": FP16} if precision == "fp16" else {})
+
+
+def scaler_state(engine) -> dict:
+    scaler = engine.optimizer.loss_scaler
+    return {k: getattr(scaler, k) for k in ("cur_scale", "cur_hysteresis", "cur_iter",
+                                            "last_overflow_iter")}
 
 
 def fingerprint(t: torch.Tensor) -> dict:
@@ -92,7 +116,8 @@ def states(engine) -> dict:
     return out
 
 
-def worker(rank: int, world_size: int, port: int, stage: int, precision: str, out: str) -> None:
+def worker(rank: int, world_size: int, port: int, stage: int, precision: str,
+           exclude_frozen: bool, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -108,19 +133,27 @@ def worker(rank: int, world_size: int, port: int, stage: int, precision: str, ou
     gas = G // world_size
     for step in range(SAVE_AT):
         train(engine, rank, gas, step)
-    engine.save_checkpoint(out)
+    engine.save_checkpoint(out, exclude_frozen_parameters=exclude_frozen)
     saved = states(engine)
+    fp16: dict = {"loss_scales": [], "skipped": [], "lrs": []}
+    if precision == "fp16":
+        fp16["scaler"] = scaler_state(engine)
     curve = []
     for step in range(SAVE_AT, SAVE_AT + AFTER):
+        fp16["loss_scales"].append(engine.optimizer.loss_scaler.cur_scale)
+        fp16["lrs"].append(engine.get_lr()[0])
+        skipped = engine.skipped_steps
         mine = torch.tensor(train(engine, rank, gas, step), dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(world_size)]
         dist.all_gather(every, mine)
         curve.append(torch.cat(every).tolist())  # micro-batch j = rank * gas + micro
+        fp16["skipped"].append(engine.skipped_steps > skipped)
     if rank == 0:
         config["gradient_accumulation_steps"] = G
         expected = {"stage": stage, "world_size": world_size, "precision": precision,
                     "save_at": SAVE_AT, "micro_batches_per_step": G, "config": config,
-                    "losses": curve, "states": saved,
+                    "exclude_frozen_parameters": exclude_frozen,
+                    "losses": curve, "states": saved, **(fp16 if precision == "fp16" else {}),
                     "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__}
         (Path(out) / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
         for script in Path(out).glob("*.py"):  # DeepSpeed copies its converter script here
@@ -136,11 +169,18 @@ def free_port() -> int:
 
 
 def main() -> None:
-    for stage, world_size, precision in CASES:
-        out = OUT / f"stage{stage}_ws{world_size}_{precision}"
+    wanted = set(sys.argv[1:])
+    known = {case_name(*case) for case in CASES}
+    if wanted - known:
+        sys.exit(f"unknown case(s) {sorted(wanted - known)}; known: {sorted(known)}")
+    for stage, world_size, precision, exclude_frozen in CASES:
+        name = case_name(stage, world_size, precision, exclude_frozen)
+        if wanted and name not in wanted:
+            continue
+        out = OUT / name
         shutil.rmtree(out, ignore_errors=True)
-        mp.spawn(worker, args=(world_size, free_port(), stage, precision, str(out)),
-                 nprocs=world_size)
+        mp.spawn(worker, args=(world_size, free_port(), stage, precision, exclude_frozen,
+                               str(out)), nprocs=world_size)
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         print(f"{out.relative_to(ROOT)}: {size / 1024:.1f} KiB")
 

@@ -39,6 +39,13 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def reduce_scatter_copies(backend: str) -> int:
+    """Input-sized receive buffers a reduce-scatter allocates on `backend` (noted as CB):
+    NCCL reduces in place, none; gloo's all-to-all of the chunks lands them in one before
+    the local sum (`Comm._reduce_scatter`). The planner sizes buffers with this too."""
+    return 0 if backend == "nccl" else 1
+
+
 @dataclass
 class CommReport:
     """Bytes sent by this rank per collective kind, for the last step and in total.
@@ -315,7 +322,7 @@ class Comm:
                         kind: str) -> Pending:
         n = self.world_size
         self._count(kind, (n - 1) / n * input.numel() * input.element_size())
-        if self.backend == "nccl":
+        if not reduce_scatter_copies(self.backend):
             return self._handle(_reduce_scatter_tensor(output, input, group=self.group,
                                                        async_op=async_op), output, input)
         # gloo: all-to-all of the chunks, then sum the N chunks that arrived here.

@@ -127,14 +127,19 @@ class Lifecycle:
     """
 
     def __init__(self) -> None:
-        self.engines: weakref.WeakSet = weakref.WeakSet()
+        self._engines: list[weakref.ref] = []  # in the order built: the newest is the last
         self.owns_group = False
         self.failed = False  # an uncaught exception is ending the process
         self._installed = False
 
     def register(self, engine) -> None:
         """Close `engine` at shutdown unless it was closed before."""
-        self.engines.add(engine)
+        self._engines = [ref for ref in self._engines if ref() is not None] + [weakref.ref(engine)]
+
+    @property
+    def engines(self) -> list:
+        """The engines still referenced, oldest first."""
+        return [engine for engine in (ref() for ref in self._engines) if engine is not None]
 
     def install_handlers(self) -> None:
         """At exit and on SIGTERM (torchrun's stop signal), shut down cleanly."""
@@ -159,9 +164,9 @@ class Lifecycle:
         The barrier is bounded: a rank leaving after an error must not wait for
         peers that will never arrive. `barrier_timeout_s` 0 skips it.
         """
-        for engine in list(self.engines):
+        for engine in self.engines:
             engine.close(barrier_timeout_s=0)  # one barrier below, over every rank
-        self.engines = weakref.WeakSet()
+        self._engines = []
         if barrier_timeout_s > 0 and dist.is_initialized() and dist.get_world_size() > 1:
             try:  # no rank leaves while another still runs a collective with it
                 dist.barrier(async_op=True).wait(timedelta(seconds=barrier_timeout_s))

@@ -32,7 +32,8 @@ from zeromem.config.schema import Config
 from zeromem.distributed import default_store, gather_timeout_s
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
-from zeromem.layout import derived_bucket_numel, derived_prefetch_numel, pack_buckets
+from zeromem.layout import (GATHER_IN_FLIGHT, derived_bucket_numel, derived_prefetch_numel,
+                            pack_buckets)
 from zeromem.grads import (ContiguousShards, Reducer, ShardAccumulated, WholeAllReduced,
                            WholeScattered)
 from zeromem.mesh import global_rank, local_device
@@ -321,7 +322,7 @@ class Engine:
         for g in self.groups:
             for pending in g.launch_all_gather(bucket):
                 in_flight.append(pending)
-                if len(in_flight) > 2:  # two buckets in flight: overlap with constant buffers
+                if len(in_flight) > GATHER_IN_FLIGHT:  # overlap with constant buffers
                     in_flight.popleft().wait()
         for pending in in_flight:
             pending.wait()
@@ -359,11 +360,16 @@ class Engine:
         return self.grad_norm
 
     # -- checkpoints (checkpoints/save_load.py) -------------------------------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None) -> str:
-        """Atomic sharded checkpoint, loadable under any world size and stage; collective."""
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """Atomic sharded checkpoint, loadable under any world size and stage; collective.
+
+        `exclude_frozen_parameters` leaves out parameters with requires_grad False (a
+        load keeps the loading model's values for them)."""
         path = str(Path(save_dir) / (f"global_step{self.global_steps}" if tag is None else str(tag)))
         return self.plan.write_once(lambda: checkpoints.save_checkpoint(
-            self.training_state(), save_dir, tag, client_state), path, self.comm, self.device)
+            self.training_state(), save_dir, tag, client_state, exclude_frozen_parameters),
+            path, self.comm, self.device)
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
@@ -376,11 +382,12 @@ class Engine:
                                            load_optimizer_states,
                                            load_lr_scheduler_states, trust_client_state)
 
-    def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin") -> str:
+    def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> str:
         """Compute-dtype weights to save_dir/filename on rank 0; collective."""
         return self.plan.write_once(lambda: checkpoints.save_16bit_model(
-            self.training_state(), save_dir, filename), str(Path(save_dir) / filename),
-            self.comm, self.device)
+            self.training_state(), save_dir, filename, exclude_frozen_parameters),
+            str(Path(save_dir) / filename), self.comm, self.device)
 
     def training_state(self) -> TrainingState:
         """What checkpoints read and restore (checkpoints/save_load.py never sees the engine)."""

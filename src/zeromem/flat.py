@@ -32,7 +32,7 @@ from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
 from zeromem.comm import Comm, Pending
-from zeromem.layout import ShardLayout, padded_numel, slices_of
+from zeromem.layout import ShardLayout, gather_chunks, padded_numel, slices_of
 
 
 @dataclass(frozen=True)
@@ -281,15 +281,13 @@ class FlatParamGroup:
         if self.shard_world == 1 or self.flat_param is None:
             return  # nothing to gather: stage 0, or stage 3 (gathered when used)
         n, shard = self.shard_world, self.shard_numel
-        if self.padded_numel <= bucket_numel:
+        chunks = gather_chunks(self.padded_numel, n, bucket_numel)  # the planner's sizes too
+        if not chunks:
             # In place: this rank's shard already sits at its slot of the output (NCCL and gloo allow it).
             yield self.comm.all_gather(self.flat_param, self.param_shard, async_op=True)
             return
-        # Chunk the shard so no single collective exceeds the bucket (constant buffers).
-        chunk = max(1, bucket_numel // n)
         full = self.flat_param.view(n, shard)
-        for start in range(0, shard, chunk):
-            end = min(start + chunk, shard)
+        for start, end in chunks:
             out = torch.empty(n, end - start, dtype=full.dtype, device=full.device)
             self.comm.note_buffer(out)
 

@@ -30,23 +30,41 @@ loss by 1/(N_d * accumulation steps) before backward, so the sums are means.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
-from zeromem.comm import Comm, Pending, Reduction
+from zeromem.comm import Comm, Pending, Reduction, reduce_scatter_copies
 from zeromem.flat import FlatParamGroup
+from zeromem.layout import REDUCE_IN_FLIGHT
 
-# full-size buckets alive at once by default: two reducing (one finishing while the next
-# overlaps backward) and one filling. Each reducing one also holds gloo's receive buffer.
-BUCKETS_ALIVE = 3
+# full-size buckets alive at once by default: REDUCE_IN_FLIGHT reducing (one finishing while
+# the next overlaps backward) and one filling. Each reducing one also holds gloo's receive buffer.
+BUCKETS_ALIVE = REDUCE_IN_FLIGHT + 1
+
+
+class GradKind(Protocol):
+    """What sizes a gradient kind's communication buffers (class attributes)."""
+
+    temporary_buckets: int
+    scatters: bool
+
+
+def launch_copies(kind: GradKind, backend: str) -> int:
+    """Full-size buffers (each as large as the group's bucket) that one launch of a group of
+    gradient `kind` holds until it is waited on, all noted in Comm's CB figure: the bucket
+    itself when it is a temporary, and the backend's receive buffer when it is
+    reduce-scattered (`comm.reduce_scatter_copies`). The planner sizes CB with this."""
+    return kind.temporary_buckets + (reduce_scatter_copies(backend) if kind.scatters else 0)
 
 
 class WholeAllReduced:
     """Stage 0: every rank keeps the whole summed gradient."""
 
     reduces_every_microstep = False
+    temporary_buckets = 0  # full-size buffers a launch holds besides the collective's own
+    scatters = False  # all-reduced in place: no receive buffer
 
     def __init__(self, group: FlatParamGroup, dtype: torch.dtype):
         self.group = group
@@ -70,6 +88,8 @@ class WholeAllReduced:
 
 class WholeScattered(WholeAllReduced):
     """Stage 1: the whole gradient accumulates locally; the boundary reduce-scatters it."""
+
+    scatters = True
 
     def launch(self, comm: Reduction) -> Pending:  # type: ignore[override]  # stage 0's all-reduces
         return comm.reduce_scatter(self.reduced(), self.whole, async_op=True)
@@ -104,6 +124,8 @@ class ShardAccumulated:
     """Stage 2: only the reduced shard persists; full-size gradients live one bucket at a time."""
 
     reduces_every_microstep = True
+    temporary_buckets = 1  # the full-size bucket, dropped once reduced
+    scatters = True
 
     def __init__(self, group: FlatParamGroup, shards: ContiguousShards, index: int):
         self.group = group

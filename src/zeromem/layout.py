@@ -108,3 +108,30 @@ def derived_prefetch_numel(largest_unit_numel: int) -> int:
     """Default `stage3_prefetch_bucket_size`: two of the largest fetch units ahead, so the
     next gather is in flight while a unit computes, without gathering the whole model."""
     return 2 * largest_unit_numel
+
+
+# ---------------------------------------------------------------- communication buffers in flight
+
+REDUCE_IN_FLIGHT = 2  # gradient buckets reducing at once under overlap_comm (grads.Reducer)
+GATHER_IN_FLIGHT = 2  # updated-shard all-gathers left in flight after each issue (engine.py)
+
+
+def gather_chunks(padded: int, world: int, bucket_numel: int) -> list[tuple[int, int]]:
+    """(start, end) in the shard of each all-gather that brings a flat group's updated
+    shards back (stages 1-2). A group of at most `bucket_numel` elements is gathered in
+    place, into the flat parameter itself: no chunks, no buffer. A larger one in chunks of
+    `bucket_numel // world` shard elements, each into a buffer of world x chunk elements,
+    so that no single collective exceeds the bucket (constant buffers)."""
+    if world == 1 or padded <= bucket_numel:
+        return []
+    shard, chunk = padded // world, max(1, bucket_numel // world)
+    return [(start, min(start + chunk, shard)) for start in range(0, shard, chunk)]
+
+
+def peak_in_flight(sizes: list[int], alive: int) -> int:
+    """The most of `sizes` (buffers issued in this order, the oldest finished and freed
+    whenever `alive` are out) that are alive at once: the largest sum of `alive`
+    consecutive sizes."""
+    if not sizes:
+        return 0
+    return max(sum(sizes[i:i + alive]) for i in range(max(1, len(sizes) - alive + 1)))

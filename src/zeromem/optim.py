@@ -63,11 +63,7 @@ def build_optimizer(config, flat_groups: list, param_groups: list[dict],
                           "factory to zeromem.initialize")
     else:
         cls = config.torch_class
-        params = dict(config.params)
-        if has_fused_kernel(cls) and not {"foreach", "fused"} & set(params):
-            # One fused kernel over each master shard: ~7x torch's default per-tensor loop on CPU.
-            params["fused"] = True
-        optimizer = cls(groups, **params)
+        optimizer = cls(groups, **kernel_options(cls, dict(config.params)))
     if isinstance(optimizer, Lamb):
         split_by_parameter(optimizer, flat_groups)
     return optimizer
@@ -99,6 +95,15 @@ def _summed_over(comm) -> Callable[[torch.Tensor], None]:
         if moved is not tensor:
             tensor.copy_(moved)
     return reduce
+
+
+def kernel_options(cls: type, params: dict) -> dict:
+    """`params` with the kernel the engine asks for: torch's fused one where `cls` has it and
+    the config names none (one kernel over each master shard: ~7x torch's default
+    per-tensor loop on CPU). The step-time calibration times this kernel too."""
+    if has_fused_kernel(cls) and not {"foreach", "fused"} & set(params):
+        return {**params, "fused": True}
+    return params
 
 
 def has_fused_kernel(cls: type) -> bool:

@@ -2,9 +2,15 @@
 
 The dynamic scaler starts at 2**initial_scale_power. An overflow (a non-finite
 gradient norm on any rank) skips the step; after `hysteresis` overflows the scale
-halves (never below `min_loss_scale`; an overflow at the floor raises). After
-`loss_scale_window` clean steps since the last overflow the scale doubles and
-the hysteresis budget refills. bf16 and fp32 use `NoScaler`.
+halves (never below `min_loss_scale`; an overflow at the floor raises). Once
+`loss_scale_window` clean steps have passed since the last overflow (or the start),
+the next clean step doubles the scale and refills the hysteresis budget, and so
+every `loss_scale_window` clean steps after that: DeepSpeed 0.19's count, which grows
+one step later than older DeepSpeed releases did. The state (`state_dict`) is
+DeepSpeed's `DynamicLossScaler` renamed: scale = cur_scale, hysteresis_left =
+cur_hysteresis, iteration = cur_iter, last_overflow_iteration = last_overflow_iter,
+so that DeepSpeed checkpoints resume with their scale (`checkpoints/deepspeed_import.py`).
+bf16 and fp32 use `NoScaler`.
 """
 from __future__ import annotations
 
@@ -82,7 +88,8 @@ class DynamicScaler:
         else:
             if self.consecutive_hysteresis:
                 self.hysteresis_left = self.hysteresis
-            if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+            clean_before = self.iteration - self.last_overflow_iteration - 1
+            if clean_before > 0 and clean_before % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
                 self.scale *= self.factor

@@ -1,21 +1,27 @@
 """DeepSpeed's warmup learning-rate schedules as torch `LRScheduler`s.
 
-Implemented from the documented math of `deepspeed.runtime.lr_schedules` so that a
-DeepSpeed config's `scheduler` block gives the same learning rates. The step index is
-torch's `last_epoch` (DeepSpeed's `last_batch_iteration`): 0 after construction, +1 per
-`step()`. Every learning rate is a closed-form function of that index, so
+Implemented from `deepspeed.runtime.lr_schedules` so that a DeepSpeed config's `scheduler`
+block gives the same learning rate at every optimizer step (checked against DeepSpeed's
+own output in tests/unit/test_schedulers.py). The step index s is torch's `last_epoch`:
+0 after construction, +1 per `step()`, so s = DeepSpeed's `last_batch_iteration` + 1 for
+every schedule here. Every learning rate is a closed-form function of s, so
 `state_dict()` / `load_state_dict()` / `get_last_lr()` behave as for any torch scheduler.
 
-Warmup fraction at step s < N (N = warmup_num_steps, clamped to >= 2 as DeepSpeed does,
-so that log(N) > 0):  "log": log(s + 1) / log(N);  "linear": s / N.
+The warmup schedules evaluate DeepSpeed's formulas at its iteration i = s - 1. DeepSpeed
+sets the lr of a not-yet-stepped schedule (i = -1) to the warmup's start, and its
+formulas give that start again at i = 0: the first two optimizer steps both run at the
+minimum (WarmupCosineLR: the first at lr 0, the second at warmup_min_ratio).
+
+Warmup fraction at iteration 0 <= i < N (N = warmup_num_steps, clamped to >= 2 as DeepSpeed
+does, so that log(N) > 0):  "log": log(i + 1) / log(N);  "linear": i / N.
 
 - WarmupLR:       lr = min + (max - min) * fraction, then max.
-- WarmupDecayLR:  as WarmupLR, then lr = min + (max - min) * (T - s) / (T - N), floored at
-                  min (reaches min, i.e. 0 by default, at s = T = total_num_steps).
+- WarmupDecayLR:  as WarmupLR, then lr = min + (max - min) * (T - i) / (T - N), floored at
+                  min (reaches min, i.e. 0 by default, at i = T = total_num_steps).
 - WarmupCosineLR: lr = base_lr * ratio, where ratio rises from warmup_min_ratio to 1 over
                   the warmup, then ratio = cos_min + (1 - cos_min) * (1 + cos(pi * p)) / 2
-                  with p = (s - N + 1) / (T - N) (DeepSpeed's offset). Unlike DeepSpeed,
-                  p is capped at 1 so the lr stays at cos_min_ratio past T instead of rising.
+                  with p = min(1, (i - N + 1) / (T - N)) (DeepSpeed's offset and cap);
+                  ratio 0 at i = -1.
 
 WarmupLR and WarmupDecayLR set absolute learning rates (the optimizer's lr is ignored, as
 in DeepSpeed); WarmupCosineLR scales each param group's own lr.
@@ -55,11 +61,12 @@ logger = logging.getLogger("zeromem")
 WarmupType = Literal["log", "linear"]
 
 
-def warmup_fraction(step: int, warmup_num_steps: int, warmup_type: WarmupType) -> float:
-    """How far through the warmup `step` is, from 0 at step 0 towards 1 at warmup_num_steps."""
+def warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: WarmupType) -> float:
+    """How far through the warmup DeepSpeed's `iteration` is: 0 at 0, towards 1 at
+    warmup_num_steps."""
     if warmup_type == "log":
-        return math.log(step + 1) / math.log(warmup_num_steps)
-    return step / warmup_num_steps
+        return math.log(iteration + 1) / math.log(warmup_num_steps)
+    return iteration / warmup_num_steps
 
 
 class _ClosedForm(LRScheduler):
@@ -77,7 +84,7 @@ class _ClosedForm(LRScheduler):
 
 
 class _ClosedFormSchedule(_ClosedForm):
-    """Base of the warmup schedules."""
+    """Base of the warmup schedules: DeepSpeed's formulas at its iteration `step - 1`."""
 
     def __init__(self, optimizer: Optimizer, warmup_num_steps: int, warmup_type: WarmupType,
                  last_batch_iteration: int) -> None:
@@ -86,6 +93,14 @@ class _ClosedFormSchedule(_ClosedForm):
         self.warmup_num_steps = max(2, warmup_num_steps)  # log(N) must be > 0
         self.warmup_type = warmup_type
         super().__init__(optimizer, last_epoch=last_batch_iteration)  # steps once: step 0
+
+    def lr_at(self, step: int, base_lr: float) -> float:
+        # DeepSpeed's schedule is at iteration -1 until its first step() (module docstring)
+        return self.lr_at_iteration(step - 1, base_lr)
+
+    def lr_at_iteration(self, iteration: int, base_lr: float) -> float:
+        """DeepSpeed's lr at its `last_batch_iteration` = `iteration` (-1: not stepped yet)."""
+        raise NotImplementedError
 
 
 class WarmupLR(_ClosedFormSchedule):
@@ -98,14 +113,15 @@ class WarmupLR(_ClosedFormSchedule):
         self.warmup_max_lr = warmup_max_lr
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
 
-    def gamma(self, step: int) -> float:
-        """Position between warmup_min_lr (0) and warmup_max_lr (1) at `step`."""
-        if step < self.warmup_num_steps:
-            return warmup_fraction(step, self.warmup_num_steps, self.warmup_type)
+    def gamma(self, iteration: int) -> float:
+        """Position between warmup_min_lr (0) and warmup_max_lr (1) at DeepSpeed's `iteration`."""
+        if iteration < self.warmup_num_steps:
+            return warmup_fraction(max(iteration, 0), self.warmup_num_steps, self.warmup_type)
         return 1.0
 
-    def lr_at(self, step: int, base_lr: float) -> float:
-        return self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * self.gamma(step)
+    def lr_at_iteration(self, iteration: int, base_lr: float) -> float:
+        gamma = self.gamma(iteration)
+        return self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * gamma
 
 
 class WarmupDecayLR(WarmupLR):
@@ -121,11 +137,11 @@ class WarmupDecayLR(WarmupLR):
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
                          last_batch_iteration)
 
-    def gamma(self, step: int) -> float:
-        if step < self.warmup_num_steps:
-            return super().gamma(step)
+    def gamma(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            return super().gamma(iteration)
         decay_steps = max(1, self.total_num_steps - self.warmup_num_steps)
-        return max(0.0, (self.total_num_steps - step) / decay_steps)
+        return max(0.0, (self.total_num_steps - iteration) / decay_steps)
 
 
 class WarmupCosineLR(_ClosedFormSchedule):
@@ -142,18 +158,20 @@ class WarmupCosineLR(_ClosedFormSchedule):
                            total_num_steps, warmup_num_steps)
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
 
-    def ratio(self, step: int) -> float:
-        """Multiplier of the param group's own lr at `step`."""
-        if step < self.warmup_num_steps:
-            fraction = warmup_fraction(step, self.warmup_num_steps, self.warmup_type)
+    def ratio(self, iteration: int) -> float:
+        """Multiplier of the param group's own lr at DeepSpeed's `iteration`."""
+        if iteration < 0:
+            return 0.0  # DeepSpeed's lr before its first step()
+        if iteration < self.warmup_num_steps:
+            fraction = warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * fraction
         decay_steps = max(1, self.total_num_steps - self.warmup_num_steps)
-        progress = min(1.0, (step - self.warmup_num_steps + 1) / decay_steps)
+        progress = min(1.0, (iteration - self.warmup_num_steps + 1) / decay_steps)
         cosine = (1.0 + math.cos(math.pi * progress)) / 2.0
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
-    def lr_at(self, step: int, base_lr: float) -> float:
-        return base_lr * self.ratio(step)
+    def lr_at_iteration(self, iteration: int, base_lr: float) -> float:
+        return base_lr * self.ratio(iteration)
 
 
 Positive = Annotated[Int, Field(ge=1)]

@@ -148,9 +148,9 @@ def single_process_losses() -> list[float]:
 def ddp_optimizers(model: torch.nn.Module) -> tuple:
     """What HF's ds_config files ask for: AdamW, and WarmupLR with `warmup_num_steps` filled
     from `warmup_steps=0`, which DeepSpeed (and zeromem) raise to 2 steps of log warmup:
-    lr 0 for the first step, then `learning_rate`."""
+    lr 0 for the first two steps, then `learning_rate`."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step > 0))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step > 1))
 
 
 def late_install() -> str:

@@ -190,12 +190,18 @@ def _wrong_type(value):
     return ["big"] if value is None else "big"
 
 
+# Fields a manifest may lack: their default is the strict reading (frozen_parameters_excluded:
+# False, every frozen parameter must be in the checkpoint), so manifests written before the
+# field existed still load, and removing it can only make a load refuse more.
+OPTIONAL_FIELDS = {("frozen_parameters_excluded",)}
+
+
 def _manifest_cases(manifest: dict) -> dict:
     """Each field removed, and each field or list element replaced by a wrong-typed value."""
     cases = {}
     for path, value in _walk(manifest):
         for kind in ("removed", "wrong type"):
-            if kind == "removed" and isinstance(path[-1], int):
+            if kind == "removed" and (isinstance(path[-1], int) or path in OPTIONAL_FIELDS):
                 continue  # list elements are not fields
             damaged = copy.deepcopy(manifest)
             parent = damaged

@@ -58,8 +58,8 @@ def lamb_parity(rank: int, world_size: int, stage: int) -> float:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_lamb_trains_like_whole_parameter_lamb(stage):
-    worst = run_distributed(lamb_parity, 2, stage)
+def test_lamb_trains_like_whole_parameter_lamb(features, stage):
+    worst = [r["lamb"][stage] for r in features]
     assert max(worst) <= 1e-5, worst
 
 
@@ -91,8 +91,8 @@ def one_cycle_parity(rank: int, world_size: int, stage: int) -> tuple[float, lis
     return worst, seen
 
 
-def test_one_cycle_drives_lr_and_momentum_of_the_sharded_optimizer():
-    results = run_distributed(one_cycle_parity, 2, 2)
+def test_one_cycle_drives_lr_and_momentum_of_the_sharded_optimizer(features):
+    results = [r["one_cycle"] for r in features]
     assert max(worst for worst, _ in results) <= 1e-5
     lrs = [lr for lr, _ in results[0][1]]
     moms = [mom for _, mom in results[0][1]]
@@ -153,8 +153,9 @@ def profiled_step_flops(stage: int) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_monitors_comms_logger_and_flops_profiler_report(tmp_path, stage):
-    results = run_distributed(reporting, 2, str(tmp_path), stage)
+def test_monitors_comms_logger_and_flops_profiler_report(features, features_dir, stage):
+    results = [r["reporting"][stage] for r in features]
+    tmp_path = features_dir / f"stage{stage}"
     ranks = [r["steps"] for r in results]
     samples = [8 * (step + 1) for step in range(3)]  # train_batch_size 8 per step
     # CSV: rank 0's rows only (one per step), DeepSpeed's file names and header
@@ -226,6 +227,25 @@ def loader_lengths(rank: int, world_size: int) -> list[int]:
     return lengths
 
 
-def test_dataloader_drop_last_reaches_the_training_loader():
+def test_dataloader_drop_last_reaches_the_training_loader(features):
     # 10 samples, 5 per rank, micro-batches of 2: the last, short batch is dropped or kept
-    assert run_distributed(loader_lengths, 2) == [[3, 2], [3, 2]]
+    assert [r["loader"] for r in features] == [[3, 2], [3, 2]]
+
+
+def every_feature(rank: int, world_size: int, out: str) -> dict:
+    """All of this file's runs in one world: spawning one costs more than most runs here."""
+    return {"lamb": {stage: lamb_parity(rank, world_size, stage) for stage in range(4)},
+            "one_cycle": one_cycle_parity(rank, world_size, 2),
+            "reporting": {stage: reporting(rank, world_size, f"{out}/stage{stage}", stage)
+                          for stage in (2, 3)},
+            "loader": loader_lengths(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def features_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("features")
+
+
+@pytest.fixture(scope="module")
+def features(features_dir) -> list[dict]:
+    return run_distributed(every_feature, 2, str(features_dir))

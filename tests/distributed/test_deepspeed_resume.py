@@ -1,14 +1,22 @@
 """Resuming DeepSpeed's own ZeRO checkpoints: the run continues DeepSpeed's loss curve.
 
 The checkpoints under tests/data/deepspeed_checkpoints were saved by real DeepSpeed
-(stages 1-3, 1 and 2 ranks, fp32 and bf16; tools/make_deepspeed_checkpoints.py), with
-the losses DeepSpeed's run had on every micro-batch after the save. Each is loaded by
-`engine.load_checkpoint` at 1 and 2 ranks and stages 1, 2 and 3, trained on the same
-micro-batches, and its losses compared with DeepSpeed's on every rank.
+(stages 1-3, 1 and 2 ranks, fp32, bf16 and fp16, two with exclude_frozen_parameters=True;
+tools/make_deepspeed_checkpoints.py), with the losses DeepSpeed's run had on every
+micro-batch after the save. Each is loaded by `engine.load_checkpoint` at 1 and 2 ranks
+and stages 1, 2 and 3, trained on the same micro-batches, and its losses compared with
+DeepSpeed's on every rank.
+
+fp16 cases also check the dynamic loss scaler: right after the load it is DeepSpeed's
+saved state, and each following step runs with DeepSpeed's loss scale and lr and is
+skipped on overflow exactly when DeepSpeed's was. Cases saved without frozen parameters
+are loaded into a model whose frozen layer holds DeepSpeed's (untrained) values and
+whose trained parameters do not: the load must set those and keep the frozen ones.
 
 Tolerances: fp32 1e-5 (measured: at most 5e-7, the order of summation across ranks);
 bf16 2e-2 (measured: up to 8e-3 on losses near 2.6; zeromem and DeepSpeed round the
-bf16 gradients' reductions differently across ranks and stages).
+bf16 gradients' reductions differently across ranks and stages); fp16 2e-3 (measured:
+at most 4.6e-4; the fp16 model and loss-scaled gradients round likewise).
 """
 from __future__ import annotations
 
@@ -25,7 +33,10 @@ from zeromem.checkpoints.tensor_files import CheckpointError
 from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case, deepspeed_curve, deepspeed_resume_config
 
 CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir() if (p / "expected.json").is_file())
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-3}
+# zeromem's DynamicScaler state key -> DeepSpeed's DynamicLossScaler attribute
+SCALER = {"scale": "cur_scale", "hysteresis_left": "cur_hysteresis", "iteration": "cur_iter",
+          "last_overflow_iteration": "last_overflow_iter"}
 
 
 def bad_directories(tmp: Path) -> dict[str, str]:
@@ -61,15 +72,22 @@ def resume_all(rank: int, world_size: int, bad: dict[str, str]) -> list[tuple[st
         path, expected = deepspeed_case(name)
         gas = expected["micro_batches_per_step"] // world_size
         for stage in (1, 2, 3):
-            torch.manual_seed(1 + rank)  # weights unlike DeepSpeed's: the checkpoint must set them
-            engine = zeromem.initialize(TinyLM(), deepspeed_resume_config(expected, stage,
-                                                                          world_size))
+            engine = zeromem.initialize(model(expected, rank),
+                                        deepspeed_resume_config(expected, stage, world_size))
             loaded, client_state = engine.load_checkpoint(path)
             assert loaded == str(path / "global_step3") and client_state is None
             assert engine.global_steps == expected["save_at"]
+            first_lr = expected["lrs"][0] if "lrs" in expected else 1e-3 + 0.4 * 9e-3
             # DeepSpeed's WarmupLR at last_batch_iteration 2 gives its next step min + 2/5 (max - min)
-            assert engine.get_lr() == pytest.approx([1e-3 + 0.4 * 9e-3])
-            curve = deepspeed_curve(engine, rank, world_size, expected)
+            assert engine.get_lr() == pytest.approx([first_lr])
+            if "scaler" in expected:
+                assert engine.scaler.state_dict() == {
+                    ours: expected["scaler"][theirs] for ours, theirs in SCALER.items()}
+            trace: list = []
+            curve = deepspeed_curve(engine, rank, world_size, expected, trace)
+            if "loss_scales" in expected:
+                assert trace == [(scale, pytest.approx(lr), skipped) for scale, lr, skipped in zip(
+                    expected["loss_scales"], expected["lrs"], expected["skipped"])], (name, stage)
             mine = [want[rank * gas:(rank + 1) * gas] for want in expected["losses"]]
             worst = max(abs(a - b) for got, want in zip(curve, mine) for a, b in zip(got, want))
             results.append((name, stage, worst))
@@ -79,11 +97,36 @@ def resume_all(rank: int, world_size: int, bad: dict[str, str]) -> list[tuple[st
     return results
 
 
+def model(expected: dict, rank: int) -> TinyLM:
+    """TinyLM with weights unlike DeepSpeed's (the checkpoint must set them), except the frozen
+    layer when the checkpoint left it out: then DeepSpeed's initial values, which it kept."""
+    torch.manual_seed(1 + rank)
+    built = TinyLM()
+    if expected.get("exclude_frozen_parameters"):
+        torch.manual_seed(0)  # as tools/make_deepspeed_checkpoints.py built DeepSpeed's model
+        built.frozen.load_state_dict(TinyLM().frozen.state_dict())
+    return built
+
+
 def test_deepspeed_checkpoints_cover_stages_and_precisions():
     cases = [deepspeed_case(name)[1] for name in CASES]
     assert {c["stage"] for c in cases} == {1, 2, 3}
     assert {c["world_size"] for c in cases} == {1, 2}
-    assert {c["precision"] for c in cases} == {"fp32", "bf16"}
+    assert {c["precision"] for c in cases} == {"fp32", "bf16", "fp16"}
+    assert {c["stage"] for c in cases if c.get("exclude_frozen_parameters")} == {1, 3}
+    fp16 = [c for c in cases if c["precision"] == "fp16"]
+    # the saved scaler is mid-hysteresis, and the steps after the save skip, halve and keep
+    assert all(c["scaler"]["cur_hysteresis"] == 1 and any(c["skipped"]) for c in fp16)
+    assert all(len(set(c["loss_scales"])) > 1 for c in fp16)
+
+
+def test_frozen_parameters_left_out_by_deepspeed():
+    """DeepSpeed's exclude_frozen_parameters checkpoints lack the frozen layer."""
+    from zeromem.checkpoints.deepspeed_import import read_deepspeed
+    for name in CASES:
+        path, expected = deepspeed_case(name)
+        keys = read_deepspeed(path).state_dict_keys
+        assert ("frozen.weight" in keys) != bool(expected.get("exclude_frozen_parameters")), name
 
 
 def test_resume_deepspeed_checkpoint_one_rank(tmp_path):

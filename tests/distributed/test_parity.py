@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import zeromem
-from harness import run_distributed
+from harness import run_distributed, run_together
 from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
 from setups import build_tiny_lm, parity_config
 
@@ -82,12 +82,29 @@ def parity_matrix(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def world_of_two() -> dict[str, list]:
+    """This file's 2-rank cases, in one spawned world (spawning costs more than a case)."""
+    return run_together({"parity": (parity_matrix, ()), "clipping": (clipping_is_active, ()),
+                         "seeded": (differently_seeded_init, ())}, 2)
+
+
+@pytest.fixture(scope="module")
+def world_of_four() -> dict[str, list]:
+    return run_together({"parity": (parity_matrix, ()), "sgd": (sgd_matrix, ())}, 4)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_fp32_parity_all_stages(world_size):
-    results = run_distributed(parity_matrix, world_size)
-    assert len(results[0]) == 20
-    for diffs in results[0].values():
-        assert all(d <= 1e-5 for d in diffs)
+def test_fp32_parity_all_stages(request, world_size):
+    if world_size == 1:
+        results = run_distributed(parity_matrix, 1)
+    else:
+        fixture = {2: "world_of_two", 4: "world_of_four"}[world_size]
+        results = request.getfixturevalue(fixture)["parity"]
+    for rank_results in results:  # each rank compared its own view with the reference
+        assert len(rank_results) == 20
+        for diffs in rank_results.values():
+            assert all(d <= 1e-5 for d in diffs)
 
 
 def clipping_is_active(rank: int, world_size: int) -> dict[int, tuple[float, float]]:
@@ -112,8 +129,8 @@ def clipping_is_active(rank: int, world_size: int) -> dict[int, tuple[float, flo
     return out
 
 
-def test_pre_clip_norm_matches_torch():
-    for per_gas in run_distributed(clipping_is_active, 2):  # every rank's own norm
+def test_pre_clip_norm_matches_torch(world_of_two):
+    for per_gas in world_of_two["clipping"]:  # every rank's own norm
         for norm, ref_norm in per_gas.values():
             assert norm == pytest.approx(ref_norm, rel=1e-5)
             assert norm > 0.05  # so the parity cases with clip=0.05 really clip
@@ -135,8 +152,8 @@ def differently_seeded_init(rank: int, world_size: int) -> None:
         assert own_view_diff(engine, ref.model) <= 1e-5, f"rank {rank} stage {stage}: diverged"
 
 
-def test_differently_seeded_ranks_start_from_rank_0():
-    run_distributed(differently_seeded_init, 2)
+def test_differently_seeded_ranks_start_from_rank_0(world_of_two):
+    assert world_of_two["seeded"] == [None, None]  # each rank asserted in the world
 
 
 # -- SGD + momentum: sees the gradient's magnitude -----------------------------------------
@@ -230,7 +247,7 @@ def sgd_matrix(rank: int, world_size: int) -> dict:
     return {case: sgd_case(rank, world_size, *case) for case in SGD_CASES}
 
 
-def test_sgd_momentum_parity_every_stage_every_rank():
+def test_sgd_momentum_parity_every_stage_every_rank(world_of_four):
     """Two interleaved replicas of N_d=2 on 4 ranks; every rank checks itself."""
-    results = run_distributed(sgd_matrix, 4)
+    results = world_of_four["sgd"]
     assert all(len(r) == len(SGD_CASES) for r in results)

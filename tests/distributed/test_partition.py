@@ -1,10 +1,11 @@
 """zeromem.Init builds models already partitioned; GatheredParameters reads and edits them."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zeromem
-from harness import run_distributed
+from harness import run_together
 from models import Deep, micro_batch
 from setups import build_tiny_lm, parity_config
 from zeromem.comm import Comm
@@ -31,8 +32,8 @@ def init_memory_and_values(rank, world_size):
     return held / full_bytes, same and own_table
 
 
-def test_init_partitions_while_building():
-    for ratio, same in run_distributed(init_memory_and_values, 2):
+def test_init_partitions_while_building(world):
+    for ratio, same in world["init_memory_and_values"]:
         assert ratio <= 0.6, ratio     # each rank holds half the model (plus padding)
         assert same                     # identical to building without Init
 
@@ -56,8 +57,8 @@ def gathered_edit(rank, world_size):
     return readable, tuple(weight.shape), edited, moved, before.shape
 
 
-def test_gathered_parameters_read_and_modify():
-    for readable, outside, edited, moved, shape in run_distributed(gathered_edit, 2):
+def test_gathered_parameters_read_and_modify(world):
+    for readable, outside, edited, moved, shape in world["gathered_edit"]:
         assert readable == (7, 10) and outside == (0,)
         assert edited and moved and tuple(shape) == (7, 10)
 
@@ -89,8 +90,8 @@ def gpt_under_init(rank, world_size):
     return all(torch.equal(full[k], v) for k, v in plain.state_dict().items()) if full else True
 
 
-def test_init_sees_whole_parameters_in_a_parents_apply_init():
-    assert all(run_distributed(gpt_under_init, 2))
+def test_init_sees_whole_parameters_in_a_parents_apply_init(world):
+    assert all(world["gpt_under_init"])
 
 
 class WritesThroughViews(torch.nn.Module):
@@ -128,7 +129,17 @@ def views_and_seeds(rank, world_size):
     return init_vs_plain(0), init_vs_plain(rank)
 
 
-def test_init_keeps_writes_through_views_and_takes_rank0_values():
-    for same_seed, own_seed in run_distributed(views_and_seeds, 2):
+def test_init_keeps_writes_through_views_and_takes_rank0_values(world):
+    for same_seed, own_seed in world["views_and_seeds"]:
         assert same_seed[:2] == (0.0, 0.0), same_seed  # writes through views are not lost
         assert own_seed[:2] == (0.0, 0.0), own_seed    # rank 0's parameters and buffers win
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, list]:
+    """This file's 2-rank cases in one spawned world (spawning costs more than a case);
+    the memory one first, before other cases' allocations."""
+    return run_together({"init_memory_and_values": (init_memory_and_values, ()),
+                         "gathered_edit": (gathered_edit, ()),
+                         "gpt_under_init": (gpt_under_init, ()),
+                         "views_and_seeds": (views_and_seeds, ())}, 2)

@@ -19,7 +19,7 @@ from harness import run_distributed
 from zeromem.config.schema import Config
 from zeromem.planning.calibrate import calibrate, collectives
 from zeromem.planning.planner import (Hardware, Setup, Workload, evaluate, layout_for,
-                                      layout_knobs, model_flops, shape_of)
+                                      layout_knobs, model_flops, predict_memory, shape_of)
 
 SMALL = GPTConfig(n_layer=2, n_embd=128, block_size=32)
 GAS = 2
@@ -44,12 +44,14 @@ def _comm_bytes(rank, world_size):
                 tokens = torch.randint(0, 256, (2, 16))
                 engine.backward(engine(tokens, tokens))
                 engine.step()
-        out[stage] = engine.comm_report().to_dict()["last_step"]
+        out[stage] = (engine.comm_report().to_dict()["last_step"], engine.comm.buffer_bytes_peak)
         engine.close()
     return out
 
 
 def test_counted_collectives_carry_the_bytes_the_engine_sends():
+    """... and the planner's communication buffers are the engine's (chunked all-gathers:
+    at stage 1 the gather's chunk buffers outweigh the reduce-scatter's receive buffer)."""
     measured = run_distributed(_comm_bytes, 2)
     with torch.device("meta"):
         shape = shape_of(GPT(SMALL))
@@ -61,8 +63,10 @@ def test_counted_collectives_carry_the_bytes_the_engine_sends():
     for stage in range(4):
         layout = layout_for(Config.load(_config(stage), world_size=n))
         predicted = collectives(shape, layout, 4, 4, n, GAS)
-        for rank_report in measured:
-            report = {k: v for k, v in rank_report[stage].items() if v}
+        planned = predict_memory(shape, _config(stage), n, backend="gloo")
+        for rank_report, buffers in (r[stage] for r in measured):
+            assert buffers == planned.comm_buffers, (stage, buffers, planned.comm)
+            report = {k: v for k, v in rank_report.items() if v}
             assert set(report) == set(predicted), (stage, report, predicted)
             for kind, (calls, nbytes) in predicted.items():
                 assert calls >= 1
@@ -81,11 +85,13 @@ def test_calibration_is_positive_and_self_consistent(tmp_path):
         assert link.latency > 0 and link.bandwidth > 0
     assert min(cal.copy_bandwidth, cal.disk_read, cal.disk_write) > 0
     assert set(cal.optimizer) == {"device", "cpu"} and min(cal.optimizer.values()) > 0
+    assert set(cal.overhead) == {0, 1, 2, 3} and min(cal.overhead.values()) >= 0
     hw = Hardware(2, 1e12, calibration=cal)
     t = {s: evaluate(shape, s, hw, work).time
          for s in (Setup(0), Setup(2), Setup(3), Setup(2, "gpu"), Setup(2, "none", "nvme"))}
-    for time in t.values():
+    for setup, time in t.items():
         assert time.compute > 0 and time.comm > 0 and time.optimizer > 0
+        assert time.overhead == pytest.approx(len(shape.param_numels) * cal.overhead[setup.stage])
         assert time.overlapped == time.serial  # gloo: nothing overlaps
     # the compute of the measured workload is what was measured
     assert t[Setup(0)].compute == pytest.approx(cal.forward_s + cal.backward_s)

@@ -54,6 +54,7 @@ def test_plan_json_and_the_recommended_nvme_config_runs(tmp_path, capsys):
         best, worst = setup["step_seconds"]
         assert 0 < best <= worst
         assert setup["device_bytes"] >= setup["states_bytes"] + setup["activation_bytes"]
+        assert sum(setup["buffer_bytes_by_part"].values()) == setup["buffer_bytes"]
     chosen = next(s for s in printed["setups"] if s["name"] == printed["recommended"])
     assert chosen["fits"] and chosen["needs"] == "zeromem.checkpointing.enable(model)"
     assert chosen["nvme_bytes_per_node"] > 0

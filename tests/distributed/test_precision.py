@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zeromem
-from harness import run_distributed
+from harness import run_together
 from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
 from zeromem.precision import DynamicScaler, LossScaleAtMinimumError
 
@@ -22,15 +22,31 @@ def test_hysteresis_delays_the_first_halving():
     assert s.scale == 4  # hysteresis stays spent until a window passes
 
 
-def test_scale_doubles_after_a_clean_window():
+def test_scale_doubles_on_the_clean_step_after_a_clean_window():
+    """DeepSpeed 0.19's DynamicLossScaler: after an overflow, `loss_scale_window` clean steps
+    pass at the lowered scale, and the next clean step doubles it (then every window)."""
     s = DynamicScaler(initial_scale_power=4, loss_scale_window=3, hysteresis=1)
     s.update(True)
     assert s.scale == 8
-    for _ in range(2):
+    for _ in range(3):
         s.update(False)
     assert s.scale == 8
     s.update(False)
     assert s.scale == 16
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 16
+    s.update(False)
+    assert s.scale == 32
+
+
+def test_scale_first_grows_after_window_plus_one_clean_steps():
+    s = DynamicScaler(initial_scale_power=4, loss_scale_window=2, hysteresis=2)
+    s.update(False)
+    s.update(False)
+    assert s.scale == 16
+    s.update(False)
+    assert s.scale == 32
 
 
 def test_overflow_at_minimum_raises():
@@ -77,12 +93,20 @@ def low_precision_tracks_fp32(rank, world_size):
     return out
 
 
-def test_bf16_and_fp16_track_fp32():
-    for (stage, name), (diff, skipped) in run_distributed(low_precision_tracks_fp32, 2)[0].items():
-        # 5 AdamW steps of lr 1e-2 move weights by ~5e-2; 16-bit rounding of the weights
-        # themselves is ~4e-3 (bf16) / 5e-4 (fp16) at magnitude 1.
-        assert diff < (2e-2 if name == "bf16" else 5e-3), (stage, name, diff)
-        assert skipped == 0
+@pytest.fixture(scope="module")
+def world() -> dict[str, list]:
+    """This file's 2-rank cases in one spawned world (spawning costs more than a case)."""
+    return run_together({"tracks": (low_precision_tracks_fp32, ()),
+                         "overflow": (overflow_on_one_rank, ())}, 2)
+
+
+def test_bf16_and_fp16_track_fp32(world):
+    for per_rank in world["tracks"]:
+        for (stage, name), (diff, skipped) in per_rank.items():
+            # 5 AdamW steps of lr 1e-2 move weights by ~5e-2; 16-bit rounding of the weights
+            # themselves is ~4e-3 (bf16) / 5e-4 (fp16) at magnitude 1.
+            assert diff < (2e-2 if name == "bf16" else 5e-3), (stage, name, diff)
+            assert skipped == 0
 
 
 def overflow_on_one_rank(rank, world_size):
@@ -110,8 +134,8 @@ def overflow_on_one_rank(rank, world_size):
     return out
 
 
-def test_overflow_on_one_rank_skips_the_step_everywhere():
-    for result in run_distributed(overflow_on_one_rank, 2):
+def test_overflow_on_one_rank_skips_the_step_everywhere(world):
+    for result in world["overflow"]:
         for stage, (unchanged, scale, skipped, changed, steps) in result.items():
             assert unchanged, f"stage {stage}: parameters moved on an overflow step"
             assert scale == 128  # 2**8 halved once (hysteresis 1)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeromem
-from harness import run_distributed
+from harness import run_distributed, run_together
 from models import Deep, micro_batch, Reference, state_dict_diff, TinyLM
 from setups import parity_config, reference_step
 from zeromem.stage3.fetch import Stage3DivergenceError
@@ -56,8 +56,8 @@ def reuse_and_eval(rank, world_size):
     return diffs, losses, expected, leaked, shapes
 
 
-def test_reused_module_external_parameter_and_eval():
-    for diffs, losses, expected, leaked, shapes in run_distributed(reuse_and_eval, 2):
+def test_reused_module_external_parameter_and_eval(world):
+    for diffs, losses, expected, leaked, shapes in world["reuse_and_eval"]:
         assert max(diffs) <= 1e-5, diffs
         assert losses == pytest.approx(expected, abs=1e-5)
         assert leaked == 0, "gathered parameters leaked out of the forward"
@@ -100,8 +100,8 @@ def live_limit(rank, world_size):
     return peaks, limit, unit
 
 
-def test_prefetch_respects_max_live_parameters_and_its_window():
-    for peaks, limit, unit in run_distributed(live_limit, 2):
+def test_prefetch_respects_max_live_parameters_and_its_window(world):
+    for peaks, limit, unit in world["live_limit"]:
         assert unit < peaks["limit"] <= limit + unit  # an on-demand gather may exceed it by one unit
         assert peaks["limit"] <= limit + 64 * 2       # padding of one unit at N_d = 2 at most
         # stage3_prefetch_bucket_size of two units: the unit in use and two gathered ahead,
@@ -161,8 +161,8 @@ def against_fsdp2(rank, world_size):
     return diffs
 
 
-def test_stage3_matches_fsdp2():
-    for diffs in run_distributed(against_fsdp2, 2):
+def test_stage3_matches_fsdp2(world):
+    for diffs in world["against_fsdp2"]:
         assert max(diffs) <= 1e-5, diffs
 
 
@@ -206,8 +206,8 @@ def _assert_state_matches_memory(engine) -> None:
         assert (g.full is not None) == (g.state is GroupState.GATHERED), g.state
 
 
-def test_gpt_with_block_units_trains_like_stage_2():
-    assert max(run_distributed(gpt_stage3_like_stage2, 2)) <= 1e-6
+def test_gpt_with_block_units_trains_like_stage_2(world):
+    assert max(world["gpt_stage3_like_stage2"]) <= 1e-6
 
 
 class Branchy(nn.Module):
@@ -278,8 +278,8 @@ def eval_first_and_late_branches(rank, world_size):
     return out
 
 
-def test_eval_before_training_and_branches_reading_external_parameters():
-    for out in run_distributed(eval_first_and_late_branches, 2):
+def test_eval_before_training_and_branches_reading_external_parameters(world):
+    for out in world["eval_first_and_late_branches"]:
         got, expected = out["eval_first"]
         assert got == pytest.approx(expected, abs=1e-5)
         assert max(out["train_after_eval"]) <= 1e-5, out["train_after_eval"]
@@ -287,3 +287,13 @@ def test_eval_before_training_and_branches_reading_external_parameters():
         assert max(abs(a - b) for a, b in losses) <= 1e-5, losses
         assert max(diffs) <= 1e-5, diffs
         assert out["leaked"] == 0, "gathered parameters leaked out of the forward"
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, list]:
+    """This file's 2-rank cases (but the divergence one) in one spawned world: spawning
+    costs more than a case."""
+    return run_together({name: (fn, ()) for name, fn in (
+        ("reuse_and_eval", reuse_and_eval), ("live_limit", live_limit),
+        ("against_fsdp2", against_fsdp2), ("gpt_stage3_like_stage2", gpt_stage3_like_stage2),
+        ("eval_first_and_late_branches", eval_first_and_late_branches))}, 2)

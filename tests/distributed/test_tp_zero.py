@@ -60,11 +60,24 @@ def tp_zero_vs_dense(rank, world_size, stage, cpu, explicit_mp_group):
     return diffs, held, norms, replicated
 
 
-@pytest.mark.parametrize("stage, cpu, explicit_mp_group", [(2, False, True), (3, True, False)])
-def test_tp_with_zero_and_pa_matches_dense(stage, cpu, explicit_mp_group):
+CASES = [(2, False, True), (3, True, False)]  # (stage, Pa+cpu, mp group passed to initialize)
+
+
+def every_case(rank, world_size):
+    """Both cases in one world of four: spawning it costs more than a case."""
+    return [tp_zero_vs_dense(rank, world_size, *case) for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def cases() -> list:
+    return run_distributed(every_case, 4)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
+def test_tp_with_zero_and_pa_matches_dense(cases, case):
     # the seed's estimator at this small scale: one fp32 (B=4, T=16, C=32) input per block
     per_block = estimate_checkpoint_bytes(seq=16, hidden=32, batch=4, bytes_per_element=4, mp_size=2)
-    results = run_distributed(tp_zero_vs_dense, 4, stage, cpu, explicit_mp_group)
+    results = [per_rank[case] for per_rank in cases]
     for diffs, held, norms, _ in results:
         # clipping uses the dense model's norm on every rank (mp group spanned, replicated once)
         assert all(abs(norm - true) < 1e-5 * true for norm, true in norms), norms

@@ -21,6 +21,9 @@ from zeromem.checkpoints.deepspeed_import import import_deepspeed, load_pt
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader
 from zeromem.cli import main
 
+# zeromem's DynamicScaler state key -> DeepSpeed's DynamicLossScaler attribute
+SCALER = {"scale": "cur_scale", "hysteresis_left": "cur_hysteresis", "iteration": "cur_iter",
+          "last_overflow_iteration": "last_overflow_iter"}
 CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir() if (p / "expected.json").is_file())
 
 
@@ -49,14 +52,21 @@ def test_import_holds_deepspeeds_states(name, tmp_path):
     for param in manifest["params"].values():  # Adam's step, as a tensor like torch keeps it
         assert param["scalar_state"]["step"]["__tensor__"] == expected["states"]["__step__"]
     assert manifest["counters"]["global_steps"] == expected["save_at"]
+    excluded = expected["exclude_frozen_parameters"] if "exclude_frozen_parameters" in expected \
+        else False
+    assert manifest["frozen_parameters_excluded"] == (excluded or expected["stage"] == 1)
+    assert manifest["scaler"] == ({ours: expected["scaler"][theirs] for ours, theirs in SCALER.items()}
+                                  if expected["precision"] == "fp16" else {})
     full = load_consolidated(consolidate(tmp_path, tmp_path / "full.pt"))
     torch.manual_seed(0)  # the seed DeepSpeed's run built TinyLM with: frozen weights never move
-    frozen_dtype = torch.bfloat16 if expected["precision"] == "bf16" else torch.float32
-    for key, value in TinyLM().state_dict().items():
-        if key.startswith("frozen."):
+    frozen_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(expected["precision"],
+                                                                      torch.float32)
+    model = TinyLM().state_dict()
+    for key, value in model.items():
+        if key.startswith("frozen.") and not excluded:
             assert torch.equal(full[key], value.to(frozen_dtype).float()), key
     assert torch.equal(full["head.weight"], full["embed.weight"])  # tied, stored once
-    assert full.keys() == TinyLM().state_dict().keys()
+    assert full.keys() == {k for k in model if not (excluded and k.startswith("frozen."))}
 
 
 def test_cli_imports_and_reports_foreign_directories(tmp_path, capsys):
@@ -112,6 +122,30 @@ def test_damaged_deepspeed_checkpoints_are_refused_by_name(tmp_path):
     model["param_shapes"][0]["extra.weight"] = torch.Size([5])
     torch.save(model, tag / "mp_rank_00_model_states.pt")
     with pytest.raises(CheckpointError, match="fewer than the parameters.*'extra.weight'"):
+        import_deepspeed(tag.parent, tmp_path / "out")
+    assert not (tmp_path / "out" / "latest").exists()
+
+
+def inert(data):
+    """`load_pt`'s stand-ins for DeepSpeed objects as plain dicts, so that torch.save can
+    write them back loadable."""
+    if type(data).__module__ == "zeromem.checkpoints.deepspeed_import":
+        return dict(vars(data))
+    if isinstance(data, dict):
+        return type(data)((k, inert(v)) for k, v in data.items())
+    if isinstance(data, (list, tuple)):
+        return type(data)(inert(v) for v in data)
+    return data
+
+
+def test_fp16_checkpoint_without_its_loss_scaler_is_refused(tmp_path):
+    tag = damaged_copy(tmp_path, "stage2_ws2_fp16")
+    for rank in (0, 1):
+        file = tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        optim = load_pt(file)
+        del optim["optimizer_state_dict"]["loss_scaler"]
+        torch.save(inert(optim), file)
+    with pytest.raises(CheckpointError, match="fp16 loss scaler has no number 'cur_scale'"):
         import_deepspeed(tag.parent, tmp_path / "out")
     assert not (tmp_path / "out" / "latest").exists()
 

@@ -7,7 +7,8 @@ from torch import nn
 
 from zeromem.engine import _bucket_params
 from zeromem.planning.estimate import reduce_buckets
-from zeromem.layout import ShardLayout, pack_buckets, padded_numel, slices_of
+from zeromem.layout import (ShardLayout, gather_chunks, pack_buckets, padded_numel,
+                            peak_in_flight, slices_of)
 
 
 def test_padding_and_shard_ranges_tile_the_buffer():
@@ -61,3 +62,18 @@ def test_planner_buckets_are_the_engines():
     params = [nn.Parameter(torch.zeros(n)) for n in (5, 2, 7, 1, 3)]
     engine_sizes = [sum(p.numel() for p in b) for b in _bucket_params(params[::-1], 8)]
     assert reduce_buckets(tuple(p.numel() for p in params), 8) == engine_sizes == [4, 7, 7]
+
+
+def test_gather_chunks_cover_the_shard_within_the_bucket():
+    assert gather_chunks(100, 2, 100) == [] and gather_chunks(100, 1, 10) == []  # in place
+    chunks = gather_chunks(100, 2, 30)  # shard 50, chunks of 15 shard elements
+    assert chunks == [(0, 15), (15, 30), (30, 45), (45, 50)]
+    assert gather_chunks(8, 4, 2) == [(0, 1), (1, 2)]  # never an empty chunk
+
+
+def test_peak_in_flight_is_the_largest_window_of_consecutive_buffers():
+    assert peak_in_flight([], 2) == 0
+    assert peak_in_flight([5], 3) == 5
+    assert peak_in_flight([1, 4, 2, 3], 1) == 4
+    assert peak_in_flight([1, 4, 2, 3], 2) == 6  # 4 + 2: launched in order
+    assert peak_in_flight([3, 0, 0, 3], 3) == 3  # in-place gathers hold a slot, no bytes

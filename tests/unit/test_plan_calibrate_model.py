@@ -63,3 +63,14 @@ def test_swap_time_follows_the_measured_disk(setup):
     assert slow.offload - copies == pytest.approx(2 * (base.offload - copies))
     assert _time(_cal(disk_read=5e8, disk_write=5e8), Setup(2, "none", "cpu")).offload == \
         _time(_cal(), Setup(2, "none", "cpu")).offload
+
+
+def test_engine_overhead_is_per_parameter_and_micro_step_at_the_setup_stage():
+    params = len(_shape().param_numels)
+    cal = _cal(overhead={0: 1e-5, 1: 2e-5, 2: 3e-5, 3: 4e-5})
+    for stage in range(4):
+        t = _time(cal, Setup(stage))
+        assert t.overhead == pytest.approx(WORK.gas * params * (stage + 1) * 1e-5)
+        assert t.serial == pytest.approx(t.compute + t.comm + t.offload + t.optimizer + t.overhead)
+        assert t.overlapped == t.serial  # gloo: nothing overlaps
+    assert _time(_cal(), Setup(3)).overhead == 0  # not calibrated: not modelled

@@ -1,4 +1,4 @@
-"""Pure-logic tests of zeromem.schedulers against DeepSpeed's documented formulas."""
+"""Pure-logic tests of zeromem.schedulers against DeepSpeed's formulas and its printed lrs."""
 
 from __future__ import annotations
 
@@ -27,46 +27,96 @@ def lrs_by_step(scheduler, steps: int) -> list[list[float]]:
     return history
 
 
+# The lr each optimizer step k = 1..10 uses, as printed by
+#     DS_ACCELERATOR=cpu /work/dsvenv/bin/python tools/print_scheduler_lrs.py deepspeed
+# (DeepSpeed 0.19.8, torch 2.13.0+cpu: `deepspeed.initialize` over nn.Linear(2, 1), Adam lr 0.01,
+# the scheduler blocks in tools/print_scheduler_lrs.py; the lr is read before each engine.step()).
+# DeepSpeed keeps the warmup schedules at their start for two steps (WarmupCosineLR: lr 0, then
+# warmup_min_ratio); zeromem's ran one step ahead before this data was added.
+DEEPSPEED_LRS = {
+    "WarmupLR log": [0.001, 0.001, 0.0055, 0.008132331253, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01],
+    "WarmupLR linear": [0.001, 0.001, 0.00325, 0.0055, 0.00775, 0.01, 0.01, 0.01, 0.01, 0.01],
+    "WarmupDecayLR log": [0.001, 0.001, 0.0055, 0.008132331253, 0.01, 0.01, 0.00775, 0.0055,
+                          0.00325, 0.001],
+    "WarmupDecayLR linear": [0.001, 0.001, 0.00325, 0.0055, 0.00775, 0.01, 0.00775, 0.0055,
+                             0.00325, 0.001],
+    "WarmupCosineLR linear": [0.0, 0.001, 0.00325, 0.0055, 0.00775, 0.008550178567, 0.00505,
+                              0.001549821433, 0.0001, 0.0001],
+    "OneCycle": [0.001, 0.004, 0.007, 0.01, 0.007, 0.004, 0.001, 0.0008, 0.000666666667,
+                 0.000571428571],
+    "LRRangeTest": [0.001, 0.0015, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.0045, 0.005, 0.0055],
+}
+_WARMUP = {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 4}
+SCHEDULES = {  # the scheduler blocks of tools/print_scheduler_lrs.py
+    "WarmupLR log": ("WarmupLR", {**_WARMUP, "warmup_type": "log"}),
+    "WarmupLR linear": ("WarmupLR", {**_WARMUP, "warmup_type": "linear"}),
+    "WarmupDecayLR log": ("WarmupDecayLR", {**_WARMUP, "warmup_type": "log",
+                                            "total_num_steps": 8}),
+    "WarmupDecayLR linear": ("WarmupDecayLR", {**_WARMUP, "warmup_type": "linear",
+                                               "total_num_steps": 8}),
+    "WarmupCosineLR linear": ("WarmupCosineLR", {"warmup_min_ratio": 0.1, "warmup_num_steps": 4,
+                                                 "total_num_steps": 8, "cos_min_ratio": 0.01,
+                                                 "warmup_type": "linear"}),
+    "OneCycle": ("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01,
+                              "cycle_first_step_size": 3, "decay_lr_rate": 0.5,
+                              "decay_step_size": 2}),
+    "LRRangeTest": ("LRRangeTest", {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 2,
+                                    "lr_range_test_step_rate": 1.0}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSPEED_LRS))
+def test_schedules_give_deepspeeds_lr_at_every_step(name):
+    """Each schedule, built from the same config block, gives DeepSpeed's lr at every step."""
+    kind, params = SCHEDULES[name]
+    config = Config.load({"optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+                          "scheduler": {"type": kind, "params": params}})
+    scheduler = build_scheduler(config.scheduler, make_optimizer(0.01))
+    got = [h[0] for h in lrs_by_step(scheduler, len(DEEPSPEED_LRS[name]) - 1)]
+    assert got == pytest.approx(DEEPSPEED_LRS[name], abs=1e-12)
+
+
 def test_warmup_lr_log():
     scheduler = WarmupLR(make_optimizer(), warmup_min_lr=0.01, warmup_max_lr=0.1,
                          warmup_num_steps=10)
     history = lrs_by_step(scheduler, 15)
-    for step in (0, 1, 5, 9):
-        expected = 0.01 + 0.09 * math.log(step + 1) / math.log(10)
+    assert history[0][0] == history[1][0] == pytest.approx(0.01)
+    for step in (1, 5, 10):  # DeepSpeed's iteration is step - 1
+        expected = 0.01 + 0.09 * math.log(step) / math.log(10)
         assert history[step][0] == pytest.approx(expected)
-    assert history[10][0] == history[15][0] == pytest.approx(0.1)
+    assert history[11][0] == history[15][0] == pytest.approx(0.1)
     assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
 
 
 def test_warmup_lr_linear_ignores_optimizer_lr():
     scheduler = WarmupLR(make_optimizer(0.5, 7.0), warmup_max_lr=0.2, warmup_num_steps=4,
                          warmup_type="linear")
-    history = lrs_by_step(scheduler, 5)
-    assert [h[0] for h in history] == pytest.approx([0.0, 0.05, 0.1, 0.15, 0.2, 0.2])
-    assert history[2][1] == pytest.approx(0.1)  # absolute lr, same for every group
+    history = lrs_by_step(scheduler, 6)
+    assert [h[0] for h in history] == pytest.approx([0.0, 0.0, 0.05, 0.1, 0.15, 0.2, 0.2])
+    assert history[3][1] == pytest.approx(0.1)  # absolute lr, same for every group
 
 
 def test_warmup_lr_clamps_one_warmup_step_to_two():
     scheduler = WarmupLR(make_optimizer(), warmup_max_lr=1.0, warmup_num_steps=1)
-    assert [h[0] for h in lrs_by_step(scheduler, 2)] == pytest.approx([0.0, 1.0, 1.0])
+    assert [h[0] for h in lrs_by_step(scheduler, 3)] == pytest.approx([0.0, 0.0, 1.0, 1.0])
 
 
 def test_warmup_decay_lr():
     scheduler = WarmupDecayLR(make_optimizer(), total_num_steps=20, warmup_max_lr=0.1,
                               warmup_num_steps=10, warmup_type="linear")
     history = [h[0] for h in lrs_by_step(scheduler, 25)]
-    assert history[5] == pytest.approx(0.05)
-    assert history[10] == pytest.approx(0.1)
-    assert history[15] == pytest.approx(0.1 * (20 - 15) / (20 - 10))
-    assert history[20] == pytest.approx(0.0) and history[25] == pytest.approx(0.0)
+    assert history[6] == pytest.approx(0.05)
+    assert history[11] == pytest.approx(0.1)
+    assert history[16] == pytest.approx(0.1 * (20 - 15) / (20 - 10))
+    assert history[21] == pytest.approx(0.0) and history[25] == pytest.approx(0.0)
 
 
 def test_warmup_decay_lr_decays_to_min_lr():
     scheduler = WarmupDecayLR(make_optimizer(), total_num_steps=10, warmup_min_lr=0.01,
                               warmup_max_lr=0.11, warmup_num_steps=2)
     history = [h[0] for h in lrs_by_step(scheduler, 12)]
-    assert history[6] == pytest.approx(0.01 + 0.1 * (10 - 6) / 8)
-    assert history[10] == pytest.approx(0.01) and history[12] == pytest.approx(0.01)
+    assert history[7] == pytest.approx(0.01 + 0.1 * (10 - 6) / 8)
+    assert history[11] == pytest.approx(0.01) and history[12] == pytest.approx(0.01)
 
 
 def test_warmup_cosine_lr_scales_each_group():
@@ -77,16 +127,17 @@ def test_warmup_cosine_lr_scales_each_group():
                                cos_min_ratio=cos_min)
     history = lrs_by_step(scheduler, 40)
 
-    def ratio(step: int) -> float:
-        if step < warmup:
-            return min_ratio + (1 - min_ratio) * math.log(step + 1) / math.log(warmup)
-        progress = min(1.0, (step - warmup + 1) / (total - warmup))
+    def ratio(iteration: int) -> float:
+        if iteration < warmup:
+            return min_ratio + (1 - min_ratio) * math.log(iteration + 1) / math.log(warmup)
+        progress = min(1.0, (iteration - warmup + 1) / (total - warmup))
         return cos_min + (1 - cos_min) * (1 + math.cos(math.pi * progress)) / 2
 
-    for step in (0, 3, 9, 10, 19, 29, 35):
-        assert history[step] == pytest.approx([b * ratio(step) for b in base])
-    assert history[0][0] == pytest.approx(0.1 * min_ratio)
-    assert history[29][0] == pytest.approx(0.1 * cos_min)
+    for step in (1, 4, 10, 11, 20, 30, 36):
+        assert history[step] == pytest.approx([b * ratio(step - 1) for b in base])
+    assert history[0] == [0.0, 0.0]  # DeepSpeed's lr before its first step()
+    assert history[1][0] == pytest.approx(0.1 * min_ratio)
+    assert history[30][0] == pytest.approx(0.1 * cos_min)
     assert history[40][0] == pytest.approx(0.1 * cos_min)  # held, not rising again
 
 
@@ -111,7 +162,7 @@ def test_build_scheduler_from_config():
         "warmup_max_lr": 0.5, "warmup_num_steps": 4, "warmup_type": "linear"}}})
     scheduler = build_scheduler(config.scheduler, make_optimizer())
     assert isinstance(scheduler, WarmupLR)
-    assert [h[0] for h in lrs_by_step(scheduler, 2)] == pytest.approx([0.0, 0.125, 0.25])
+    assert [h[0] for h in lrs_by_step(scheduler, 3)] == pytest.approx([0.0, 0.0, 0.125, 0.25])
     assert build_scheduler(Config.load({}).scheduler, make_optimizer()) is None
 
 

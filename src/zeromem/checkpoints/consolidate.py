@@ -364,6 +364,10 @@ def consolidate(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike,
         aliases = manifest["aliases"]
         specs = [spec_of(key) for key in manifest["state_dict_keys"] if key not in aliases]
         write_output(Path(out_path), specs, manifest["state_dict_keys"], aliases)
+    if manifest.get("frozen_parameters_excluded"):
+        log.warning("%s may lack frozen parameters (saved with exclude_frozen_parameters, or "
+                    "a DeepSpeed stage-1 checkpoint): %s holds only the keys it has", path,
+                    out_path)
     log.info("consolidated %s into %s", path, out_path)
     return str(out_path)
 

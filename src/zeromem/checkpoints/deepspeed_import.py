@@ -20,11 +20,18 @@ How the partitions tile the parameters:
   ceil(numel / world size) elements (the last padded); rank r's flat buffer is its
   piece of each parameter in `param_shapes` order, over all groups.
 
+fp16 runs: every optimizer file holds the ZeRO optimizer's loss scaler (`loss_scaler`,
+a pickled DeepSpeed `DynamicLossScaler` or static `LossScaler`), the same on every rank;
+its scale, hysteresis and step counts become zeromem's scaler state (`precision.py`
+names the correspondence), so the run resumes at DeepSpeed's scale. Checkpoints saved
+with `exclude_frozen_parameters=True` lack the frozen parameters in the module state;
+the import marks them `frozen_parameters_excluded` and a load keeps the model's own.
+
 The import assembles each parameter's full fp32 master and optimizer states and writes
 them as a one-rank zeromem checkpoint (one piece per parameter, `checkpoints/save_load.py`),
 which the ordinary loader then reads at any world size and stage. The learning-rate
 schedule continues where DeepSpeed's stopped: DeepSpeed's `last_batch_iteration` i
-means its next step uses the schedule's lr at i, which is zeromem's `last_epoch` i.
+(-1 before its first step) is zeromem's `last_epoch` i + 1 (`schedulers.py`).
 
 Loading runs no code from the files: every `.pt` is read with `torch.load(weights_only=True)`
 and an allowlist of the three DeepSpeed classes its optimizer files pickle, rebuilt as
@@ -131,6 +138,7 @@ class DeepSpeedState:
     module_tensors: dict[str, torch.Tensor]     # buffers and frozen parameters
     state_dict_keys: list[str]
     aliases: dict[str, str]                     # tied weights: other key -> parameter name
+    loss_scaler: dict[str, Any]                 # the attributes of DeepSpeed's loss scaler
     model_states: dict = field(repr=False)      # rank 0's model states file (counters, config)
 
 
@@ -166,7 +174,23 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None) -> DeepS
     module_tensors = {k: v for k, v in module.items() if k not in param_group and k not in shared}
     module_tensors.update(frozen)
     return DeepSpeedState(path, stage, world_size, params, param_group, scalars, groups,
-                          module_tensors, list(module), shared, model)
+                          module_tensors, list(module), shared,
+                          _loss_scaler(optims, optim_files), model)
+
+
+def _loss_scaler(optims: list[dict], files: list[Path]) -> dict[str, Any]:
+    """The attributes of the loss scaler every rank saved (the same on all; {} if none)."""
+    scalers = [o.get("loss_scaler") for o in optims]
+    for scaler, file in zip(scalers, files):
+        if scaler is not None and not isinstance(scaler, _LossScaler):
+            raise CheckpointError(f"{file}: 'loss_scaler' is a {type(scaler).__name__}, not "
+                                  "DeepSpeed's LossScaler or DynamicLossScaler")
+    states = [vars(s) if s is not None else {} for s in scalers]
+    for state, file in zip(states[1:], files[1:]):
+        if state != states[0]:
+            raise CheckpointError(f"{file}: its loss scaler ({state}) differs from rank 0's "
+                                  f"({states[0]}): the ranks' files are from different steps")
+    return states[0]
 
 
 def _optim_files(path: Path, world_size: int) -> list[Path]:
@@ -340,12 +364,45 @@ def _manifest(ds: DeepSpeedState, tag: str) -> dict:
         "aliases": {k: v for k, v in ds.aliases.items() if k in ds.state_dict_keys},
         "module_tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                            for k, t in ds.module_tensors.items()},
+        # DeepSpeed records frozen_param_shapes (stages 2-3) unless exclude_frozen_parameters
+        # left them out; stage 1 never records them, so its module may lack them either way
+        "frozen_parameters_excluded": ds.model_states.get("frozen_param_shapes") is None,
         "optimizer": {"type": optimizer[0], "tensor_states": state_keys,
                       "param_groups": optimizer[1]},
-        "scaler": {},
+        "scaler": _scaler_state(ds, config),
         "lr_scheduler": scheduler,
         "client_state": None,
     }
+
+
+# zeromem's DynamicScaler state key -> DeepSpeed's DynamicLossScaler attribute (precision.py)
+_DYNAMIC_SCALER = {"scale": "cur_scale", "hysteresis_left": "cur_hysteresis",
+                   "iteration": "cur_iter", "last_overflow_iteration": "last_overflow_iter"}
+
+
+def _scaler_state(ds: DeepSpeedState, config: dict) -> dict[str, Any]:
+    """zeromem's loss scaler state from DeepSpeed's: the scale, hysteresis and clean-step
+    count an fp16 run resumes with ({} without fp16: bf16 and fp32 do not scale)."""
+    if not (config.get("fp16") or {}).get("enabled"):
+        return {}
+    saved, where = ds.loss_scaler, f"{ds.path}: the fp16 loss scaler"
+    if not saved.get("dynamic", False):
+        return {"scale": _number(saved, "cur_scale", where)}
+    state = {ours: _number(saved, theirs, where) for ours, theirs in _DYNAMIC_SCALER.items()}
+    return {k: float(v) if k == "scale" else int(v) for k, v in state.items()}
+
+
+def _number(saved: dict, key: str, where: str) -> float:
+    value = saved.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointError(f"{where} has no number {key!r} (saved: {saved or 'nothing'}); "
+                              "the checkpoint is damaged or from an unknown DeepSpeed version")
+    return value
+
+
+def _scheduler_steps(model_states: dict) -> int:
+    """How many `step()`s DeepSpeed's schedule took: its `last_batch_iteration` starts at -1."""
+    return int((model_states.get("lr_scheduler") or {}).get("last_batch_iteration", -1)) + 1
 
 
 def _compute_dtype(config: dict) -> str:
@@ -396,8 +453,7 @@ def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str
         assert scheduler is not None  # a config block always builds a schedule
         with warnings.catch_warnings():  # stepping a schedule with no optimizer step between
             warnings.simplefilter("ignore")
-            for _ in range(int((ds.model_states.get("lr_scheduler") or {})
-                               .get("last_batch_iteration", 0))):
+            for _ in range(_scheduler_steps(ds.model_states)):
                 scheduler.step()
         schedule = encode(scheduler.state_dict(), "lr scheduler state")
     options = [encode({k: v for k, v in g.items() if k != "params"}, f"param group {i}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr,
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
 
 import torch
@@ -190,6 +190,9 @@ class Manifest(_Strict):
     state_dict_keys: list[StrictStr]
     aliases: dict[StrictStr, StrictStr]
     module_tensors: dict[StrictStr, ModuleTensor]
+    frozen_parameters_excluded: StrictBool = False
+    """Saved with exclude_frozen_parameters (or a DeepSpeed checkpoint that may have been):
+    frozen parameters may be absent from module_tensors and state_dict_keys."""
     optimizer: OptimizerInfo
     scaler: ScalerState
     lr_scheduler: Optional[dict[StrictStr, Any]]

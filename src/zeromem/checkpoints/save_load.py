@@ -28,7 +28,8 @@ elements [offset, offset + numel) of P flattened:
     master/<P>                  fp32 master piece
     optimizer/<state>/<P>       optimizer state piece (exp_avg, ...), same range
     module/<key>                rank 0 only: state_dict entries that are not trained
-                                parameters (buffers, frozen parameters), whole, own dtype
+                                parameters (buffers, frozen parameters), whole, own dtype;
+                                frozen parameters left out under exclude_frozen_parameters
     rng/cpu, rng/cuda<i>, rng/numpy   this rank's generator states (Python's in metadata)
 
 At stage 0 every rank holds the same whole state, so only rank 0 writes pieces.
@@ -156,13 +157,15 @@ def _check_same_tag(state: TrainingState, tag: str) -> None:
 # ---------------------------------------------------------------- save
 
 def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str | None = None,
-                    client_state: Any = None) -> str:
+                    client_state: Any = None, exclude_frozen_parameters: bool = False) -> str:
     """Write a checkpoint of the engine's `state` to `save_dir/<tag>` atomically; collective.
 
     Every rank writes its own pieces; rank 0 writes the manifest, publishes the
     directory and updates `latest`. `tag` defaults to `global_step<N>`; an
     existing tag is replaced. `client_state` (any picklable object) comes back
-    from `load_checkpoint`. Returns the checkpoint directory.
+    from `load_checkpoint`. `exclude_frozen_parameters` leaves out the module's
+    parameters that are not trained (requires_grad False); a load keeps the
+    loading model's own values for them. Returns the checkpoint directory.
     """
     tag = check_tag(f"global_step{state.counters.global_steps}" if tag is None else str(tag))
     if state.counters.mid_accumulation():
@@ -176,8 +179,10 @@ def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str 
     try:
         with state.resident():  # masters and optimizer states in memory (offload/placement.py)
             manifest = _collective(state, "describing the checkpoint",
-                                   lambda: _build_manifest(state, tag) if rank == 0 else None)
-            digest, error = _attempt(lambda: _write_rank_file(state, tmp, rank))
+                                   lambda: _build_manifest(state, tag, exclude_frozen_parameters)
+                                   if rank == 0 else None)
+            digest, error = _attempt(lambda: _write_rank_file(state, tmp, rank,
+                                                              exclude_frozen_parameters))
         rows = _share_rows(state, _digest_row(digest, error))
         _all_ranks_ok(state, error, "writing the checkpoint shards")
         client, error = _attempt(lambda: _write_client_state(tmp, client_state)
@@ -200,7 +205,8 @@ def _digest_row(digest: tuple[str, int] | None, error: BaseException | None) -> 
     return list(bytes.fromhex(digest[0])) + [digest[1]]
 
 
-def _write_rank_file(state: TrainingState, tmp: Path, rank: int) -> tuple[str, int]:
+def _write_rank_file(state: TrainingState, tmp: Path, rank: int,
+                     exclude_frozen: bool) -> tuple[str, int]:
     """This rank's safetensors file: its pieces, rank 0's module tensors, its RNG states."""
     specs: list[TensorSpec] = []
     for g in state.groups:
@@ -211,7 +217,7 @@ def _write_rank_file(state: TrainingState, tmp: Path, rank: int) -> tuple[str, i
                 specs.append(TensorSpec.of(f"optimizer/{key}/{slot.name}", t[s0:s0 + n]))
     if rank == 0:
         specs += [TensorSpec.of(f"module/{k}", t.detach())
-                  for k, t in _module_tensors(state).items()]
+                  for k, t in _module_tensors(state, exclude_frozen).items()]
     rng_specs, rng_meta = rng_to_file(state.stateful["rng"].state_dict())
     metadata = {"format": FORMAT, "rank": str(rank), **rng_meta}
     return write_safetensors(tmp / rank_file_name(rank), specs + rng_specs, metadata)
@@ -234,25 +240,39 @@ def _trained_ids(state: TrainingState) -> set[int]:
     return {id(p) for g in state.groups for p in g.params}
 
 
-def _module_tensors(state: TrainingState) -> dict[str, torch.Tensor]:
-    """state_dict entries that are not trained parameters: buffers and frozen parameters."""
+def _module_tensors(state: TrainingState, exclude_frozen: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """state_dict entries that are not trained parameters: buffers and frozen parameters
+    (without the frozen parameters when `exclude_frozen`)."""
     trained, seen, out = _trained_ids(state), set(), {}
+    frozen = _frozen_keys(state) if exclude_frozen else set()
     for key, value in state.module.state_dict(keep_vars=True).items():
         if not torch.is_tensor(value):
             log.warning("state_dict entry %s is not a tensor; it is not checkpointed", key)
-        elif id(value) not in trained and id(value) not in seen:
+        elif id(value) not in trained and id(value) not in seen and key not in frozen:
             seen.add(id(value))
             out[key] = value
     return out
 
 
-def _aliases(state: TrainingState) -> tuple[list[str], dict[str, str]]:
-    """All state_dict keys, and {alias key: canonical key} for tensors reachable twice."""
+def _frozen_keys(state: TrainingState) -> set[str]:
+    """state_dict keys of parameters nothing trains: requires_grad False, in no flat group."""
+    trained = _trained_ids(state)
+    return {key for key, value in state.module.state_dict(keep_vars=True).items()
+            if isinstance(value, torch.nn.Parameter) and not value.requires_grad
+            and id(value) not in trained}
+
+
+def _aliases(state: TrainingState, exclude_frozen: bool = False
+             ) -> tuple[list[str], dict[str, str]]:
+    """All state_dict keys (less the frozen parameters when `exclude_frozen`), and
+    {alias key: canonical key} for tensors reachable twice."""
     first: dict[int, str] = {id(p): n for g in state.groups for p, n in
                              zip(g.params, (s.name for s in g.slots))}
+    frozen = _frozen_keys(state) if exclude_frozen else set()
     keys, aliases = [], {}
     for key, value in state.module.state_dict(keep_vars=True).items():
-        if not torch.is_tensor(value):
+        if not torch.is_tensor(value) or key in frozen:
             continue
         keys.append(key)
         canonical = first.setdefault(id(value), key)
@@ -273,7 +293,7 @@ def _write_client_state(tmp: Path, client_state: Any) -> dict | None:
     return {"name": CLIENT_STATE, "sha256": sha, "bytes": size}
 
 
-def _build_manifest(state: TrainingState, tag: str) -> dict:
+def _build_manifest(state: TrainingState, tag: str, exclude_frozen: bool) -> dict:
     """Everything but the files' checksums (added in `_finish`); rank 0."""
     opt = state.optimizer
     params, tensor_states = {}, {}
@@ -288,7 +308,7 @@ def _build_manifest(state: TrainingState, tag: str) -> dict:
         if _tensor_states(opt, g).keys() != tensor_states.keys():
             raise CheckpointError(f"optimizer states differ between flat groups "
                                   f"({sorted(tensor_states)}); cannot checkpoint them")
-    keys, aliases = _aliases(state)
+    keys, aliases = _aliases(state, exclude_frozen)
     return {
         "format": FORMAT, "version": VERSION, "tag": tag,
         "world_size": state.comm.world_size, "zero_stage": state.zero_stage,
@@ -301,7 +321,8 @@ def _build_manifest(state: TrainingState, tag: str) -> dict:
         "state_dict_keys": keys,
         "aliases": aliases,
         "module_tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                           for k, t in _module_tensors(state).items()},
+                           for k, t in _module_tensors(state, exclude_frozen).items()},
+        "frozen_parameters_excluded": exclude_frozen,
         "optimizer": {"type": state.optimizer_type, "tensor_states": sorted(tensor_states),
                       "param_groups": param_groups_state(state.optimizer)},
         "scaler": scaler_state(state.stateful["scaler"]),
@@ -420,11 +441,20 @@ def _open_checked(state: TrainingState, load_dir, tag, load_optimizer_states: bo
 
 def _check_model(state: TrainingState, manifest: dict, file: Path,
                  load_optimizer_states: bool) -> None:
-    """The checkpoint must hold exactly this model's parameters and buffers, same shapes."""
-    _compare("parameter", {s.name: list(s.shape) for g in state.groups for s in g.slots},
-             {n: p["shape"] for n, p in manifest["params"].items()}, file)
+    """The checkpoint must hold exactly this model's parameters and buffers, same shapes;
+    frozen parameters it left out (exclude_frozen_parameters) keep this model's values."""
+    trained = {s.name: list(s.shape) for g in state.groups for s in g.slots}
+    unset = [n for n in trained if n not in manifest["params"]
+             and n not in manifest["module_tensors"]]
+    if unset and manifest.get("frozen_parameters_excluded"):
+        raise CheckpointError(f"{file} was saved without frozen parameters and lacks "
+                              f"{unset[:5]}, which this model trains: the load would leave "
+                              "them unset. Freeze them as the saving run did, or load a "
+                              "checkpoint that holds them")
+    _compare("parameter", trained, {n: p["shape"] for n, p in manifest["params"].items()}, file)
+    kept = _kept_frozen(state, manifest)
     _compare("buffer or frozen parameter",
-             {k: list(t.shape) for k, t in _module_tensors(state).items()},
+             {k: list(t.shape) for k, t in _module_tensors(state).items() if k not in kept},
              {k: v["shape"] for k, v in manifest["module_tensors"].items()}, file)
     pieces_by_param(manifest)  # every parameter fully covered by pieces
     if not load_optimizer_states:
@@ -436,6 +466,18 @@ def _check_model(state: TrainingState, manifest: dict, file: Path,
     if saved["tensor_states"] and saved["type"] != state.optimizer_type:
         raise CheckpointError(f"{file} holds {saved['type']} states but this engine uses "
                               f"{state.optimizer_type}; pass load_optimizer_states=False")
+
+
+def _kept_frozen(state: TrainingState, manifest: dict) -> set[str]:
+    """This model's frozen parameters that the checkpoint left out on purpose."""
+    if not manifest.get("frozen_parameters_excluded"):
+        return set()
+    saved = manifest["module_tensors"].keys() | manifest["params"].keys()
+    kept = {k for k in _frozen_keys(state) if k not in saved}
+    if kept:
+        log.info("the checkpoint was saved without frozen parameters; %s keep their values",
+                 sorted(kept))
+    return kept
 
 
 def _compare(kind: str, here: dict[str, list[int]], saved: dict[str, list[int]],
@@ -555,7 +597,8 @@ def _apply(state: TrainingState, staged: _Staged, load_lr_scheduler_states: bool
 # ---------------------------------------------------------------- 16-bit model
 
 def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
-                     filename: str = "pytorch_model.bin") -> str:
+                     filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> str:
     """Save the model's weights in the compute dtype to `save_dir/filename` (rank 0); collective.
 
     Keys as `module.state_dict()`; trained parameters are the fp32 masters cast to
@@ -563,6 +606,7 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
     parameters as held. `.safetensors` names give a safetensors file (tied
     weights stored once, aliases in the metadata), others a torch.save file. At
     stage 3 this needs `zero_optimization.stage3_gather_16bit_weights_on_model_save`.
+    `exclude_frozen_parameters` leaves out parameters with requires_grad False.
     """
     if state.zero_stage == 3 and not state.gather_16bit_weights:
         raise CheckpointError(
@@ -574,6 +618,9 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
 
     with state.resident():
         weights = _gathered_state_dict(state, state.compute_dtype)
+    if exclude_frozen_parameters:
+        frozen = _frozen_keys(state)
+        weights = {k: v for k, v in weights.items() if k not in frozen}
     path = Path(save_dir) / filename
     _collective(state, "saving the 16-bit model",
                 lambda: write_state_dict(path, weights) if state.comm.rank == 0 else None)

@@ -111,7 +111,7 @@ def destroy_process_group(group=None) -> None:
 
 
 def log_summary(show_straggler: bool = False, return_dict: bool = False):
-    """DeepSpeed's `log_summary`: the `comms_logger` table of the live engine's collectives,
+    """DeepSpeed's `log_summary`: the `comms_logger` table of the newest engine's collectives,
     printed on rank 0 (`return_dict`: the table as a dict instead). Needs `comms_logger`
     enabled in the config."""
     from zeromem.distributed import LIFECYCLE
@@ -119,7 +119,7 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False):
     if show_straggler:
         raise NotImplementedError("log_summary(show_straggler=True) is not supported: zeromem's "
                                   "comms log is per rank (each rank can print its own table)")
-    logs = [engine.comm.log for engine in list(LIFECYCLE.engines) if engine.comm.log is not None]
+    logs = [engine.comm.log for engine in LIFECYCLE.engines if engine.comm.log is not None]
     if not logs:
         raise RuntimeError('log_summary: no engine records its collectives; set "comms_logger": '
                            '{"enabled": true} in the config')

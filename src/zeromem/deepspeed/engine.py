@@ -203,7 +203,8 @@ class DeepSpeedEngine(nn.Module):
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Collective. `latest` is always written (zeromem publishes tags atomically);
-        frozen parameters are always saved.
+        `exclude_frozen_parameters` leaves out parameters with requires_grad False, which a
+        load then keeps as the loading model has them.
 
         A zeromem checkpoint is one directory, written by all ranks; DeepSpeed lets
         each rank write under the `save_dir` it passed. Scripts that name the
@@ -213,17 +214,21 @@ class DeepSpeedEngine(nn.Module):
         if chosen != str(save_dir):
             log.warning("rank %d: save_checkpoint(%s) writes to rank 0's directory %s",
                         self.global_rank, save_dir, chosen)
-        _refuse_unsupported(save_latest=(save_latest, True),
-                            exclude_frozen_parameters=(exclude_frozen_parameters, False))
-        self.engine.save_checkpoint(chosen, tag, client_state if client_state else None)
+        _refuse_unsupported(save_latest=(save_latest, True))
+        self.engine.save_checkpoint(chosen, tag, client_state if client_state else None,
+                                    exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str, Any]:
-        """(path, client_state). Loading is always strict; `load_module_only` keeps
-        the optimizer and scheduler as they are."""
-        _refuse_unsupported(load_module_strict=(load_module_strict, True))
+        """(path, client_state). `load_module_only` keeps the optimizer and scheduler as they are.
+
+        Loading is strict either way: every trained parameter and buffer must be in the
+        checkpoint. The one leniency DeepSpeed users pass `load_module_strict=False` for,
+        frozen parameters left out by `save_checkpoint(exclude_frozen_parameters=True)`,
+        zeromem grants always (they keep the model's values); anything else missing or
+        unexpected is still an error naming the key."""
         if load_module_only:
             load_optimizer_states = load_lr_scheduler_states = False
         path, client_state = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states,
@@ -237,15 +242,19 @@ class DeepSpeedEngine(nn.Module):
                                              ) -> dict[str, torch.Tensor]:
         """The whole model's state dict in the compute dtype on rank 0 ({} elsewhere), keys as
         the model's own; collective. HF's `save_model` calls it at stage 3."""
-        _refuse_unsupported(exclude_frozen_parameters=(exclude_frozen_parameters, False))
         dtype = self.engine.compute_dtype
+        frozen = self._frozen_keys() if exclude_frozen_parameters else set()
         return {k: v.to(dtype) if v.is_floating_point() else v
-                for k, v in self.engine.full_state_dict().items()}
+                for k, v in self.engine.full_state_dict().items() if k not in frozen}
+
+    def _frozen_keys(self) -> set[str]:
+        """The model's state_dict keys of parameters with requires_grad False."""
+        return {k for k, p in self.module.named_parameters(remove_duplicate=False)
+                if not p.requires_grad}
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        _refuse_unsupported(exclude_frozen_parameters=(exclude_frozen_parameters, False))
-        self.engine.save_16bit_model(save_dir, save_filename)
+        self.engine.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
         return True
 
     # -- reports and teardown ----------------------------------------------------

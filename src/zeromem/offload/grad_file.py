@@ -141,6 +141,8 @@ class ShardToFile:
     """Stage 2/3 gradients of one flat group, reduced shard stored in the `GradFile`."""
 
     reduces_every_microstep = True
+    temporary_buckets = 1  # the full-size bucket, dropped once its shard is stored
+    scatters = True
 
     def __init__(self, group: FlatParamGroup, dtype: torch.dtype, device: torch.device,
                  store: GradFile):

@@ -17,13 +17,21 @@ in training, where they share the machine):
     disk        read and write bandwidth of the engine's swap I/O (`SwapSpace`,
                 O_DIRECT) under the NVMe path
     optimizer   seconds per element of AdamW's step with the kernel each
-                placement runs: the config's on the device, torch's fused CPU
-                kernel under offload
+                placement runs: on the device the config's as `optim.py` builds
+                it (fused where torch has it), torch's fused CPU kernel under
+                offload
+    overhead    the engine's own cost per parameter and step at each stage
+                (Python hooks, bucket bookkeeping, launches): a step of an
+                engine over `ManyParameters` (many small parameters, almost no
+                compute) less the same step without an engine and less the
+                collectives that engine issues (counted as below, timed with the
+                links above), per parameter
 
 `Calibration.step_time` predicts one optimizer step of a setup from these and
 the engine's layout (`estimate.exact_model_states`): the collectives it issues
 (counted as the engine issues them, see `collectives`), the optimizer step over
-the rank's elements, and the offload traffic. With gloo (CPU ranks) nothing
+the rank's elements, the offload traffic, and the engine's overhead for the
+model's number of parameters. With gloo (CPU ranks) nothing
 overlaps: the cores run compute, collectives and the step in turn, so the
 prediction is the sum, and `StepTime.overlapped` equals `.serial`.
 """
@@ -76,6 +84,7 @@ class Calibration:
     disk_write: float
     disk_path: str
     optimizer: dict[str, float] = field(default_factory=dict)  # "device" / "cpu": s per element
+    overhead: dict[int, float] = field(default_factory=dict)  # stage: s per parameter and step
 
     def describe(self) -> str:
         mb = 1e6
@@ -88,7 +97,8 @@ class Calibration:
                 f"backward {self.backward_s * 1e3:.0f} ms at {self.tokens} tokens); {links}; "
                 f"copies {self.copy_bandwidth / mb:.0f} MB/s; {disk}; AdamW "
                 + ", ".join(f"{k} {v * 1e9:.1f} ns" for k, v in self.optimizer.items())
-                + " per element")
+                + " per element; engine overhead per parameter "
+                + ", ".join(f"stage {k} {v * 1e6:.0f} us" for k, v in self.overhead.items()))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,8 +117,9 @@ class Calibration:
         shard = shape.psi / n_d if setup.stage >= 1 else shape.psi
         placement = {"none": "device"}.get(setup.offload_optimizer, "cpu")
         optimizer = shard * self.optimizer[placement]
+        overhead = gas * len(shape.param_numels) * self.overhead.get(setup.stage, 0.0)
         return StepTime(compute, comm, self._offload(setup, states, p, shape.psi / n_d, gas),
-                        optimizer, can_overlap=self.backend == "nccl")
+                        optimizer, can_overlap=self.backend == "nccl", overhead=overhead)
 
     def _offload(self, setup: Any, states: Any, p: int, shard: float, gas: int) -> float:
         """Host copies and swap I/O of one step."""
@@ -189,6 +200,53 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens, tokens)
 
 
+class ManyParameters(nn.Module):
+    """Many small parameters and almost no compute: what the engine itself costs per
+    parameter (the `overhead` calibration)."""
+
+    BLOCKS, WIDTH = 16, 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        w = self.WIDTH
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(w, w), nn.LayerNorm(w))
+                                    for _ in range(self.BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+STAGES = (0, 1, 2, 3)
+
+
+def overhead_config(stage: int) -> dict:
+    """The engine config `ManyParameters` is stepped under at `stage` (as the planner writes)."""
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": stage, "overlap_comm": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+
+
+def _engine_overhead(seconds: Callable[[str], float], links: dict[str, Link],
+                     n: int) -> dict[int, float]:
+    """Seconds per parameter and step of the engine's own work at each stage."""
+    from zeromem.config.schema import Config
+    from zeromem.planning.planner import layout_for, shape_of
+    with torch.device("meta"):
+        shape = shape_of(ManyParameters())
+    out = {}
+    for stage in STAGES:
+        layout = layout_for(Config.load(overhead_config(stage), world_size=n), shape, n)
+        units = shape.with_unit_caps(layout.unit_caps(FP32, n))  # as the engine merges them
+        comm = sum(links[LINK_OF.get(kind, kind)].seconds(calls, nbytes)
+                   for kind, (calls, nbytes) in collectives(units, layout, FP32, FP32, n,
+                                                            1).items())
+        own = seconds(f"engine_{stage}") - seconds("engine_none") - comm
+        out[stage] = max(own, 0.0) / len(shape.param_numels)
+    return out
+
+
 @dataclass(frozen=True)
 class Measurement:
     """What to measure (picklable: it travels to the spawned ranks)."""
@@ -227,6 +285,8 @@ class Probe:
         from zeromem.comm import Comm
         from zeromem.config.schema import AioConfig
         from zeromem.offload.nvme import AsyncIO, BufferPool, SwapSpace
+        from zeromem.offload.placement import CPU_KERNEL
+        from zeromem.optim import kernel_options
         torch.manual_seed(rank)
         self.comm = Comm()
         n = self.comm.world_size
@@ -236,10 +296,15 @@ class Probe:
         self.copy = (torch.ones(self.COPY), torch.empty(self.COPY))
         numel = what.optimizer_numel
         self.optimizers = {}
-        for name, fused in (("device", False), ("cpu", True)):
+        # the kernels the engine builds: on the device the config's AdamW as optim.py asks
+        # for it, under offload torch's fastest CPU kernel (offload/placement.py)
+        kernels = {"device": kernel_options(torch.optim.AdamW, {"lr": 1e-4}),
+                   "cpu": {"lr": 1e-4, CPU_KERNEL: True}}
+        for name, options in kernels.items():
             p = nn.Parameter(torch.zeros(numel))
             p.grad = torch.full((numel,), 1e-3)
-            self.optimizers[name] = torch.optim.AdamW([p], lr=1e-4, fused=fused or None)
+            self.optimizers[name] = torch.optim.AdamW([p], **options)
+        self.overhead = self._overhead_steps()
         self.space = SwapSpace(what.nvme_path, rank, AsyncIO.from_config(AioConfig.model_validate({})))
         self.file = self.space.file("calibrate.swp", self.DISK_BYTES)
         self.pool = BufferPool(4, self.RECORD)
@@ -247,6 +312,28 @@ class Probe:
         for buf in self.bufs:
             buf.fill_(1)
         self.sample()  # warm-up: allocations, lazy initialisation, the file's first write
+
+    def _overhead_steps(self) -> dict[str, Callable[[], None]]:
+        """One step of `ManyParameters` without an engine ("engine_none") and under one
+        at each stage ("engine_S")."""
+        import zeromem
+        x = torch.randn(4, ManyParameters.WIDTH)
+        bare = ManyParameters()
+        optimizer = torch.optim.AdamW(bare.parameters(), lr=1e-4, fused=True)
+
+        def plain() -> None:
+            bare(x).backward()
+            torch.nn.utils.clip_grad_norm_(bare.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        steps = {"engine_none": plain}
+        self.engines = [zeromem.initialize(ManyParameters(), overhead_config(s)) for s in STAGES]
+        for stage, engine in zip(STAGES, self.engines):
+            def step(engine: Any = engine) -> None:
+                engine.backward(engine(x))
+                engine.step()
+            steps[f"engine_{stage}"] = step
+        return steps
 
     def _link_op(self, kind: str, numel: int) -> Callable[[], Any]:
         comm, n = self.comm, self.comm.world_size
@@ -268,6 +355,13 @@ class Probe:
         for h in handles:
             h.wait()
 
+    def sample_compute(self) -> dict:
+        """Seconds of one forward and backward of the model (a benchmark takes one beside
+        each step it measures: the compute dominates, and the load moves within seconds)."""
+        seconds = _seconds(lambda: _loss(self.model, self.tokens).backward(), self.comm.barrier)
+        self.model.zero_grad(set_to_none=True)
+        return {"forward_backward": seconds}
+
     def sample(self) -> dict:
         """Seconds of each measurement, once (the small collectives: median of 4 calls)."""
         barrier = self.comm.barrier
@@ -276,10 +370,7 @@ class Probe:
             with torch.no_grad():
                 _loss(self.model, self.tokens)
 
-        out: dict[str, Any] = {"forward": _seconds(forward, barrier),
-               "forward_backward": _seconds(lambda: _loss(self.model, self.tokens).backward(),
-                                            barrier)}
-        self.model.zero_grad(set_to_none=True)
+        out: dict[str, Any] = {"forward": _seconds(forward, barrier), **self.sample_compute()}
         for kind, (small, large) in self.links.items():
             out[kind] = (_seconds(small, barrier, 4), _seconds(large, barrier))
         src, dst = self.copy
@@ -288,9 +379,13 @@ class Probe:
             out["optimizer_" + name] = _seconds(opt.step, barrier)
         out["disk_write"] = _seconds(lambda: self._disk(self.file.write), barrier)
         out["disk_read"] = _seconds(lambda: self._disk(self.file.read), barrier)
+        for name, step in self.overhead.items():
+            out[name] = _seconds(step, barrier, 3)
         return out
 
     def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
         self.space.close()
 
 
@@ -327,7 +422,8 @@ def from_samples(samples: list[list[dict]], what: Measurement, shape: Any,
                        FP32 * Probe.COPY / seconds("copy"),
                        Probe.DISK_BYTES / seconds("disk_read"),
                        Probe.DISK_BYTES / seconds("disk_write"), what.nvme_path,
-                       {k: seconds("optimizer_" + k) / numel for k in ("device", "cpu")})
+                       {k: seconds("optimizer_" + k) / numel for k in ("device", "cpu")},
+                       _engine_overhead(seconds, links, n))
 
 
 def measurement(build: Callable[[], nn.Module], shape: Any, micro_batch: int, seq: int,

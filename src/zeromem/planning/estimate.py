@@ -32,7 +32,10 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from zeromem.layout import pack_buckets, padded_numel
+from zeromem.grads import (GradKind, ShardAccumulated, WholeAllReduced, WholeScattered,
+                           launch_copies)
+from zeromem.layout import (GATHER_IN_FLIGHT, REDUCE_IN_FLIGHT, gather_chunks, pack_buckets,
+                            padded_numel, peak_in_flight)
 from zeromem.memory import model_state_formula
 from zeromem.offload.budget import pool_unit_numel
 from zeromem.planning.host_memory import OffloadKnobs, offload_breakdown
@@ -363,6 +366,8 @@ class ZeroLayout:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     offload: OffloadKnobs = OffloadKnobs()  # swap-buffer sizes (sub_group_size, buffer_count)
+    overlap_comm: bool | None = None  # None: as the config's default, on at stage 3 only
+    backend: str = "nccl"  # the collectives' backend: gloo stages reduce-scatters in a copy
 
     def unit_caps(self, param_bytes: int, n_d: int) -> UnitCaps:
         """What bounds a merged fetch unit, as the engine's `_unit_caps` reads it: the reduce
@@ -388,10 +393,11 @@ class ShapeMemory:
     host_bytes: float
     nvme_bytes: float
     gathered_params: float  # stage 3: peak of whole parameters gathered for compute
-    comm_buffers: float  # temporary reduce / all-gather buckets at their peak
+    comm_buffers: float  # temporary reduce / all-gather buffers at their peak (sum of `comm`)
     groups: int
     host: dict[str, float] = field(default_factory=dict)  # host bytes by name (host_memory.py)
     nvme: dict[str, float] = field(default_factory=dict)  # NVMe bytes by name
+    comm: dict[str, float] = field(default_factory=dict)  # comm_buffers by name, at the peak
 
     @property
     def model_state_bytes(self) -> float:
@@ -405,7 +411,8 @@ class ShapeMemory:
                            self.host_bytes * factor, self.nvme_bytes * factor,
                            self.gathered_params * factor, self.comm_buffers * factor, self.groups,
                            {k: b * factor for k, b in self.host.items()},
-                           {k: b * factor for k, b in self.nvme.items()})
+                           {k: b * factor for k, b in self.nvme.items()},
+                           {k: b * factor for k, b in self.comm.items()})
 
 
 def _group_numels(shape: ModelShape, layout: ZeroLayout) -> list[int]:
@@ -453,9 +460,10 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
     host, nvme = offload_breakdown([n / n_d for n in padded], optimizer, param, widths.param,
                                    widths.states, per_group, widths.master == 0, layout.offload,
                                    grads_in_file=stage >= 2)
+    comm = comm_buffer_parts(padded, n_d, widths, layout)
     return ShapeMemory(device, sum(host.values()), sum(nvme.values()),
-                       _gathered_bytes(sizes, n_d, widths, layout),
-                       _comm_buffer_bytes(padded, widths, layout), len(padded), host, nvme)
+                       _gathered_bytes(sizes, n_d, widths, layout), sum(comm.values()),
+                       len(padded), host, nvme, comm)
 
 
 def _gathered_bytes(sizes: list[int], n_d: int, widths: Widths, layout: ZeroLayout) -> float:
@@ -468,19 +476,45 @@ def _gathered_bytes(sizes: list[int], n_d: int, widths: Widths, layout: ZeroLayo
     return widths.param * min(sum(gathered), max(gathered) + layout.prefetch_numel)
 
 
-def _comm_buffer_bytes(padded: list[int], widths: Widths, layout: ZeroLayout) -> float:
-    """Temporary buffers: chunked all-gathers of updated shards (stages 1-2) when a group
-    exceeds `allgather_bucket_size`; at stages >= 2 full-size reduce buckets.
+GRAD_KINDS: dict[int, GradKind] = {0: WholeAllReduced, 1: WholeScattered, 2: ShardAccumulated,
+                                   3: ShardAccumulated}  # as the engine picks them by stage
 
-    Stage 2's reducer keeps at most two buckets in flight while a third fills (grads.py).
-    This is NCCL's footprint; gloo's reduce-scatter also allocates a receive buffer as
-    large as each bucket in flight (comm.py).
+
+def comm_buffer_parts(padded: list[int], n_d: int, widths: Widths,
+                      layout: ZeroLayout) -> dict[str, float]:
+    """The temporary communication buffers (CB) at their peak, by name, as the engine
+    allocates and notes them (Comm.note_buffer): the larger of two phases.
+
+    Reduction (backward): each bucket's launch holds `grads.launch_copies` full-size
+    buffers, the temporary bucket (stages 2-3, `grad_buckets`) and the backend's receive
+    buffer (`reduce_scatter_receive`: gloo's all-to-all lands the chunks there; NCCL has
+    none), for REDUCE_IN_FLIGHT consecutive buckets under overlap_comm, else (and when the
+    optimizer on NVMe sends reduced shards to grads.swp) one.
+    Parameter all-gather (after the step, stages 1-2): the chunk buffers of groups over
+    `allgather_bucket_size` (`layout.gather_chunks`), GATHER_IN_FLIGHT + 1 alive at once
+    (the next is allocated before the oldest is waited on); a group within the bucket is
+    gathered in place. Stage 3 gathers into the parameters' own full buffers
+    (`gathered_params`), not here.
     """
-    largest = max(padded, default=0)
-    chunked = 1 <= layout.stage <= 2 and largest > layout.allgather_bucket_numel
-    gather = widths.param * layout.allgather_bucket_numel if chunked else 0.0
-    reduce = widths.grad * sum(sorted(padded)[-3:]) if layout.stage >= 2 else 0.0
-    return max(gather, reduce)
+    stage = layout.stage
+    overlap = layout.overlap_comm if layout.overlap_comm is not None else stage >= 3
+    # reduced shards to grads.swp (optimizer on NVMe, stages 2-3): one bucket alive at a time
+    # (offload/placement.py MastersOnNvme.buckets_alive)
+    to_file = layout.offload_optimizer == "nvme" and stage >= 2
+    window = peak_in_flight(padded, REDUCE_IN_FLIGHT if overlap and not to_file else 1) \
+        * widths.grad
+    kind = GRAD_KINDS[stage]
+    received = launch_copies(kind, layout.backend) - kind.temporary_buckets if n_d > 1 else 0
+    reduce = {"grad_buckets": kind.temporary_buckets * window,
+              "reduce_scatter_receive": received * window}  # one rank copies, sends nothing
+    chunks: list[int] = []
+    if 1 <= stage <= 2:
+        for n in padded:
+            chunks += [n_d * (end - start)
+                       for start, end in gather_chunks(n, n_d, layout.allgather_bucket_numel)] or [0]
+    gather = widths.param * peak_in_flight(chunks, GATHER_IN_FLIGHT + 1)
+    parts = reduce if sum(reduce.values()) >= gather else {"gather_chunks": gather}
+    return {name: float(b) for name, b in parts.items() if b}
 
 
 # ---------------------------------------------------------------- activations

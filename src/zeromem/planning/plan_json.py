@@ -10,7 +10,8 @@ Bytes are per GPU unless the key says per node; `step_seconds` runs from full
 overlap of compute, communication and offload traffic to none (plus the optimizer
 step), from the speeds measured by `--calibrate` when given ("step_seconds_from"
 holds them), else from the assumed GPU cluster's. Each setup also
-carries its host and NVMe breakdown by name and the call its checkpointing needs.
+carries its host, NVMe and buffer breakdowns by name and the call its checkpointing
+needs.
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def setup_json(c: Candidate, gpus_per_node: int) -> dict:
         "step_seconds": [c.time.overlapped, c.time.serial], "fits": c.fits,
         "host_bytes_per_rank_by_part": host_parts,
         "nvme_bytes_per_rank_by_part": dict(c.states.nvme),
+        # buffer_bytes by part: gathered stage-3 units, and the communication buffers
+        # (grad_buckets, reduce_scatter_receive on gloo, gather_chunks) at their peak
+        "buffer_bytes_by_part": {"gathered_params": c.states.gathered_params, **c.states.comm},
         "needs": checkpointing_call(s),
     }
 

@@ -68,9 +68,11 @@ def widths_for(config: Config) -> Widths:
                   0 if compute == torch.float32 else 4, states, scalars)
 
 
-def layout_for(config: Config, shape: ModelShape | None = None, n_d: int = 1) -> ZeroLayout:
+def layout_for(config: Config, shape: ModelShape | None = None, n_d: int = 1,
+               backend: str = "nccl") -> ZeroLayout:
     """The grouping and partitioning knobs of a validated zeromem config; with `shape`, the
-    bucket sizes the config leaves out are derived as the engine derives them (layout.py)."""
+    bucket sizes the config leaves out are derived as the engine derives them (layout.py).
+    `backend`: the collectives' (gloo stages reduce-scatters in a receive buffer)."""
     z = config.zero_optimization
     buckets = {k: int(getattr(z, k)) for k in ("reduce_bucket_size", "allgather_bucket_size",
                                                 "stage3_prefetch_bucket_size")}
@@ -84,19 +86,21 @@ def layout_for(config: Config, shape: ModelShape | None = None, n_d: int = 1) ->
     return ZeroLayout(z.stage, buckets["reduce_bucket_size"], buckets["allgather_bucket_size"],
                       int(z.stage3_param_persistence_threshold),
                       buckets["stage3_prefetch_bucket_size"],
-                      z.offload_optimizer_device, z.offload_param_device, knobs)
+                      z.offload_optimizer_device, z.offload_param_device, knobs,
+                      bool(z.overlap_comm), backend)
 
 
 def predict_memory(model: nn.Module | ModelShape, config: dict | str | Config,
-                   n_d: int) -> ShapeMemory:
-    """Per-rank bytes the engine will hold for `model` under `config` on N_d ranks."""
+                   n_d: int, backend: str = "nccl") -> ShapeMemory:
+    """Per-rank bytes the engine will hold for `model` under `config` on N_d ranks of
+    `backend` (which sizes the communication buffers)."""
     shape = model if isinstance(model, ModelShape) else shape_of(model)
     cfg = Config.load(config, world_size=n_d)
     widths = widths_for(cfg)
     # fetch units merged as the engine merges them under this config; then the prefetch
     # depth the engine derives from the largest of them
     shape = shape.with_unit_caps(layout_for(cfg, shape, n_d).unit_caps(widths.param, n_d))
-    return exact_model_states(shape, n_d, widths, layout_for(cfg, shape, n_d))
+    return exact_model_states(shape, n_d, widths, layout_for(cfg, shape, n_d, backend))
 
 
 # ---------------------------------------------------------------- hardware, workload, setups
@@ -120,6 +124,11 @@ class Hardware:
     @property
     def gpus_per_node(self) -> int:
         return max(1, self.gpus // self.nodes)
+
+    @property
+    def backend(self) -> str:
+        """The collectives' backend: the calibrated one, else NCCL (GPUs)."""
+        return self.calibration.backend if self.calibration is not None else "nccl"
 
 
 @dataclass(frozen=True)
@@ -201,7 +210,8 @@ def layout_knobs(shape: ModelShape, setup: Setup) -> ZeroLayout:
     h = shape.hidden
     bucket = int(min(2e8, max(h * h, -(-shape.psi // 16))))
     return ZeroLayout(setup.stage, bucket, bucket, 10 * h, int(0.9 * h * h),
-                      setup.offload_optimizer, setup.offload_param)
+                      setup.offload_optimizer, setup.offload_param,
+                      overlap_comm=True)  # as `deepspeed_config` writes it
 
 
 # ---------------------------------------------------------------- evaluating one setup
@@ -215,16 +225,17 @@ class StepTime:
     offload: float
     optimizer: float = 0.0  # the step itself, after backward: overlaps nothing
     can_overlap: bool = True  # False: one CPU runs everything in turn (a gloo calibration)
+    overhead: float = 0.0  # the engine's own work (hooks, bookkeeping): calibrated only
 
     @property
     def overlapped(self) -> float:
         if not self.can_overlap:
             return self.serial
-        return max(self.compute, self.comm, self.offload) + self.optimizer
+        return max(self.compute, self.comm, self.offload) + self.optimizer + self.overhead
 
     @property
     def serial(self) -> float:
-        return self.compute + self.comm + self.offload + self.optimizer
+        return self.compute + self.comm + self.offload + self.optimizer + self.overhead
 
 
 def model_flops(shape: ModelShape, work: Workload) -> float:
@@ -276,7 +287,7 @@ def step_time(shape: ModelShape, setup: Setup, states: ShapeMemory, acts: Activa
 def evaluate(shape: ModelShape, setup: Setup, hw: Hardware, work: Workload) -> Candidate:
     """Per-rank memory and step time of `setup`; fits = device and host memory suffice."""
     n_d = hw.gpus // work.mp
-    layout = layout_knobs(shape, setup)
+    layout = dataclasses.replace(layout_knobs(shape, setup), backend=hw.backend)
     p = DTYPE_BYTES[work.dtype]
     widths = Widths(p, p, 0 if p == 4 else 4, 8, 4)  # AdamW, as the written config says
     # fetch units merged as the engine will under the written config: within its reduce
