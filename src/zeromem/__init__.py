@@ -16,7 +16,7 @@ from zeromem import checkpointing
 from zeromem.activations.recompute import checkpoint
 from zeromem.comm import Comm
 from zeromem.config.schema import Config, ConfigError
-from zeromem.distributed import LIFECYCLE, default_store, ensure_process_group, shutdown
+from zeromem.distributed import LIFECYCLE, Runtime, default_store, ensure_process_group, shutdown
 from zeromem.checkpoints.consolidate import CheckpointError
 from zeromem.engine import Engine
 from zeromem.hierarchy import node_layout
@@ -62,7 +62,8 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     cfg = Config.load(config, world_size=comm.world_size)
     check_knobs(cfg)
     check_ranks_agree(cfg, model, comm, partitions)  # before any collective that a mismatch would hang
+    runtime = Runtime.from_env(comm.backend, cfg.zeromem.gather_timeout_s)  # env read here only
     engine = Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler, tuple(fetch_units),
-                    mp_group, partitions)
+                    mp_group, partitions, runtime)
     LIFECYCLE.register(engine)  # closed at exit / SIGTERM unless closed before
     return engine

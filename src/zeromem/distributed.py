@@ -28,10 +28,13 @@ import sys
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from zeromem.mesh import global_rank, local_device
 
 log = logging.getLogger("zeromem")
 
@@ -59,6 +62,24 @@ def gather_timeout_s(config_value: float | None = None) -> float | None:
     value = float(env) if env else (DEFAULT_GATHER_TIMEOUT_S if config_value is None
                                     else float(config_value))
     return value if value > 0 else None
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the process environment decides for one engine, read once at the edge.
+
+    `zeromem.initialize` reads it (`from_env`) and passes it down, so nothing inside
+    the engine reads an environment variable or the default process group.
+    """
+
+    device: torch.device  # LOCAL_RANK's GPU under NCCL (never the global rank's), else the CPU
+    global_rank: int  # names swap files: unique across nodes and data-parallel groups
+    gather_timeout_s: float | None  # a stage-3 gather waiting longer is a divergence
+
+    @classmethod
+    def from_env(cls, backend: str, gather_timeout_config_s: float | None) -> Runtime:
+        """From torchrun's variables, the default group and ZEROMEM_GATHER_TIMEOUT_S."""
+        return cls(local_device(backend), global_rank(), gather_timeout_s(gather_timeout_config_s))
 
 
 def ensure_process_group(timeout_s: float | None = None) -> bool:

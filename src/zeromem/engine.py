@@ -1,24 +1,15 @@
-"""The training engine: forward, backward and the ZeRO optimizer step.
+"""The training engine: builds the parts from the config and runs forward, backward and step.
 
-`step()` at an accumulation boundary runs these phases, in order:
-
-    1. norm      global L2 norm of the reduced gradients (one all-reduce of a
-                 scalar when gradients are sharded); non-finite means overflow.
-    2. skip      fp16 overflow on any rank: every rank skips, the scaler lowers
-                 the scale, gradients are zeroed.
-    3. unscale   fp32 master gradients = reduced gradients x (clip / loss scale);
-                 alive: grads, masters, one fp32 gradient per master shard.
-    4. update    the torch optimizer steps the master shards.
-    5. gather    masters are written into the parameter shards, which are
-                 all-gathered in buckets of `allgather_bucket_size` elements.
-
-Gradient reduction itself happens earlier, during `backward()` (grads.py).
+The engine chooses the parts once, at construction, and passes each what it uses:
+flat groups (flat.py), where masters and shards live (offload/placement.py), the
+ZeRO optimizer that reduces gradients during backward and runs the step's phases
+(zero_optimizer.py, whose docstring is the communication schedule), and at stage 3
+the fetch schedule (stage3/fetch.py). `step()` at an accumulation boundary calls
+`ZeroOptimizer.step()` once, then the learning-rate scheduler and the counters.
 """
 from __future__ import annotations
 
 import logging
-import math
-from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -29,14 +20,10 @@ from zeromem.activations import recompute as activations
 from zeromem.checkpoints import save_load as checkpoints
 from zeromem.comm import Comm
 from zeromem.config.schema import Config
-from zeromem.distributed import default_store, gather_timeout_s
+from zeromem.distributed import Runtime
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
-from zeromem.layout import (GATHER_IN_FLIGHT, derived_bucket_numel, derived_prefetch_numel,
-                            pack_buckets)
-from zeromem.grads import (ContiguousShards, Reducer, ShardAccumulated, WholeAllReduced,
-                           WholeScattered)
-from zeromem.mesh import global_rank, local_device
+from zeromem.layout import derived_bucket_numel, derived_prefetch_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitors import Observers, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0
@@ -51,6 +38,8 @@ from zeromem.stage3.units import (UnitCaps, default_target, describe, plan_fetch
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
 from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
+from zeromem.zero_optimizer import (ContiguousShards, ShardAccumulated, StepSettings,
+                                    WholeAllReduced, WholeScattered, ZeroOptimizer)
 
 log = logging.getLogger("zeromem")
 
@@ -76,21 +65,23 @@ class Engine:
                  model_parameters: Iterable | None = None,
                  optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
                  lr_scheduler: Any = None, fetch_units: tuple[type, ...] = (),
-                 mp_group: Any = None, partitions: Partitions | None = None):
+                 mp_group: Any = None, partitions: Partitions | None = None,
+                 runtime: Runtime | None = None):
         self.config = config
         self.comm = comm
+        # device, global rank, gather timeout: read from the environment by `initialize`
+        self.runtime = runtime or Runtime.from_env(comm.backend, config.zeromem.gather_timeout_s)
         # parameters built under zeromem.Init, and where this engine files its fetch units
         self.partitions = Partitions() if partitions is None else partitions
         self.dp_world_size = comm.world_size
         self.zero_stage = config.zero_optimization.stage
-        self.device = local_device(comm.backend)  # LOCAL_RANK's GPU, not the global rank's
+        self.device = self.runtime.device  # LOCAL_RANK's GPU, not the global rank's
         self.compute_dtype = config.compute_dtype
         materialize_meta(module, self.device)  # a model built on the meta device
         # The user's dtype is kept until the flat groups read the fp32 masters from it.
         self.module = module.to(self.device)
         broadcast_from_rank0(self.module, comm)  # ranks need not be seeded alike
         self.counters = StepCounters(config.batch()[2])
-        self.grad_norm: float | None = None
         self.scaler = make_scaler(config.fp16)
         self.timers = PhaseTimers(config.wall_clock_breakdown, self.device)
         # this engine's policy and byte ledger, active while its forward/backward run
@@ -111,17 +102,22 @@ class Engine:
         # before the stage-3 units, which receive the parameter placement
         # swap files are named by the global rank: unique across nodes sharing a filesystem
         # and across data-parallel groups (a dp_group rank repeats in each group)
-        self.offload = build_offload(config, self.groups, global_rank())
+        self.offload = build_offload(config, self.groups, self.runtime.global_rank)
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer)
-        self.reducer = Reducer(self.groups, self.plan.grads, overlap=config.zero_optimization.overlap_comm
-                               is not False, max_buckets=self.offload.buckets_alive)
-        self.stage3 = self._build_stage3() if sharding.params else None
-        self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
-        self.lr_scheduler = self._make_scheduler(lr_scheduler)
         # tensor parallelism: the clipping norm spans the model-parallel group too
         if mp_group is None:  # DeepSpeed's way: the group given to checkpointing.configure
             mp_group = self.activation_checkpointing.config.mp_group
         self.mp_norm = ModelParallelNorm(module, mp_group)
+        # one gradient's life: reduced in backward, stepped, all-gathered (zero_optimizer.py)
+        self.zero = ZeroOptimizer(self.groups, self.plan, self.offload.masters, self.offload.params,
+                                  self.optimizer, self.scaler, self.mp_norm, StepSettings(
+                                      config.zero_optimization.overlap_comm is not False,
+                                      float(config.gradient_clipping or 0.0),
+                                      self.bucket_sizes["allgather_bucket_size"],
+                                      self.offload.buckets_alive))
+        self.stage3 = self._build_stage3() if sharding.params else None
+        self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
         # monitors, comms_logger, flops_profiler, throughput, dump_state (monitors.py)
         self.observers = Observers(self)
 
@@ -225,10 +221,10 @@ class Engine:
         self.bucket_sizes["stage3_prefetch_bucket_size"] = prefetch
         limits = Stage3Limits(prefetch, zero.stage3_max_live_parameters,
                               zero.stage3_max_reuse_distance,
-                              gather_timeout_s(self.config.zeromem.gather_timeout_s))
+                              self.runtime.gather_timeout_s)
         schedule = FetchSchedule(self.module, module_units, limits, self.live_params, self.comm,
-                                 default_store(), self.offload.params, self.reducer,
-                                 self.plan.gather)
+                                 self.comm.store, self.offload.params, self.zero)
+        self.zero.after_gather(schedule.refresh)  # persistent units re-gather new weights
         self.partitions.add_units(schedule.units)  # GatheredParameters finds them there
         return schedule
 
@@ -253,13 +249,11 @@ class Engine:
         scale = self.scaler.scale / (self.config.batch()[2] * self.dp_world_size)
         with self.timers("backward"), self.activation_checkpointing.active(), \
                 self.observers.backward(loss):
-            boundary = self.is_gradient_accumulation_boundary()
-            self.offload.start_backward(boundary)  # host copies of reduced grads at the boundary
-            self.reducer.start_backward(boundary)
+            self.zero.start_backward(self.is_gradient_accumulation_boundary())
             if self.stage3 is not None:
                 self.stage3.start_pass("backward")
             (loss.float() * scale).backward(retain_graph=retain_graph)
-            self.reducer.finish_backward()
+            self.zero.finish_backward()
             if self.stage3 is not None:
                 self.stage3.finish_pass()
 
@@ -275,67 +269,30 @@ class Engine:
         if not boundary:
             return
         with self.timers("step"):
-            self._optimizer_step(lr_kwargs)
+            overflow = self.zero.step()  # norm, skip, unscale, update, gather (zero_optimizer.py)
+            if not overflow and self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.zero_grad()
+            self.counters.advance_global(skipped=overflow)
+            self.comm.end_step()
+            self.offload.end_step()  # swap bytes and I/O wait of this step (offload.io_report())
         self.observers.after_step()
         if due(self.global_steps, self.config.steps_per_print):
             log.info("step %d: lr %s, grad norm %.4g, loss scale %g, skipped %d%s%s",
                      self.global_steps, self.get_lr(), self.grad_norm, self.loss_scale,
                      self.skipped_steps, self.timers.summary(), self.observers.log_line_extras())
 
-    def _optimizer_step(self, lr_kwargs: dict | None = None) -> None:
-        norm = self._global_grad_norm()                          # 1. norm
-        overflow = not math.isfinite(norm)
-        self.grad_norm = norm
-        if not overflow:                                         # 2. skip on overflow
-            self._unscale_into_masters(norm)                     # 3. unscale
-            self.optimizer.step()                                # 4. update
-            for g in self.groups:
-                g.master.grad = None
-            self._gather_params()                                # 5. gather
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.scaler.update(overflow)
-        self.zero_grad()
-        self.counters.advance_global(skipped=overflow)
-        self.comm.end_step()
-        self.offload.end_step()  # swap bytes and I/O wait of this step (offload.io_report())
-
-    def _global_grad_norm(self) -> float:
-        """L2 norm of the averaged, unscaled gradient of the whole model (padding holds zeros)."""
-        if not self.groups:
-            return 0.0
-        sq = torch.stack([self.mp_norm.square(g) for g in self.groups]).sum()
-        if self.groups[0].shard_world > 1:
-            self.plan.shard.all_reduce(sq, kind="all_reduce_norm")
-        self.mp_norm.all_reduce(sq)
-        return float(sq.sqrt()) / self.scaler.scale
-
-    def _unscale_into_masters(self, norm: float) -> None:
-        clip = self.config.gradient_clipping
-        coef = min(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else 1.0
-        self.offload.unscale_grads(self.groups, coef / self.scaler.scale)
-
-    def _gather_params(self) -> None:
-        bucket = self.bucket_sizes["allgather_bucket_size"]
-        self.offload.write_back(self.groups)  # masters -> parameter shards, wherever they live
-        in_flight: deque = deque()
-        for g in self.groups:
-            for pending in g.launch_all_gather(bucket):
-                in_flight.append(pending)
-                if len(in_flight) > GATHER_IN_FLIGHT:  # overlap with constant buffers
-                    in_flight.popleft().wait()
-        for pending in in_flight:
-            pending.wait()
-        if self.stage3 is not None:
-            self.stage3.refresh()
-
     def zero_grad(self) -> None:
-        for g in self.groups:
-            g.grads.zero()
+        self.zero.zero_grad()
         for p in self.module.parameters():
-            p.grad = None
+            p.grad = None  # parameters outside the flat groups too
 
     # -- attributes ---------------------------------------------------------
+    @property
+    def grad_norm(self) -> float | None:
+        """The pre-clip global gradient norm of the last step (None before the first)."""
+        return self.zero.grad_norm
+
     @property
     def global_steps(self) -> int:
         return self.counters.global_steps
@@ -402,12 +359,7 @@ class Engine:
             (block.type if block is not None else type(self.optimizer).__name__).lower(),
             self.config.checkpoint.tag_validation,
             self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
-            self.offload.resident, self._refresh_params)
-
-    def _refresh_params(self) -> None:
-        """After a load: compute-dtype parameters from the masters, no stale gradients."""
-        self._gather_params()
-        self.zero_grad()
+            self.offload.resident, self.zero.refresh_params)
 
     # -- reports ----------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
@@ -419,8 +371,8 @@ class Engine:
             ledger.add("params", "device", g.param_shard)
         for unit in self.stage3.units if self.stage3 is not None else []:
             ledger.add("params", "device", unit.full)  # persistent (small) units stay whole
-        for shard in self.plan.gather.held():
-            ledger.add("params", "device", shard)  # hpZ's secondary copies (forward to step)
+            for shard in unit.held():
+                ledger.add("params", "device", shard)  # hpZ's secondary copy (forward to step)
         for p in self.module.parameters():
             ledger.add("params", "device", p)  # frozen parameters (flat ones already counted)
         for g in self.groups:

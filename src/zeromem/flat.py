@@ -17,7 +17,7 @@ are sharded (ZeRO paper, section 5):
     3      shard    shard, reduce-scattered every micro   shard
 
 That choice is data (`Sharding`) and the gradient buffer is an object chosen once
-(`grads.py`); nothing here branches on a stage number. The arithmetic of padding
+(`zero_optimizer.py`); nothing here branches on a stage number. The arithmetic of padding
 and shard ranges is layout.py's. The group is the one owner of its buffers and of
 its `GroupState`: other modules change them only through its named transitions.
 """
@@ -123,7 +123,7 @@ class FlatParamGroup:
             self._empty_params()
             self._state = GroupState.SHARDED
         self._master = self._param_shard if master is None else master  # fp32: no second copy
-        self._grads = None  # set by `attach_grads` (engine.py, offload/placement.py); see grads.py
+        self._grads = None  # set by `attach_grads` (engine.py, offload/placement.py); see zero_optimizer.py
 
     # -- read-only views of the owned state ---------------------------------
     @property
@@ -158,7 +158,7 @@ class FlatParamGroup:
 
     # -- transitions of the buffers other modules place -----------------------
     def attach_grads(self, buffer) -> None:
-        """Hold gradients in `buffer` (grads.py), or in a wrapper of the current one (offload)."""
+        """Hold gradients in `buffer` (zero_optimizer.py), or in a wrapper of the current one (offload)."""
         self._grads = buffer
 
     def place_master(self, master: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ from zeromem import quantize
 from zeromem.comm import DONE, Comm, Pending
 from zeromem.config.schema import Config, ConfigError
 from zeromem.mesh import Mesh, NodeLayout
-from zeromem.stage3.gather import ParamGather
+from zeromem.stage3.gather import GatherPolicy
 
 
 def node_layout(config: Config, world_size: int) -> NodeLayout:
@@ -133,7 +133,7 @@ class CommPlan:
 
     shard: Comm  # the flat groups' shards, their all-gathers and the gradient norm
     grads: Comm | ReplicatedReduce | HierarchicalQuantizedReduce  # the reducer's
-    gather: ParamGather  # stage-3 parameter gathers
+    gather: GatherPolicy  # how stage-3 units are gathered
     replicas: Comm | None = None  # hybrid sharding: the ranks holding the same shard as this one
 
     def write_once(self, write: Callable[[], str], fallback: str, world: Comm,
@@ -170,7 +170,7 @@ def build_comm_plan(config: Config, comm: Comm) -> CommPlan:
     hpz, shard_size = zero.zero_hpz_partition_size, zero.mics_shard_size
     quantized = zero.zero_quantized_weights or zero.zero_quantized_gradients
     if not (hpz > 1 or shard_size > 0 or quantized):
-        return CommPlan(comm, comm, ParamGather(comm))
+        return CommPlan(comm, comm, GatherPolicy(comm))
     world = dist.get_world_size() if dist.is_initialized() else 1
     if comm.group is not None and len(comm.ranks) != world:
         raise ConfigError("zero_optimization: hybrid sharding and ZeRO++ need the data-parallel "
@@ -196,11 +196,11 @@ def build_comm_plan(config: Config, comm: Comm) -> CommPlan:
         shard = comm.sub(hybrid.block_group)
         replicas = comm.sub(hybrid.across_group)
         return CommPlan(shard, ReplicatedReduce(shard, replicas),
-                        ParamGather(shard, None, weight_bits, block), replicas)
+                        GatherPolicy(shard, None, weight_bits, block), replicas)
     secondary = None
     if hpz > 1:
         secondary = comm.sub(mesh(hpz, "zero_optimization.zero_hpz_partition_size").block_group)
-    gather = ParamGather(comm, secondary, weight_bits, block)
+    gather = GatherPolicy(comm, secondary, weight_bits, block)
     grads: Comm | HierarchicalQuantizedReduce = comm
     if zero.zero_quantized_gradients:
         nodes = mesh(layout.ranks_per_node, "zeromem.cluster.ranks_per_node")

@@ -89,7 +89,7 @@ def count_buckets_alive(engine, out: dict) -> None:
     most full-size gradient buckets alive at once, filling or reducing, into out["buckets"]."""
     def count(_param) -> None:
         filling = sum(getattr(g.grads, "bucket", None) is not None for g in engine.groups)
-        out["buckets"] = max(out["buckets"], filling + len(engine.reducer.in_flight))
+        out["buckets"] = max(out["buckets"], filling + len(engine.zero.in_flight))
     for p in engine.module.parameters():
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(count)

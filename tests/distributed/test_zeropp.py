@@ -24,7 +24,7 @@ from zeromem.comm import Comm
 from zeromem.hierarchy import HierarchicalQuantizedReduce
 from zeromem.mesh import Mesh, NodeLayout
 from zeromem.planning.cluster import Cluster, option_cost
-from zeromem.stage3.gather import ParamGather
+from zeromem.stage3.gather import all_gather_quantized
 
 STEPS = 2  # the second step already applies SGD's momentum and Adam's moments
 
@@ -199,11 +199,10 @@ def quantized_collectives(rank: int, world_size: int) -> dict:
     whole_exact = torch.empty(world_size * chunk)
     comm.all_gather(whole_exact, shard)
 
-    class Group:  # what ParamGather reads of a flat group
-        param_shard = shard
-
     whole = torch.empty(world_size * chunk)
-    ParamGather(comm, None, 8, 64).launch(Group(), whole).wait()
+    pending, dequantize = all_gather_quantized(comm, shard, whole, "all_gather_forward", 8, 64)
+    pending.wait()
+    dequantize()
     limit = max(quantize.max_error(whole_exact[r * chunk:(r + 1) * chunk], 8, 64).max().item()
                 for r in range(world_size))
     out["qwZ"] = ((whole - whole_exact).abs().max().item(), limit * (1 + 1e-5))

@@ -9,10 +9,11 @@ names), "swap file" only the NVMe file type (offload/nvme.py).
 
 `OffloadPolicy` (FSDP2's `OffloadPolicy`) is read once from the config; from it
 `build_offload` chooses two placements, one of each kind, with no base class
-between them (STYLE rule 3), and `Offload` holds them for the engine:
+between them (STYLE rule 3), and `Offload` holds them for the engine, which hands
+both to the ZeRO optimizer (zero_optimizer.py); its step's phases call them:
 
     masters placement   MastersOnDevice | MastersOnHost | MastersOnNvme
-        start_backward(boundary)            the engine says whether this backward ends a step
+        start_backward(boundary)            whether this backward ends a step
         unscale_grads(groups, multiplier)   step phase 3
         optimizer.step()                     step phase 4 (the placement built it)
         write_back(groups, params)           step phase 5: masters -> parameter shards
@@ -28,8 +29,8 @@ memory; then the parameter placement, which moves the shards to their place.
 Gradients (host, nvme): each group's gradient object is wrapped (`GradsToHost`)
 so that when its bucket's reduction finishes in the boundary backward, the
 reduced shard is copied into an fp32 host buffer; the copy overlaps the rest of
-backward. The engine calls `Offload.start_backward(boundary)` before each
-backward; the host buffers (`HostGrads`) live for the engine, filed as grads/host.
+backward. `ZeroOptimizer.start_backward(boundary)` tells the masters placement before
+each backward; the host buffers (`HostGrads`) live for the engine, filed as grads/host.
 
 NVMe optimizer (offload/nvme_optimizer.py): masters and states in a swap file, stepped
 sub-group by sub-group through a pool of `buffer_count` buffers (read i+1 while
@@ -51,7 +52,7 @@ import torch
 from zeromem.comm import Pending
 from zeromem.config.schema import ConfigError
 from zeromem.flat import FlatParamGroup
-from zeromem.grads import BUCKETS_ALIVE
+from zeromem.layout import BUCKETS_ALIVE
 from zeromem.optim import OPTIMIZERS, build_optimizer, has_fused_kernel
 from zeromem.optimizers import Lamb
 from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
@@ -175,7 +176,7 @@ class MastersPlacement(Protocol):
     """Where masters and optimizer states live and the step runs; one verb per step phase."""
 
     where: str  # "device" | "host" | "nvme"
-    buckets_alive: int  # full-size gradient buckets the engine's Reducer keeps (grads.py)
+    buckets_alive: int  # full-size gradient buckets ZeroOptimizer keeps (zero_optimizer.py)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -406,8 +407,9 @@ class Offload:
     """`engine.offload`: the two placements chosen from one `OffloadPolicy`, and their files.
 
     `masters` answers where masters and optimizer states live and runs the step
-    phases; `params` answers where the parameter shards live and is handed to the
-    stage-3 fetch units when they are built.
+    phases; `params` answers where the parameter shards live. Both are handed to
+    the ZeRO optimizer (zero_optimizer.py), and `params` to the stage-3 fetch units,
+    when those are built: the step's phases call the placements directly.
     """
 
     def __init__(self, policy: OffloadPolicy, masters: MastersPlacement, params: ParamPlacement,
@@ -426,7 +428,7 @@ class Offload:
 
     @property
     def buckets_alive(self) -> int:
-        """Full-size gradient buckets the engine's Reducer keeps, filling or reducing."""
+        """Full-size gradient buckets ZeroOptimizer keeps, filling or reducing."""
         return self.masters.buckets_alive
 
     def build_optimizer(self, config: Any, param_groups: list[dict],
@@ -437,18 +439,6 @@ class Offload:
         except BaseException:
             self.close()  # no half-built swap files left behind
             raise
-
-    def start_backward(self, boundary: bool) -> None:
-        """Before each backward: does it end a step (then gradients go to host as reduced)."""
-        self.masters.start_backward(boundary)
-
-    def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
-        """Step phase 3: the masters' fp32 gradients = reduced gradients x multiplier."""
-        self.masters.unscale_grads(groups, multiplier)
-
-    def write_back(self, groups: list[FlatParamGroup]) -> None:
-        """Step phase 5: updated masters into the parameter shards, wherever those live."""
-        self.masters.write_back(groups, self.params)
 
     @contextlib.contextmanager
     def all_in_memory(self) -> Iterator[None]:

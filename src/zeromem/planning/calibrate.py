@@ -280,6 +280,7 @@ class Probe:
     DISK_BYTES = 32 << 20
     RECORD = 1 << 20  # swap requests of 1 MiB, 4 in flight
     COPY = 1 << 22  # elements copied
+    SMALL_REPS = 12  # calls of each small (latency) collective per sample
 
     def __init__(self, what: Measurement, rank: int):
         from zeromem.comm import Comm
@@ -363,7 +364,9 @@ class Probe:
         return {"forward_backward": seconds}
 
     def sample(self) -> dict:
-        """Seconds of each measurement, once (the small collectives: median of 4 calls)."""
+        """Seconds of each measurement, once (the small collectives: median of SMALL_REPS
+        calls, since a latency of a few hundred microseconds is easily missed by a rank
+        the scheduler delays; the engine's overhead steps: median of 3)."""
         barrier = self.comm.barrier
 
         def forward() -> None:
@@ -372,7 +375,7 @@ class Probe:
 
         out: dict[str, Any] = {"forward": _seconds(forward, barrier), **self.sample_compute()}
         for kind, (small, large) in self.links.items():
-            out[kind] = (_seconds(small, barrier, 4), _seconds(large, barrier))
+            out[kind] = (_seconds(small, barrier, self.SMALL_REPS), _seconds(large, barrier))
         src, dst = self.copy
         out["copy"] = _seconds(lambda: dst.copy_(src), barrier)
         for name, opt in self.optimizers.items():

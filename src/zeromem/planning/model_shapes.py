@@ -127,7 +127,11 @@ class ConfigGPT(nn.Module):
 
 def _import_factory(spec: str):
     target, _, name = spec.rpartition(":")
-    if target.endswith(".py"):
+    loaded = getattr(sys.modules.get(Path(target).stem), "__file__", None)
+    if target.endswith(".py") and loaded and Path(loaded).resolve() == Path(target).resolve():
+        # already imported: a second copy would make its classes unpicklable (spawned ranks)
+        module = sys.modules[Path(target).stem]
+    elif target.endswith(".py"):
         module_spec = importlib.util.spec_from_file_location(Path(target).stem, target)
         if module_spec is None or module_spec.loader is None:
             raise ValueError(f"cannot import {target}: not a Python file")

@@ -22,8 +22,9 @@ checkpointing, at an assumed achieved TFLOPS) against data-parallel traffic
 (2Ψ elements per step at stages 0-1, Ψ per micro-step plus Ψ at stage 2, 3Ψ per
 micro-step at stage 3, ring-scaled by (N_d - 1)/N_d, over --interconnect) and
 offload traffic over --pcie and --nvme. Printed as a range: perfect overlap
-(the largest of the three) to none (their sum). The CPU optimizer's own time
-is not modelled.
+(the largest of the three) to none (their sum). With assumed speeds the
+optimizer step and the engine's own overhead are not modelled; `--calibrate`
+measures both on this machine (`planning/calibrate.py`).
 """
 from __future__ import annotations
 

@@ -1,3 +1,3 @@
-"""ZeRO-3: fetch units gathered on demand and their schedule (`fetch`), and building models
-already partitioned (`partitioned_init`: `Init`, `GatheredParameters`).
+"""ZeRO-3: fetch units (`gather`) gathered on demand by their schedule (`fetch`), and building
+models already partitioned (`partitioned_init`: `Init`, `GatheredParameters`).
 """

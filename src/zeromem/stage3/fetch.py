@@ -2,9 +2,9 @@
 
 Every fetch unit (chosen by units.py: by default repeated blocks and merged
 small neighbours, or one per instance of the classes the caller names) is a
-flat group whose parameters exist only as a 1/N_d shard between uses. The group
-owns the gathered buffer and an explicit state (flat.py, `GroupState`); a
-`FetchUnit` is the scheduler's handle that issues the all-gather:
+flat group whose parameters exist only as a 1/N_d shard between uses; its
+`FetchUnit` (gather.py) issues the all-gather, plain, hpZ or qwZ. This module
+decides when:
 
     SHARDED --unshard(async)--> GATHERING --wait--> GATHERED --reshard--> SHARDED
 
@@ -14,7 +14,7 @@ Schedule of one training step (paper section 5.3; FSDP2 follows the same plan):
               flight) and prefetch the next units of the recorded order, up to
               `stage3_prefetch_bucket_size` elements; post-hook: release.
     backward  the unit's outputs carry a hook that re-gathers it before its
-              gradients are computed; when the reducer (grads.py) has accumulated
+              gradients are computed; when the reducer (zero_optimizer.py) has accumulated
               every gradient of the unit into its reduce-scatter bucket, it tells
               the runner, which releases the unit (readiness is counted there only).
     end       `finish_pass()` releases whatever is still gathered.
@@ -47,7 +47,6 @@ DeepSpeed); use `zeromem.GatheredParameters` to read it whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from itertools import accumulate
 
 import torch
@@ -55,11 +54,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from zeromem.comm import Comm, Pending
+from zeromem.comm import Comm
 from zeromem.flat import FlatParamGroup, GroupState
-from zeromem.grads import Reducer
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice
-from zeromem.stage3.gather import ParamGather
+from zeromem.stage3.gather import FetchUnit, LiveStats
+from zeromem.zero_optimizer import ZeroOptimizer
 
 
 class Stage3DivergenceError(RuntimeError):
@@ -74,100 +73,6 @@ class Stage3Limits:
     max_live_numel: int = 1_000_000_000     # stage3_max_live_parameters (bounds prefetch)
     max_reuse_distance: int = 1_000_000_000  # stage3_max_reuse_distance
     gather_timeout_s: float | None = None   # a gather waiting longer is a divergence
-
-
-class FetchUnit:
-    """The scheduler's handle on one stage-3 flat group: gathers it and releases it.
-
-    The group owns its state and buffers (flat.py, `GroupState`); the unit adds
-    what scheduling needs: the all-gather in flight, where the shard lives between
-    uses, whether the unit stays whole (persistent, or pinned by GatheredParameters).
-    """
-
-    def __init__(self, group: FlatParamGroup, comm: Comm, persistent: bool, stats: "LiveStats",
-                 placement: ParamPlacement | None = None, gather: ParamGather | None = None):
-        self.group = group
-        self.gather = gather or ParamGather(comm)  # flat, hpZ or qwZ (stage3/gather.py)
-        self.placement = placement or ParamsOnDevice()  # where the shard lives between uses
-        self.comm = comm
-        self.persistent = persistent  # small units stay whole (stage3_param_persistence_threshold)
-        self.stats = stats
-        self.pending: Pending | None = None  # the all-gather while the group is GATHERING
-        self.name = group.slots[0].name.rpartition(".")[0] or group.slots[0].name
-        self.pins = 0  # GatheredParameters blocks holding the unit whole
-
-    @property
-    def state(self) -> GroupState:
-        return self.group.state
-
-    @property
-    def full(self) -> torch.Tensor | None:
-        return self.group.full
-
-    def unshard(self) -> None:
-        """Start gathering the whole flat buffer (async)."""
-        if self.state is not GroupState.SHARDED:
-            return
-        g = self.group
-        self.placement.fetch(g, self)  # offload_param: the shard comes from host or NVMe first
-        full = g.begin_gather()  # the group's own buffer, regrown (flat.py says why)
-        self.stats.add(g.padded_numel)
-        # Backward's saved views of this buffer check its version: refilling it with the
-        # same values is not the in-place change that check guards against (also `_finish`).
-        with torch.autograd._unsafe_preserve_version_counter(full):
-            self.pending = self.gather.launch(g, full)
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Block until gathered; the parameters are then views of the whole buffer."""
-        if self.state is GroupState.SHARDED:
-            self.unshard()
-        if self.state is GroupState.GATHERING:
-            self._finish(timeout_s)
-            self.group.finish_gather()
-
-    def reshard(self, force: bool = False) -> None:
-        """Drop the whole buffer; parameters become empty again."""
-        if self.state is GroupState.SHARDED or ((self.persistent or self.pins) and not force):
-            return
-        if self.state is GroupState.GATHERING:
-            self._finish(None)
-        self.group.reshard()
-        self.stats.add(-self.group.padded_numel)
-
-    def _finish(self, timeout_s: float | None) -> None:
-        """Wait for the gather in flight; its completion (qwZ's dequantization) writes
-        `full` too, which keeps its version for the same reason as `unshard`."""
-        full = self.group.full
-        assert self.pending is not None and full is not None  # GATHERING: the gather is in flight
-        with torch.autograd._unsafe_preserve_version_counter(full):
-            self.pending.wait(timedelta(seconds=timeout_s) if timeout_s else None)
-        self.pending = None
-
-    def pin(self) -> None:
-        """Gather and keep whole until `unpin` (GatheredParameters)."""
-        self.pins += 1
-        self.wait()
-
-    def unpin(self) -> None:
-        self.pins -= 1
-        if self.pins == 0:
-            self.reshard()
-
-    def adopt_whole(self) -> None:
-        """Make the (edited) whole buffer the truth (flat.py)."""
-        self.group.adopt_whole()
-
-
-class LiveStats:
-    """Gathered parameter elements alive now and at peak (stage3_max_live_parameters)."""
-
-    def __init__(self) -> None:
-        self.live = 0
-        self.peak = 0
-
-    def add(self, numel: int) -> None:
-        self.live += numel
-        self.peak = max(self.peak, self.live)
 
 
 class _PreBackward(torch.autograd.Function):
@@ -258,11 +163,9 @@ class FetchSchedule:
 
     def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, FetchUnit]],
                  limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None,
-                 placement: ParamPlacement | None = None, reducer: Reducer | None = None,
-                 gather: ParamGather | None = None):
+                 placement: ParamPlacement | None = None, reducer: ZeroOptimizer | None = None):
         # a unit may be gathered by several modules (merged neighbours, a tied parameter)
         self.units = list({id(u): u for _, u in module_units}.values())
-        self.gather = gather  # told each pass's kind and each step (hpZ's secondary copies)
         self.placement = placement or ParamsOnDevice()  # told the order of each pass (read-ahead)
         self.unit_of_module: dict[int, list[FetchUnit]] = {}
         for module, unit in module_units:
@@ -301,9 +204,8 @@ class FetchSchedule:
 
     def refresh(self) -> None:
         """After the optimizer step: persistent units re-gather, the others drop to shards."""
-        if self.gather is not None:
-            self.gather.new_step()
         for unit in self.units:
+            unit.new_step()  # hpZ's secondary copies hold the old weights
             unit.reshard(force=True)
         persistent = [u for u in self.units if u.persistent]
         for unit in persistent:  # every re-gather in flight at once, then wait for each
@@ -343,8 +245,8 @@ class FetchSchedule:
         self.pass_kind, self.position, self.on_track = key, 0, key in self.recorded
         self.frontier = 0
         self.used_at.clear()
-        if self.gather is not None:
-            self.gather.start_pass(key[0])
+        for unit in self.units:
+            unit.start_pass(key[0])  # how it gathers: backward from hpZ's copy (gather.py)
         if key[0] != "backward":
             self.passes += 1
             if self.store is not None:  # published so a stuck rank can name who diverged

@@ -1,10 +1,26 @@
-"""Gradient buffers and the bucketed reducer that overlaps reduction with backward.
+"""The ZeRO optimizer: one gradient's life from backward to the all-gather of the new weights.
 
-Each flat group is one bucket. A post-accumulate-grad hook on every parameter adds
-its gradient into the group's buffer and frees `param.grad` at once, so the
-full-size gradient of a parameter lives only for the moment autograd produced it.
-When every parameter of a bucket has reported, the bucket's collective is
-launched asynchronously while backward goes on.
+`ZeroOptimizer` owns the whole schedule, as nanochat's `optim.py` does: the
+reduction during backward, then the step's phases, in order. The engine calls
+`start_backward` / `finish_backward` around each backward and `step()` at each
+accumulation boundary; nothing here calls back into the engine.
+
+    backward  reduce     a post-accumulate-grad hook on every parameter adds its
+                         gradient into its group's buffer and frees `param.grad` at
+                         once; when a bucket (= flat group) is complete, its
+                         collective is launched asynchronously while backward goes on.
+                         alive: one full-size bucket per collective in flight.
+    step      1. norm    global L2 norm of the reduced gradients (one all-reduce of a
+                         scalar when gradients are sharded); non-finite means overflow.
+              2. skip    fp16 overflow on any rank: every rank skips, the scaler lowers
+                         the scale (the engine zeroes the gradients).
+              3. unscale fp32 master gradients = reduced gradients x (clip / loss scale),
+                         where the masters live (offload/placement.py);
+                         alive: grads, masters, one fp32 gradient per master shard.
+              4. update  the torch optimizer steps the master shards.
+              5. gather  masters are written into the parameter shards, which are
+                         all-gathered in buckets of `allgather_bucket_size` elements;
+                         then whoever asked (`after_gather`: the stage-3 schedule) is told.
 
 Ranks must issue collectives in the same order even when their graphs differ
 (a parameter unused on one rank only), so buckets launch strictly in index order:
@@ -14,7 +30,7 @@ whatever is left (a bucket no gradient reached reduces zeros) and waits. At most
 default; 1 when reduced shards go to an NVMe file, offload/grad_file.py, so that
 backward's host memory is one unit's gradient path).
 
-Three buffer kinds, chosen once from `Sharding` (llm.c style: data, not branches):
+Three gradient buffer kinds, chosen once from `Sharding` (llm.c style: data, not branches):
 
 - `WholeAllReduced`  (stage 0): whole buffer, all-reduced at the boundary.
 - `WholeScattered`   (stage 1): whole buffer, reduce-scattered at the boundary;
@@ -29,19 +45,24 @@ loss by 1/(N_d * accumulation steps) before backward, so the sums are means.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 from torch import nn
 
 from zeromem.comm import Comm, Pending, Reduction, reduce_scatter_copies
 from zeromem.flat import FlatParamGroup
-from zeromem.layout import REDUCE_IN_FLIGHT
+from zeromem.layout import BUCKETS_ALIVE, GATHER_IN_FLIGHT
 
-# full-size buckets alive at once by default: REDUCE_IN_FLIGHT reducing (one finishing while
-# the next overlaps backward) and one filling. Each reducing one also holds gloo's receive buffer.
-BUCKETS_ALIVE = REDUCE_IN_FLIGHT + 1
+if TYPE_CHECKING:  # the parts the engine builds and passes in; the planner imports this module
+    from zeromem.hierarchy import CommPlan
+    from zeromem.offload.params import ParamPlacement
+    from zeromem.offload.placement import MastersPlacement
+    from zeromem.precision import DynamicScaler, NoScaler, StaticScaler
+    from zeromem.tensor_parallel import ModelParallelNorm
 
 
 class GradKind(Protocol):
@@ -168,18 +189,41 @@ class ShardAccumulated:
         return [self.shard]
 
 
-class Reducer:
-    """Hooks parameters, tracks bucket readiness and launches reductions in bucket order."""
+@dataclass(frozen=True)
+class StepSettings:
+    """The config values the schedule reads (zero_optimization and the top level)."""
 
-    def __init__(self, groups: list[FlatParamGroup], comm: Comm | Reduction, overlap: bool,
-                 max_buckets: int = BUCKETS_ALIVE):
+    overlap: bool = True  # overlap_comm: reductions run while backward goes on
+    gradient_clipping: float = 0.0  # gradient_clipping: max global norm, 0 = off
+    allgather_bucket_numel: int = 500_000_000  # allgather_bucket_size, in elements
+    # full-size gradient buckets alive, filling or reducing (CB): a reduction waits for older
+    # ones until it is within max_buckets - 1 in flight, and a bucket starts filling only when
+    # fewer than max_buckets are in flight (1: one bucket at a time)
+    max_buckets: int = BUCKETS_ALIVE
+
+
+class ZeroOptimizer:
+    """Reduces gradients during backward and runs the optimizer step's phases, in order.
+
+    Built once by the engine from parts chosen at construction: the flat groups,
+    the collectives (`plan`: which group reduces, which shards), where masters and
+    parameter shards live (`masters`, `params`: offload/placement.py), the torch
+    optimizer over the master shards, the loss scaler and the model-parallel norm.
+    """
+
+    def __init__(self, groups: list[FlatParamGroup], plan: CommPlan, masters: MastersPlacement,
+                 params: ParamPlacement, optimizer: torch.optim.Optimizer,
+                 scaler: NoScaler | StaticScaler | DynamicScaler, mp_norm: ModelParallelNorm,
+                 settings: StepSettings):
         self.groups = groups
-        self.comm = comm
-        self.overlap = overlap
-        # full-size buckets alive, filling or reducing: a reduction waits for older ones until
-        # it is within max_buckets - 1 in flight, and a bucket starts filling only when fewer
-        # than max_buckets are in flight (1: one bucket at a time)
-        self.max_buckets = max_buckets
+        self.plan = plan
+        self.masters = masters
+        self.params = params
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.mp_norm = mp_norm
+        self.settings = settings
+        self.grad_norm: float | None = None  # pre-clip global norm of the last step
         self.in_flight: deque[Pending] = deque()
         self.reducing = False
         self.next_to_launch = 0
@@ -188,11 +232,13 @@ class Reducer:
         # the unit then): readiness is counted here only, so nothing can act on a group
         # before its gradients are in the bucket, whatever order hooks were registered in.
         self.ready_callbacks: list[Callable[[FlatParamGroup], None]] = []
+        self.gathered_callbacks: list[Callable[[], None]] = []
         self.hooks = []
         for gi, g in enumerate(groups):
             for p, slot in zip(g.params, g.slots):
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._hook(gi, slot.offset)))
 
+    # -- backward: reduce -------------------------------------------------------
     def _hook(self, gi: int, offset: int):
         def on_grad(param: nn.Parameter) -> None:
             group = self.groups[gi]
@@ -201,7 +247,7 @@ class Reducer:
                 raise RuntimeError(f"parameter {name!r} received a second gradient in one backward "
                                    "after its bucket was reduced; use zeromem.checkpoint")
             if self.reducing and self.missing[gi] == len(group.params):  # a bucket starts
-                self._wait_in_flight(self.max_buckets - 1)
+                self._wait_in_flight(self.settings.max_buckets - 1)
             group.grads.accumulate(offset, param.grad)
             param.grad = None
             self.missing[gi] -= 1
@@ -216,8 +262,13 @@ class Reducer:
         """Call `callback(group)` once per backward, when the group's gradients are all in."""
         self.ready_callbacks.append(callback)
 
+    def after_gather(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` each time the updated parameter shards were all-gathered."""
+        self.gathered_callbacks.append(callback)
+
     def start_backward(self, boundary: bool) -> None:
         """Called before each backward; `boundary` marks the last micro-step of a step."""
+        self.masters.start_backward(boundary)  # host copies of reduced grads at the boundary
         every_micro = bool(self.groups) and self.groups[0].grads.reduces_every_microstep
         self.reducing = boundary or every_micro
         self.next_to_launch = 0
@@ -233,10 +284,10 @@ class Reducer:
             self.in_flight.popleft().wait()
 
     def _launch(self, gi: int) -> None:
-        self._wait_in_flight(self.max_buckets - 2)
-        pending = self.groups[gi].grads.launch(self.comm)
+        self._wait_in_flight(self.settings.max_buckets - 2)
+        pending = self.groups[gi].grads.launch(self.plan.grads)
         self.next_to_launch = gi + 1
-        if self.overlap:
+        if self.settings.overlap:
             self.in_flight.append(pending)
         else:
             pending.wait()
@@ -253,3 +304,59 @@ class Reducer:
     def remove(self) -> None:
         for h in self.hooks:
             h.remove()
+
+    # -- the step ------------------------------------------------------------------
+    def step(self) -> bool:
+        """Phases 1-5 (module docstring); True when fp16 overflow skipped the update."""
+        norm = self._global_grad_norm()                          # 1. norm
+        overflow = not math.isfinite(norm)
+        self.grad_norm = norm
+        if not overflow:                                         # 2. skip on overflow
+            self._unscale_into_masters(norm)                     # 3. unscale
+            self.optimizer.step()                                # 4. update
+            for g in self.groups:
+                g.master.grad = None
+            self.gather_params()                                 # 5. gather
+        self.scaler.update(overflow)
+        return overflow
+
+    def _global_grad_norm(self) -> float:
+        """L2 norm of the averaged, unscaled gradient of the whole model (padding holds zeros)."""
+        if not self.groups:
+            return 0.0
+        sq = torch.stack([self.mp_norm.square(g) for g in self.groups]).sum()
+        if self.groups[0].shard_world > 1:
+            self.plan.shard.all_reduce(sq, kind="all_reduce_norm")
+        self.mp_norm.all_reduce(sq)
+        return float(sq.sqrt()) / self.scaler.scale
+
+    def _unscale_into_masters(self, norm: float) -> None:
+        clip = self.settings.gradient_clipping
+        coef = min(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else 1.0
+        self.masters.unscale_grads(self.groups, coef / self.scaler.scale)
+
+    def gather_params(self) -> None:
+        """Masters into the parameter shards (wherever they live), then all-gather them."""
+        self.masters.write_back(self.groups, self.params)
+        in_flight: deque = deque()
+        for g in self.groups:
+            for pending in g.launch_all_gather(self.settings.allgather_bucket_numel):
+                in_flight.append(pending)
+                if len(in_flight) > GATHER_IN_FLIGHT:  # overlap with constant buffers
+                    in_flight.popleft().wait()
+        for pending in in_flight:
+            pending.wait()
+        for callback in self.gathered_callbacks:
+            callback()
+
+    def zero_grad(self) -> None:
+        """Empty every group's gradient buffer (after a step, or a skipped one)."""
+        for g in self.groups:
+            g.grads.zero()
+            for p in g.params:
+                p.grad = None
+
+    def refresh_params(self) -> None:
+        """After a checkpoint load: compute-dtype parameters from the masters, no stale gradients."""
+        self.gather_params()
+        self.zero_grad()
