@@ -39,7 +39,7 @@ from zeromem.zero_optimizer import (GradKind, ShardAccumulated, WholeAllReduced,
                                     launch_copies)
 from zeromem.offload.budget import pool_unit_numel
 from zeromem.planning.host_memory import OffloadKnobs, offload_breakdown
-from zeromem.stage3.units import UnitCaps, coalesce_target_numel, merge_runs
+from zeromem.stage3.units import UnitCaps, coalesce_target_numel, merge_runs, persistent_groups
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
          "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
@@ -292,11 +292,14 @@ class UnmergedUnit:
 
 
 def merged_unit_numels(unmerged: tuple[UnmergedUnit, ...], caps: UnitCaps) -> tuple[int, ...]:
-    """Elements of each merged unit (the engine's `coalesce`), in the engine's group order."""
+    """Elements of each merged unit (the engine's `coalesce`, then `merge_persistent`), in
+    the engine's group order."""
     numels = [u.numel for u in unmerged]
     target = coalesce_target_numel(sum(numels), caps, max(numels, default=0))
     runs = merge_runs(numels, [u.shared for u in unmerged], target)
     units = [(min(unmerged[i].first for i in run), sum(numels[i] for i in run)) for run in runs]
+    groups = persistent_groups([n for _, n in units], caps)  # then `merge_persistent`
+    units = [(min(units[i][0] for i in g), sum(units[i][1] for i in g)) for g in groups]
     return tuple(n for _, n in sorted(units, key=lambda u: -u[0]))
 
 
@@ -376,7 +379,7 @@ class ZeroLayout:
         if self.stage >= 3 and self.offload_param == "nvme":
             pool = pool_unit_numel(self.offload.host_budget_bytes,
                                    self.offload.param_buffer_count, param_bytes, n_d)
-        return UnitCaps(self.reduce_bucket_numel, pool)
+        return UnitCaps(self.reduce_bucket_numel, pool, self.persistence_threshold)
 
 
 def reduce_buckets(param_numels: tuple[int, ...], bucket_numel: int) -> list[int]:
@@ -488,7 +491,8 @@ def comm_buffer_parts(padded: list[int], n_d: int, widths: Widths,
     Reduction (backward): each bucket's launch holds `zero_optimizer.launch_copies` full-size
     buffers, the temporary bucket (stages 2-3, `grad_buckets`) and the backend's receive
     buffer (`reduce_scatter_receive`: gloo's all-to-all lands the chunks there; NCCL has
-    none), for REDUCE_IN_FLIGHT consecutive buckets under overlap_comm, else one.
+    none), for REDUCE_IN_FLIGHT consecutive buckets under overlap_comm, else (and when the
+    optimizer on NVMe sends reduced shards to grads.swp) one.
     Parameter all-gather (after the step, stages 1-2): the chunk buffers of groups over
     `allgather_bucket_size` (`layout.gather_chunks`), GATHER_IN_FLIGHT + 1 alive at once
     (the next is allocated before the oldest is waited on); a group within the bucket is
@@ -497,7 +501,11 @@ def comm_buffer_parts(padded: list[int], n_d: int, widths: Widths,
     """
     stage = layout.stage
     overlap = layout.overlap_comm if layout.overlap_comm is not None else stage >= 3
-    window = peak_in_flight(padded, REDUCE_IN_FLIGHT if overlap else 1) * widths.grad
+    # reduced shards to grads.swp (optimizer on NVMe, stages 2-3): one bucket alive at a time
+    # (offload/placement.py MastersOnNvme.buckets_alive)
+    to_file = layout.offload_optimizer == "nvme" and stage >= 2
+    window = peak_in_flight(padded, REDUCE_IN_FLIGHT if overlap and not to_file else 1) \
+        * widths.grad
     kind = GRAD_KINDS[stage]
     received = launch_copies(kind, layout.backend) - kind.temporary_buckets if n_d > 1 else 0
     reduce = {"grad_buckets": kind.temporary_buckets * window,
