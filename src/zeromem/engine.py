@@ -197,10 +197,12 @@ class Engine:
 
     def _unit_caps(self) -> UnitCaps:
         """What bounds a merged fetch unit: the reduce bucket, and with parameters on NVMe
-        the parameter pool's share of the host budget (offload/budget.py)."""
+        the parameter pool's share of the host budget (offload/budget.py); and which units
+        merge as persistent (stage3_param_persistence_threshold)."""
         pool = OffloadPolicy.from_config(self.config).pool_unit_numel(
             self.compute_dtype.itemsize, self.plan.shard.world_size)
-        return UnitCaps(self.bucket_sizes["reduce_bucket_size"], pool)
+        return UnitCaps(self.bucket_sizes["reduce_bucket_size"], pool,
+                        int(self.config.zero_optimization.stage3_param_persistence_threshold))
 
     def _build_stage3(self) -> FetchSchedule:
         """One FetchUnit per (module, flat group); small units stay whole (persistent)."""

@@ -165,3 +165,82 @@ def test_planner_merges_units_as_the_engine_does(caps):
         shape = shape_of(GPT(GPTConfig(block_size=32, n_layer=32, n_embd=64)))
     assert list(shape.with_unit_caps(caps).unit_numels) == engine
     assert shape.unit_numels == shape.with_unit_caps(UnitCaps()).unit_numels
+
+
+def top_names(model: nn.Module, unit) -> list[str]:
+    """The unit's parameters, named down to the decoder layer (h.0, layers.1) or module."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for p in unit.params:
+        parts = names[id(p)].split(".")
+        cut = next((i + 2 for i, part in enumerate(parts) if part in ("h", "layers")), -1)
+        name = ".".join(parts[:cut])
+        if name not in out:
+            out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("name, expected", [
+    # the tied embedding alone (its head runs at the other end); each block whole, with
+    # the small module before or after it: fewer units than blocks + 1
+    ("gpt2", [["transformer.wte"], ["transformer.wpe", "transformer.h.0"],
+              ["transformer.h.1", "transformer.ln_f"]]),
+    ("llama", [["model.embed_tokens", "model.layers.0"],
+               ["model.layers.1", "model.norm", "lm_head"]]),
+])
+def test_hugging_face_default_units_are_the_blocks_with_their_neighbours(name, expected):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = hf_tiny_builders(seq=64)[name]()  # as benchmarks/bench_models.py builds them
+    units = plan_fetch_units(model)
+    check_plan(model, units)
+    assert [top_names(model, u) for u in units] == expected
+
+
+PERSISTENT = UnitCaps(persistent_numel=100_000)  # stage3_param_persistence_threshold's default
+
+
+def test_tiny_hugging_face_gpt2_merges_its_persistent_units():
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = hf_tiny_builders(seq=64)["gpt2"]()  # ~120k elements, every unit under 100k
+    units = plan_fetch_units(model, caps=PERSISTENT)
+    check_plan(model, units)
+    # the tied embedding (16k) joins wpe + h.0 (54k); h.1 + ln_f (50k) would pass 100k
+    assert [top_names(model, u) for u in units] == [
+        ["transformer.wte", "transformer.wpe", "transformer.h.0"],
+        ["transformer.h.1", "transformer.ln_f"]]
+    assert units[0].kind == "persistent" and units[0].shared
+
+
+def test_persistent_units_merge_wherever_they_are_under_the_threshold():
+    torch.manual_seed(0)
+    model = GPT()  # small GPT: tied embedding (65k), positions (33k), ln_final; 6 big blocks
+    plain = plan_fetch_units(model)
+    units = plan_fetch_units(model, caps=PERSISTENT)
+    check_plan(model, units)
+    assert [u.kind for u in units] == ["persistent"] + ["block"] * 6
+    kept = units[0]
+    assert kept.shared and kept.numel == sum(u.numel for u in plain if u.numel < 100_000)
+    assert kept.numel < 100_000  # still persistent: the engine keeps it whole
+    assert any(m is model.ln_final for m in kept.modules)  # from the far end of the model
+    assert [[id(p) for p in u.params] for u in units[1:]] == [
+        [id(p) for p in u.params] for u in plain if u.numel >= 100_000]
+    capped = plan_fetch_units(model, caps=UnitCaps(70_000, None, 100_000))  # one bucket each
+    check_plan(model, capped)
+    assert [u.numel for u in capped if u.numel < 100_000] == [65_536, 32_768 + 512]
+    under = plan_fetch_units(model, caps=UnitCaps(persistent_numel=90_000))
+    assert [u.numel for u in under if u.numel < 90_000] == [65_536, 32_768 + 512]
+
+
+def test_planner_merges_persistent_units_as_the_engine_does():
+    for caps in (PERSISTENT, UnitCaps(70_000, None, 100_000)):
+        torch.manual_seed(0)
+        model = GPT()
+        order = {id(p): i for i, p in enumerate(model.parameters())}
+        units = plan_fetch_units(model, caps=caps)
+        engine = [u.numel for u in sorted(units, key=lambda u: -min(order[id(p)]
+                                                                  for p in u.params))]
+        with torch.device("meta"):
+            shape = shape_of(GPT())
+        assert list(shape.with_unit_caps(caps).unit_numels) == engine

@@ -39,7 +39,7 @@ from zeromem.zero_optimizer import (GradKind, ShardAccumulated, WholeAllReduced,
                                     launch_copies)
 from zeromem.offload.budget import pool_unit_numel
 from zeromem.planning.host_memory import OffloadKnobs, offload_breakdown
-from zeromem.stage3.units import UnitCaps, coalesce_target_numel, merge_runs
+from zeromem.stage3.units import UnitCaps, coalesce_target_numel, merge_runs, persistent_groups
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
          "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
@@ -292,11 +292,14 @@ class UnmergedUnit:
 
 
 def merged_unit_numels(unmerged: tuple[UnmergedUnit, ...], caps: UnitCaps) -> tuple[int, ...]:
-    """Elements of each merged unit (the engine's `coalesce`), in the engine's group order."""
+    """Elements of each merged unit (the engine's `coalesce`, then `merge_persistent`), in
+    the engine's group order."""
     numels = [u.numel for u in unmerged]
     target = coalesce_target_numel(sum(numels), caps, max(numels, default=0))
     runs = merge_runs(numels, [u.shared for u in unmerged], target)
     units = [(min(unmerged[i].first for i in run), sum(numels[i] for i in run)) for run in runs]
+    groups = persistent_groups([n for _, n in units], caps)  # then `merge_persistent`
+    units = [(min(units[i][0] for i in g), sum(units[i][1] for i in g)) for g in groups]
     return tuple(n for _, n in sorted(units, key=lambda u: -u[0]))
 
 
@@ -376,7 +379,7 @@ class ZeroLayout:
         if self.stage >= 3 and self.offload_param == "nvme":
             pool = pool_unit_numel(self.offload.host_budget_bytes,
                                    self.offload.param_buffer_count, param_bytes, n_d)
-        return UnitCaps(self.reduce_bucket_numel, pool)
+        return UnitCaps(self.reduce_bucket_numel, pool, self.persistence_threshold)
 
 
 def reduce_buckets(param_numels: tuple[int, ...], bucket_numel: int) -> list[int]:

@@ -293,7 +293,8 @@ def evaluate(shape: ModelShape, setup: Setup, hw: Hardware, work: Workload) -> C
     widths = Widths(p, p, 0 if p == 4 else 4, 8, 4)  # AdamW, as the written config says
     # fetch units merged as the engine will under the written config: within its reduce
     # bucket, then (the budget known) within the NVMe parameter pool's share of it
-    shape = shape.with_unit_caps(UnitCaps(layout.reduce_bucket_numel))
+    shape = shape.with_unit_caps(UnitCaps(layout.reduce_bucket_numel, None,
+                                          layout.persistence_threshold))
     if setup.offload_optimizer == "nvme":  # the host budget the written config names
         budget = least_budget(rank_shards(shape, n_d, layout), setup.offload_param, p,
                               widths.states, setup.stage >= 2, layout.offload)

@@ -167,9 +167,12 @@ class FetchSchedule:
         # a unit may be gathered by several modules (merged neighbours, a tied parameter)
         self.units = list({id(u): u for _, u in module_units}.values())
         self.placement = placement or ParamsOnDevice()  # told the order of each pass (read-ahead)
+        # A persistent unit is whole from one optimizer step to the next (`refresh`): its
+        # modules have nothing to gather, and are hooked only like modules without units.
         self.unit_of_module: dict[int, list[FetchUnit]] = {}
         for module, unit in module_units:
-            self.unit_of_module.setdefault(id(module), []).append(unit)
+            if not unit.persistent:
+                self.unit_of_module.setdefault(id(module), []).append(unit)
         self.unit_of_param = {id(p): u for u in self.units for p in u.group.params}
         self.extra_units: dict[int, list[FetchUnit]] = {}  # module id -> other units it reads
         self.limits = limits
@@ -259,7 +262,9 @@ class FetchSchedule:
         """Release every unit still gathered and keep this pass's order for prefetching."""
         kind = self.pass_kind
         order = self.orders[kind]
-        if order and (not self.on_track or len(order) != len(self.recorded[kind])):  # changed
+        # An empty order is recorded too (every unit persistent): a kind never recorded
+        # would keep the tracer on in each of its passes.
+        if not self.on_track or len(order) != len(self.recorded[kind]):  # new or changed
             self.recorded[kind] = RecordedOrder(order)
             self.placement.follow(order)
         for unit in self.units:

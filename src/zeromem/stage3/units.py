@@ -3,7 +3,7 @@
 Every stage-3 gather costs a collective, a buffer, two hooks and some Python,
 whatever its size; on a model of many small layers that fixed cost, not the
 bytes, sets the step time (issue 15). So by default units are chosen to
-amortise it, in two passes over the module tree (ZeRO paper section 5.3 fetches
+amortise it, in three passes over the module tree (ZeRO paper section 5.3 fetches
 "per module"; FSDP1's size-based wrap policy and DeepSpeed's
 `stage3_prefetch_bucket_size` batch small modules the same way):
 
@@ -25,6 +25,11 @@ amortise it, in two passes over the module tree (ZeRO paper section 5.3 fetches
    A unit holding a parameter registered by two modules (a tied embedding and
    head) is never merged: its other user runs elsewhere in the pass, and should
    gather only what it reads.
+3. **Persistent units together.** Units under `stage3_param_persistence_threshold`
+   stay whole between optimizer steps, so no pass gathers them; wherever they sit,
+   they are merged while the merged unit stays under the threshold (so it stays
+   persistent): one reduce-scatter and one all-gather a step for several of them
+   (`merge_persistent`).
 
 With `fetch_units` (module classes) the user's choice wins: every instance of
 those classes is one unit, the rest go to the module owning them, nothing is
@@ -60,6 +65,15 @@ class UnitCaps:
 
     bucket_numel: int | None = None  # reduce_bucket_size: a unit is reduced as one bucket
     pool_numel: int | None = None  # NVMe parameters: the parameter pool's share of the budget
+    # stage3_param_persistence_threshold: smaller units stay whole between steps, so they
+    # are merged wherever they are, into units still under it (`merge_persistent`)
+    persistent_numel: int = 0
+
+    def fits_persistent(self, numel: int) -> bool:
+        """May `merge_persistent` make a unit of `numel` elements? Under the threshold (so
+        the engine keeps it whole, as the planner predicts), within the bucket and pool."""
+        return numel < self.persistent_numel and all(
+            cap is None or numel <= cap for cap in (self.bucket_numel, self.pool_numel))
 
 
 def coalesce_target_numel(psi: int, caps: UnitCaps = UnitCaps(), largest_numel: int = 0) -> int:
@@ -84,7 +98,7 @@ def plan_fetch_units(root: nn.Module, unit_classes: tuple[type, ...] = (),
     under `Init`)."""
     if not unit_classes:
         units = unmerged_units(root, numel_of)
-        return coalesce(units, default_target(units, caps))
+        return merge_persistent(coalesce(units, default_target(units, caps)), caps)
     claim = _Claims(_holders(root), numel_of)
     for module in root.modules():
         if isinstance(module, unit_classes) and module is not root:
@@ -197,6 +211,40 @@ def _merged(units: list[UnitPlan]) -> UnitPlan:
         kind = kind if kind.endswith(unit.kind) else f"{kind}+{unit.kind}"
     return UnitPlan([p for u in units for p in u.params], [m for u in units for m in u.modules],
                     kind, sum(u.numel for u in units))
+
+
+def persistent_groups(numels: Sequence[int], caps: UnitCaps) -> list[list[int]]:
+    """Units (by index, in order) after `merge_persistent`: the units under the persistence
+    threshold packed in order while a pack `fits_persistent`, each pack where its first
+    member was; the others alone. Pure arithmetic, shared with the planner."""
+    groups: list[list[int]] = []
+    pack: list[int] | None = None
+    total = 0
+    for i, numel in enumerate(numels):
+        if not caps.fits_persistent(numel):
+            groups.append([i])
+        elif pack is not None and caps.fits_persistent(total + numel):
+            pack.append(i)
+            total += numel
+        else:
+            pack, total = [i], numel
+            groups.append(pack)
+    return groups
+
+
+def merge_persistent(units: list[UnitPlan], caps: UnitCaps) -> list[UnitPlan]:
+    """Units under the persistence threshold merged, wherever they are in the model.
+
+    A persistent unit stays whole from one optimizer step to the next: no pass gathers
+    it, so where it runs does not matter, only that each unit costs a step one
+    reduce-scatter and one all-gather (on a tiny model, most of stage 3's collectives)."""
+    groups = persistent_groups([u.numel for u in units], caps)
+    return [units[g[0]] if len(g) == 1 else _persistent([units[i] for i in g]) for g in groups]
+
+
+def _persistent(units: list[UnitPlan]) -> UnitPlan:
+    return UnitPlan([p for u in units for p in u.params], [m for u in units for m in u.modules],
+                    "persistent", sum(u.numel for u in units), any(u.shared for u in units))
 
 
 def describe(units: list[UnitPlan], names: dict[int, str], user_classes: tuple[type, ...],
