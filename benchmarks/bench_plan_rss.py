@@ -15,7 +15,9 @@ compared is therefore the planner's
 (the engine replaces the module's parameter storage with its flat buffers, which
 the device figure already counts). The ledger (`engine.memory_report()`, the
 tensors the engine holds) is printed beside them; RSS - ledger is what no tensor
-census sees (gloo's buffers, the swap I/O threads, allocator slack).
+census sees (gloo's buffers, the swap I/O threads, allocator slack). The
+communication buffers (temporary: not in RSS after the step) are printed planned,
+by part, beside the engine's own peak figure.
 
 Two differences are this machine's, not the planner's: with the CPU as the device,
 an fp32 reduced gradient shard on the "device" is already the host gradient, so
@@ -86,7 +88,8 @@ def _measure(rank: int, world: int, gpt: GPTConfig, path: str, names: list[str])
         held = engine.memory_report().to_dict()["held"]
         ledger = sum(b for c, places in held.items() if c != "comm_buffers"
                      for place, b in places.items() if place in ("device", "host"))
-        out[name] = {"rss": rss_bytes() - base, "ledger": ledger}  # the warm-up's is replaced
+        out[name] = {"rss": rss_bytes() - base, "ledger": ledger,  # the warm-up's is replaced
+                     "buffers": engine.comm.buffer_bytes_peak}
         engine.close()
         del engine
         gc.collect()
@@ -107,16 +110,19 @@ def main() -> None:
     own = 4 * sum(shape.param_numels)  # the model's fp32 parameters, in the baseline
     print(f"demo GPT {shape.psi / 1e6:.1f}M parameters, fp32, 2 gloo ranks; MB per rank "
           "(rank 0 / rank 1 measured)")
-    print(f"{'setup':<32}{'predicted':>10}{'ledger':>14}{'RSS':>16}{'error vs RSS':>14}")
+    print(f"{'setup':<32}{'predicted':>10}{'ledger':>14}{'RSS':>16}{'error vs RSS':>14}"
+          f"{'comm buffers planned':>22}{'engine':>8}")
     for name in SETUPS:
-        p = predict_memory(shape, config(name, args.nvme_path), 2)
+        p = predict_memory(shape, config(name, args.nvme_path), 2, backend="gloo")
         predicted = p.model_state_bytes + p.host_bytes - own
         rss = [r[name]["rss"] for r in measured]
         ledger = [r[name]["ledger"] - own for r in measured]
         error = predicted / max(rss) - 1
         print(f"{name:<32}{predicted / 1e6:>10.1f}"
               f"{ledger[0] / 1e6:>7.1f}/{ledger[1] / 1e6:<6.1f}"
-              f"{rss[0] / 1e6:>8.1f}/{rss[1] / 1e6:<7.1f}{error:>+13.1%}")
+              f"{rss[0] / 1e6:>8.1f}/{rss[1] / 1e6:<7.1f}{error:>+13.1%}"
+              f"{p.comm_buffers / 1e6:>22.2f}{measured[0][name]['buffers'] / 1e6:>8.2f}  "
+              + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in p.comm.items()))
 
 
 if __name__ == "__main__":

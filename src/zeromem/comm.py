@@ -151,7 +151,12 @@ class Pending:
             finish()
 
 
-DONE = Pending(None)
+def done() -> Pending:
+    """A collective with nothing left to wait for (world size 1, or already completed).
+
+    A new object each time: a shared one would be one module-level mutable object, and
+    wrapping its `finish` (as `_logged` does) would change it for every caller."""
+    return Pending(None)
 
 
 class Reduction(Protocol):
@@ -284,7 +289,7 @@ class Comm:
         pending = issue()
         if token is None:
             return pending
-        if not async_op or pending is DONE:  # done already
+        if not async_op or (pending.work is None and pending.finish is None):  # done already
             self.log.finish(token)  # type: ignore[union-attr]
             return pending
         inner = pending.finish
@@ -301,7 +306,7 @@ class Comm:
                    kind: str = "all_reduce") -> Pending:
         """In-place all-reduce of `tensor`."""
         if self.world_size == 1:
-            return DONE
+            return done()
         n = self.world_size
         self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
         return self._logged("all_reduce", kind, tensor.numel() * tensor.element_size(),
@@ -314,7 +319,7 @@ class Comm:
         """Sum `input` (N equal chunks) over ranks; this rank's chunk lands in `output`."""
         if self.world_size == 1:
             output.copy_(input)
-            return DONE
+            return done()
         return self._logged("reduce_scatter", kind, input.numel() * input.element_size(),
                             lambda: self._reduce_scatter(output, input, async_op, kind), async_op)
 
@@ -346,7 +351,7 @@ class Comm:
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return DONE
+            return done()
         n = self.world_size
         self._count(kind, (n - 1) / n * output.numel() * output.element_size())
         return self._logged("all_gather", kind, output.numel() * output.element_size(),
@@ -368,7 +373,7 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src_rank: int, async_op: bool = False) -> Pending:
         """Broadcast from group rank `src_rank`."""
         if self.world_size == 1:
-            return DONE
+            return done()
         self._count("broadcast", tensor.numel() * tensor.element_size() * (self.rank == src_rank))
         src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
         return self._logged("broadcast", "broadcast", tensor.numel() * tensor.element_size(),
@@ -383,7 +388,7 @@ class Comm:
     def _handle(self, work, *tensors: torch.Tensor) -> Pending:
         """Async: a tracked handle. Sync (work None): already done, or raised (explained)."""
         return Pending(self._track(work, *tensors), explain=self.explain,
-                       forget=self._forget) if work is not None else DONE
+                       forget=self._forget) if work is not None else done()
 
     def _sync(self, run: Callable[[], object]):
         """Run a blocking collective; a timeout becomes a CollectiveTimeoutError."""

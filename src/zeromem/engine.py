@@ -38,8 +38,8 @@ from zeromem.stage3.units import (UnitCaps, default_target, describe, plan_fetch
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
 from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
-from zeromem.zero_optimizer import (ShardAccumulated, StepSettings, WholeAllReduced,
-                                    WholeScattered, ZeroOptimizer)
+from zeromem.zero_optimizer import (ContiguousShards, ShardAccumulated, StepSettings,
+                                    WholeAllReduced, WholeScattered, ZeroOptimizer)
 
 log = logging.getLogger("zeromem")
 
@@ -113,7 +113,8 @@ class Engine:
                                   self.optimizer, self.scaler, self.mp_norm, StepSettings(
                                       config.zero_optimization.overlap_comm is not False,
                                       float(config.gradient_clipping or 0.0),
-                                      self.bucket_sizes["allgather_bucket_size"]))
+                                      self.bucket_sizes["allgather_bucket_size"],
+                                      self.offload.buckets_alive))
         self.stage3 = self._build_stage3() if sharding.params else None
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
@@ -155,13 +156,10 @@ class Engine:
         groups.sort(key=lambda g: -min(order[id(p)] for p in g.params))
         grad_dtype = self.config.grad_dtype
         if sharding.grads:
-            # contiguous_gradients: every group's gradient shard is a view into one buffer.
-            flat = torch.zeros(sum(g.shard_numel for g in groups), dtype=grad_dtype,
-                               device=self.device)
-            offset = 0
-            for g in groups:
-                g.attach_grads(ShardAccumulated(g, flat[offset:offset + g.shard_numel]))
-                offset += g.shard_numel
+            # contiguous_gradients: every group's gradient shard is a view into one buffer
+            shards = ContiguousShards([g.shard_numel for g in groups], grad_dtype, self.device)
+            for i, g in enumerate(groups):
+                g.attach_grads(ShardAccumulated(g, shards, i))
         else:
             kind = WholeScattered if sharding.optimizer else WholeAllReduced
             for g in groups:

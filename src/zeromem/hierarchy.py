@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from zeromem import quantize
-from zeromem.comm import DONE, Comm, Pending
+from zeromem.comm import Comm, Pending, done
 from zeromem.config.schema import Config, ConfigError
 from zeromem.mesh import Mesh, NodeLayout
 from zeromem.stage3.gather import GatherPolicy
@@ -68,7 +68,7 @@ class ReplicatedReduce:
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, **kwargs) -> Pending:
         self.shard.all_reduce(tensor, **kwargs)
         self.replicas.all_reduce(tensor, **kwargs)
-        return DONE
+        return done()
 
     def note_buffer(self, tensor: torch.Tensor) -> None:
         self.shard.note_buffer(tensor)
@@ -103,7 +103,7 @@ class HierarchicalQuantizedReduce:
         node_sum = self._exchange(self.node, by_local).sum(dim=0)        # (K * chunk,)
         total = self._exchange(self.across, node_sum.view(k, chunk)).sum(dim=0)
         output.copy_(total.to(output.dtype))
-        return DONE
+        return done()
 
     def _exchange(self, comm: Comm, rows: torch.Tensor) -> torch.Tensor:
         """Row i of `rows` goes to rank i of `comm`, quantized; returns the rows received."""

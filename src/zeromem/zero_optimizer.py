@@ -25,7 +25,10 @@ accumulation boundary; nothing here calls back into the engine.
 Ranks must issue collectives in the same order even when their graphs differ
 (a parameter unused on one rank only), so buckets launch strictly in index order:
 a ready bucket waits for the ones before it, and `finish_backward()` launches
-whatever is left (a bucket no gradient reached reduces zeros) and waits.
+whatever is left (a bucket no gradient reached reduces zeros) and waits. At most
+`max_buckets` full-size buckets are alive, filling or reducing (BUCKETS_ALIVE by
+default; 1 when reduced shards go to an NVMe file, offload/grad_file.py, so that
+backward's host memory is one unit's gradient path).
 
 Three gradient buffer kinds, chosen once from `Sharding` (llm.c style: data, not branches):
 
@@ -52,7 +55,7 @@ from torch import nn
 
 from zeromem.comm import Comm, Pending, Reduction, reduce_scatter_copies
 from zeromem.flat import FlatParamGroup
-from zeromem.layout import GATHER_IN_FLIGHT, REDUCE_IN_FLIGHT
+from zeromem.layout import BUCKETS_ALIVE, GATHER_IN_FLIGHT
 
 if TYPE_CHECKING:  # the parts the engine builds and passes in; the planner imports this module
     from zeromem.hierarchy import CommPlan
@@ -117,6 +120,27 @@ class WholeScattered(WholeAllReduced):
         return self.whole[g.shard_offset:g.shard_offset + g.shard_numel]
 
 
+class ContiguousShards:
+    """`contiguous_gradients`: every group's reduced shard is a view into one zeroed buffer.
+
+    The buffer is allocated when a shard is first read, not at construction: a placement
+    that stores reduced shards elsewhere (offload/grad_file.py) replaces the gradient
+    objects before any backward, and then no rank ever holds the model's gradient shard.
+    """
+
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device):
+        self.offsets = [sum(numels[:i]) for i in range(len(numels))]
+        self.numels = numels
+        self.dtype, self.device = dtype, device
+        self.views: list[torch.Tensor] = []  # one per group, always the same tensor
+
+    def shard(self, index: int) -> torch.Tensor:
+        if not self.views:
+            flat = torch.zeros(sum(self.numels), dtype=self.dtype, device=self.device)
+            self.views = [flat[start:start + n] for start, n in zip(self.offsets, self.numels)]
+        return self.views[index]
+
+
 class ShardAccumulated:
     """Stage 2: only the reduced shard persists; full-size gradients live one bucket at a time."""
 
@@ -124,23 +148,28 @@ class ShardAccumulated:
     temporary_buckets = 1  # the full-size bucket, dropped once reduced
     scatters = True
 
-    def __init__(self, group: FlatParamGroup, shard: torch.Tensor):
+    def __init__(self, group: FlatParamGroup, shards: ContiguousShards, index: int):
         self.group = group
-        self.shard = shard
+        self.shards, self.index = shards, index
+        self.dtype, self.device = shards.dtype, shards.device  # the bucket's (reduce-scatter's)
         self.bucket: torch.Tensor | None = None
+
+    @property
+    def shard(self) -> torch.Tensor:
+        return self.shards.shard(self.index)
 
     def accumulate(self, offset: int, grad: torch.Tensor) -> None:
         if self.bucket is None:
-            self.bucket = torch.zeros(self.group.padded_numel, dtype=self.shard.dtype,
-                                      device=self.shard.device)
+            self.bucket = torch.zeros(self.group.padded_numel, dtype=self.dtype,
+                                      device=self.device)
         self.bucket[offset:offset + grad.numel()].add_(grad.reshape(-1))
 
     def launch(self, comm: Reduction) -> Pending:
         bucket = self.bucket if self.bucket is not None else torch.zeros(
-            self.group.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+            self.group.padded_numel, dtype=self.dtype, device=self.device)
         self.bucket = None
         comm.note_buffer(bucket)
-        out = torch.empty_like(self.shard)
+        out = torch.empty(self.group.shard_numel, dtype=self.dtype, device=self.device)
         pending = comm.reduce_scatter(out, bucket, async_op=True)
 
         def add_into_shard() -> None:
@@ -167,7 +196,10 @@ class StepSettings:
     overlap: bool = True  # overlap_comm: reductions run while backward goes on
     gradient_clipping: float = 0.0  # gradient_clipping: max global norm, 0 = off
     allgather_bucket_numel: int = 500_000_000  # allgather_bucket_size, in elements
-    max_in_flight: int = REDUCE_IN_FLIGHT  # buckets reduced at once while the next fills (CB)
+    # full-size gradient buckets alive, filling or reducing (CB): a reduction waits for older
+    # ones until it is within max_buckets - 1 in flight, and a bucket starts filling only when
+    # fewer than max_buckets are in flight (1: one bucket at a time)
+    max_buckets: int = BUCKETS_ALIVE
 
 
 class ZeroOptimizer:
@@ -214,6 +246,8 @@ class ZeroOptimizer:
                 name = next(s.name for s in group.slots if s.offset == offset)
                 raise RuntimeError(f"parameter {name!r} received a second gradient in one backward "
                                    "after its bucket was reduced; use zeromem.checkpoint")
+            if self.reducing and self.missing[gi] == len(group.params):  # a bucket starts
+                self._wait_in_flight(self.settings.max_buckets - 1)
             group.grads.accumulate(offset, param.grad)
             param.grad = None
             self.missing[gi] -= 1
@@ -244,9 +278,13 @@ class ZeroOptimizer:
         while self.next_to_launch < len(self.groups) and self.missing[self.next_to_launch] <= 0:
             self._launch(self.next_to_launch)
 
-    def _launch(self, gi: int) -> None:
-        while len(self.in_flight) >= self.settings.max_in_flight:
+    def _wait_in_flight(self, most: int) -> None:
+        """Wait for the oldest reductions until at most `most` are in flight."""
+        while len(self.in_flight) > max(0, most):
             self.in_flight.popleft().wait()
+
+    def _launch(self, gi: int) -> None:
+        self._wait_in_flight(self.settings.max_buckets - 2)
         pending = self.groups[gi].grads.launch(self.plan.grads)
         self.next_to_launch = gi + 1
         if self.settings.overlap:

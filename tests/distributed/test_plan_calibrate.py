@@ -85,13 +85,15 @@ def test_calibration_is_positive_and_self_consistent(tmp_path):
         assert link.latency > 0 and link.bandwidth > 0
     assert min(cal.copy_bandwidth, cal.disk_read, cal.disk_write) > 0
     assert set(cal.optimizer) == {"device", "cpu"} and min(cal.optimizer.values()) > 0
-    assert set(cal.overhead) == {0, 1, 2, 3} and min(cal.overhead.values()) >= 0
+    for overhead in (cal.overhead, cal.overhead_per_element):
+        assert set(overhead) == {0, 1, 2, 3} and min(overhead.values()) >= 0
     hw = Hardware(2, 1e12, calibration=cal)
     t = {s: evaluate(shape, s, hw, work).time
          for s in (Setup(0), Setup(2), Setup(3), Setup(2, "gpu"), Setup(2, "none", "nvme"))}
     for setup, time in t.items():
         assert time.compute > 0 and time.comm > 0 and time.optimizer > 0
-        assert time.overhead == pytest.approx(len(shape.param_numels) * cal.overhead[setup.stage])
+        assert time.overhead == pytest.approx(len(shape.param_numels) * cal.overhead[setup.stage]
+                                              + shape.psi * cal.overhead_per_element[setup.stage])
         assert time.overlapped == time.serial  # gloo: nothing overlaps
     # the compute of the measured workload is what was measured
     assert t[Setup(0)].compute == pytest.approx(cal.forward_s + cal.backward_s)

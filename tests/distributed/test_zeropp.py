@@ -255,9 +255,12 @@ def bytes_and_losses(rank: int, world_size: int) -> dict:
         shards = [g.shard_numel for g in engine.groups]
         engine.backward(engine(*micro_batch(0, rank, 0)))  # hpZ's copies live until the step
         params_bytes = engine.memory_report().held["params"]["device"]
+        engine.step()  # ... and no longer: the step changed the weights they copy
+        after_step = engine.memory_report().held["params"]["device"]
         engine.close()
         out[name] = {"split": {k: report.split(k) for k in report.last_step},
-                     "losses": losses, "shards": shards, "params_bytes": params_bytes}
+                     "losses": losses, "shards": shards, "params_bytes": params_bytes,
+                     "params_bytes_after_step": after_step}
     return out
 
 
@@ -291,6 +294,7 @@ def test_ledger_shows_each_option_saving_what_it_claims(measured):
         # hpZ's secondary copy: half of each unit (2 ranks per node), bf16, until the step
         extra = runs["+hpZ"]["params_bytes"] - runs["stage 3"]["params_bytes"]
         assert extra == sum(4 * s // 2 * 2 for s in shards), (extra, shards)
+        assert runs["+hpZ"]["params_bytes_after_step"] == runs["stage 3"]["params_bytes_after_step"]
         both = runs["all three"]["split"]
         assert both["all_gather_backward"][1] == 0
         assert both["reduce_scatter"] == qgz["reduce_scatter"]

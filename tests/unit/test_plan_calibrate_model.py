@@ -66,11 +66,13 @@ def test_swap_time_follows_the_measured_disk(setup):
 
 
 def test_engine_overhead_is_per_parameter_and_micro_step_at_the_setup_stage():
-    params = len(_shape().param_numels)
+    params, psi = len(_shape().param_numels), _shape().psi
     cal = _cal(overhead={0: 1e-5, 1: 2e-5, 2: 3e-5, 3: 4e-5})
     for stage in range(4):
         t = _time(cal, Setup(stage))
         assert t.overhead == pytest.approx(WORK.gas * params * (stage + 1) * 1e-5)
+        both = _time(dataclasses.replace(cal, overhead_per_element={stage: 1e-9}), Setup(stage))
+        assert both.overhead == pytest.approx(t.overhead + WORK.gas * psi * 1e-9)
         assert t.serial == pytest.approx(t.compute + t.comm + t.offload + t.optimizer + t.overhead)
         assert t.overlapped == t.serial  # gloo: nothing overlaps
     assert _time(_cal(), Setup(3)).overhead == 0  # not calibrated: not modelled

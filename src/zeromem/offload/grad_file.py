@@ -17,9 +17,12 @@ the optimizer states (offload/nvme_optimizer.py).
         read(group) / read_piece   whole shard / an aligned range for the optimizer
         flush()                    every write finished (before the step reads)
 
-Buffer lifetimes: a bucket lives from the group's first gradient to its
-reduce-scatter (as at stage 2/3 without offload); a reduced shard lives until its
-write completes, at most `MAX_WRITES` of them at once.
+Buffer lifetimes: a bucket lives from the group's first gradient to the end of its
+reduce-scatter (as at stage 2/3 without offload), but only one bucket is alive at a
+time (`MastersOnNvme.buckets_alive`: the next group's first gradient waits for the
+reduction in flight; more would each hold a whole unit, gloo's receive buffer and a
+shard); a reduced shard lives until its write completes, at most `MAX_WRITES` of
+them at once.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from zeromem.offload.nvme import (ALIGN, IOHandle, OffloadError, SwapSpace, alig
 
 # reduced shards waiting for their write: bounds host memory in backward (each is one
 # unit's shard: with more, backward's peak grows with the units' size)
-MAX_WRITES = 2
+MAX_WRITES = 1
 
 
 def record_bytes(numel: int) -> int:
@@ -141,10 +144,11 @@ class ShardToFile:
     temporary_buckets = 1  # the full-size bucket, dropped once its shard is stored
     scatters = True
 
-    def __init__(self, group: FlatParamGroup, like: torch.Tensor, store: GradFile):
+    def __init__(self, group: FlatParamGroup, dtype: torch.dtype, device: torch.device,
+                 store: GradFile):
         self.group = group
-        self.dtype = like.dtype  # the bucket's (reduce-scatter's) dtype; the file holds fp32
-        self.device = like.device
+        self.dtype = dtype  # the bucket's (reduce-scatter's) dtype; the file holds fp32
+        self.device = device
         self.store = store
         self.bucket: torch.Tensor | None = None
 

@@ -52,6 +52,7 @@ import torch
 from zeromem.comm import Pending
 from zeromem.config.schema import ConfigError
 from zeromem.flat import FlatParamGroup
+from zeromem.layout import BUCKETS_ALIVE
 from zeromem.optim import OPTIMIZERS, build_optimizer, has_fused_kernel
 from zeromem.optimizers import Lamb
 from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
@@ -175,6 +176,7 @@ class MastersPlacement(Protocol):
     """Where masters and optimizer states live and the step runs; one verb per step phase."""
 
     where: str  # "device" | "host" | "nvme"
+    buckets_alive: int  # full-size gradient buckets ZeroOptimizer keeps (zero_optimizer.py)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -204,6 +206,7 @@ class MastersOnDevice:
     """No `offload_optimizer`: masters and states beside the parameters; torch's own step."""
 
     where = "device"
+    buckets_alive = BUCKETS_ALIVE
 
     def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy):
         self.groups = groups
@@ -243,6 +246,7 @@ class MastersOnHost:
     """`offload_optimizer.device: cpu`: fp32 masters, states and gradients in host memory."""
 
     where = "host"
+    buckets_alive = BUCKETS_ALIVE
 
     def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy):
         self.groups = groups
@@ -303,10 +307,16 @@ class MastersOnNvme:
         self.optimizer: SwappedOptimizer | None = None
         self.host_grads: HostGrads | None = None
         self.grad_file: GradFile | None = None
+        self.buckets_alive = BUCKETS_ALIVE
         if groups and all(g.grads.reduces_every_microstep for g in groups):
             self.grad_file = GradFile(groups, space)
+            # each bucket is a whole unit in host memory (and a reducing one gloo's receive
+            # buffer and its reduced shard too): one at a time keeps backward's peak to one
+            # unit's gradient path; the reduction and the write still overlap the next unit's
+            # backward, as its first gradient is computed before the bucket is needed
+            self.buckets_alive = 1
             for g in groups:
-                g.attach_grads(ShardToFile(g, g.grads.reduced(), self.grad_file))
+                g.attach_grads(ShardToFile(g, g.grads.dtype, g.grads.device, self.grad_file))
         else:
             self.host_grads = HostGrads(groups, policy.optimizer_pin)
 
@@ -415,6 +425,11 @@ class Offload:
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         return self.masters.optimizer
+
+    @property
+    def buckets_alive(self) -> int:
+        """Full-size gradient buckets ZeroOptimizer keeps, filling or reducing."""
+        return self.masters.buckets_alive
 
     def build_optimizer(self, config: Any, param_groups: list[dict],
                         factory: Callable | None) -> torch.optim.Optimizer:

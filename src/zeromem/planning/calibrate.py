@@ -20,12 +20,14 @@ in training, where they share the machine):
                 placement runs: on the device the config's as `optim.py` builds
                 it (fused where torch has it), torch's fused CPU kernel under
                 offload
-    overhead    the engine's own cost per parameter and step at each stage
-                (Python hooks, bucket bookkeeping, launches): a step of an
+    overhead    the engine's own cost per step at each stage: per parameter
+                (Python hooks, bucket bookkeeping, launches) from a step of an
                 engine over `ManyParameters` (many small parameters, almost no
-                compute) less the same step without an engine and less the
-                collectives that engine issues (counted as below, timed with the
-                links above), per parameter
+                compute), per element (its passes over gradient buckets and
+                shards: zeroing, accumulating, adding the reduced shard, the
+                norm, unscaling) from one over `FewLargeParameters`; each less the
+                same step without an engine and less the collectives that engine
+                issues (counted as below, timed with the links above)
 
 `Calibration.step_time` predicts one optimizer step of a setup from these and
 the engine's layout (`estimate.exact_model_states`): the collectives it issues
@@ -85,6 +87,7 @@ class Calibration:
     disk_path: str
     optimizer: dict[str, float] = field(default_factory=dict)  # "device" / "cpu": s per element
     overhead: dict[int, float] = field(default_factory=dict)  # stage: s per parameter and step
+    overhead_per_element: dict[int, float] = field(default_factory=dict)  # stage: s per element
 
     def describe(self) -> str:
         mb = 1e6
@@ -98,7 +101,9 @@ class Calibration:
                 f"copies {self.copy_bandwidth / mb:.0f} MB/s; {disk}; AdamW "
                 + ", ".join(f"{k} {v * 1e9:.1f} ns" for k, v in self.optimizer.items())
                 + " per element; engine overhead per parameter "
-                + ", ".join(f"stage {k} {v * 1e6:.0f} us" for k, v in self.overhead.items()))
+                + ", ".join(f"stage {k} {v * 1e6:.0f} us" for k, v in self.overhead.items())
+                + ", per element " + ", ".join(f"stage {k} {v * 1e9:.1f} ns"
+                                              for k, v in self.overhead_per_element.items()))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,7 +122,8 @@ class Calibration:
         shard = shape.psi / n_d if setup.stage >= 1 else shape.psi
         placement = {"none": "device"}.get(setup.offload_optimizer, "cpu")
         optimizer = shard * self.optimizer[placement]
-        overhead = gas * len(shape.param_numels) * self.overhead.get(setup.stage, 0.0)
+        overhead = gas * (len(shape.param_numels) * self.overhead.get(setup.stage, 0.0)
+                          + shape.psi * self.overhead_per_element.get(setup.stage, 0.0))
         return StepTime(compute, comm, self._offload(setup, states, p, shape.psi / n_d, gas),
                         optimizer, can_overlap=self.backend == "nccl", overhead=overhead)
 
@@ -218,7 +224,24 @@ class ManyParameters(nn.Module):
         return x.square().mean()
 
 
+class FewLargeParameters(nn.Module):
+    """Two large parameters and only elementwise compute: what the engine itself costs per
+    element (the `overhead_per_element` calibration)."""
+
+    ELEMENTS = 1 << 20
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.randn(self.ELEMENTS))
+        self.second = nn.Parameter(torch.randn(self.ELEMENTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.mean()
+        return (self.first * scale).square().mean() + (self.second * scale).square().mean()
+
+
 STAGES = (0, 1, 2, 3)
+OVERHEAD_MODELS = {"params": ManyParameters, "elements": FewLargeParameters}
 
 
 def overhead_config(stage: int) -> dict:
@@ -228,23 +251,33 @@ def overhead_config(stage: int) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
 
 
-def _engine_overhead(seconds: Callable[[str], float], links: dict[str, Link],
-                     n: int) -> dict[int, float]:
-    """Seconds per parameter and step of the engine's own work at each stage."""
+def _engine_seconds(seconds: Callable[[str], float], links: dict[str, Link], n: int,
+                    name: str, stage: int) -> tuple[float, Any]:
+    """(seconds of the engine's own work in one step of OVERHEAD_MODELS[name], its shape)."""
     from zeromem.config.schema import Config
     from zeromem.planning.planner import layout_for, shape_of
     with torch.device("meta"):
-        shape = shape_of(ManyParameters())
-    out = {}
+        shape = shape_of(OVERHEAD_MODELS[name]())
+    layout = layout_for(Config.load(overhead_config(stage), world_size=n), shape, n)
+    units = shape.with_unit_caps(layout.unit_caps(FP32, n))  # as the engine merges them
+    comm = sum(links[LINK_OF.get(kind, kind)].seconds(calls, nbytes)
+               for kind, (calls, nbytes) in collectives(units, layout, FP32, FP32, n, 1).items())
+    return seconds(f"{name}_{stage}") - seconds(f"{name}_none") - comm, shape
+
+
+def _engine_overhead(seconds: Callable[[str], float], links: dict[str, Link],
+                     n: int) -> tuple[dict[int, float], dict[int, float]]:
+    """Seconds of the engine's own work per parameter and per element of a step, by stage:
+    ManyParameters' is all per parameter; FewLargeParameters', less its parameters' share
+    of that, per element."""
+    per_param, per_element = {}, {}
     for stage in STAGES:
-        layout = layout_for(Config.load(overhead_config(stage), world_size=n), shape, n)
-        units = shape.with_unit_caps(layout.unit_caps(FP32, n))  # as the engine merges them
-        comm = sum(links[LINK_OF.get(kind, kind)].seconds(calls, nbytes)
-                   for kind, (calls, nbytes) in collectives(units, layout, FP32, FP32, n,
-                                                            1).items())
-        own = seconds(f"engine_{stage}") - seconds("engine_none") - comm
-        out[stage] = max(own, 0.0) / len(shape.param_numels)
-    return out
+        own, shape = _engine_seconds(seconds, links, n, "params", stage)
+        per_param[stage] = max(own, 0.0) / len(shape.param_numels)
+        own, shape = _engine_seconds(seconds, links, n, "elements", stage)
+        own -= per_param[stage] * len(shape.param_numels)
+        per_element[stage] = max(own, 0.0) / shape.psi
+    return per_param, per_element
 
 
 @dataclass(frozen=True)
@@ -315,25 +348,30 @@ class Probe:
         self.sample()  # warm-up: allocations, lazy initialisation, the file's first write
 
     def _overhead_steps(self) -> dict[str, Callable[[], None]]:
-        """One step of `ManyParameters` without an engine ("engine_none") and under one
-        at each stage ("engine_S")."""
+        """One step of each of OVERHEAD_MODELS without an engine ("NAME_none") and under
+        one at each stage ("NAME_S")."""
         import zeromem
         x = torch.randn(4, ManyParameters.WIDTH)
-        bare = ManyParameters()
-        optimizer = torch.optim.AdamW(bare.parameters(), lr=1e-4, fused=True)
+        steps: dict[str, Callable[[], None]] = {}
+        self.engines = []
+        for name, build in OVERHEAD_MODELS.items():
+            bare = build()
+            optimizer = torch.optim.AdamW(bare.parameters(), lr=1e-4, fused=True)
 
-        def plain() -> None:
-            bare(x).backward()
-            torch.nn.utils.clip_grad_norm_(bare.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        steps = {"engine_none": plain}
-        self.engines = [zeromem.initialize(ManyParameters(), overhead_config(s)) for s in STAGES]
-        for stage, engine in zip(STAGES, self.engines):
-            def step(engine: Any = engine) -> None:
-                engine.backward(engine(x))
-                engine.step()
-            steps[f"engine_{stage}"] = step
+            def plain(bare: nn.Module = bare, optimizer: Any = optimizer) -> None:
+                bare(x).backward()
+                torch.nn.utils.clip_grad_norm_(bare.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            steps[f"{name}_none"] = plain
+            for stage in STAGES:
+                engine = zeromem.initialize(build(), overhead_config(stage))
+                self.engines.append(engine)
+
+                def step(engine: Any = engine) -> None:
+                    engine.backward(engine(x))
+                    engine.step()
+                steps[f"{name}_{stage}"] = step
         return steps
 
     def _link_op(self, kind: str, numel: int) -> Callable[[], Any]:
@@ -426,7 +464,7 @@ def from_samples(samples: list[list[dict]], what: Measurement, shape: Any,
                        Probe.DISK_BYTES / seconds("disk_read"),
                        Probe.DISK_BYTES / seconds("disk_write"), what.nvme_path,
                        {k: seconds("optimizer_" + k) / numel for k in ("device", "cpu")},
-                       _engine_overhead(seconds, links, n))
+                       *_engine_overhead(seconds, links, n))
 
 
 def measurement(build: Callable[[], nn.Module], shape: Any, micro_batch: int, seq: int,

@@ -491,7 +491,8 @@ def comm_buffer_parts(padded: list[int], n_d: int, widths: Widths,
     Reduction (backward): each bucket's launch holds `zero_optimizer.launch_copies` full-size
     buffers, the temporary bucket (stages 2-3, `grad_buckets`) and the backend's receive
     buffer (`reduce_scatter_receive`: gloo's all-to-all lands the chunks there; NCCL has
-    none), for REDUCE_IN_FLIGHT consecutive buckets under overlap_comm, else one.
+    none), for REDUCE_IN_FLIGHT consecutive buckets under overlap_comm, else (and when the
+    optimizer on NVMe sends reduced shards to grads.swp) one.
     Parameter all-gather (after the step, stages 1-2): the chunk buffers of groups over
     `allgather_bucket_size` (`layout.gather_chunks`), GATHER_IN_FLIGHT + 1 alive at once
     (the next is allocated before the oldest is waited on); a group within the bucket is
@@ -500,7 +501,11 @@ def comm_buffer_parts(padded: list[int], n_d: int, widths: Widths,
     """
     stage = layout.stage
     overlap = layout.overlap_comm if layout.overlap_comm is not None else stage >= 3
-    window = peak_in_flight(padded, REDUCE_IN_FLIGHT if overlap else 1) * widths.grad
+    # reduced shards to grads.swp (optimizer on NVMe, stages 2-3): one bucket alive at a time
+    # (offload/placement.py MastersOnNvme.buckets_alive)
+    to_file = layout.offload_optimizer == "nvme" and stage >= 2
+    window = peak_in_flight(padded, REDUCE_IN_FLIGHT if overlap and not to_file else 1) \
+        * widths.grad
     kind = GRAD_KINDS[stage]
     received = launch_copies(kind, layout.backend) - kind.temporary_buckets if n_d > 1 else 0
     reduce = {"grad_buckets": kind.temporary_buckets * window,
