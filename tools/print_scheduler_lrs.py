@@ -8,8 +8,7 @@ Run with DeepSpeed (a test-data tool, never a zeromem dependency) and with zerom
 Each schedule in SCHEDULES is built by `initialize` over a one-layer model with the
 config below; the lr printed for step k is the optimizer's lr as step k runs (read
 before `engine.step()`), for STEPS steps. tests/unit/test_schedulers.py holds
-DeepSpeed's output as literal data, and these
-SCHEDULES again (keep the two in step).
+DeepSpeed's output as literal data and reads SCHEDULES from this file.
 """
 from __future__ import annotations
 

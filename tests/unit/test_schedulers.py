@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,23 +48,9 @@ DEEPSPEED_LRS = {
                  0.000571428571],
     "LRRangeTest": [0.001, 0.0015, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.0045, 0.005, 0.0055],
 }
-_WARMUP = {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 4}
-SCHEDULES = {  # the scheduler blocks of tools/print_scheduler_lrs.py
-    "WarmupLR log": ("WarmupLR", {**_WARMUP, "warmup_type": "log"}),
-    "WarmupLR linear": ("WarmupLR", {**_WARMUP, "warmup_type": "linear"}),
-    "WarmupDecayLR log": ("WarmupDecayLR", {**_WARMUP, "warmup_type": "log",
-                                            "total_num_steps": 8}),
-    "WarmupDecayLR linear": ("WarmupDecayLR", {**_WARMUP, "warmup_type": "linear",
-                                               "total_num_steps": 8}),
-    "WarmupCosineLR linear": ("WarmupCosineLR", {"warmup_min_ratio": 0.1, "warmup_num_steps": 4,
-                                                 "total_num_steps": 8, "cos_min_ratio": 0.01,
-                                                 "warmup_type": "linear"}),
-    "OneCycle": ("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01,
-                              "cycle_first_step_size": 3, "decay_lr_rate": 0.5,
-                              "decay_step_size": 2}),
-    "LRRangeTest": ("LRRangeTest", {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 2,
-                                    "lr_range_test_step_rate": 1.0}),
-}
+# the scheduler blocks that produced DEEPSPEED_LRS: the tool's own, read from it
+SCHEDULES = runpy.run_path(str(Path(__file__).parents[2] / "tools" / "print_scheduler_lrs.py"))[
+    "SCHEDULES"]
 
 
 @pytest.mark.parametrize("name", sorted(DEEPSPEED_LRS))
