@@ -141,6 +141,34 @@ class ContiguousShards:
         return self.views[index]
 
 
+class FullBucket:
+    """One flat group's full-size gradient bucket, alive only while a reduction needs it:
+    allocated zeroed at the first gradient, handed over whole at launch (a group no
+    gradient reached reduces zeros), and started afresh by the next gradient."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def filling(self) -> bool:
+        """A bucket is alive: a gradient arrived since the last `take`."""
+        return self._buffer is not None
+
+    def add(self, offset: int, grad: torch.Tensor) -> None:
+        if self._buffer is None:
+            self._buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self._buffer[offset:offset + grad.numel()].add_(grad.reshape(-1))
+
+    def take(self) -> torch.Tensor:
+        """The filled bucket; this object holds nothing until the next `add`."""
+        buffer = self._buffer
+        self._buffer = None
+        if buffer is None:
+            return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return buffer
+
+
 class ShardAccumulated:
     """Stage 2: only the reduced shard persists; full-size gradients live one bucket at a time."""
 
@@ -152,22 +180,17 @@ class ShardAccumulated:
         self.group = group
         self.shards, self.index = shards, index
         self.dtype, self.device = shards.dtype, shards.device  # the bucket's (reduce-scatter's)
-        self.bucket: torch.Tensor | None = None
+        self.bucket = FullBucket(group.padded_numel, self.dtype, self.device)
 
     @property
     def shard(self) -> torch.Tensor:
         return self.shards.shard(self.index)
 
     def accumulate(self, offset: int, grad: torch.Tensor) -> None:
-        if self.bucket is None:
-            self.bucket = torch.zeros(self.group.padded_numel, dtype=self.dtype,
-                                      device=self.device)
-        self.bucket[offset:offset + grad.numel()].add_(grad.reshape(-1))
+        self.bucket.add(offset, grad)
 
     def launch(self, comm: Reduction) -> Pending:
-        bucket = self.bucket if self.bucket is not None else torch.zeros(
-            self.group.padded_numel, dtype=self.dtype, device=self.device)
-        self.bucket = None
+        bucket = self.bucket.take()
         comm.note_buffer(bucket)
         out = torch.empty(self.group.shard_numel, dtype=self.dtype, device=self.device)
         pending = comm.reduce_scatter(out, bucket, async_op=True)

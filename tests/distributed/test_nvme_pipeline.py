@@ -88,7 +88,7 @@ def count_buckets_alive(engine, out: dict) -> None:
     """After each gradient reaches its bucket (a hook registered after the engine's): the
     most full-size gradient buckets alive at once, filling or reducing, into out["buckets"]."""
     def count(_param) -> None:
-        filling = sum(getattr(g.grads, "bucket", None) is not None for g in engine.groups)
+        filling = sum(g.grads.bucket.filling for g in engine.groups if hasattr(g.grads, "bucket"))
         out["buckets"] = max(out["buckets"], filling + len(engine.zero.in_flight))
     for p in engine.module.parameters():
         if p.requires_grad:

@@ -34,6 +34,7 @@ from zeromem.comm import Comm, Pending
 from zeromem.flat import FlatParamGroup
 from zeromem.offload.nvme import (ALIGN, IOHandle, OffloadError, SwapSpace, aligned_empty,
                                   round_up)
+from zeromem.zero_optimizer import FullBucket
 
 # reduced shards waiting for their write: bounds host memory in backward (each is one
 # unit's shard: with more, backward's peak grows with the units' size)
@@ -150,19 +151,14 @@ class ShardToFile:
         self.dtype = dtype  # the bucket's (reduce-scatter's) dtype; the file holds fp32
         self.device = device
         self.store = store
-        self.bucket: torch.Tensor | None = None
+        self.bucket = FullBucket(group.padded_numel, dtype, device)
 
     def accumulate(self, offset: int, grad: torch.Tensor) -> None:
-        if self.bucket is None:
-            self.bucket = torch.zeros(self.group.padded_numel, dtype=self.dtype,
-                                      device=self.device)
-        self.bucket[offset:offset + grad.numel()].add_(grad.reshape(-1))
+        self.bucket.add(offset, grad)
 
     def launch(self, comm: Comm) -> Pending:
         g = self.group
-        bucket = self.bucket if self.bucket is not None else torch.zeros(
-            g.padded_numel, dtype=self.dtype, device=self.device)
-        self.bucket = None
+        bucket = self.bucket.take()
         comm.note_buffer(bucket)
         raw, shard = aligned_fp32(g.shard_numel)
         direct = self.dtype == torch.float32 and self.device.type == "cpu"
