@@ -26,7 +26,7 @@ from zeromem.hierarchy import build_comm_plan
 from zeromem.layout import derived_bucket_numel, derived_prefetch_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitors import Observers, due
-from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0
+from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
 from zeromem.offload.placement import OffloadPolicy, build_offload
 from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
@@ -412,26 +412,7 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict (keys as `module.state_dict()`) on rank 0; {} elsewhere."""
         with self.offload.all_in_memory():  # masters in NVMe files come back for the read
-            return self._full_state_dict()
+            whole = gathered_state_dict(self.module, self.groups, self.plan.shard,
+                                        torch.float32, keep=self.comm.rank == 0)
+        return {k: v.float() if v.is_floating_point() else v for k, v in whole.items()}
 
-    def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        full: dict[int, torch.Tensor] = {}
-        for g in self.groups:
-            master = g.master.detach().float()
-            if g.shard_world > 1:
-                whole = torch.empty(g.padded_numel, dtype=torch.float32, device=master.device)
-                self.plan.shard.all_gather(whole, master.contiguous())
-            else:
-                whole = master
-            for p, slot in zip(g.params, g.slots):
-                full[id(p)] = whole[slot.offset:slot.offset + slot.numel].view(slot.shape).cpu().clone()
-        if self.comm.rank != 0:
-            return {}
-        out = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            value = full.get(id(tensor))
-            if value is None:
-                value = tensor.detach().cpu().clone()
-                value = value.float() if value.is_floating_point() else value
-            out[name] = value
-        return out

@@ -110,3 +110,26 @@ class LoadIntoMasters:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def gathered_state_dict(module: nn.Module, groups: list[FlatParamGroup], comm: Comm,
+                        dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
+    """The module's whole state dict where `keep` ({} elsewhere); collective over `comm`,
+    the shards' group (under hybrid sharding every block gathers, so the caller says which
+    rank keeps it). Trained parameters are the fp32 masters in `dtype`, gathered one flat
+    group at a time; other tensors (buffers, frozen parameters) as held, copied to the CPU."""
+    gathered: dict[int, torch.Tensor] = {}
+    for g in groups:
+        whole = g.master.detach().float().contiguous()
+        if g.shard_world > 1:
+            shard, whole = whole, torch.empty(g.padded_numel, dtype=torch.float32,
+                                              device=whole.device)
+            comm.all_gather(whole, shard)
+        if keep:
+            for p, s in zip(g.params, g.slots):
+                gathered[id(p)] = whole[s.offset:s.offset + s.numel].view(s.shape).to(
+                    device="cpu", dtype=dtype, copy=True)
+    if not keep:
+        return {}
+    return {key: gathered[id(t)] if id(t) in gathered else t.detach().cpu().clone()
+            for key, t in module.state_dict(keep_vars=True).items() if torch.is_tensor(t)}

@@ -75,6 +75,7 @@ from zeromem.checkpoints.consolidate import (
     read_manifest, resolve_checkpoint, verify_file, write_latest, write_manifest)
 from zeromem.checkpoints.formats import deepspeed_location
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
+from zeromem.module_state import gathered_state_dict
 from zeromem.training_state import TrainingState
 
 log = logging.getLogger("zeromem")
@@ -617,7 +618,8 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
     from zeromem.checkpoints.tensor_files import write_state_dict
 
     with state.resident():
-        weights = _gathered_state_dict(state, state.compute_dtype)
+        weights = gathered_state_dict(state.module, state.groups, state.comm,
+                                      state.compute_dtype, keep=state.comm.rank == 0)
     if exclude_frozen_parameters:
         frozen = _frozen_keys(state)
         weights = {k: v for k, v in weights.items() if k not in frozen}
@@ -626,21 +628,3 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
                 lambda: write_state_dict(path, weights) if state.comm.rank == 0 else None)
     return str(path)
 
-
-def _gathered_state_dict(state: TrainingState, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The whole state dict on rank 0 (trained parameters: masters in `dtype`); {} elsewhere."""
-    rank, gathered = state.comm.rank, {}
-    for g in state.groups:
-        whole = g.master.detach().float().contiguous()
-        if g.shard_world > 1:
-            shard, whole = whole, torch.empty(g.padded_numel, dtype=torch.float32,
-                                              device=whole.device)
-            state.comm.all_gather(whole, shard)
-        if rank == 0:
-            for p, s in zip(g.params, g.slots):
-                gathered[id(p)] = whole[s.offset:s.offset + s.numel].view(s.shape).to(
-                    device="cpu", dtype=dtype, copy=True)
-    if rank != 0:
-        return {}
-    return {key: gathered[id(t)] if id(t) in gathered else t.detach().cpu().clone()
-            for key, t in state.module.state_dict(keep_vars=True).items() if torch.is_tensor(t)}
