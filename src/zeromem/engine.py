@@ -362,7 +362,7 @@ class Engine:
             (block.type if block is not None else type(self.optimizer).__name__).lower(),
             self.config.checkpoint.tag_validation,
             self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
-            self.offload.resident, self.zero.refresh_params)
+            self.offload.all_in_memory, self.zero.refresh_params)
 
     # -- reports ----------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

@@ -456,8 +456,6 @@ class Offload:
         finally:
             self.depth -= 1
 
-    resident = all_in_memory  # the name checkpoints and user code already call
-
     def file_into(self, ledger) -> None:
         """File host tensors and NVMe bytes in the memory ledger."""
         self.masters.file_into(ledger)
