@@ -69,7 +69,7 @@ class Engine:
         self.config = config
         self.comm = comm
         # device, global rank, gather timeout: read from the environment by `initialize`
-        self.runtime = runtime or Runtime.from_env(comm.backend, config.zeromem.gather_timeout_s)
+        self.runtime = runtime or Runtime.from_env(comm.group, config.zeromem.gather_timeout_s)
         # parameters built under zeromem.Init, and where this engine files its fetch units
         self.partitions = Partitions() if partitions is None else partitions
         self.dp_world_size = comm.world_size
@@ -87,7 +87,7 @@ class Engine:
         self.activation_checkpointing = activations.for_engine(config.activation_checkpointing)
 
         # which group each collective runs over: hybrid sharding, hpZ, qwZ, qgZ (hierarchy.py)
-        self.plan = build_comm_plan(config, comm)
+        self.plan = build_comm_plan(config, comm, self.runtime.ranks_per_node)
         param_groups = normalize_param_groups(module, model_parameters)
         self.names = {id(p): n for n, p in module.named_parameters()}
         sharding = Sharding.for_stage(self.zero_stage)
@@ -103,7 +103,8 @@ class Engine:
         # swap files are named by the global rank: unique across nodes sharing a filesystem
         # and across data-parallel groups (a dp_group rank repeats in each group)
         self.offload = build_offload(config, self.groups, self.runtime.global_rank)
-        self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer)
+        self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer,
+                                                      self.device)
         # tensor parallelism: the clipping norm spans the model-parallel group too
         if mp_group is None:  # DeepSpeed's way: the group given to checkpointing.configure
             mp_group = self.activation_checkpointing.config.mp_group
