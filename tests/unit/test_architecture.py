@@ -125,3 +125,20 @@ def test_no_shared_container_is_mutated():
             found += [f"{name}: {cls.name}.{x}"
                       for x in mutated(tree, shared, {"self", "cls", cls.name})]
     assert not found, f"module- or class-level containers mutated (process-wide state): {found}"
+
+
+def imports_of(tree: ast.Module) -> set[str]:
+    """Modules `tree` imports, type-only imports included."""
+    found = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module:
+            found |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+        elif isinstance(n, ast.Import):
+            found |= {a.name for a in n.names}
+    return found
+
+
+def test_nothing_below_the_engine_imports_it():
+    """The parts the engine builds get what they use passed in: none reaches back into it."""
+    importers = {name for name, tree in modules().items() if "zeromem.engine" in imports_of(tree)}
+    assert importers <= {"__init__.py"}, f"{sorted(importers)} import zeromem.engine"
