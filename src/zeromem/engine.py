@@ -23,20 +23,18 @@ from zeromem.config.schema import Config
 from zeromem.distributed import Runtime
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
-from zeromem.layout import (ShardLayout, derived_bucket_numel, derived_prefetch_numel,
-                            pack_buckets)
+from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitors import Observers, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
 from zeromem.offload.params import ParamPlacement
-from zeromem.offload.placement import OffloadPolicy, SwapSpaces, build_offload, build_params
+from zeromem.offload.placement import SwapSpaces, build_offload, build_params
 from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler
-from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule
-from zeromem.stage3.units import (UnitCaps, default_target, describe, plan_fetch_units,
-                                   unmerged_units)
+from zeromem.stage3.build import UnitChoice, build_stage3, choose_units, unit_caps
+from zeromem.stage3.fetch import FetchSchedule
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
 from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
@@ -72,7 +70,7 @@ class Engine:
         self.config = config
         self.comm = comm
         # device, global rank, gather timeout: read from the environment by `initialize`
-        self.runtime = runtime or Runtime.from_env(comm.backend, config.zeromem.gather_timeout_s)
+        self.runtime = runtime or Runtime.from_env(comm.group, config.zeromem.gather_timeout_s)
         # parameters built under zeromem.Init, and where this engine files its fetch units
         self.partitions = Partitions() if partitions is None else partitions
         self.dp_world_size = comm.world_size
@@ -90,11 +88,12 @@ class Engine:
         self.activation_checkpointing = activations.for_engine(config.activation_checkpointing)
 
         # which group each collective runs over: hybrid sharding, hpZ, qwZ, qgZ (hierarchy.py)
-        self.plan = build_comm_plan(config, comm)
+        self.plan = build_comm_plan(config, comm, self.runtime.ranks_per_node)
         param_groups = normalize_param_groups(module, model_parameters)
         self.names = {id(p): n for n, p in module.named_parameters()}
         sharding = Sharding.for_stage(self.zero_stage)
         self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
+        self.unit_choice: UnitChoice | None = None  # stage 3: set by `_partition`
         self.bucket_sizes = self._bucket_sizes(param_groups)  # explicit, or from the model
         # swap files are named by the global rank: unique across nodes sharing a filesystem
         # and across data-parallel groups (a dp_group rank repeats in each group)
@@ -108,7 +107,8 @@ class Engine:
         # placement the shards went to; before the stage-3 units, which receive the latter
         self.offload = build_offload(config, self.groups, params_placement, spaces,
                                      self.runtime.global_rank)
-        self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer)
+        self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer,
+                                                      self.device)
         # tensor parallelism: the clipping norm spans the model-parallel group too
         if mp_group is None:  # DeepSpeed's way: the group given to checkpointing.configure
             mp_group = self.activation_checkpointing.config.mp_group
@@ -120,7 +120,8 @@ class Engine:
                                       float(config.gradient_clipping or 0.0),
                                       self.bucket_sizes["allgather_bucket_size"],
                                       self.offload.buckets_alive))
-        self.stage3 = self._build_stage3() if sharding.params else None
+        self.stage3: FetchSchedule | None = (None if self.unit_choice is None
+                                             else self._build_stage3(self.unit_choice))
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         # monitors, comms_logger, flops_profiler, throughput, dump_state (monitors.py)
@@ -191,25 +192,14 @@ class Engine:
     def _partition(self, param_groups: list[dict], sharding: Sharding,
                    fetch_units: tuple[type, ...]) -> list[tuple[int, list[nn.Parameter]]]:
         """(param group index, parameters) of each flat group to build."""
+        if sharding.params:  # one group per fetch unit and param group (stage3/build.py)
+            caps = unit_caps(self.config, self.compute_dtype, self.plan.shard.world_size,
+                             self.bucket_sizes["reduce_bucket_size"])
+            self.unit_choice = choose_units(self.module, param_groups, fetch_units, caps,
+                                            self.partitions.full_numel)
+            self.fetch_unit_report = self.unit_choice.report
+            return self.unit_choice.parts
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
-        group_of = {id(p): gi for gi, pg in enumerate(param_groups) for p in pg["params"]}
-        if sharding.params:
-            # (modules that gather it, its parameters) per fetch unit, see stage3/units.py
-            self.unit_modules = []
-            parts = []
-            caps = self._unit_caps()
-            plans = plan_fetch_units(self.module, fetch_units, caps, self.partitions.full_numel)
-            for plan in plans:
-                for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
-                    part = [p for p in plan.params if group_of.get(id(p)) == gi]
-                    parts.append((gi, part))
-                    self.unit_modules.append((plan.modules, part))
-            module_names = {id(m): n for n, m in self.module.named_modules()}
-            target = default_target(unmerged_units(self.module, self.partitions.full_numel),
-                                    caps)
-            self.fetch_unit_report = describe(plans, module_names, fetch_units, target)
-            log.info("%s", self.fetch_unit_report)
-            return parts
         bucket_numel = self.bucket_sizes["reduce_bucket_size"]
         parts = []
         for gi, pg in enumerate(param_groups):
@@ -217,39 +207,12 @@ class Engine:
             parts += [(gi, bucket) for bucket in _bucket_params(params, bucket_numel)]
         return parts
 
-    def _unit_caps(self) -> UnitCaps:
-        """What bounds a merged fetch unit: the reduce bucket, and with parameters on NVMe
-        the parameter pool's share of the host budget (offload/budget.py); and which units
-        merge as persistent (stage3_param_persistence_threshold)."""
-        pool = OffloadPolicy.from_config(self.config).pool_unit_numel(
-            self.compute_dtype.itemsize, self.plan.shard.world_size)
-        return UnitCaps(self.bucket_sizes["reduce_bucket_size"], pool,
-                        int(self.config.zero_optimization.stage3_param_persistence_threshold))
-
-    def _build_stage3(self) -> FetchSchedule:
-        """One FetchUnit per (module, flat group); small units stay whole (persistent)."""
-        zero = self.config.zero_optimization
-        group_of = {id(g.params[0]): g for g in self.groups}
-        self.live_params = LiveStats()
-        module_units = []
-        for modules, params in self.unit_modules:
-            group = group_of[id(params[0])]
-            persistent = group.numel < zero.stage3_param_persistence_threshold
-            unit = FetchUnit(group, self.plan.shard, persistent, self.live_params,
-                             self.offload.params, self.plan.gather)
-            module_units += [(module, unit) for module in modules]
-        explicit = "stage3_prefetch_bucket_size" in zero.model_fields_set
-        prefetch = int(zero.stage3_prefetch_bucket_size) if explicit else derived_prefetch_numel(
-            max((g.numel for g in self.groups), default=0))
-        prefetch = self.offload.params.prefetch_numel(prefetch, explicit)
-        self.bucket_sizes["stage3_prefetch_bucket_size"] = prefetch
-        limits = Stage3Limits(prefetch, zero.stage3_max_live_parameters,
-                              zero.stage3_max_reuse_distance,
-                              self.runtime.gather_timeout_s)
-        schedule = FetchSchedule(self.module, module_units, limits, self.live_params, self.comm,
-                                 self.comm.store, self.offload.params, self.zero)
-        self.zero.after_gather(schedule.refresh)  # persistent units re-gather new weights
-        self.partitions.add_units(schedule.units)  # GatheredParameters finds them there
+    def _build_stage3(self, choice: UnitChoice) -> FetchSchedule:
+        """The fetch units and their schedule (stage3/build.py); records the prefetch window."""
+        schedule = build_stage3(self.module, self.groups, choice, self.config, self.plan,
+                                self.offload.params, self.runtime.gather_timeout_s, self.comm,
+                                self.zero, self.partitions)
+        self.bucket_sizes["stage3_prefetch_bucket_size"] = schedule.limits.prefetch_numel
         return schedule
 
     # -- training loop -------------------------------------------------------
@@ -383,7 +346,7 @@ class Engine:
             (block.type if block is not None else type(self.optimizer).__name__).lower(),
             self.config.checkpoint.tag_validation,
             self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
-            self.offload.resident, self.zero.refresh_params)
+            self.offload.all_in_memory, self.zero.refresh_params)
 
     # -- reports ----------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

@@ -93,7 +93,7 @@ class LoadIntoMasters:
     def _write(self, loaded: dict[int, torch.Tensor]) -> None:
         """This rank's part of each loaded value into its master, then into its shard."""
         with torch.no_grad():
-            with self.offload.resident():  # masters swapped out to NVMe come back for the write
+            with self.offload.all_in_memory():  # masters on NVMe come back for the write
                 for pid, value in loaded.items():
                     g, slot = self.slot_of[pid]
                     start, at, n = g.owned_slice(slot)

@@ -116,7 +116,7 @@ class TrainingState:
     """`checkpoint.tag_validation`: Warn, Fail or Ignore."""
     gather_16bit_weights: bool
     """`zero_optimization.stage3_gather_16bit_weights_on_model_save`."""
-    resident: Callable[[], AbstractContextManager]
+    all_in_memory: Callable[[], AbstractContextManager]
     """Brings offloaded masters and optimizer states into memory for the duration."""
     refresh_params: Callable[[], None]
     """Rebuilds the compute-dtype parameters from the masters and drops gradients."""

@@ -178,7 +178,7 @@ def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str 
     _collective(state, "preparing the checkpoint directory",
                 lambda: prepare_tmp(root, tmp) if rank == 0 else None)
     try:
-        with state.resident():  # masters and optimizer states in memory (offload/placement.py)
+        with state.all_in_memory():  # masters and optimizer states in memory (offload/placement.py)
             manifest = _collective(state, "describing the checkpoint",
                                    lambda: _build_manifest(state, tag, exclude_frozen_parameters)
                                    if rank == 0 else None)
@@ -423,7 +423,7 @@ def _load(state: TrainingState, load_dir, tag: str | None, load_optimizer_states
     staged = _collective(state, "reading the checkpoint",
                          lambda: _stage(state, path, manifest, load_optimizer_states,
                                         trust_client_state))
-    with state.resident():  # masters and optimizer states in memory (offload/placement.py)
+    with state.all_in_memory():  # masters and optimizer states in memory (offload/placement.py)
         _apply(state, staged, load_lr_scheduler_states)
     state.refresh_params()  # the compute-dtype parameters from the loaded masters
     log.info("loaded checkpoint %s (saved by %d ranks at stage %d)", path,
@@ -617,7 +617,7 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
             "call save_checkpoint and run `zeromem consolidate CKPT_DIR OUT`")
     from zeromem.checkpoints.tensor_files import write_state_dict
 
-    with state.resident():
+    with state.all_in_memory():
         weights = gathered_state_dict(state.module, state.groups, state.comm,
                                       state.compute_dtype, keep=state.comm.rank == 0)
     if exclude_frozen_parameters:

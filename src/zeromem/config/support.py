@@ -142,7 +142,7 @@ def non_default(config: Config, dotted: str) -> bool:
     return getattr(block, name) != field.get_default(call_default_factory=True)
 
 
-def check_knobs(config: Config) -> None:
+def check_supported_keys(config: Config) -> None:
     """Refuse or warn about keys whose DeepSpeed meaning zeromem does not reproduce."""
     for key, instead in REFUSED.items():
         if non_default(config, key):

@@ -173,9 +173,6 @@ class IOHandle:
             finish()
 
 
-DONE = IOHandle([])
-
-
 def _failure(op: str, nbytes: int, offset: int, path: Path, e: OSError) -> OffloadError:
     name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "?"
     return OffloadError(f"{op} of {nbytes} bytes at offset {offset} of {path} failed: "

@@ -189,8 +189,9 @@ class MastersPlacement(Protocol):
         """The backward about to run ends a step (`boundary`) or accumulates."""
 
     def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
-                        params: ParamPlacement) -> torch.optim.Optimizer:
-        """The optimizer over the master shards (see optim.build_optimizer)."""
+                        params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
+        """The optimizer over the master shards (see optim.build_optimizer); `device` is the
+        engine's, where collectives run."""
 
     def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
         """Step phase 3: the masters' gradients = reduced gradients x multiplier, in fp32."""
@@ -227,8 +228,8 @@ class MastersOnDevice:
         """Nothing to do: the step reads the device gradients."""
 
     def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
-                        params: ParamPlacement) -> torch.optim.Optimizer:
-        self.optimizer = build_optimizer(config, self.groups, param_groups, factory)
+                        params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
+        self.optimizer = build_optimizer(config, self.groups, param_groups, factory, device)
         return self.optimizer
 
     def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
@@ -272,10 +273,10 @@ class MastersOnHost:
         self.host_grads.boundary = boundary
 
     def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
-                        params: ParamPlacement) -> torch.optim.Optimizer:
+                        params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
         """The config's optimizer with torch's fastest CPU kernel (`CPU_KERNEL`) unless set."""
         self.optimizer = build_optimizer(config, self.groups, param_groups,
-                                         factory or _cpu_kernel_factory(config))
+                                         factory or _cpu_kernel_factory(config), device)
         return self.optimizer
 
     def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
@@ -337,8 +338,8 @@ class MastersOnNvme:
             self.host_grads.boundary = boundary
 
     def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
-                        params: ParamPlacement) -> torch.optim.Optimizer:
-        template = build_optimizer(config, self.groups, param_groups, factory)
+                        params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
+        template = build_optimizer(config, self.groups, param_groups, factory, device)
         if isinstance(template, Lamb):  # a client factory's (the config's is refused at load)
             raise ConfigError("Lamb cannot step NVMe-offloaded optimizer state: its trust ratio "
                               "needs each parameter's whole update before any of it is applied, "
@@ -443,11 +444,13 @@ class Offload:
         """Full-size gradient buckets ZeroOptimizer keeps, filling or reducing."""
         return self.masters.buckets_alive
 
-    def build_optimizer(self, config: Any, param_groups: list[dict],
-                        factory: Callable | None) -> torch.optim.Optimizer:
-        """The optimizer over the master shards, stepped where the masters live."""
+    def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
+                        device: torch.device) -> torch.optim.Optimizer:
+        """The optimizer over the master shards, stepped where the masters live; `device` is
+        the engine's (collectives over host masters go through it under NCCL)."""
         try:
-            return self.masters.build_optimizer(config, param_groups, factory, self.params)
+            return self.masters.build_optimizer(config, param_groups, factory, self.params,
+                                                device)
         except BaseException:
             self.close()  # no half-built swap files left behind
             raise
@@ -464,8 +467,6 @@ class Offload:
                 yield
         finally:
             self.depth -= 1
-
-    resident = all_in_memory  # the name checkpoints and user code already call
 
     def file_into(self, ledger) -> None:
         """File host tensors and NVMe bytes in the memory ledger."""

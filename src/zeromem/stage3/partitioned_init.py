@@ -32,9 +32,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from zeromem.comm import Comm
-from zeromem.distributed import ensure_process_group
+from zeromem.distributed import Runtime, ensure_process_group
 from zeromem.config.schema import Config
-from zeromem.mesh import global_rank
 from zeromem.layout import ShardLayout
 from zeromem.offload.init_shards import ShardFile, ShardRecord
 
@@ -232,7 +231,7 @@ class Init:
         self.comm = Comm(dp_group)
         self.partitions = DEFAULT if partitions is None else partitions
         self.enabled = enabled
-        self.disk = _shard_file(config) if enabled else None
+        self.disk = _shard_file(config, dp_group) if enabled else None
         self.built: list[weakref.ref] = []
         self.buffers: list[weakref.ref] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -285,7 +284,7 @@ class Init:
             _broadcast_in_place(b, self.comm)
 
 
-def _shard_file(config) -> ShardFile | None:
+def _shard_file(config, group) -> ShardFile | None:
     """Init's swap file when `config` puts parameters on NVMe; else None (shards in memory)."""
     if config is None:
         return None
@@ -295,7 +294,8 @@ def _shard_file(config) -> ShardFile | None:
         return None
     block = zero.offload_param
     assert block is not None and block.nvme_path is not None  # validated with device nvme
-    return ShardFile(block.nvme_path, global_rank(), cfg.aio)
+    # named by the global rank, as the engine's swap files (read at this edge, as initialize does)
+    return ShardFile(block.nvme_path, Runtime.from_env(group, None).global_rank, cfg.aio)
 
 
 def _broadcast_in_place(tensor: torch.Tensor, comm: Comm) -> None:
