@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from zeromem.offload.nvme import OffloadError
 from zeromem.stage3 import partitioned_init
 from zeromem.stage3.partitioned_init import GatheredParameters, Init, Partitions
 from zeromem.rank_check import RankMismatchError, check_ranks_agree
+from zeromem.training_state import SchedulerArg
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "checkpoint",
            "checkpointing", "Init", "GatheredParameters", "OffloadError", "RankMismatchError",
@@ -35,7 +36,7 @@ __version__ = "0.1.0"
 def initialize(model: nn.Module, config: dict | str | Path | Config,
                model_parameters: Iterable | None = None,
                optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
-               lr_scheduler: Any = None,
+               lr_scheduler: SchedulerArg = None,
                dp_group: dist.ProcessGroup | None = None,
                fetch_units: tuple[type, ...] = (),
                mp_group: dist.ProcessGroup | None = None,

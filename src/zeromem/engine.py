@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from zeromem.activations import recompute as activations
 from zeromem.checkpoints import save_load as checkpoints
@@ -37,7 +39,7 @@ from zeromem.stage3.build import UnitChoice, build_stage3, choose_units, unit_ca
 from zeromem.stage3.fetch import FetchSchedule
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
-from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
+from zeromem.training_state import RngState, SchedulerArg, Stateful, StepCounters, TrainingState
 from zeromem.zero_optimizer import (ContiguousShards, ShardAccumulated, StepSettings,
                                     WholeAllReduced, WholeScattered, ZeroOptimizer)
 
@@ -64,8 +66,8 @@ class Engine:
     def __init__(self, module: nn.Module, config: Config, comm: Comm,
                  model_parameters: Iterable | None = None,
                  optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
-                 lr_scheduler: Any = None, fetch_units: tuple[type, ...] = (),
-                 mp_group: Any = None, partitions: Partitions | None = None,
+                 lr_scheduler: SchedulerArg = None, fetch_units: tuple[type, ...] = (),
+                 mp_group: dist.ProcessGroup | None = None, partitions: Partitions | None = None,
                  runtime: Runtime | None = None):
         self.config = config
         self.comm = comm
@@ -127,13 +129,13 @@ class Engine:
         # monitors, comms_logger, flops_profiler, throughput, dump_state (monitors.py)
         self.observers = Observers(self)
 
-    def _make_scheduler(self, lr_scheduler: Any):
+    def _make_scheduler(self, lr_scheduler: SchedulerArg) -> LRScheduler | None:
         """A factory `optimizer -> scheduler`, a ready scheduler, or the config's `scheduler`."""
         if lr_scheduler is None:
             return build_scheduler(self.config.scheduler, self.optimizer)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(self.optimizer)
-        return lr_scheduler
+        return cast(LRScheduler, lr_scheduler)  # or any object with its step / state_dict
 
     # -- construction ------------------------------------------------------
     def _bucket_sizes(self, param_groups: list[dict]) -> dict[str, int]:

@@ -75,6 +75,7 @@ from zeromem.checkpoints.consolidate import (
     read_manifest, resolve_checkpoint, verify_file, write_latest, write_manifest)
 from zeromem.checkpoints.formats import deepspeed_location
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
+from zeromem.flat import FlatParamGroup, ParamSlot
 from zeromem.module_state import gathered_state_dict
 from zeromem.training_state import TrainingState
 
@@ -85,7 +86,7 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "save_16bit_
 
 # ---------------------------------------------------------------- layout of an engine's state
 
-def group_pieces(group, rank: int) -> list[tuple[Any, int, int, int]]:
+def group_pieces(group: FlatParamGroup, rank: int) -> list[tuple[ParamSlot, int, int, int]]:
     """(slot, start in the master shard, start in the parameter, length) that `rank` writes.
 
     Shards are [r * S, (r + 1) * S) of the flat buffer on every rank, so any rank

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from zeromem.planning.activation_trace import ActivationProfile, trace_activatio
 from zeromem.planning.host_memory import OffloadBufferSizes, least_budget
 from zeromem.planning.model_shapes import load_hf_model, load_model, shape_of
 from zeromem.stage3.units import UnitCaps
+
+if TYPE_CHECKING:
+    from zeromem.planning.calibrate import Calibration
 
 __all__ = ["estimate", "plan", "load_model", "shape_of", "predict_memory", "Plan", "Hardware",
            "Workload", "Setup"]
@@ -120,7 +123,7 @@ class Hardware:
     host_mem_bytes: float | None = None  # per node; None = not checked
     headroom: float = 0.9  # usable share of GPU memory (allocator, CUDA context, fragmentation)
     # measured figures (`planning/calibrate.py`) that replace the assumed speeds above
-    calibration: Any = None
+    calibration: Calibration | None = None
 
     @property
     def gpus_per_node(self) -> int:
