@@ -25,11 +25,12 @@ from zeromem.config.schema import Config
 from zeromem.distributed import Runtime
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
-from zeromem.layout import derived_bucket_numel, pack_buckets
+from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitors import Observers, StepFacts, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
-from zeromem.offload.placement import build_offload
+from zeromem.offload.params import ParamPlacement
+from zeromem.offload.placement import SwapSpaces, build_offload, build_params
 from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
@@ -96,15 +97,18 @@ class Engine:
         self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
         self.unit_choice: UnitChoice | None = None  # stage 3: set by `_partition`
         self.bucket_sizes = self._bucket_sizes(param_groups)  # explicit, or from the model
-        self.groups = self._build_groups(param_groups, sharding, fetch_units)
+        # swap files are named by the global rank: unique across nodes sharing a filesystem
+        # and across data-parallel groups (a dp_group rank repeats in each group)
+        spaces = SwapSpaces(config, self.runtime.global_rank)
+        params_placement, self.groups = self._build_groups(param_groups, sharding, fetch_units,
+                                                           spaces)
         self.partitions.materialize(self.module.parameters(), self.comm)  # frozen, built under Init
         self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
         self.psi = sum(g.numel for g in self.groups)
-        # where masters, optimizer states and parameter shards live (offload/placement.py); built
-        # before the stage-3 units, which receive the parameter placement
-        # swap files are named by the global rank: unique across nodes sharing a filesystem
-        # and across data-parallel groups (a dp_group rank repeats in each group)
-        self.offload = build_offload(config, self.groups, self.runtime.global_rank)
+        # where masters and optimizer states live (offload/placement.py), beside the parameter
+        # placement the shards went to; before the stage-3 units, which receive the latter
+        self.offload = build_offload(config, self.groups, params_placement, spaces,
+                                     self.runtime.global_rank)
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer,
                                                       self.device)
         # tensor parallelism: the clipping norm spans the model-parallel group too
@@ -148,15 +152,32 @@ class Engine:
         return sizes
 
     def _build_groups(self, param_groups: list[dict], sharding: Sharding,
-                      fetch_units: tuple[type, ...]) -> list[FlatParamGroup]:
-        """One flat group per bucket (per fetch unit at stage 3), in expected backward order."""
+                      fetch_units: tuple[type, ...],
+                      spaces: SwapSpaces) -> tuple[ParamPlacement, list[FlatParamGroup]]:
+        """One flat group per bucket (per fetch unit at stage 3), in expected backward order,
+        and the parameter placement that took each group's shard as it was built."""
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
+        parts = self._partition(param_groups, sharding, fetch_units)
+        # laid out before the groups exist: under Init, each unit's shard leaves memory (to
+        # params.swp with parameters on NVMe) before the next unit is gathered whole, so no
+        # rank holds all its shards at once
+        shard = self.plan.shard
+        shard_numels = [ShardLayout(sum(self.partitions.full_numel(p) for p in params),
+                                    shard.world_size, shard.rank).shard_numel
+                        for _, params in parts] if sharding.params else []
+        placement = build_params(self.config, shard_numels, self.compute_dtype, self.device,
+                                 spaces)
         groups = []
-        for gi, params in self._partition(param_groups, sharding, fetch_units):
-            self.partitions.materialize(params, self.comm)  # built under Init: one unit at a time
-            names = [self.names[id(p)] for p in params]
-            groups.append(FlatParamGroup(params, names, self.plan.shard, sharding, gi,
-                                         self.compute_dtype))
+        try:
+            for gi, params in parts:
+                self.partitions.materialize(params, self.comm)  # built under Init: one at a time
+                names = [self.names[id(p)] for p in params]
+                groups.append(FlatParamGroup(params, names, shard, sharding, gi,
+                                             self.compute_dtype))
+                placement.admit(groups[-1])
+        except BaseException:
+            spaces.close()  # no half-written swap files left behind
+            raise
         groups.sort(key=lambda g: -min(order[id(p)] for p in g.params))
         grad_dtype = self.config.grad_dtype
         if sharding.grads:
@@ -168,7 +189,7 @@ class Engine:
             kind = WholeScattered if sharding.optimizer else WholeAllReduced
             for g in groups:
                 g.attach_grads(kind(g, grad_dtype))
-        return groups
+        return placement, groups
 
     def _partition(self, param_groups: list[dict], sharding: Sharding,
                    fetch_units: tuple[type, ...]) -> list[tuple[int, list[nn.Parameter]]]:
