@@ -142,3 +142,21 @@ def test_nothing_below_the_engine_imports_it():
     """The parts the engine builds get what they use passed in: none reaches back into it."""
     importers = {name for name, tree in modules().items() if "zeromem.engine" in imports_of(tree)}
     assert importers <= {"__init__.py"}, f"{sorted(importers)} import zeromem.engine"
+
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def test_unit_tests_start_no_process_group_and_tests_import_no_test_module():
+    """tests/unit runs without a process group; tests share helpers (harness, models, setups,
+    config_corpus), never each other."""
+    for path in sorted(TESTS.rglob("test_*.py")):
+        if "data" in path.relative_to(TESTS).parts:
+            continue
+        imported = imports_of(ast.parse(path.read_text(), str(path)))
+        others = {m for m in imported if m.split(".")[0].startswith("test_")}
+        assert not others, f"{path.name} imports test modules {sorted(others)}"
+        if path.parent.name == "unit":
+            spawning = imported & {"harness", "harness.run_distributed", "harness.run_together",
+                                   "torch.distributed"}
+            assert not spawning, f"unit/{path.name} uses {sorted(spawning)}: it belongs in distributed/"
