@@ -19,10 +19,12 @@ BUSY = "import os; os.sched_setaffinity(0, {%d}); print(flush=True)\nwhile True:
 
 
 @contextmanager
-def sharing_one_core(competitors: int):
-    """This thread and `competitors` busy processes, all pinned to one core."""
+def sharing_one_core(competitors: int, index: int = 0):
+    """This thread and `competitors` busy processes, all pinned to one core (the
+    `index`-th this process may use, modulo their number)."""
     before = os.sched_getaffinity(0)
-    cpu = min(before)
+    cores = sorted(before)
+    cpu = cores[index % len(cores)]
     procs = [subprocess.Popen([sys.executable, "-c", BUSY % cpu], stdout=subprocess.PIPE)
              for _ in range(competitors)]
     try:
