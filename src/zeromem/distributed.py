@@ -34,8 +34,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zeromem.mesh import global_rank, local_device
-
 log = logging.getLogger("zeromem")
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -64,6 +62,25 @@ def gather_timeout_s(config_value: float | None = None) -> float | None:
     return value if value > 0 else None
 
 
+def local_device(backend: str) -> torch.device:
+    """The device of this rank: CUDA device LOCAL_RANK (never the global rank) under NCCL.
+
+    torchrun sets LOCAL_RANK per node; with a group created by the user and no
+    LOCAL_RANK, the device they selected.
+    """
+    if backend != "nccl":
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+
+
+def ranks_per_node_from_env() -> int | None:
+    """ZEROMEM_RANKS_PER_NODE (tests run 4 ranks as 2 "nodes" of 2), else torchrun's
+    LOCAL_WORLD_SIZE; None when neither is set."""
+    value = os.environ.get("ZEROMEM_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
+
+
 @dataclass(frozen=True)
 class Runtime:
     """What the process environment decides for one engine, read once at the edge.
@@ -75,11 +92,18 @@ class Runtime:
     device: torch.device  # LOCAL_RANK's GPU under NCCL (never the global rank's), else the CPU
     global_rank: int  # names swap files: unique across nodes and data-parallel groups
     gather_timeout_s: float | None  # a stage-3 gather waiting longer is a divergence
+    # the environment's ranks per node (None: unset); the config's cluster.ranks_per_node wins
+    ranks_per_node: int | None = None
 
     @classmethod
-    def from_env(cls, backend: str, gather_timeout_config_s: float | None) -> Runtime:
-        """From torchrun's variables, the default group and ZEROMEM_GATHER_TIMEOUT_S."""
-        return cls(local_device(backend), global_rank(), gather_timeout_s(gather_timeout_config_s))
+    def from_env(cls, group: dist.ProcessGroup | None,
+                 gather_timeout_config_s: float | None) -> Runtime:
+        """From torchrun's variables, the default group and ZEROMEM_GATHER_TIMEOUT_S, for an
+        engine over `group` (its backend picks the device)."""
+        backend = dist.get_backend(group) if dist.is_initialized() else "none"
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return cls(local_device(backend), rank, gather_timeout_s(gather_timeout_config_s),
+                   ranks_per_node_from_env())
 
 
 def ensure_process_group(timeout_s: float | None = None) -> bool:

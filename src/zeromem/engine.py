@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from zeromem.activations import recompute as activations
 from zeromem.checkpoints import save_load as checkpoints
@@ -23,21 +25,21 @@ from zeromem.config.schema import Config
 from zeromem.distributed import Runtime
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
-from zeromem.layout import derived_bucket_numel, derived_prefetch_numel, pack_buckets
+from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitors import Observers, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
-from zeromem.offload.placement import OffloadPolicy, build_offload
+from zeromem.offload.params import ParamPlacement
+from zeromem.offload.placement import SwapSpaces, build_offload, build_params
 from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler
-from zeromem.stage3.fetch import FetchUnit, LiveStats, Stage3Limits, FetchSchedule
-from zeromem.stage3.units import (UnitCaps, default_target, describe, plan_fetch_units,
-                                   unmerged_units)
+from zeromem.stage3.build import UnitChoice, build_stage3, choose_units, unit_caps
+from zeromem.stage3.fetch import FetchSchedule
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
-from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
+from zeromem.training_state import RngState, SchedulerArg, Stateful, StepCounters, TrainingState
 from zeromem.zero_optimizer import (ContiguousShards, ShardAccumulated, StepSettings,
                                     WholeAllReduced, WholeScattered, ZeroOptimizer)
 
@@ -64,13 +66,13 @@ class Engine:
     def __init__(self, module: nn.Module, config: Config, comm: Comm,
                  model_parameters: Iterable | None = None,
                  optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
-                 lr_scheduler: Any = None, fetch_units: tuple[type, ...] = (),
-                 mp_group: Any = None, partitions: Partitions | None = None,
+                 lr_scheduler: SchedulerArg = None, fetch_units: tuple[type, ...] = (),
+                 mp_group: dist.ProcessGroup | None = None, partitions: Partitions | None = None,
                  runtime: Runtime | None = None):
         self.config = config
         self.comm = comm
         # device, global rank, gather timeout: read from the environment by `initialize`
-        self.runtime = runtime or Runtime.from_env(comm.backend, config.zeromem.gather_timeout_s)
+        self.runtime = runtime or Runtime.from_env(comm.group, config.zeromem.gather_timeout_s)
         # parameters built under zeromem.Init, and where this engine files its fetch units
         self.partitions = Partitions() if partitions is None else partitions
         self.dp_world_size = comm.world_size
@@ -88,22 +90,27 @@ class Engine:
         self.activation_checkpointing = activations.for_engine(config.activation_checkpointing)
 
         # which group each collective runs over: hybrid sharding, hpZ, qwZ, qgZ (hierarchy.py)
-        self.plan = build_comm_plan(config, comm)
+        self.plan = build_comm_plan(config, comm, self.runtime.ranks_per_node)
         param_groups = normalize_param_groups(module, model_parameters)
         self.names = {id(p): n for n, p in module.named_parameters()}
         sharding = Sharding.for_stage(self.zero_stage)
         self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
+        self.unit_choice: UnitChoice | None = None  # stage 3: set by `_partition`
         self.bucket_sizes = self._bucket_sizes(param_groups)  # explicit, or from the model
-        self.groups = self._build_groups(param_groups, sharding, fetch_units)
+        # swap files are named by the global rank: unique across nodes sharing a filesystem
+        # and across data-parallel groups (a dp_group rank repeats in each group)
+        spaces = SwapSpaces(config, self.runtime.global_rank)
+        params_placement, self.groups = self._build_groups(param_groups, sharding, fetch_units,
+                                                           spaces)
         self.partitions.materialize(self.module.parameters(), self.comm)  # frozen, built under Init
         self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
         self.psi = sum(g.numel for g in self.groups)
-        # where masters, optimizer states and parameter shards live (offload/placement.py); built
-        # before the stage-3 units, which receive the parameter placement
-        # swap files are named by the global rank: unique across nodes sharing a filesystem
-        # and across data-parallel groups (a dp_group rank repeats in each group)
-        self.offload = build_offload(config, self.groups, self.runtime.global_rank)
-        self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer)
+        # where masters and optimizer states live (offload/placement.py), beside the parameter
+        # placement the shards went to; before the stage-3 units, which receive the latter
+        self.offload = build_offload(config, self.groups, params_placement, spaces,
+                                     self.runtime.global_rank)
+        self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer,
+                                                      self.device)
         # tensor parallelism: the clipping norm spans the model-parallel group too
         if mp_group is None:  # DeepSpeed's way: the group given to checkpointing.configure
             mp_group = self.activation_checkpointing.config.mp_group
@@ -115,19 +122,20 @@ class Engine:
                                       float(config.gradient_clipping or 0.0),
                                       self.bucket_sizes["allgather_bucket_size"],
                                       self.offload.buckets_alive))
-        self.stage3 = self._build_stage3() if sharding.params else None
+        self.stage3: FetchSchedule | None = (None if self.unit_choice is None
+                                             else self._build_stage3(self.unit_choice))
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         # monitors, comms_logger, flops_profiler, throughput, dump_state (monitors.py)
         self.observers = Observers(self)
 
-    def _make_scheduler(self, lr_scheduler: Any):
+    def _make_scheduler(self, lr_scheduler: SchedulerArg) -> LRScheduler | None:
         """A factory `optimizer -> scheduler`, a ready scheduler, or the config's `scheduler`."""
         if lr_scheduler is None:
             return build_scheduler(self.config.scheduler, self.optimizer)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(self.optimizer)
-        return lr_scheduler
+        return cast(LRScheduler, lr_scheduler)  # or any object with its step / state_dict
 
     # -- construction ------------------------------------------------------
     def _bucket_sizes(self, param_groups: list[dict]) -> dict[str, int]:
@@ -144,15 +152,32 @@ class Engine:
         return sizes
 
     def _build_groups(self, param_groups: list[dict], sharding: Sharding,
-                      fetch_units: tuple[type, ...]) -> list[FlatParamGroup]:
-        """One flat group per bucket (per fetch unit at stage 3), in expected backward order."""
+                      fetch_units: tuple[type, ...],
+                      spaces: SwapSpaces) -> tuple[ParamPlacement, list[FlatParamGroup]]:
+        """One flat group per bucket (per fetch unit at stage 3), in expected backward order,
+        and the parameter placement that took each group's shard as it was built."""
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
+        parts = self._partition(param_groups, sharding, fetch_units)
+        # laid out before the groups exist: under Init, each unit's shard leaves memory (to
+        # params.swp with parameters on NVMe) before the next unit is gathered whole, so no
+        # rank holds all its shards at once
+        shard = self.plan.shard
+        shard_numels = [ShardLayout(sum(self.partitions.full_numel(p) for p in params),
+                                    shard.world_size, shard.rank).shard_numel
+                        for _, params in parts] if sharding.params else []
+        placement = build_params(self.config, shard_numels, self.compute_dtype, self.device,
+                                 spaces)
         groups = []
-        for gi, params in self._partition(param_groups, sharding, fetch_units):
-            self.partitions.materialize(params, self.comm)  # built under Init: one unit at a time
-            names = [self.names[id(p)] for p in params]
-            groups.append(FlatParamGroup(params, names, self.plan.shard, sharding, gi,
-                                         self.compute_dtype))
+        try:
+            for gi, params in parts:
+                self.partitions.materialize(params, self.comm)  # built under Init: one at a time
+                names = [self.names[id(p)] for p in params]
+                groups.append(FlatParamGroup(params, names, shard, sharding, gi,
+                                             self.compute_dtype))
+                placement.admit(groups[-1])
+        except BaseException:
+            spaces.close()  # no half-written swap files left behind
+            raise
         groups.sort(key=lambda g: -min(order[id(p)] for p in g.params))
         grad_dtype = self.config.grad_dtype
         if sharding.grads:
@@ -164,30 +189,19 @@ class Engine:
             kind = WholeScattered if sharding.optimizer else WholeAllReduced
             for g in groups:
                 g.attach_grads(kind(g, grad_dtype))
-        return groups
+        return placement, groups
 
     def _partition(self, param_groups: list[dict], sharding: Sharding,
                    fetch_units: tuple[type, ...]) -> list[tuple[int, list[nn.Parameter]]]:
         """(param group index, parameters) of each flat group to build."""
+        if sharding.params:  # one group per fetch unit and param group (stage3/build.py)
+            caps = unit_caps(self.config, self.compute_dtype, self.plan.shard.world_size,
+                             self.bucket_sizes["reduce_bucket_size"])
+            self.unit_choice = choose_units(self.module, param_groups, fetch_units, caps,
+                                            self.partitions.full_numel)
+            self.fetch_unit_report = self.unit_choice.report
+            return self.unit_choice.parts
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
-        group_of = {id(p): gi for gi, pg in enumerate(param_groups) for p in pg["params"]}
-        if sharding.params:
-            # (modules that gather it, its parameters) per fetch unit, see stage3/units.py
-            self.unit_modules = []
-            parts = []
-            caps = self._unit_caps()
-            plans = plan_fetch_units(self.module, fetch_units, caps, self.partitions.full_numel)
-            for plan in plans:
-                for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
-                    part = [p for p in plan.params if group_of.get(id(p)) == gi]
-                    parts.append((gi, part))
-                    self.unit_modules.append((plan.modules, part))
-            module_names = {id(m): n for n, m in self.module.named_modules()}
-            target = default_target(unmerged_units(self.module, self.partitions.full_numel),
-                                    caps)
-            self.fetch_unit_report = describe(plans, module_names, fetch_units, target)
-            log.info("%s", self.fetch_unit_report)
-            return parts
         bucket_numel = self.bucket_sizes["reduce_bucket_size"]
         parts = []
         for gi, pg in enumerate(param_groups):
@@ -195,39 +209,12 @@ class Engine:
             parts += [(gi, bucket) for bucket in _bucket_params(params, bucket_numel)]
         return parts
 
-    def _unit_caps(self) -> UnitCaps:
-        """What bounds a merged fetch unit: the reduce bucket, and with parameters on NVMe
-        the parameter pool's share of the host budget (offload/budget.py); and which units
-        merge as persistent (stage3_param_persistence_threshold)."""
-        pool = OffloadPolicy.from_config(self.config).pool_unit_numel(
-            self.compute_dtype.itemsize, self.plan.shard.world_size)
-        return UnitCaps(self.bucket_sizes["reduce_bucket_size"], pool,
-                        int(self.config.zero_optimization.stage3_param_persistence_threshold))
-
-    def _build_stage3(self) -> FetchSchedule:
-        """One FetchUnit per (module, flat group); small units stay whole (persistent)."""
-        zero = self.config.zero_optimization
-        group_of = {id(g.params[0]): g for g in self.groups}
-        self.live_params = LiveStats()
-        module_units = []
-        for modules, params in self.unit_modules:
-            group = group_of[id(params[0])]
-            persistent = group.numel < zero.stage3_param_persistence_threshold
-            unit = FetchUnit(group, self.plan.shard, persistent, self.live_params,
-                             self.offload.params, self.plan.gather)
-            module_units += [(module, unit) for module in modules]
-        explicit = "stage3_prefetch_bucket_size" in zero.model_fields_set
-        prefetch = int(zero.stage3_prefetch_bucket_size) if explicit else derived_prefetch_numel(
-            max((g.numel for g in self.groups), default=0))
-        prefetch = self.offload.params.prefetch_numel(prefetch, explicit)
-        self.bucket_sizes["stage3_prefetch_bucket_size"] = prefetch
-        limits = Stage3Limits(prefetch, zero.stage3_max_live_parameters,
-                              zero.stage3_max_reuse_distance,
-                              self.runtime.gather_timeout_s)
-        schedule = FetchSchedule(self.module, module_units, limits, self.live_params, self.comm,
-                                 self.comm.store, self.offload.params, self.zero)
-        self.zero.after_gather(schedule.refresh)  # persistent units re-gather new weights
-        self.partitions.add_units(schedule.units)  # GatheredParameters finds them there
+    def _build_stage3(self, choice: UnitChoice) -> FetchSchedule:
+        """The fetch units and their schedule (stage3/build.py); records the prefetch window."""
+        schedule = build_stage3(self.module, self.groups, choice, self.config, self.plan,
+                                self.offload.params, self.runtime.gather_timeout_s, self.comm,
+                                self.zero, self.partitions)
+        self.bucket_sizes["stage3_prefetch_bucket_size"] = schedule.limits.prefetch_numel
         return schedule
 
     # -- training loop -------------------------------------------------------
@@ -361,7 +348,7 @@ class Engine:
             (block.type if block is not None else type(self.optimizer).__name__).lower(),
             self.config.checkpoint.tag_validation,
             self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
-            self.offload.resident, self.zero.refresh_params)
+            self.offload.all_in_memory, self.zero.refresh_params)
 
     # -- reports ----------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

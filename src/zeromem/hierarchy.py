@@ -22,7 +22,8 @@ cross the slow links between nodes. The options here keep them inside a node:
 `build_comm_plan` reads the config once and hands the engine a `CommPlan`: the `Comm`
 the flat groups shard over, the object the reducer reduces gradients with, and the
 stage-3 gather. The node layout (mesh.py) comes from `zeromem.cluster.ranks_per_node`,
-ZEROMEM_RANKS_PER_NODE or torchrun's LOCAL_WORLD_SIZE.
+else from the environment as `distributed.Runtime` read it once (ZEROMEM_RANKS_PER_NODE
+or torchrun's LOCAL_WORLD_SIZE); nothing here reads the environment.
 """
 from __future__ import annotations
 
@@ -39,10 +40,11 @@ from zeromem.mesh import Mesh, NodeLayout
 from zeromem.stage3.gather import GatherPolicy
 
 
-def node_layout(config: Config, world_size: int) -> NodeLayout:
-    """The node layout of `world_size` ranks: `zeromem.cluster.ranks_per_node`, env, or torchrun."""
+def node_layout(config: Config, world_size: int, env_ranks_per_node: int | None) -> NodeLayout:
+    """The node layout of `world_size` ranks: `zeromem.cluster.ranks_per_node`, else the
+    environment's (`Runtime.ranks_per_node`), else one node."""
     try:
-        return NodeLayout.from_env(world_size, config.zeromem.cluster.ranks_per_node)
+        return NodeLayout.of(world_size, config.zeromem.cluster.ranks_per_node, env_ranks_per_node)
     except ValueError as error:
         raise ConfigError(f"zeromem.cluster.ranks_per_node: {error}") from None
 
@@ -164,8 +166,11 @@ class CommPlan:
         return result
 
 
-def build_comm_plan(config: Config, comm: Comm) -> CommPlan:
-    """The groups the config's options need (created here, on every rank, in one order)."""
+def build_comm_plan(config: Config, comm: Comm, env_ranks_per_node: int | None) -> CommPlan:
+    """The groups the config's options need (created here, on every rank, in one order).
+
+    The node layout is `comm`'s, else the config's or `env_ranks_per_node` (`Runtime`'s).
+    """
     zero, cluster = config.zero_optimization, config.zeromem.cluster
     hpz, shard_size = zero.zero_hpz_partition_size, zero.mics_shard_size
     quantized = zero.zero_quantized_weights or zero.zero_quantized_gradients
@@ -175,7 +180,7 @@ def build_comm_plan(config: Config, comm: Comm) -> CommPlan:
     if comm.group is not None and len(comm.ranks) != world:
         raise ConfigError("zero_optimization: hybrid sharding and ZeRO++ need the data-parallel "
                           "group to be every rank (dp_group=None)")
-    layout = comm.layout or node_layout(config, comm.world_size)
+    layout = comm.layout or node_layout(config, comm.world_size, env_ranks_per_node)
     meshes: dict[int, Mesh] = {}
 
     def mesh(block: int, key: str) -> Mesh:
@@ -183,7 +188,7 @@ def build_comm_plan(config: Config, comm: Comm) -> CommPlan:
             raise ConfigError(f"{key} = {block} does not divide the {comm.world_size} "
                               "data-parallel ranks")
         if block not in meshes:
-            meshes[block] = Mesh(layout, block)
+            meshes[block] = Mesh(layout, block, comm.global_rank)
         return meshes[block]
 
     block = cluster.quantization_block_size

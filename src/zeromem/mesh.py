@@ -3,9 +3,9 @@
 torchrun numbers ranks node by node: global rank = node * ranks_per_node + local
 rank (its `GROUP_RANK`, `LOCAL_RANK` and `LOCAL_WORLD_SIZE` variables). `NodeLayout`
 is that arithmetic, pure and testable without a process group. The number of ranks
-per node comes from, in order: the config's `zeromem.cluster.ranks_per_node`, the
-environment variable ZEROMEM_RANKS_PER_NODE (both let tests run 4 ranks on one
-machine as 2 "nodes" of 2), torchrun's LOCAL_WORLD_SIZE, else the whole world.
+per node is given (`NodeLayout.of`): the config's `zeromem.cluster.ranks_per_node`, else
+what `distributed.Runtime` read from the environment (ZEROMEM_RANKS_PER_NODE, torchrun's
+LOCAL_WORLD_SIZE), else the whole world. Nothing here reads the environment.
 
 `Mesh` builds the groups the two-level collectives need (ZeRO++, arXiv 2306.10209,
 sections 3.2-3.3; MiCS; FSDP's HSDP): blocks of consecutive ranks (`blocks`, the
@@ -15,10 +15,8 @@ creates every group, in the same order, as `torch.distributed.new_group` require
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 
@@ -35,10 +33,9 @@ class NodeLayout:
                              f"size {self.world_size}")
 
     @classmethod
-    def from_env(cls, world_size: int, ranks_per_node: int | None = None) -> NodeLayout:
-        """From the override, ZEROMEM_RANKS_PER_NODE, torchrun's LOCAL_WORLD_SIZE, or one node."""
-        value = ranks_per_node or os.environ.get("ZEROMEM_RANKS_PER_NODE") \
-            or os.environ.get("LOCAL_WORLD_SIZE") or world_size
+    def of(cls, world_size: int, *ranks_per_node: int | None) -> NodeLayout:
+        """The first of `ranks_per_node` that is set (capped at the world), else one node."""
+        value = next((n for n in ranks_per_node if n), world_size)
         return cls(world_size, min(int(value), world_size))
 
     @property
@@ -79,13 +76,14 @@ class Mesh:
     """This rank's node and the groups of blocks of `block` ranks and across them.
 
     `block` is usually the node (hpZ, hierarchical reduce-scatter) or MiCS's shard
-    size. Groups are created over the default group: call on every rank.
+    size. Groups are created over the default group: call on every rank; `rank` is this
+    process's rank in it (`Comm.global_rank`).
     """
 
-    def __init__(self, layout: NodeLayout, block: int):
+    def __init__(self, layout: NodeLayout, block: int, rank: int):
         self.layout = layout
         self.block = block
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = rank
         self.block_group, self.block_members = self._my_group(block_ranks(layout.world_size, block))
         self.across_group, self.across_members = self._my_group(
             across_ranks(layout.world_size, block))
@@ -97,20 +95,3 @@ class Mesh:
             if self.rank in ranks:
                 mine, members = group, ranks
         return mine, members
-
-
-def local_device(backend: str) -> torch.device:
-    """The device of this rank: CUDA device LOCAL_RANK (never the global rank) under NCCL.
-
-    torchrun sets LOCAL_RANK per node; with a group created by the user and no
-    LOCAL_RANK, the device they selected.
-    """
-    if backend != "nccl":
-        return torch.device("cpu")
-    local = os.environ.get("LOCAL_RANK")
-    return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
-
-
-def global_rank() -> int:
-    """This process's rank in the default group (0 without one)."""
-    return dist.get_rank() if dist.is_initialized() else 0

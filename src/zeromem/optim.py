@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from zeromem.config.schema import ConfigError
-from zeromem.mesh import local_device
 from zeromem.optimizers import Lamb
 
 log = logging.getLogger("zeromem")
@@ -48,9 +47,12 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
 
 
 def build_optimizer(config, flat_groups: list, param_groups: list[dict],
-                    factory: Callable[[list[dict]], torch.optim.Optimizer] | None
-                    ) -> torch.optim.Optimizer:
-    """The optimizer over master shards: from `factory` or from the config's `optimizer` block."""
+                    factory: Callable[[list[dict]], torch.optim.Optimizer] | None,
+                    device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer over master shards: from `factory` or from the config's `optimizer` block.
+
+    `device`: the engine's (`Runtime.device`); Lamb's per-parameter sums cross the ranks there.
+    """
     groups = []
     for gi, pg in enumerate(param_groups):
         options = {k: v for k, v in pg.items() if k != "params"}
@@ -65,11 +67,11 @@ def build_optimizer(config, flat_groups: list, param_groups: list[dict],
         cls = config.torch_class
         optimizer = cls(groups, **kernel_options(cls, dict(config.params)))
     if isinstance(optimizer, Lamb):
-        split_by_parameter(optimizer, flat_groups)
+        split_by_parameter(optimizer, flat_groups, device)
     return optimizer
 
 
-def split_by_parameter(optimizer: Lamb, flat_groups: list) -> None:
+def split_by_parameter(optimizer: Lamb, flat_groups: list, device: torch.device) -> None:
     """Tell Lamb which parameter each element of each master shard belongs to, and how to
     sum a parameter's parts over the ranks that share its flat group: its trust ratio is
     then the whole parameter's, at any stage and world size."""
@@ -80,14 +82,13 @@ def split_by_parameter(optimizer: Lamb, flat_groups: list) -> None:
             start, _, length = g.layout.owned_slice(slot.offset, slot.numel)
             segments[start:start + length] = i
         if g.layout.world > 1 and reduce is None:
-            reduce = _summed_over(g.comm)
+            reduce = _summed_over(g.comm, device)
         optimizer.split(g.master, segments, len(g.slots), reduce if g.layout.world > 1 else None)
 
 
-def _summed_over(comm) -> Callable[[torch.Tensor], None]:
-    """In-place sum over `comm`'s ranks of a small tensor wherever it lives (host masters
-    under NCCL go through the device)."""
-    device = local_device(comm.backend)
+def _summed_over(comm, device: torch.device) -> Callable[[torch.Tensor], None]:
+    """In-place sum over `comm`'s ranks of a small tensor wherever it lives: through `device`,
+    the one `comm`'s backend moves tensors on (host masters under NCCL go through the GPU)."""
 
     def reduce(tensor: torch.Tensor) -> None:
         moved = tensor.to(device)

@@ -49,7 +49,8 @@ def step(engine: zeromem.Engine, index: int) -> float:
 
 
 def place(engine: zeromem.Engine) -> dict:
-    layout = NodeLayout.from_env(dist.get_world_size())
+    layout = engine.comm.layout  # what initialize read from torchrun's LOCAL_WORLD_SIZE
+    assert isinstance(layout, NodeLayout)
     rank = dist.get_rank()
     return {"rank": rank, "local_rank": int(os.environ["LOCAL_RANK"]),
             "group_rank": int(os.environ["GROUP_RANK"]), "node": layout.node_of(rank),

@@ -97,7 +97,7 @@ def train(name: str, build, cfg: dict, rank: int, world_size: int):
     names = {id(m): n or "(root)" for n, m in model.named_modules()}
     hooked = sorted(names[k] for k in engine.stage3.module_hooks)
     persistent = [u.persistent for u in engine.stage3.units]
-    return (units, losses, diffs, engine.live_params.live, moved), (persistent, hooked, traced)
+    return (units, losses, diffs, engine.stage3.stats.live, moved), (persistent, hooked, traced)
 
 
 def test_stage3_default_units_match_one_process_on_every_rank():

@@ -51,7 +51,7 @@ def reuse_and_eval(rank, world_size):
     with torch.no_grad():
         losses = [engine(tokens[:, :t + 1], targets[:, :t + 1]).item() for t in range(4)]
         expected = [ref.model(tokens[:, :t + 1], targets[:, :t + 1]).item() for t in range(4)]
-    leaked = engine.live_params.live
+    leaked = engine.stage3.stats.live
     shapes = [tuple(p.shape) for p in engine.module.parameters()]
     return diffs, losses, expected, leaked, shapes
 
@@ -78,7 +78,7 @@ def live_limit(rank, world_size):
     for _ in range(3):
         engine.backward(engine(torch.randn(2, 64)))
         engine.step()
-    peaks = {"limit": engine.live_params.peak}
+    peaks = {"limit": engine.stage3.stats.peak}
     torch.manual_seed(0)  # the window alone: two units ahead, no live limit
     engine = zeromem.initialize(Deep(), {
         "train_micro_batch_size_per_gpu": 2,
@@ -89,7 +89,7 @@ def live_limit(rank, world_size):
     for _ in range(3):
         engine.backward(engine(torch.randn(2, 64)))
         engine.step()
-    peaks["window"] = engine.live_params.peak
+    peaks["window"] = engine.stage3.stats.peak
     saved = []  # what autograd keeps from forward for backward
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss = engine(torch.randn(2, 64))
@@ -274,7 +274,7 @@ def eval_first_and_late_branches(rank, world_size):
     with torch.no_grad():
         losses.append((engine(*batch, tied=True).item(), ref_model(*batch, tied=True).item()))
     out["branches"] = (losses, diffs)
-    out["leaked"] = engine.live_params.live
+    out["leaked"] = engine.stage3.stats.live
     return out
 
 

@@ -43,7 +43,7 @@ logger = logging.getLogger("zeromem")
 
 # Features the engine cannot run yet; Config.load rejects configs that use them.
 # Remove a name here when the feature lands.
-NOT_BUILT: set[str] = set()
+NOT_BUILT: frozenset[str] = frozenset()
 # DeepSpeed features zeromem does not plan to implement; rejected rather than ignored.
 OUT_OF_SCOPE: frozenset[str] = frozenset({"zeropp", "mics", "elastic_checkpoint"})
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

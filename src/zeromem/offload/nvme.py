@@ -173,9 +173,6 @@ class IOHandle:
             finish()
 
 
-DONE = IOHandle([])
-
-
 def _failure(op: str, nbytes: int, offset: int, path: Path, e: OSError) -> OffloadError:
     name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "?"
     return OffloadError(f"{op} of {nbytes} bytes at offset {offset} of {path} failed: "
@@ -269,6 +266,17 @@ class SwapFile:
             log.info("%s: O_DIRECT not supported here; buffered I/O with fdatasync", self.path)
             self.direct = False
         return _open(self.path, False)
+
+    def grow(self, nbytes: int) -> None:
+        """Make the file at least `nbytes` long (a file appended to: `Init`'s shards)."""
+        new = swap_file_bytes(nbytes)
+        if new <= self.nbytes:
+            return
+        try:
+            os.posix_fallocate(self.fd, self.nbytes, new - self.nbytes)
+        except OSError as e:
+            raise _failure("allocation", new, self.nbytes, self.path, e) from e
+        self.nbytes = new
 
     def read(self, buffer: torch.Tensor, offset: int) -> IOHandle:
         """Start reading `buffer.numel()` bytes (an ALIGN multiple) from `offset`."""

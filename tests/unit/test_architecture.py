@@ -1,0 +1,127 @@
+"""Rules of STYLE.md that a reader cannot see at one call site, checked on the source (no process).
+
+- Distributed state is passed, never fetched: only the edges read the environment
+  (`distributed.Runtime`, read once by `initialize`; the DeepSpeed-compatible API; the
+  calibrator, which launches its own ranks).
+- No process-wide mutable state: no `global`, no module-level instance of our classes
+  except the named edges below, and no module-level or class-level container that code mutates.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import zeromem
+
+SRC = Path(zeromem.__file__).parent  # the package imported (a mutated copy under tools/mutants.py)
+
+# modules that may read os.environ, and why
+ENVIRONMENT_EDGES = {
+    "distributed.py": "Runtime and the process group: read once, by initialize",
+    "planning/calibrate.py": "starts its own ranks (MASTER_ADDR, OMP_NUM_THREADS)",
+    "deepspeed/comm.py": "DeepSpeed's API: get_local_rank()",
+    "deepspeed/init.py": "DeepSpeed's init_distributed",
+    "deepspeed/engine.py": "DeepSpeedEngine.local_rank, the loss log of the examples",
+    "deepspeed/accelerator.py": "DeepSpeed's accelerator: device_count on CPU",
+}
+# module-level instances, and why each is one per process
+PROCESS_WIDE = {
+    ("distributed.py", "LIFECYCLE"): "interpreter exit and signals are per process",
+    ("activations/recompute.py", "_DEFAULT"): "DeepSpeed's checkpointing.configure, at its edge",
+    ("stage3/partitioned_init.py", "DEFAULT"): "zeromem.Init without an engine, at its edge",
+}
+MUTATORS = {"append", "extend", "insert", "add", "update", "setdefault", "pop", "popitem",
+            "remove", "discard", "clear"}
+
+
+def modules() -> dict[str, ast.Module]:
+    return {p.relative_to(SRC).as_posix(): ast.parse(p.read_text(), str(p))
+            for p in sorted(SRC.rglob("*.py"))}
+
+
+def reads_environment(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+               and n.value.id == "os" and n.attr in ("environ", "getenv") for n in ast.walk(tree))
+
+
+def test_only_the_edges_read_the_environment():
+    readers = {name for name, tree in modules().items() if reads_environment(tree)}
+    assert readers <= set(ENVIRONMENT_EDGES), (
+        f"{sorted(readers - set(ENVIRONMENT_EDGES))} read os.environ: read it once in "
+        "distributed.Runtime and pass the value in")
+
+
+def test_no_global_statements():
+    found = [f"{name}:{n.lineno}" for name, tree in modules().items() for n in ast.walk(tree)
+             if isinstance(n, ast.Global)]
+    assert not found, f"module state rebound through `global`: {found}"
+
+
+def our_classes(all_modules: dict[str, ast.Module]) -> set[str]:
+    return {n.name for tree in all_modules.values() for n in ast.walk(tree)
+            if isinstance(n, ast.ClassDef)}
+
+
+def test_no_module_level_instances_but_the_process_wide_edges():
+    all_modules = modules()
+    classes = our_classes(all_modules)
+    found = set()
+    for name, tree in all_modules.items():
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call) \
+                    and isinstance(node.value.func, ast.Name) and node.value.func.id in classes:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found |= {(name, t.id) for t in targets if isinstance(t, ast.Name)}
+    assert found <= set(PROCESS_WIDE), (
+        f"module-level instances {sorted(found - set(PROCESS_WIDE))}: shared by every engine "
+        "in the process; let the object that uses one own it")
+
+
+def containers(body: list[ast.stmt]) -> set[str]:
+    """Names bound in `body` to a list, dict or set (a literal, a comprehension or a call)."""
+    kinds = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+    names = set()
+    for node in body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        value = node.value
+        call = isinstance(value, ast.Call) and isinstance(value.func, ast.Name) \
+            and value.func.id in ("list", "dict", "set", "defaultdict", "OrderedDict")
+        if isinstance(value, kinds) or call:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def mutated(tree: ast.Module, names: set[str], owners: set[str]) -> set[str]:
+    """Of `names`, those this module mutates: `X.append(..)`, `X[k] = ..`, `del X[k]`, or the
+    same through one of `owners` (`self.X`, `cls.X`, `Class.X`)."""
+    def named(node: ast.expr) -> str | None:
+        if isinstance(node, ast.Name) and not owners:
+            return node.id
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in owners:
+            return node.attr
+        return None
+
+    hits = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATORS:
+            hits.add(named(n.func.value))
+        elif isinstance(n, (ast.Assign, ast.AugAssign, ast.Delete)):
+            for t in (n.targets if isinstance(n, (ast.Assign, ast.Delete)) else [n.target]):
+                if isinstance(t, ast.Subscript):
+                    hits.add(named(t.value))
+    return names & (hits - {None})  # type: ignore[operator]
+
+
+def test_no_shared_container_is_mutated():
+    found = []
+    for name, tree in modules().items():
+        found += [f"{name}: {x}" for x in mutated(tree, containers(tree.body), set())]
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            # a class-level container is one object shared by every instance
+            shared = containers(cls.body)
+            found += [f"{name}: {cls.name}.{x}"
+                      for x in mutated(tree, shared, {"self", "cls", cls.name})]
+    assert not found, f"module- or class-level containers mutated (process-wide state): {found}"
