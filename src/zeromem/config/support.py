@@ -34,7 +34,8 @@ READ: dict[str, tuple[str, ...]] = {
         "consecutive_hysteresis", "min_loss_scale")},
     "bf16.enabled": ("config.schema",), "data_types.grad_accum_dtype": ("config.schema",),
     **{f"zero_optimization.{key}": ("engine",) for key in (
-        "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+        "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm")},
+    **{f"zero_optimization.{key}": ("stage3.build",) for key in (
         "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "stage3_max_live_parameters", "stage3_max_reuse_distance")},
     "zero_optimization.sub_group_size": ("offload.placement",),
