@@ -2,7 +2,7 @@
 
     python tests/config_corpus.py          # the table and the counts
 
-A config *loads* when `Config.load` and `check_knobs` accept it (what
+A config *loads* when `Config.load` and `check_supported_keys` accept it (what
 `zeromem.initialize` checks before it touches the model); it is *refused* when they
 raise `Unsupported`, which names the key, the DeepSpeed feature and why; anything else
 (an unknown key, a value zeromem cannot derive) is *other*.
@@ -103,12 +103,12 @@ def hf_filled(paths: list[Path]) -> dict[Path, dict]:
 def classify(source) -> tuple[str, str]:
     """("loads" | "refused" | "other", detail) of one config (a path or a dict)."""
     from zeromem.config import schema
-    from zeromem.config.support import check_knobs
+    from zeromem.config.support import check_supported_keys
 
     unsupported = getattr(schema, "Unsupported", None)  # absent before this classification
     logging.disable(logging.WARNING)
     try:
-        check_knobs(schema.Config.load(source))
+        check_supported_keys(schema.Config.load(source))
         return "loads", ""
     except schema.ConfigError as error:
         text = str(error).replace(f"{source}: ", "")

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,11 +20,12 @@ from zeromem.distributed import LIFECYCLE, Runtime, default_store, ensure_proces
 from zeromem.checkpoints.consolidate import CheckpointError
 from zeromem.engine import Engine
 from zeromem.hierarchy import node_layout
-from zeromem.config.support import check_knobs
+from zeromem.config.support import check_supported_keys
 from zeromem.offload.nvme import OffloadError
 from zeromem.stage3 import partitioned_init
 from zeromem.stage3.partitioned_init import GatheredParameters, Init, Partitions
 from zeromem.rank_check import RankMismatchError, check_ranks_agree
+from zeromem.training_state import SchedulerArg
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "checkpoint",
            "checkpointing", "Init", "GatheredParameters", "OffloadError", "RankMismatchError",
@@ -35,7 +36,7 @@ __version__ = "0.1.0"
 def initialize(model: nn.Module, config: dict | str | Path | Config,
                model_parameters: Iterable | None = None,
                optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
-               lr_scheduler: Any = None,
+               lr_scheduler: SchedulerArg = None,
                dp_group: dist.ProcessGroup | None = None,
                fetch_units: tuple[type, ...] = (),
                mp_group: dist.ProcessGroup | None = None,
@@ -62,7 +63,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     layout = node_layout(first, world, runtime.ranks_per_node)  # nodes split the ledger
     comm = Comm(dp_group, default_store(), layout)
     cfg = Config.load(config, world_size=comm.world_size)
-    check_knobs(cfg)
+    check_supported_keys(cfg)
     check_ranks_agree(cfg, model, comm, partitions)  # before any collective that a mismatch would hang
     engine = Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler, tuple(fetch_units),
                     mp_group, partitions, runtime)

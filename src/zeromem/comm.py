@@ -184,8 +184,8 @@ class Comm:
         self.ranks = (dist.get_process_group_ranks(group) if dist.is_initialized() and group
                       is not None else list(range(self.world_size)))
         self.layout = layout
-        me = dist.get_rank() if dist.is_initialized() else 0
-        self.inter_fraction = layout.off_node_fraction(self.ranks, me) if layout else 0.0
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0  # in the default group
+        self.inter_fraction = layout.off_node_fraction(self.ranks, self.global_rank) if layout else 0.0
         self.ledger = ledger or CommLedger()
         self.children: list[Comm] = []  # Comms over sub-groups, closed with this one
         self.buffer_bytes = 0  # temporary communication buffers alive now (CB)
@@ -402,7 +402,7 @@ class Comm:
         store; the ranks that do not say so within `answer_s` are the silent ones."""
         if self.store is None or "timed out" not in str(error).lower():
             return error
-        me = dist.get_rank()
+        me = self.global_rank
         key = f"zeromem/timed_out/{self._steps}/{{}}"
         self.store.set(key.format(me), "1")
         others = [r for r in range(dist.get_world_size()) if r != me]

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from zeromem.activations import recompute as activations
 from zeromem.checkpoints import save_load as checkpoints
@@ -23,11 +25,12 @@ from zeromem.config.schema import Config
 from zeromem.distributed import Runtime
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
-from zeromem.layout import derived_bucket_numel, pack_buckets
+from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitors import Observers, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
-from zeromem.offload.placement import build_offload
+from zeromem.offload.params import ParamPlacement
+from zeromem.offload.placement import SwapSpaces, build_offload, build_params
 from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
@@ -36,7 +39,7 @@ from zeromem.stage3.build import UnitChoice, build_stage3, choose_units, unit_ca
 from zeromem.stage3.fetch import FetchSchedule
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.timers import PhaseTimers
-from zeromem.training_state import RngState, Stateful, StepCounters, TrainingState
+from zeromem.training_state import RngState, SchedulerArg, Stateful, StepCounters, TrainingState
 from zeromem.zero_optimizer import (ContiguousShards, ShardAccumulated, StepSettings,
                                     WholeAllReduced, WholeScattered, ZeroOptimizer)
 
@@ -63,8 +66,8 @@ class Engine:
     def __init__(self, module: nn.Module, config: Config, comm: Comm,
                  model_parameters: Iterable | None = None,
                  optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
-                 lr_scheduler: Any = None, fetch_units: tuple[type, ...] = (),
-                 mp_group: Any = None, partitions: Partitions | None = None,
+                 lr_scheduler: SchedulerArg = None, fetch_units: tuple[type, ...] = (),
+                 mp_group: dist.ProcessGroup | None = None, partitions: Partitions | None = None,
                  runtime: Runtime | None = None):
         self.config = config
         self.comm = comm
@@ -94,15 +97,18 @@ class Engine:
         self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
         self.unit_choice: UnitChoice | None = None  # stage 3: set by `_partition`
         self.bucket_sizes = self._bucket_sizes(param_groups)  # explicit, or from the model
-        self.groups = self._build_groups(param_groups, sharding, fetch_units)
+        # swap files are named by the global rank: unique across nodes sharing a filesystem
+        # and across data-parallel groups (a dp_group rank repeats in each group)
+        spaces = SwapSpaces(config, self.runtime.global_rank)
+        params_placement, self.groups = self._build_groups(param_groups, sharding, fetch_units,
+                                                           spaces)
         self.partitions.materialize(self.module.parameters(), self.comm)  # frozen, built under Init
         self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
         self.psi = sum(g.numel for g in self.groups)
-        # where masters, optimizer states and parameter shards live (offload/placement.py); built
-        # before the stage-3 units, which receive the parameter placement
-        # swap files are named by the global rank: unique across nodes sharing a filesystem
-        # and across data-parallel groups (a dp_group rank repeats in each group)
-        self.offload = build_offload(config, self.groups, self.runtime.global_rank)
+        # where masters and optimizer states live (offload/placement.py), beside the parameter
+        # placement the shards went to; before the stage-3 units, which receive the latter
+        self.offload = build_offload(config, self.groups, params_placement, spaces,
+                                     self.runtime.global_rank)
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer,
                                                       self.device)
         # tensor parallelism: the clipping norm spans the model-parallel group too
@@ -127,13 +133,13 @@ class Engine:
         # monitors, comms_logger, flops_profiler, throughput, dump_state (monitors.py)
         self.observers = Observers(self)
 
-    def _make_scheduler(self, lr_scheduler: Any):
+    def _make_scheduler(self, lr_scheduler: SchedulerArg) -> LRScheduler | None:
         """A factory `optimizer -> scheduler`, a ready scheduler, or the config's `scheduler`."""
         if lr_scheduler is None:
             return build_scheduler(self.config.scheduler, self.optimizer)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(self.optimizer)
-        return lr_scheduler
+        return cast(LRScheduler, lr_scheduler)  # or any object with its step / state_dict
 
     # -- construction ------------------------------------------------------
     def _bucket_sizes(self, param_groups: list[dict]) -> dict[str, int]:
@@ -150,15 +156,32 @@ class Engine:
         return sizes
 
     def _build_groups(self, param_groups: list[dict], sharding: Sharding,
-                      fetch_units: tuple[type, ...]) -> list[FlatParamGroup]:
-        """One flat group per bucket (per fetch unit at stage 3), in expected backward order."""
+                      fetch_units: tuple[type, ...],
+                      spaces: SwapSpaces) -> tuple[ParamPlacement, list[FlatParamGroup]]:
+        """One flat group per bucket (per fetch unit at stage 3), in expected backward order,
+        and the parameter placement that took each group's shard as it was built."""
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
+        parts = self._partition(param_groups, sharding, fetch_units)
+        # laid out before the groups exist: under Init, each unit's shard leaves memory (to
+        # params.swp with parameters on NVMe) before the next unit is gathered whole, so no
+        # rank holds all its shards at once
+        shard = self.plan.shard
+        shard_numels = [ShardLayout(sum(self.partitions.full_numel(p) for p in params),
+                                    shard.world_size, shard.rank).shard_numel
+                        for _, params in parts] if sharding.params else []
+        placement = build_params(self.config, shard_numels, self.compute_dtype, self.device,
+                                 spaces)
         groups = []
-        for gi, params in self._partition(param_groups, sharding, fetch_units):
-            self.partitions.materialize(params, self.comm)  # built under Init: one unit at a time
-            names = [self.names[id(p)] for p in params]
-            groups.append(FlatParamGroup(params, names, self.plan.shard, sharding, gi,
-                                         self.compute_dtype))
+        try:
+            for gi, params in parts:
+                self.partitions.materialize(params, self.comm)  # built under Init: one at a time
+                names = [self.names[id(p)] for p in params]
+                groups.append(FlatParamGroup(params, names, shard, sharding, gi,
+                                             self.compute_dtype))
+                placement.admit(groups[-1])
+        except BaseException:
+            spaces.close()  # no half-written swap files left behind
+            raise
         groups.sort(key=lambda g: -min(order[id(p)] for p in g.params))
         grad_dtype = self.config.grad_dtype
         if sharding.grads:
@@ -170,7 +193,7 @@ class Engine:
             kind = WholeScattered if sharding.optimizer else WholeAllReduced
             for g in groups:
                 g.attach_grads(kind(g, grad_dtype))
-        return groups
+        return placement, groups
 
     def _partition(self, param_groups: list[dict], sharding: Sharding,
                    fetch_units: tuple[type, ...]) -> list[tuple[int, list[nn.Parameter]]]:
@@ -331,7 +354,7 @@ class Engine:
             (block.type if block is not None else type(self.optimizer).__name__).lower(),
             self.config.checkpoint.tag_validation,
             self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
-            self.offload.resident, self.zero.refresh_params)
+            self.offload.all_in_memory, self.zero.refresh_params)
 
     # -- reports ----------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

@@ -188,7 +188,7 @@ def build_comm_plan(config: Config, comm: Comm, env_ranks_per_node: int | None) 
             raise ConfigError(f"{key} = {block} does not divide the {comm.world_size} "
                               "data-parallel ranks")
         if block not in meshes:
-            meshes[block] = Mesh(layout, block)
+            meshes[block] = Mesh(layout, block, comm.global_rank)
         return meshes[block]
 
     block = cluster.quantization_block_size

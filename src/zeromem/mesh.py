@@ -76,13 +76,14 @@ class Mesh:
     """This rank's node and the groups of blocks of `block` ranks and across them.
 
     `block` is usually the node (hpZ, hierarchical reduce-scatter) or MiCS's shard
-    size. Groups are created over the default group: call on every rank.
+    size. Groups are created over the default group: call on every rank; `rank` is this
+    process's rank in it (`Comm.global_rank`).
     """
 
-    def __init__(self, layout: NodeLayout, block: int):
+    def __init__(self, layout: NodeLayout, block: int, rank: int):
         self.layout = layout
         self.block = block
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = rank
         self.block_group, self.block_members = self._my_group(block_ranks(layout.world_size, block))
         self.across_group, self.across_members = self._my_group(
             across_ranks(layout.world_size, block))

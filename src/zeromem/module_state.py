@@ -31,13 +31,16 @@ Two moments at which they could part (issue 10):
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from zeromem.comm import Comm
 from zeromem.flat import FlatParamGroup, ParamSlot
+
+if TYPE_CHECKING:
+    from zeromem.offload.placement import Offload
 
 
 def broadcast_from_rank0(module: nn.Module, comm: Comm) -> None:
@@ -51,8 +54,8 @@ def broadcast_from_rank0(module: nn.Module, comm: Comm) -> None:
 class LoadIntoMasters:
     """Weights loaded into the module reach the fp32 masters (and stage-3 shards)."""
 
-    def __init__(self, module: nn.Module, groups: list[FlatParamGroup], offload: Any):
-        self.offload = offload  # offload.OnDevice and subclasses: masters and shards wherever they live
+    def __init__(self, module: nn.Module, groups: list[FlatParamGroup], offload: Offload):
+        self.offload = offload  # where masters and shards live (offload/placement.py)
         self.slot_of: dict[int, tuple[FlatParamGroup, ParamSlot]] = {
             id(p): (g, slot) for g in groups for p, slot in zip(g.params, g.slots)}
         self.top: nn.Module | None = None  # the module whose load_state_dict is running
@@ -93,7 +96,7 @@ class LoadIntoMasters:
     def _write(self, loaded: dict[int, torch.Tensor]) -> None:
         """This rank's part of each loaded value into its master, then into its shard."""
         with torch.no_grad():
-            with self.offload.resident():  # masters swapped out to NVMe come back for the write
+            with self.offload.all_in_memory():  # masters on NVMe come back for the write
                 for pid, value in loaded.items():
                     g, slot = self.slot_of[pid]
                     start, at, n = g.owned_slice(slot)

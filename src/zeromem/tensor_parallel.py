@@ -19,7 +19,6 @@ parallel model equals the dense model built from that seed.
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -251,7 +250,7 @@ class ModelParallelNorm:
             self.comm.all_reduce(sq, kind="all_reduce_norm")
 
 
-def make_2d_groups(dp_size: int, mp_size: int) -> tuple[Any, Any]:
+def make_2d_groups(dp_size: int, mp_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(data-parallel group, model-parallel group) of this rank in a dp x mp grid.
 
     Ranks are laid out model-parallel fastest: ranks `d*mp .. d*mp + mp-1` form one
@@ -272,4 +271,5 @@ def make_2d_groups(dp_size: int, mp_size: int) -> tuple[Any, Any]:
         group = dist.new_group(ranks)
         if rank in ranks:
             dp_group = group
+    assert dp_group is not None and mp_group is not None  # every rank is in one of each
     return dp_group, mp_group

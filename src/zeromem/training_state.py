@@ -11,12 +11,16 @@ from __future__ import annotations
 import random
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from zeromem.comm import Comm
+
+if TYPE_CHECKING:
+    from zeromem.flat import FlatParamGroup
 
 
 @runtime_checkable
@@ -26,6 +30,11 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# what `initialize(lr_scheduler=...)` takes: a scheduler, a factory `optimizer -> scheduler`,
+# or None (the config's `scheduler` block)
+SchedulerArg = LRScheduler | Callable[[torch.optim.Optimizer], LRScheduler] | None
 
 
 class StepCounters:
@@ -102,7 +111,7 @@ class TrainingState:
     """Everything a training checkpoint reads and writes, built by the engine on each call."""
 
     module: nn.Module
-    groups: list  # FlatParamGroup, in the engine's order (the order of pieces on disk)
+    groups: list[FlatParamGroup]  # in the engine's order (the order of pieces on disk)
     optimizer: torch.optim.Optimizer
     comm: Comm
     device: torch.device
@@ -116,7 +125,7 @@ class TrainingState:
     """`checkpoint.tag_validation`: Warn, Fail or Ignore."""
     gather_16bit_weights: bool
     """`zero_optimization.stage3_gather_16bit_weights_on_model_save`."""
-    resident: Callable[[], AbstractContextManager]
+    all_in_memory: Callable[[], AbstractContextManager]
     """Brings offloaded masters and optimizer states into memory for the duration."""
     refresh_params: Callable[[], None]
     """Rebuilds the compute-dtype parameters from the masters and drops gradients."""

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from harness import run_distributed
 from zeromem.activations import recompute as act
-from zeromem.activations.recompute import ActivationCheckpointing, CheckpointingConfig, checkpoint
+from zeromem.activations.recompute import ActivationCheckpointing, ActivationPolicy, checkpoint
 
 HIDDEN, BATCH, BLOCKS = 32, 48, 8
 ACT_BYTES = HIDDEN * BATCH * 4  # one fp32 block input; distinct from every weight's size
@@ -265,8 +265,8 @@ def test_configure_from_config_block_and_pa_without_group_logs_once(caplog):
     caplog.clear()
     fresh = ActivationCheckpointing()  # a new object has not said it yet
     with caplog.at_level(logging.INFO, logger="zeromem"):
-        fresh.configure(CheckpointingConfig(partition_activations=True))
-        fresh.configure(CheckpointingConfig(partition_activations=True))
+        fresh.configure(ActivationPolicy(partition_activations=True))
+        fresh.configure(ActivationPolicy(partition_activations=True))
         blocks = make_blocks(n=2)
         x = torch.randn(BATCH, HIDDEN, requires_grad=True)
         fresh.checkpoint(blocks[0], x).sum().backward()

@@ -105,8 +105,10 @@ def resident_after_training(rank: int, world_size: int, path: str, depth: int) -
                                  "offload_optimizer": {"device": "nvme", "nvme_path": path},
                                  "offload_param": {"device": "nvme", "nvme_path": path}}}
     torch.manual_seed(0)
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark of building
     with zeromem.Init(config=cfg):
         model = Deep(width=WIDTH, depth=depth)
+    build_peak = _vm("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # initialize's own high-water mark
     engine = zeromem.initialize(model, cfg)
     initialize_peak = _vm("VmHWM")
@@ -120,7 +122,7 @@ def resident_after_training(rank: int, world_size: int, path: str, depth: int) -
     held = engine.memory_report().held
     out = {"steady": _vm("VmRSS"), "peak": _vm("VmHWM"), "states": 16 * engine.psi / world_size,
            "host": sum(places.get("host", 0) for places in held.values()),
-           "initialize_peak": initialize_peak, **buckets}
+           "build_peak": build_peak, "initialize_peak": initialize_peak, **buckets}
     engine.close()
     return out
 
@@ -144,11 +146,13 @@ def test_host_memory_does_not_grow_with_the_model(tmp_path, monkeypatch):
         assert abs(large["host"] - small["host"]) <= 0.01 * growth, (small, large)
         assert large["steady"] - small["steady"] <= 0.25 * growth, (small, large, growth)
         assert large["peak"] - small["peak"] <= 0.25 * growth, (small, large, growth)
-        # initialize under Init: no rank ever allocates the gradient shards that go to
-        # grads.swp (0.5x -> 0.3x); the parameter shards (fp32: 0.25x) are still all in
-        # memory once before the placements move them to disk
-        init = large["initialize_peak"] - small["initialize_peak"]
-        assert init <= 0.375 * growth, (small, large, growth)
+        # building under Init and initialize: Init writes each shard to its swap file as it
+        # makes it, and initialize each unit's shard to params.swp as it builds the unit;
+        # no rank ever allocates the gradient shards that go to grads.swp. What remains is
+        # a unit or two whole and the pools. The goal is 0.25x; the fp32 shards
+        # alone are 0.25x, so half of it fails whenever a rank holds them all again.
+        for key in ("build_peak", "initialize_peak"):
+            assert large[key] - small[key] <= 0.125 * growth, (key, small, large, growth)
 
 
 # ---------------------------------------------------------------- beyond host memory, shown

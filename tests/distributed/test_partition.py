@@ -1,6 +1,9 @@
 """zeromem.Init builds models already partitioned; GatheredParameters reads and edits them."""
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -111,13 +114,13 @@ class WritesThroughViews(torch.nn.Module):
             torch.nn.init.zeros_(self.embed.weight[0])    # BERT: init.zeros_(weight[padding_idx])
 
 
-def init_vs_plain(seed_of_rank: int) -> tuple[float, float]:
+def init_vs_plain(seed_of_rank: int, config: dict | None = None) -> tuple[float, float]:
     """Max difference from the plain build (seed 0), and the error in embed row 0."""
     torch.manual_seed(0)
     plain = WritesThroughViews()
     torch.manual_seed(seed_of_rank)
     partitions = Partitions()
-    with zeromem.Init(partitions=partitions):
+    with zeromem.Init(config=config, partitions=partitions):
         model = WritesThroughViews()
     partitions.materialize(model.parameters(), Comm(None))
     reference = plain.state_dict()
@@ -135,11 +138,53 @@ def test_init_keeps_writes_through_views_and_takes_rank0_values(world):
         assert own_seed[:2] == (0.0, 0.0), own_seed    # rank 0's parameters and buffers win
 
 
+def nvme_config(world_size: int, path: str) -> dict:
+    cfg = parity_config(3, 1, 0.0, world_size)
+    cfg["zero_optimization"] |= {"offload_param": {"device": "nvme", "nvme_path": path},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": path}}
+    return cfg
+
+
+def init_on_nvme(rank, world_size, path):
+    """Init with parameters on NVMe: shards in init.swp while building (none in memory),
+    re-initialisation by the parent and writes through views reach the file, the engine
+    builds from it, and the file goes once the engine has taken every shard."""
+    from gpt import GPT, Block, GPTConfig
+    shape = GPTConfig(block_size=16, n_layer=2, n_embd=32)
+    torch.manual_seed(0)
+    plain = GPT(shape)
+    cfg = nvme_config(world_size, path)
+    torch.manual_seed(0)
+    partitions = Partitions()
+    with zeromem.Init(config=cfg, partitions=partitions):
+        model = GPT(shape)
+    held = partitions.held_bytes(model)
+    files = sorted(Path(path).glob(f"zeromem-rank{rank}-*/init.swp"))
+    engine = zeromem.initialize(model, cfg, fetch_units=(Block,), partitions=partitions)
+    full = engine.full_state_dict()
+    same = all(torch.equal(full[k], v) for k, v in plain.state_dict().items()) if full else True
+    gc.collect()
+    left = [f for f in files if f.exists()]
+    views = init_vs_plain(rank, nvme_config(world_size, path))[:2]
+    engine.close()
+    return held, len(files), same, left, views
+
+
+def test_init_writes_shards_to_nvme_while_building(world):
+    for held, files, same, left, views in world["init_on_nvme"]:
+        assert held == 0 and files == 1, (held, files)  # every shard in the rank's init.swp
+        assert same                 # the parent's apply(init) reached the file; built from it
+        assert left == [], left      # removed once the engine holds every parameter
+        assert views == (0.0, 0.0), views  # writes through views too, and rank 0's values
+
+
 @pytest.fixture(scope="module")
-def world() -> dict[str, list]:
+def world(tmp_path_factory) -> dict[str, list]:
     """This file's 2-rank cases in one spawned world (spawning costs more than a case);
     the memory one first, before other cases' allocations."""
     return run_together({"init_memory_and_values": (init_memory_and_values, ()),
                          "gathered_edit": (gathered_edit, ()),
                          "gpt_under_init": (gpt_under_init, ()),
-                         "views_and_seeds": (views_and_seeds, ())}, 2)
+                         "views_and_seeds": (views_and_seeds, ()),
+                         "init_on_nvme": (init_on_nvme,
+                                          (str(tmp_path_factory.mktemp("nvme")),))}, 2)

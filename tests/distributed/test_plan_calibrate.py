@@ -19,7 +19,7 @@ from harness import run_distributed
 from zeromem.config.schema import Config
 from zeromem.planning.calibrate import calibrate, collectives
 from zeromem.planning.planner import (Hardware, Setup, Workload, evaluate, layout_for,
-                                      layout_knobs, model_flops, predict_memory, shape_of)
+                                      planned_layout, model_flops, predict_memory, shape_of)
 
 SMALL = GPTConfig(n_layer=2, n_embd=128, block_size=32)
 GAS = 2
@@ -101,7 +101,7 @@ def test_calibration_is_positive_and_self_consistent(tmp_path):
     # stage 3: the same reduce-scatter plus two gathers per fetched unit, so more bytes; its
     # time need not exceed stage 2's, whose small buckets may make more (latency-bound) calls
     # than stage 3's merged fetch units (stage3/units.py)
-    moved = {s: sum(b for _, b in collectives(shape, layout_knobs(shape, Setup(s)), 4, 4, 2,
+    moved = {s: sum(b for _, b in collectives(shape, planned_layout(shape, Setup(s)), 4, 4, 2,
                                               1).values()) for s in (2, 3)}
     assert moved[3] > moved[2] and t[Setup(3)].comm > 0
     assert t[Setup(2, "gpu")].compute == pytest.approx(t[Setup(2)].compute + cal.forward_s)

@@ -180,7 +180,7 @@ def quantized_collectives(rank: int, world_size: int) -> dict:
     """qgZ's reduce-scatter and qwZ's gather against the exact ones, on real groups."""
     layout = NodeLayout(world_size, 2)
     comm = Comm(None, None, layout)  # 2 nodes of 2
-    nodes = Mesh(layout, 2)
+    nodes = Mesh(layout, 2, rank)
     g = torch.Generator().manual_seed(rank)
     chunk, out = 300, {}
     bucket = torch.randn(world_size * chunk, generator=g) * (1 + rank)

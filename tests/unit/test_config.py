@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel
 
 from zeromem.config import schema as config_module
-from zeromem.config import support as knobs
+from zeromem.config import support
 from zeromem.config.schema import (Config, ConfigError, OptimizerConfig, ZeroConfig, check_supported,
                             resolve_batch)
 
@@ -112,12 +112,12 @@ def test_fp16_and_bf16_both_enabled():
 
 
 def test_fp16_master_weights_are_refused_not_ignored():
-    from zeromem.config.support import check_knobs
+    from zeromem.config.support import check_supported_keys
     config = Config.load({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
                           "zero_optimization": {"stage": 2}})
     with pytest.raises(ConfigError, match="fp16.fp16_master_weights_and_grads = True is not "
                                           "supported: master weights and gradients are always"):
-        check_knobs(config)
+        check_supported_keys(config)
 
 
 def test_offload_ratio_below_one_needs_stage_3(everything_built):
@@ -469,16 +469,16 @@ def test_config_pickles_with_its_provenance():
 # ---------------------------------------------------------------- keys zeromem handles its own way
 
 def test_numerics_changing_knobs_are_refused_and_layout_knobs_warned(caplog):
-    from zeromem.config.support import check_knobs
+    from zeromem.config.support import check_supported_keys
     with pytest.raises(ConfigError, match="gradient_predivide_factor"):
-        check_knobs(Config.load({"gradient_predivide_factor": 2.0}))
-    check_knobs(Config.load({"prescale_gradients": True}))  # what zeromem always does
+        check_supported_keys(Config.load({"gradient_predivide_factor": 2.0}))
+    check_supported_keys(Config.load({"prescale_gradients": True}))  # what zeromem always does
     with pytest.raises(ConfigError, match="zero_optimization.reduce_scatter"):
-        check_knobs(Config.load({"zero_optimization": {"stage": 2, "reduce_scatter": False}}))
+        check_supported_keys(Config.load({"zero_optimization": {"stage": 2, "reduce_scatter": False}}))
     with caplog.at_level("WARNING", logger="zeromem"):
-        check_knobs(Config.load({"zero_optimization": {"contiguous_gradients": False}}))
+        check_supported_keys(Config.load({"zero_optimization": {"contiguous_gradients": False}}))
     assert "contiguous_gradients" in caplog.text
-    check_knobs(Config.load({}))  # defaults: silent
+    check_supported_keys(Config.load({}))  # defaults: silent
 
 
 # ---------------------------------------------------------------- every key accounted for
@@ -533,8 +533,8 @@ def non_default_config(key: str) -> dict:
 
 
 def test_every_schema_key_is_read_refused_warned_or_gated():
-    lists = {"READ": knobs.READ, "REFUSED": knobs.REFUSED, "WARNED": knobs.WARNED,
-             "GATED": knobs.GATED}
+    lists = {"READ": support.READ, "REFUSED": support.REFUSED, "WARNED": support.WARNED,
+             "GATED": support.GATED}
     keys = schema_keys()
     for key in keys:
         named = [name for name, listed in lists.items() if key in listed]
@@ -543,43 +543,43 @@ def test_every_schema_key_is_read_refused_warned_or_gated():
     stale = [k for listed in lists.values() for k in listed if k not in keys]
     assert not stale, f"lists name keys the schema no longer has: {stale}"
     source = Path(zeromem.__file__).parent
-    for key, modules in knobs.READ.items():
+    for key, modules in support.READ.items():
         leaf = key.rsplit(".", 1)[-1]
         uses = re.compile(rf"\.{leaf}\b|[\"']{leaf}[\"']")
         for module in modules:
             text = (source / f"{module.replace('.', '/')}.py").read_text()
             assert uses.search(text), f"{module}.py never reads {key}"
-    for key, feature in knobs.GATED.items():
+    for key, feature in support.GATED.items():
         assert feature in config_module.OUT_OF_SCOPE | config_module.NOT_BUILT, key
 
 
 def test_refused_keys_raise_naming_the_key_and_why():
-    for key, why in knobs.REFUSED.items():
+    for key, why in support.REFUSED.items():
         config = Config.load(non_default_config(key))
         with pytest.raises(ConfigError) as info:
-            knobs.check_knobs(config)
+            support.check_supported_keys(config)
         assert f"{key} = " in str(info.value) and why in str(info.value)
 
 
 def test_warned_keys_warn_once_naming_the_key(caplog):
-    for key, why in knobs.WARNED.items():
+    for key, why in support.WARNED.items():
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="zeromem"):
-            knobs.check_knobs(Config.load(non_default_config(key)))
+            support.check_supported_keys(Config.load(non_default_config(key)))
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and key in warnings[0] and why in warnings[0], (key, warnings)
 
 
 def test_gated_keys_are_refused_at_load():
-    for key in knobs.GATED:
+    for key in support.GATED:
         message = load_error(non_default_config(key))
         assert key in message and "not supported" in message
 
 
 def test_default_values_are_silent_even_when_given(caplog):
     data: dict = {}
-    for key in [*knobs.REFUSED, *knobs.WARNED, *knobs.GATED]:  # each spelled out at its default
+    for key in [*support.REFUSED, *support.WARNED, *support.GATED]:  # each spelled out at its default
         put(data, key, default_of(key))
     with caplog.at_level(logging.WARNING, logger="zeromem"):
-        knobs.check_knobs(Config.load(data))
+        support.check_supported_keys(Config.load(data))
     assert not caplog.records

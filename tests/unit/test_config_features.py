@@ -10,7 +10,7 @@ import pytest
 
 from zeromem.config import features
 from zeromem.config.schema import Config, ConfigError, Unsupported
-from zeromem.config.support import check_knobs
+from zeromem.config.support import check_supported_keys
 
 ENABLED = ({"enabled": False}, {"enabled": True})
 # feature key -> (a value that leaves it off, a value that turns it on)
@@ -158,8 +158,8 @@ def test_communication_compressing_and_mup_optimizers_are_refused(name):
 
 def test_refused_knobs_are_unsupported_too():
     with pytest.raises(Unsupported, match="gradient_predivide_factor = 8.0 is not supported"):
-        check_knobs(Config.load({"gradient_predivide_factor": 8}))
-    check_knobs(Config.load({"prescale_gradients": True}))  # zeromem always prescales
+        check_supported_keys(Config.load({"gradient_predivide_factor": 8}))
+    check_supported_keys(Config.load({"prescale_gradients": True}))  # zeromem always prescales
 
 
 def test_steps_per_print_infinity_means_never():

@@ -49,8 +49,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zeromem.activations.store import (ALREADY_CONSUMED, DEVICE, HOST, ActivationStore, CheckpointingConfig,
-                                       CheckpointLedger, CheckpointStats, StoredTensor)
+from zeromem.activations.store import (ALREADY_CONSUMED, DEVICE, HOST, ActivationStore, ActivationPolicy,
+                                       ActivationLedger, ActivationStats, StoredTensor)
 
 logger = logging.getLogger("zeromem")
 
@@ -179,12 +179,12 @@ class _CheckpointFunction(torch.autograd.Function):
 class ActivationCheckpointing:
     """The one mutable object of this module: the policy, its store and the byte ledger."""
 
-    def __init__(self, config: CheckpointingConfig | None = None) -> None:
-        self.ledger = CheckpointLedger()
+    def __init__(self, config: ActivationPolicy | None = None) -> None:
+        self.ledger = ActivationLedger()
         self._said_pa_is_noop = False
-        self.configure(config or CheckpointingConfig())
+        self.configure(config or ActivationPolicy())
 
-    def configure(self, config: CheckpointingConfig) -> None:
+    def configure(self, config: ActivationPolicy) -> None:
         """Adopt a new policy; checkpoints stored under the old one still restore."""
         self.config = config
         self.store = ActivationStore(config, self.ledger)
@@ -217,7 +217,7 @@ class ActivationCheckpointing:
                         1e3 * (time.perf_counter() - start))
         return outputs
 
-    def stats(self) -> CheckpointStats:
+    def stats(self) -> ActivationStats:
         return self.ledger.snapshot()
 
     def held_bytes(self, place: str | None = None) -> int:
@@ -257,9 +257,9 @@ def current() -> ActivationCheckpointing:
 def configure(mp_group: dist.ProcessGroup | None = None, partition_activations: bool = False,
               cpu_checkpointing: bool = False, contiguous_memory_optimization: bool = False,
               number_checkpoints: int | None = None, synchronize_checkpoint_boundary: bool = False,
-              profile: bool = False) -> CheckpointingConfig:
+              profile: bool = False) -> ActivationPolicy:
     """Set the policy `checkpoint` uses (DeepSpeed's `checkpointing.configure`, minus globals)."""
-    config = CheckpointingConfig(mp_group, partition_activations, cpu_checkpointing,
+    config = ActivationPolicy(mp_group, partition_activations, cpu_checkpointing,
                                  contiguous_memory_optimization, number_checkpoints,
                                  synchronize_checkpoint_boundary, profile)
     _DEFAULT.configure(config)
@@ -270,14 +270,14 @@ _FIELDS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_opti
            "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
 
 
-def config_from_block(block: object, mp_group: dist.ProcessGroup | None = None) -> CheckpointingConfig:
+def config_from_block(block: object, mp_group: dist.ProcessGroup | None = None) -> ActivationPolicy:
     """The policy an `activation_checkpointing` config block (DeepSpeed's key names) gives."""
-    defaults = CheckpointingConfig()
+    defaults = ActivationPolicy()
     values = {name: getattr(block, name, getattr(defaults, name)) for name in _FIELDS}
-    return CheckpointingConfig(mp_group=mp_group, **values)
+    return ActivationPolicy(mp_group=mp_group, **values)
 
 
-def configure_from_config(block: object, mp_group: dist.ProcessGroup | None = None) -> CheckpointingConfig:
+def configure_from_config(block: object, mp_group: dist.ProcessGroup | None = None) -> ActivationPolicy:
     """Set the default policy from an `activation_checkpointing` config block."""
     config = config_from_block(block, mp_group)
     _DEFAULT.configure(config)
@@ -298,7 +298,7 @@ def for_engine(block: object) -> ActivationCheckpointing:
     return ActivationCheckpointing(edge)
 
 
-def get_config() -> CheckpointingConfig:
+def get_config() -> ActivationPolicy:
     """The policy `checkpoint` uses now."""
     return current().config
 
@@ -321,7 +321,7 @@ def checkpoint(function: Callable, *args: Any, preserve_rng_state: bool = True,
                                 **kwargs)
 
 
-def checkpoint_stats() -> CheckpointStats:
+def checkpoint_stats() -> ActivationStats:
     """Bytes held in stored checkpoints by place, their peaks and the MD pool sizes, of the
     active instance (outside an engine the default; an engine's own is
     `engine.activation_checkpointing`)."""

@@ -2,7 +2,7 @@
 
 A checkpoint's stored inputs are partitioned across the model-parallel group (Pa),
 kept in host memory (Pa+cpu) and/or copied into one pre-allocated pool used as a
-stack (MD); `ActivationStore` stores and restores them, `CheckpointLedger` counts
+stack (MD); `ActivationStore` stores and restores them, `ActivationLedger` counts
 their bytes by place. The recompute itself is `activations/recompute.py`.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ _ALIGN_BYTES = 64  # pool slots start on 64-byte boundaries, so a view of any dt
 
 
 @dataclass(frozen=True)
-class CheckpointingConfig:
-    """How checkpoints are stored; field names follow DeepSpeed's `activation_checkpointing`."""
+class ActivationPolicy:
+    """How activation checkpoints are stored; field names follow DeepSpeed's `activation_checkpointing`."""
 
     mp_group: dist.ProcessGroup | None = None
     """Model-parallel process group Pa splits checkpoints across; None: no model parallelism."""
@@ -60,7 +60,7 @@ class CheckpointingConfig:
 
 
 @dataclass(frozen=True)
-class CheckpointStats:
+class ActivationStats:
     """Bytes held in stored checkpoints by place ("device" / "host"), now and at peak."""
 
     held_bytes: dict[str, int]
@@ -77,7 +77,7 @@ class CheckpointStats:
         return sum(self.pool_bytes.values())
 
 
-class CheckpointLedger:
+class ActivationLedger:
     """Counts the bytes of stored checkpoints as they are stashed and released."""
 
     def __init__(self) -> None:
@@ -98,8 +98,8 @@ class CheckpointLedger:
     def reset_peak(self) -> None:
         self.peak = dict(self.held)
 
-    def snapshot(self) -> CheckpointStats:
-        return CheckpointStats(dict(self.held), dict(self.peak), dict(self.pool), self.live_tensors)
+    def snapshot(self) -> ActivationStats:
+        return ActivationStats(dict(self.held), dict(self.peak), dict(self.pool), self.live_tensors)
 
 
 @dataclass
@@ -109,7 +109,7 @@ class _Slot:
     freed: bool = False
 
 
-class ContiguousCheckpointPool:
+class ContiguousActivationPool:
     """MD: one byte buffer that holds the stored checkpoints of a forward pass.
 
     Allocated on the first checkpoint as `number_checkpoints` x that checkpoint's
@@ -184,10 +184,10 @@ class StoredTensor:
     partitioned: bool
     place: str
     nbytes: int
-    ledger: CheckpointLedger
+    ledger: ActivationLedger
     version: int | None = None  # set when `payload` aliases the caller's tensor
     slot: _Slot | None = None
-    pool: ContiguousCheckpointPool | None = None
+    pool: ContiguousActivationPool | None = None
     copied: Any = None  # CUDA event recorded after an asynchronous copy to host
     released: bool = False
 
@@ -209,13 +209,13 @@ class StoredTensor:
 class ActivationStore:
     """Stores checkpoint inputs as the policy says (Pa, Pa+cpu, MD) and restores them."""
 
-    def __init__(self, config: CheckpointingConfig, ledger: CheckpointLedger) -> None:
+    def __init__(self, config: ActivationPolicy, ledger: ActivationLedger) -> None:
         self.config = config
         self.ledger = ledger
         self.mp_size = config.mp_size
         self.comm = Comm(config.mp_group) if self.mp_size > 1 else None
         self.mp_rank = self.comm.rank if self.comm is not None else 0
-        self.pool = (ContiguousCheckpointPool(config.number_checkpoints or 0)
+        self.pool = (ContiguousActivationPool(config.number_checkpoints or 0)
                      if config.contiguous_memory_optimization else None)
         self._side_stream: torch.cuda.Stream | None = None  # made at the first async host copy
 

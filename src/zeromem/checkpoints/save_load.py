@@ -75,6 +75,7 @@ from zeromem.checkpoints.consolidate import (
     read_manifest, resolve_checkpoint, verify_file, write_latest, write_manifest)
 from zeromem.checkpoints.formats import deepspeed_location
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
+from zeromem.flat import FlatParamGroup, ParamSlot
 from zeromem.module_state import gathered_state_dict
 from zeromem.training_state import TrainingState
 
@@ -85,7 +86,7 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "save_16bit_
 
 # ---------------------------------------------------------------- layout of an engine's state
 
-def group_pieces(group, rank: int) -> list[tuple[Any, int, int, int]]:
+def group_pieces(group: FlatParamGroup, rank: int) -> list[tuple[ParamSlot, int, int, int]]:
     """(slot, start in the master shard, start in the parameter, length) that `rank` writes.
 
     Shards are [r * S, (r + 1) * S) of the flat buffer on every rank, so any rank
@@ -178,7 +179,7 @@ def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str 
     _collective(state, "preparing the checkpoint directory",
                 lambda: prepare_tmp(root, tmp) if rank == 0 else None)
     try:
-        with state.resident():  # masters and optimizer states in memory (offload/placement.py)
+        with state.all_in_memory():  # masters and optimizer states in memory (offload/placement.py)
             manifest = _collective(state, "describing the checkpoint",
                                    lambda: _build_manifest(state, tag, exclude_frozen_parameters)
                                    if rank == 0 else None)
@@ -423,7 +424,7 @@ def _load(state: TrainingState, load_dir, tag: str | None, load_optimizer_states
     staged = _collective(state, "reading the checkpoint",
                          lambda: _stage(state, path, manifest, load_optimizer_states,
                                         trust_client_state))
-    with state.resident():  # masters and optimizer states in memory (offload/placement.py)
+    with state.all_in_memory():  # masters and optimizer states in memory (offload/placement.py)
         _apply(state, staged, load_lr_scheduler_states)
     state.refresh_params()  # the compute-dtype parameters from the loaded masters
     log.info("loaded checkpoint %s (saved by %d ranks at stage %d)", path,
@@ -617,7 +618,7 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
             "call save_checkpoint and run `zeromem consolidate CKPT_DIR OUT`")
     from zeromem.checkpoints.tensor_files import write_state_dict
 
-    with state.resident():
+    with state.all_in_memory():
         weights = gathered_state_dict(state.module, state.groups, state.comm,
                                       state.compute_dtype, keep=state.comm.rank == 0)
     if exclude_frozen_parameters:

@@ -7,9 +7,12 @@ The DeepSpeed keys that turn the options on live in `zero_optimization`
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt
+
+if TYPE_CHECKING:  # schema.py imports this module
+    from zeromem.config.schema import ZeroConfig
 
 
 class ClusterConfig(BaseModel):
@@ -27,7 +30,7 @@ class ClusterConfig(BaseModel):
     quantization_block_size: StrictInt = Field(256, ge=2, le=2**30, multiple_of=2)
 
 
-def check_zeropp(zero: Any) -> None:
+def check_zeropp(zero: ZeroConfig) -> None:
     """Raise ValueError (naming the key) for a ZeRO++ / hybrid option the stage cannot run.
 
     `zero` is the `zero_optimization` block. hpZ, qwZ and qgZ change the stage-3

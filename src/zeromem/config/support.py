@@ -34,10 +34,11 @@ READ: dict[str, tuple[str, ...]] = {
         "consecutive_hysteresis", "min_loss_scale")},
     "bf16.enabled": ("config.schema",), "data_types.grad_accum_dtype": ("config.schema",),
     **{f"zero_optimization.{key}": ("engine",) for key in (
-        "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm")},
+        "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+        "stage3_prefetch_bucket_size")},
     **{f"zero_optimization.{key}": ("stage3.build",) for key in (
-        "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-        "stage3_max_live_parameters", "stage3_max_reuse_distance")},
+        "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+        "stage3_max_reuse_distance")},
     "zero_optimization.sub_group_size": ("offload.placement",),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("checkpoints.save_load",),
     **{f"zero_optimization.offload_{block}.{key}": ("offload.placement",) for block in ("param", "optimizer")
@@ -143,7 +144,7 @@ def non_default(config: Config, dotted: str) -> bool:
     return getattr(block, name) != field.get_default(call_default_factory=True)
 
 
-def check_knobs(config: Config) -> None:
+def check_supported_keys(config: Config) -> None:
     """Refuse or warn about keys whose DeepSpeed meaning zeromem does not reproduce."""
     for key, instead in REFUSED.items():
         if non_default(config, key):

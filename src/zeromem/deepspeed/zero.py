@@ -17,8 +17,9 @@ class Init(partition.Init):
 
     Builds modules with their parameters already partitioned over the data-parallel
     group. `remote_device`, `pin_memory` and `dtype` are accepted and not acted on:
-    where partitions live is decided by the config's `offload_param` when
-    `initialize` builds the engine. `module=` (partitioning an already built model)
+    where partitions live is decided by the config's `offload_param` (with
+    `device: nvme`, Init already writes them to its `nvme_path`, as DeepSpeed does
+    when `remote_device` is left to the config). `module=` (partitioning an already built model)
     and `mpu=` are not supported.
     """
 
@@ -30,7 +31,7 @@ class Init(partition.Init):
             raise NotImplementedError(f"zeromem.deepspeed.zero.Init: {', '.join(names)} "
                                       "not supported; build the model inside the context")
         if remote_device not in (None, "cpu") and enabled:
-            log.info("zero.Init(remote_device=%r): placement follows offload_param at initialize",
+            log.info("zero.Init(remote_device=%r): placement follows the config's offload_param",
                      remote_device)
         super().__init__(config=config_dict_or_path if config is None else config,
                          dp_group=data_parallel_group, enabled=enabled)

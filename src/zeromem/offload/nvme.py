@@ -267,6 +267,17 @@ class SwapFile:
             self.direct = False
         return _open(self.path, False)
 
+    def grow(self, nbytes: int) -> None:
+        """Make the file at least `nbytes` long (a file appended to: `Init`'s shards)."""
+        new = swap_file_bytes(nbytes)
+        if new <= self.nbytes:
+            return
+        try:
+            os.posix_fallocate(self.fd, self.nbytes, new - self.nbytes)
+        except OSError as e:
+            raise _failure("allocation", new, self.nbytes, self.path, e) from e
+        self.nbytes = new
+
     def read(self, buffer: torch.Tensor, offset: int) -> IOHandle:
         """Start reading `buffer.numel()` bytes (an ALIGN multiple) from `offset`."""
         self._check(buffer, offset)

@@ -8,6 +8,7 @@ optimizer go through it and never branch on an offload flag (STYLE rule 3).
 The three classes share no base class; each implements `ParamPlacement`:
 
     ParamsOnDevice (none) | ParamsOnHost (cpu) | ParamsOnNvme (nvme, stage 3)
+        admit(group)             take a group's shard over, as the engine builds the group
         fetch(group, reader)     `FetchUnit.unshard`: the shard in memory before its gather
         release(group)           the shard's memory given back (written out first if changed)
         prefetch(group)          start bringing a shard in early
@@ -16,9 +17,13 @@ The three classes share no base class; each implements `ParamPlacement`:
         flush()                  step phase 5: stored values reach the shard's place
         all_in_memory()          every shard in memory inside the block (checkpoints)
 
-A placement takes the shards over when it is built: the host and NVMe ones copy
-each shard to its place and empty `group.param_shard` at once, so the masters
-must already have their own memory (`offload.build_offload` orders this).
+A placement is built before the flat groups, from the shard sizes alone, and takes
+each group's shard over as soon as the engine has built it (`admit`): the host and
+NVMe ones copy the shard to its place and empty `group.param_shard` at once. So
+under `zeromem.Init` no rank ever holds every parameter shard in memory: the NVMe
+file is laid out before the groups exist and each shard is written as it is made
+(ZeRO-Infinity's "infinity offload engine" at initialisation). A master that
+aliases the shard (fp32) is read back through `load` by the masters placement.
 
 Buffer lifetimes:
 
@@ -73,6 +78,9 @@ class ParamPlacement(Protocol):
 
     where: str  # "device" | "host" | "nvme"
 
+    def admit(self, group: FlatParamGroup) -> None:
+        """Take over `group.param_shard` (the groups arrive in the order of the sizes given)."""
+
     def fetch(self, group: FlatParamGroup, reader: Reader | None = None) -> None:
         """Make `group.param_shard` usable; `reader`'s all-gather will read it."""
 
@@ -114,6 +122,9 @@ class ParamsOnDevice:
     """Parameter shards stay in device memory (no `offload_param`)."""
 
     where = "device"
+
+    def admit(self, group: FlatParamGroup) -> None:
+        """Nothing to do: the shard stays in device memory."""
 
     def fetch(self, group: FlatParamGroup, reader: Reader | None = None) -> None:
         """Nothing to do: the shard is in device memory."""
@@ -157,20 +168,23 @@ class ParamsOnHost:
 
     where = "host"
 
-    def __init__(self, groups: list[FlatParamGroup], config: Any, pin: bool):
-        self.groups = groups
+    def __init__(self, config: Any, pin: bool, device: torch.device):
+        self.groups: list[FlatParamGroup] = []
         self.limit = config.buffer_count
+        self.pin = pin
         self.in_memory: OrderedDict[int, FlatParamGroup] = OrderedDict()  # device copies, LRU
-        self.host = {}
+        self.host: dict[int, torch.Tensor] = {}
         self.readers: dict[int, Reader] = {}
-        for g in groups:
-            same = g.param_shard.device.type == "cpu"  # host is the device: already in place
-            self.host[id(g)] = g.param_shard if same else host_empty(
-                g.shard_numel, g.param_shard.dtype, pin).copy_(g.param_shard)
-        self.copies = any(g.param_shard.device.type != "cpu" for g in groups)
-        if self.copies:  # the host tensors are the truth from now on
-            for g in groups:
-                g.drop_shard_storage()
+        self.copies = device.type != "cpu"  # else host is the device: shards already in place
+
+    def admit(self, group: FlatParamGroup) -> None:
+        """The host tensor becomes the truth (the device's shard is dropped)."""
+        self.groups.append(group)
+        shard = group.param_shard
+        self.host[id(group)] = host_empty(group.shard_numel, shard.dtype, self.pin).copy_(
+            shard) if self.copies else shard
+        if self.copies:
+            group.drop_shard_storage()
 
     def fetch(self, group: FlatParamGroup, reader: Reader | None = None) -> None:
         """A device copy of the shard (dropping the least recently used one beyond the limit)."""
@@ -237,21 +251,26 @@ class ParamsOnNvme:
 
     where = "nvme"
 
-    def __init__(self, groups: list[FlatParamGroup], space: SwapSpace, config: Any, pin: bool):
-        self.groups = groups
-        self.host_is_device = all(g.param_shard.device.type == "cpu" for g in groups)
-        self.largest_unit_numel = max((g.padded_numel for g in groups), default=0)
-        self.nbytes = {id(g): g.shard_numel * g.param_shard.element_size() for g in groups}
-        self.offsets, total = {}, 0
-        for g in groups:
-            self.offsets[id(g)] = total
-            total += round_up(self.nbytes[id(g)])
-        biggest = max((g.shard_numel for g in groups), default=0)
+    def __init__(self, shard_numels: Sequence[int], dtype: torch.dtype, device: torch.device,
+                 space: SwapSpace, config: Any, pin: bool):
+        """params.swp laid out for shards of `shard_numels` elements (in `admit` order)."""
+        self.groups: list[FlatParamGroup] = []
+        self.host_is_device = device.type == "cpu"
+        self.largest_unit_numel = 0  # the largest group admitted (whole, padded)
+        self.dtype = dtype
+        self.planned = [n * dtype.itemsize for n in shard_numels]  # bytes, in admit order
+        self.planned_offsets, total = [], 0
+        for nbytes in self.planned:
+            self.planned_offsets.append(total)
+            total += round_up(nbytes)
+        biggest = max(shard_numels, default=0)
         if biggest > config.buffer_size:
             raise OffloadError(f"a parameter shard of {biggest} elements exceeds "
                                "zero_optimization.offload_param.buffer_size = "
                                f"{config.buffer_size}")
-        self.pool = BufferPool(config.buffer_count, max(self.nbytes.values(), default=1), pin)
+        self.nbytes: dict[int, int] = {}  # group id -> bytes of its shard
+        self.offsets: dict[int, int] = {}  # group id -> its record in params.swp
+        self.pool = BufferPool(config.buffer_count, max(self.planned, default=1), pin)
         self.file = space.file("params.swp", total)
         self.lookahead = max(1, config.buffer_count // 2)
         self.in_memory: OrderedDict[int, tuple[FlatParamGroup, torch.Tensor]] = OrderedDict()
@@ -264,9 +283,21 @@ class ParamsOnNvme:
         self._position: dict[int, int] = {}  # group id -> position in `_order`
         # how fetch found its shard: already in memory, read ahead, or read on demand
         self.counts = {"in_memory": 0, "read_ahead": 0, "on_demand": 0}
-        for g in groups:  # the file is the truth from now on
-            self._write_now(g, g.param_shard)
-            g.drop_shard_storage()
+
+    def admit(self, group: FlatParamGroup) -> None:
+        """Write the new group's shard to its record now and drop it: the file is the truth."""
+        index = len(self.groups)
+        nbytes = group.shard_numel * group.param_shard.element_size()
+        if index >= len(self.planned) or nbytes != self.planned[index] \
+                or group.param_shard.dtype != self.dtype:
+            raise AssertionError(f"{self.file.path}: group {index} of {nbytes} bytes "
+                                 f"({group.param_shard.dtype}) was not laid out")
+        self.groups.append(group)
+        self.nbytes[id(group)] = nbytes
+        self.offsets[id(group)] = self.planned_offsets[index]
+        self.largest_unit_numel = max(self.largest_unit_numel, group.padded_numel)
+        self._write_now(group, group.param_shard)
+        group.drop_shard_storage()
 
     def _write_now(self, g: FlatParamGroup, shard: torch.Tensor) -> None:
         buf = self._acquire()
@@ -277,7 +308,7 @@ class ParamsOnNvme:
             self.pool.release(buf)
 
     def _view(self, g: FlatParamGroup, buf: torch.Tensor) -> torch.Tensor:
-        return buf[:self.nbytes[id(g)]].view(g.param_shard.dtype)
+        return buf[:self.nbytes[id(g)]].view(self.dtype)
 
     # -- the interface ----------------------------------------------------------
     def fetch(self, group: FlatParamGroup, reader: Reader | None = None) -> None:

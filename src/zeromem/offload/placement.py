@@ -21,10 +21,12 @@ both to the ZeRO optimizer (zero_optimizer.py); its step's phases call them:
         fetch(group, reader) / release(group)   `FetchUnit.unshard` fetches the shard first
         load / store(group, start, ...)      the optimizer reads / writes shard pieces
 
-Construction order (`build_offload`, before the engine builds its stage-3 units,
-which receive `Offload.params`): the masters placement first, because it copies
-the master values it needs while the parameter shards are still in device
-memory; then the parameter placement, which moves the shards to their place.
+Construction order: the parameter placement first (`build_params`, from the shard
+sizes alone, before the engine builds its flat groups), which takes each group's
+shard over as the group is built (`ParamPlacement.admit`: with parameters on NVMe,
+written to params.swp at once); then, once the groups exist, the masters placement
+(`build_offload`), which reads a master that aliases the shard (fp32) back through
+the parameter placement's `load`. The stage-3 units receive `Offload.params` last.
 
 Gradients (host, nvme): each group's gradient object is wrapped (`GradsToHost`)
 so that when its bucket's reduction finishes in the boundary backward, the
@@ -64,7 +66,8 @@ from zeromem.offload.nvme_optimizer import SwappedOptimizer
 
 log = logging.getLogger("zeromem")
 
-__all__ = ["OffloadError", "OffloadPolicy", "Offload", "build_offload", "MastersOnDevice",
+__all__ = ["OffloadError", "OffloadPolicy", "Offload", "SwapSpaces", "build_params",
+           "build_offload", "MastersOnDevice",
            "MastersOnHost", "MastersOnNvme", "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme",
            "CPU_KERNEL"]
 
@@ -209,13 +212,17 @@ class MastersOnDevice:
     where = "device"
     buckets_alive = BUCKETS_ALIVE
 
-    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy):
+    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy,
+                 params: ParamPlacement):
         self.groups = groups
         self.optimizer: torch.optim.Optimizer | None = None
-        if policy.params != "device":  # the shards leave memory, but the step needs a master
+        if policy.params != "device":  # the shards left memory, but the step needs a master
             for g in groups:
                 if g.master_aliases_params():
-                    g.place_master(g.param_shard.detach().clone())
+                    shard = g.param_shard
+                    master = torch.empty(g.shard_numel, dtype=shard.dtype, device=shard.device)
+                    params.load(g, 0, master)
+                    g.place_master(master)
 
     def start_backward(self, boundary: bool) -> None:
         """Nothing to do: the step reads the device gradients."""
@@ -249,13 +256,18 @@ class MastersOnHost:
     where = "host"
     buckets_alive = BUCKETS_ALIVE
 
-    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy):
+    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy,
+                 params: ParamPlacement):
         self.groups = groups
         self.optimizer: torch.optim.Optimizer | None = None
         self.host_grads = HostGrads(groups, policy.optimizer_pin)
         for g in groups:  # its own host tensor even in fp32: the device keeps the parameter shard
-            g.place_master(host_empty(g.shard_numel, torch.float32, policy.optimizer_pin).copy_(
-                g.master))
+            master = host_empty(g.shard_numel, torch.float32, policy.optimizer_pin)
+            if g.master_aliases_params():  # fp32: the values are where the shard is
+                params.load(g, 0, master)
+            else:
+                master.copy_(g.master)
+            g.place_master(master)
 
     def start_backward(self, boundary: bool) -> None:
         self.host_grads.boundary = boundary
@@ -456,8 +468,6 @@ class Offload:
         finally:
             self.depth -= 1
 
-    resident = all_in_memory  # the name checkpoints and user code already call
-
     def file_into(self, ledger) -> None:
         """File host tensors and NVMe bytes in the memory ledger."""
         self.masters.file_into(ledger)
@@ -488,50 +498,74 @@ class Offload:
 
 # ---------------------------------------------------------------- factory
 
-def build_offload(config: Any, groups: list[FlatParamGroup], rank: int) -> Offload:
-    """The placements the config asks for: masters first, then the parameter shards move."""
-    policy = OffloadPolicy.from_config(config)
-    spaces: dict[str, SwapSpace] = {}
-    if config.aio.use_gds and "nvme" in (policy.optimizer, policy.params):
-        log.warning("aio.use_gds: GPUDirect Storage is not implemented; I/O goes through host "
-                    "buffers")
+class SwapSpaces:
+    """An engine's swap directories, one per `nvme_path` (masters and parameters may share one)."""
 
-    def space_for(block: Any) -> SwapSpace:
-        if block.nvme_path not in spaces:
-            spaces[block.nvme_path] = SwapSpace(block.nvme_path, rank,
-                                                AsyncIO.from_config(config.aio))
-        return spaces[block.nvme_path]
+    def __init__(self, config: Any, rank: int):
+        self.aio = config.aio
+        self.rank = rank
+        self.by_path: dict[str, SwapSpace] = {}
 
-    try:
-        masters = _masters_placement(policy, groups, space_for, rank)
-        params = _params_placement(policy, groups, space_for)
-    except BaseException:
-        for space in spaces.values():
+    def for_block(self, block: Any) -> SwapSpace:
+        """The space under `block.nvme_path`, created on first use."""
+        if block.nvme_path not in self.by_path:
+            self.by_path[block.nvme_path] = SwapSpace(block.nvme_path, self.rank,
+                                                      AsyncIO.from_config(self.aio))
+        return self.by_path[block.nvme_path]
+
+    def all(self) -> list[SwapSpace]:
+        return list(self.by_path.values())
+
+    def close(self) -> None:
+        for space in self.by_path.values():
             space.close()
-        raise
-    if rank == 0 and policy.optimizer != "device":
-        log.info("offload: optimizer on %s, parameters on %s%s", policy.optimizer, policy.params,
-                 "".join(f"; swap files in {space.dir}" for space in spaces.values()))
-    return Offload(policy, masters, params, list(spaces.values()))
 
 
-def _masters_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],
-                       space_for: Callable, rank: int) -> MastersPlacement:
-    if policy.optimizer == "device":
-        return MastersOnDevice(groups, policy)
-    if policy.optimizer_block.ratio < 1:
-        log.warning("offload_optimizer.ratio = %s: partial offload is not implemented; "
-                    "all optimizer state is offloaded", policy.optimizer_block.ratio)
-    if policy.optimizer == "host":
-        return MastersOnHost(groups, policy)
-    return MastersOnNvme(groups, policy, space_for(policy.optimizer_block), rank)
-
-
-def _params_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],
-                      space_for: Callable) -> ParamPlacement:
+def build_params(config: Any, shard_numels: list[int], dtype: torch.dtype, device: torch.device,
+                 spaces: SwapSpaces) -> ParamPlacement:
+    """The parameter placement, before the flat groups exist: `shard_numels` are the shards
+    the engine will build, in order; each is handed over (`admit`) as soon as it is built."""
+    policy = OffloadPolicy.from_config(config)
     block = policy.params_block
     if policy.params == "device":
         return ParamsOnDevice()
     if policy.params == "host":
-        return ParamsOnHost(groups, block, policy.params_pin)
-    return ParamsOnNvme(groups, space_for(block), block, policy.params_pin)
+        return ParamsOnHost(block, policy.params_pin, device)
+    try:
+        return ParamsOnNvme(shard_numels, dtype, device, spaces.for_block(block), block,
+                            policy.params_pin)
+    except BaseException:
+        spaces.close()
+        raise
+
+
+def build_offload(config: Any, groups: list[FlatParamGroup], params: ParamPlacement,
+                  spaces: SwapSpaces, rank: int) -> Offload:
+    """The masters placement the config asks for, beside the parameter placement the groups'
+    shards were handed to (`build_params`)."""
+    policy = OffloadPolicy.from_config(config)
+    if config.aio.use_gds and "nvme" in (policy.optimizer, policy.params):
+        log.warning("aio.use_gds: GPUDirect Storage is not implemented; I/O goes through host "
+                    "buffers")
+    try:
+        masters = _masters_placement(policy, groups, params, spaces, rank)
+    except BaseException:
+        spaces.close()
+        raise
+    if rank == 0 and policy.optimizer != "device":
+        log.info("offload: optimizer on %s, parameters on %s%s", policy.optimizer, policy.params,
+                 "".join(f"; swap files in {space.dir}" for space in spaces.all()))
+    return Offload(policy, masters, params, spaces.all())
+
+
+def _masters_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],
+                       params: ParamPlacement, spaces: SwapSpaces,
+                       rank: int) -> MastersPlacement:
+    if policy.optimizer == "device":
+        return MastersOnDevice(groups, policy, params)
+    if policy.optimizer_block.ratio < 1:
+        log.warning("offload_optimizer.ratio = %s: partial offload is not implemented; "
+                    "all optimizer state is offloaded", policy.optimizer_block.ratio)
+    if policy.optimizer == "host":
+        return MastersOnHost(groups, policy, params)
+    return MastersOnNvme(groups, policy, spaces.for_block(policy.optimizer_block), rank)

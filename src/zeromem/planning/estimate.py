@@ -38,7 +38,7 @@ from zeromem.memory import model_state_formula
 from zeromem.zero_optimizer import (GradKind, ShardAccumulated, WholeAllReduced, WholeScattered,
                                     launch_copies)
 from zeromem.offload.budget import pool_unit_numel
-from zeromem.planning.host_memory import OffloadKnobs, offload_breakdown
+from zeromem.planning.host_memory import OffloadBufferSizes, offload_breakdown
 from zeromem.stage3.units import UnitCaps, coalesce_target_numel, merge_runs, persistent_groups
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
@@ -368,7 +368,7 @@ class ZeroLayout:
     prefetch_numel: int = 50_000_000
     offload_optimizer: str = "none"
     offload_param: str = "none"
-    offload: OffloadKnobs = OffloadKnobs()  # swap-buffer sizes (sub_group_size, buffer_count)
+    offload: OffloadBufferSizes = OffloadBufferSizes()  # swap-buffer sizes (sub_group_size, buffer_count)
     overlap_comm: bool | None = None  # None: as the config's default, on at stage 3 only
     backend: str = "nccl"  # the collectives' backend: gloo stages reduce-scatters in a copy
 

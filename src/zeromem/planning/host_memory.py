@@ -39,7 +39,7 @@ FP32 = 4
 
 
 @dataclass(frozen=True)
-class OffloadKnobs:
+class OffloadBufferSizes:
     """The config keys that size swap buffers; None: derived from the host budget."""
 
     sub_group_size: int | None = None  # zero_optimization.sub_group_size, when set
@@ -48,8 +48,8 @@ class OffloadKnobs:
     host_budget_bytes: int = TimeoutsConfig.model_fields["offload_host_budget_bytes"].default
 
     @classmethod
-    def from_config(cls, config: Config) -> OffloadKnobs:
-        """The knobs as the engine reads them (`OffloadPolicy.from_config`)."""
+    def from_config(cls, config: Config) -> OffloadBufferSizes:
+        """The sizes as the engine reads them (`OffloadPolicy.from_config`)."""
         policy = OffloadPolicy.from_config(config)
         params = policy.params_block
         return cls(policy.sub_group_size, policy.optimizer_buffers,
@@ -57,27 +57,27 @@ class OffloadKnobs:
                    policy.host_budget_bytes)
 
 
-def _params_pool(numels: list[int], param: str, param_bytes: int, knobs: OffloadKnobs) -> int:
+def _params_pool(numels: list[int], param: str, param_bytes: int, buffers: OffloadBufferSizes) -> int:
     """Host bytes of the NVMe parameter pool (`ParamsOnNvme`): buffer_count largest shards."""
     if param != "nvme":
         return 0
-    return BufferPool.bytes_for(knobs.param_buffer_count, param_bytes * max(numels, default=1))
+    return BufferPool.bytes_for(buffers.param_buffer_count, param_bytes * max(numels, default=1))
 
 
 def least_budget(shards: list[float], param: str, param_bytes: int, state_bytes: int,
-                 grads_in_file: bool, knobs: OffloadKnobs = OffloadKnobs()) -> int:
+                 grads_in_file: bool, buffers: OffloadBufferSizes = OffloadBufferSizes()) -> int:
     """The smallest `zeromem.offload_host_budget_bytes` whose sub-groups keep MIN_SUB_GROUP
     elements (1 MiB requests, `offload/budget.py`): the parameter pool plus DEPTH
     sub-groups of master, states and (stage 2/3) gradient fields. NVMe offload is the
     answer when host memory is short, so the planner gives it this much and no more."""
     fields = 1 + state_bytes // FP32 + int(grads_in_file)
     numels = [int(n) for n in shards]
-    return _params_pool(numels, param, param_bytes, knobs) + DEPTH * fields * FP32 * MIN_SUB_GROUP
+    return _params_pool(numels, param, param_bytes, buffers) + DEPTH * fields * FP32 * MIN_SUB_GROUP
 
 
 def offload_breakdown(shards: list[float], optimizer: str, param: str, param_bytes: int,
                       state_bytes: int, scalar_bytes: float, fp32_params: bool,
-                      knobs: OffloadKnobs = OffloadKnobs(),
+                      buffers: OffloadBufferSizes = OffloadBufferSizes(),
                       grads_in_file: bool = True) -> tuple[dict[str, float], dict[str, float]]:
     """(host, nvme) bytes by name for a rank whose flat groups have `shards` elements each.
 
@@ -90,7 +90,7 @@ def offload_breakdown(shards: list[float], optimizer: str, param: str, param_byt
     numels = [int(n) for n in shards]
     host: dict[str, float] = {}
     nvme: dict[str, float] = {}
-    params_pool = _params_pool(numels, param, param_bytes, knobs)
+    params_pool = _params_pool(numels, param, param_bytes, buffers)
     if param == "cpu":
         host["param_shards"] = param_bytes * shard
     elif param == "nvme":
@@ -102,8 +102,8 @@ def offload_breakdown(shards: list[float], optimizer: str, param: str, param_byt
         host["host_grads"] = FP32 * shard
     elif optimizer == "nvme":
         layout = layout_optimizer([ShardSpec(0, n) for n in numels], state_bytes // FP32,
-                                  not fp32_params, grads_in_file, knobs.host_budget_bytes,
-                                  params_pool, knobs.sub_group_size, knobs.optimizer_buffer_count)
+                                  not fp32_params, grads_in_file, buffers.host_budget_bytes,
+                                  params_pool, buffers.sub_group_size, buffers.optimizer_buffer_count)
         host["optimizer_swap_buffers"] = layout.pool_nbytes
         nvme["optimizer_states"] = swap_file_bytes(layout.file_bytes) - layout.master_nbytes
         if layout.master_nbytes:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,9 +42,12 @@ from zeromem.planning.estimate import (ActivationMemory, ModelShape, ShapeMemory
                        activation_memory, estimate, exact_model_states, format_bytes,
                        format_count, paper_activation_bytes, rank_shards)
 from zeromem.planning.activation_trace import ActivationProfile, trace_activations
-from zeromem.planning.host_memory import OffloadKnobs, least_budget
+from zeromem.planning.host_memory import OffloadBufferSizes, least_budget
 from zeromem.planning.model_shapes import load_hf_model, load_model, shape_of
 from zeromem.stage3.units import UnitCaps
+
+if TYPE_CHECKING:
+    from zeromem.planning.calibrate import Calibration
 
 __all__ = ["estimate", "plan", "load_model", "shape_of", "predict_memory", "Plan", "Hardware",
            "Workload", "Setup"]
@@ -83,11 +86,11 @@ def layout_for(config: Config, shape: ModelShape | None = None, n_d: int = 1,
                         if k not in z.model_fields_set})
         if "stage3_prefetch_bucket_size" not in z.model_fields_set:
             buckets["stage3_prefetch_bucket_size"] = derived_prefetch_numel(shape.largest_unit)
-    knobs = OffloadKnobs.from_config(config)  # as the engine reads them
+    buffers = OffloadBufferSizes.from_config(config)  # as the engine reads them
     return ZeroLayout(z.stage, buckets["reduce_bucket_size"], buckets["allgather_bucket_size"],
                       int(z.stage3_param_persistence_threshold),
                       buckets["stage3_prefetch_bucket_size"],
-                      z.offload_optimizer_device, z.offload_param_device, knobs,
+                      z.offload_optimizer_device, z.offload_param_device, buffers,
                       bool(z.overlap_comm), backend)
 
 
@@ -120,7 +123,7 @@ class Hardware:
     host_mem_bytes: float | None = None  # per node; None = not checked
     headroom: float = 0.9  # usable share of GPU memory (allocator, CUDA context, fragmentation)
     # measured figures (`planning/calibrate.py`) that replace the assumed speeds above
-    calibration: Any = None
+    calibration: Calibration | None = None
 
     @property
     def gpus_per_node(self) -> int:
@@ -200,7 +203,7 @@ def preference_order(n_d: int) -> list[Setup]:
                     Setup(3, "cpu", "nvme", "nvme")]
 
 
-def layout_knobs(shape: ModelShape, setup: Setup) -> ZeroLayout:
+def planned_layout(shape: ModelShape, setup: Setup) -> ZeroLayout:
     """Bucket sizes the planner writes into the config.
 
     Reduce / all-gather buckets: about 16 per model so reduction overlaps backward,
@@ -288,7 +291,7 @@ def step_time(shape: ModelShape, setup: Setup, states: ShapeMemory, acts: Activa
 def evaluate(shape: ModelShape, setup: Setup, hw: Hardware, work: Workload) -> Candidate:
     """Per-rank memory and step time of `setup`; fits = device and host memory suffice."""
     n_d = hw.gpus // work.mp
-    layout = dataclasses.replace(layout_knobs(shape, setup), backend=hw.backend)
+    layout = dataclasses.replace(planned_layout(shape, setup), backend=hw.backend)
     p = DTYPE_BYTES[work.dtype]
     widths = Widths(p, p, 0 if p == 4 else 4, 8, 4)  # AdamW, as the written config says
     # fetch units merged as the engine will under the written config: within its reduce

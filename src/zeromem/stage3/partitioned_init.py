@@ -32,17 +32,55 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from zeromem.comm import Comm
-from zeromem.distributed import ensure_process_group
+from zeromem.distributed import Runtime, ensure_process_group
+from zeromem.config.schema import Config
 from zeromem.layout import ShardLayout
+from zeromem.offload.init_shards import ShardFile, ShardRecord
 
 
 @dataclass
 class ParamShard:
-    """This rank's 1/N_d of one parameter built under `Init` (flattened, padded)."""
+    """This rank's 1/N_d of one parameter built under `Init` (flattened, padded).
 
-    shard: torch.Tensor
+    In memory (`kept`), or, when `Init`'s config puts parameters on NVMe, in a swap
+    file (`record`, offload/init_shards.py) so that no rank holds 1/N_d of the model."""
+
     shape: torch.Size
     numel: int
+    kept: torch.Tensor | None = None
+    record: ShardRecord | None = None
+
+    def value(self) -> torch.Tensor:
+        """The shard's values (read back from its file when it is on disk)."""
+        if self.record is not None:
+            return self.record.read()
+        assert self.kept is not None  # one of the two holds it
+        return self.kept
+
+    def assign(self, values: torch.Tensor) -> None:
+        """New values for the shard, where it is."""
+        if self.record is not None:
+            self.record.write(values)
+        else:
+            assert self.kept is not None
+            self.kept.copy_(values)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.record.numel if self.record is not None else self.kept.numel()  # type: ignore[union-attr]
+
+    @property
+    def held_nbytes(self) -> int:
+        """Host or device bytes it holds: none while on disk."""
+        return self.kept.nbytes if self.kept is not None else 0
+
+    def new_whole(self, world_size: int) -> torch.Tensor:
+        """An uninitialised buffer of N_d shards (the padded whole), where the shard is used."""
+        if self.record is not None:
+            return torch.empty(self.shard_numel * world_size, dtype=self.record.dtype,
+                               device=self.record.device)
+        assert self.kept is not None
+        return self.kept.new_empty(self.shard_numel * world_size)
 
 
 class _WeakById:
@@ -87,8 +125,9 @@ class Partitions:
             for p in unit.group.params:
                 self.units[p] = unit
 
-    def partition(self, p: nn.Parameter, comm: Comm) -> None:
-        """Keep this rank's part of rank 0's `p` (ranks need not be seeded alike, as in DDP)."""
+    def partition(self, p: nn.Parameter, comm: Comm, disk: ShardFile | None = None) -> None:
+        """Keep this rank's part of rank 0's `p` (ranks need not be seeded alike, as in DDP),
+        in memory, or written to `disk` at once."""
         if p in self.shards or p.numel() == 0:
             return
         layout = ShardLayout(p.numel(), comm.world_size, comm.rank)
@@ -96,8 +135,9 @@ class Partitions:
         flat[:p.numel()].copy_(p.detach().reshape(-1))
         comm.broadcast(flat, 0)
         start = layout.shard_offset
-        self.shards[p] = ParamShard(flat[start:start + layout.shard_numel].clone(), p.shape,
-                                    p.numel())
+        mine = flat[start:start + layout.shard_numel]
+        self.shards[p] = ParamShard(p.shape, p.numel(), record=disk.put(mine)) \
+            if disk is not None else ParamShard(p.shape, p.numel(), kept=mine.clone())
         p.data = p.data.new_empty(0)
 
     def gather_whole(self, p: nn.Parameter, comm: Comm,
@@ -105,9 +145,8 @@ class Partitions:
         """`p`'s whole value, all-gathered into `flat` (padded, N shards long) or a new buffer."""
         entry = self.shards[p]
         if flat is None:
-            flat = torch.empty(entry.shard.numel() * comm.world_size, dtype=entry.shard.dtype,
-                               device=entry.shard.device)
-        comm.all_gather(flat, entry.shard)
+            flat = entry.new_whole(comm.world_size)
+        comm.all_gather(flat, entry.value())
         return flat[:entry.numel].view(entry.shape).to(p.dtype)
 
     def reshard(self, p: nn.Parameter, comm: Comm, src_rank: int | None = None) -> None:
@@ -121,7 +160,7 @@ class Partitions:
         flat[:entry.numel].copy_(p.detach().reshape(-1))
         if src_rank is not None:
             comm.broadcast(flat, src_rank)
-        entry.shard.copy_(flat[layout.shard_offset:layout.shard_offset + layout.shard_numel])
+        entry.assign(flat[layout.shard_offset:layout.shard_offset + layout.shard_numel])
         p.data = p.data.new_empty(0)
 
     def materialize(self, params: Iterable[nn.Parameter], comm: Comm) -> None:
@@ -143,7 +182,7 @@ class Partitions:
 
     def held_bytes(self, module: nn.Module) -> int:
         """Bytes this rank holds for `module`'s parameters (shards and whole ones)."""
-        return sum(self.shards[p].shard.nbytes if p in self.shards else p.nbytes
+        return sum(self.shards[p].held_nbytes if p in self.shards else p.nbytes
                    for p in module.parameters())
 
 
@@ -178,9 +217,12 @@ class Init:
     As DDP and DeepSpeed do, rank 0's values win: each parameter is broadcast from
     rank 0 as it is partitioned (and after any later in-place write), and buffers
     on exit, so ranks seeded differently build the same model.
-    `config` is accepted for DeepSpeed compatibility (stage 3 is implied).
     The shards go into `partitions` (`DEFAULT` if none is given), where the engine
-    and `GatheredParameters` look for them.
+    and `GatheredParameters` look for them. `config` (stage 3 is implied) says where
+    they live: with `offload_param.device: nvme`, in a swap file under its
+    `nvme_path` (offload/init_shards.py), each written as it is made, so building
+    holds one submodule whole and no shard; otherwise in memory (as DeepSpeed's
+    `remote_device`, which defaults to the config's `offload_param`).
     """
 
     def __init__(self, config=None, dp_group=None, enabled: bool = True,
@@ -189,6 +231,7 @@ class Init:
         self.comm = Comm(dp_group)
         self.partitions = DEFAULT if partitions is None else partitions
         self.enabled = enabled
+        self.disk = _shard_file(config, dp_group) if enabled else None
         self.built: list[weakref.ref] = []
         self.buffers: list[weakref.ref] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -209,7 +252,7 @@ class Init:
             self.busy = True
             try:
                 for p in child.parameters():
-                    self.partitions.partition(p, self.comm)
+                    self.partitions.partition(p, self.comm, self.disk)
             finally:
                 self.busy = False
 
@@ -233,11 +276,26 @@ class Init:
         for ref in self.built:
             p = ref()
             if p is not None:
-                self.partitions.partition(p, self.comm)
+                self.partitions.partition(p, self.comm, self.disk)
+        self.disk = None  # the shards' records keep their file as long as they need it
         # buffers are never partitioned, so their final values are broadcast once, here
         alive = {id(b): b for b in (ref() for ref in self.buffers) if b is not None}
         for b in alive.values():
             _broadcast_in_place(b, self.comm)
+
+
+def _shard_file(config, group) -> ShardFile | None:
+    """Init's swap file when `config` puts parameters on NVMe; else None (shards in memory)."""
+    if config is None:
+        return None
+    cfg = Config.load(config)
+    zero = cfg.zero_optimization
+    if zero.offload_param_device != "nvme":
+        return None
+    block = zero.offload_param
+    assert block is not None and block.nvme_path is not None  # validated with device nvme
+    # named by the global rank, as the engine's swap files (read at this edge, as initialize does)
+    return ShardFile(block.nvme_path, Runtime.from_env(group, None).global_rank, cfg.aio)
 
 
 def _broadcast_in_place(tensor: torch.Tensor, comm: Comm) -> None:
@@ -312,8 +370,7 @@ class _WholeWhileTouched(TorchFunctionMode):
         ref = self.buffers.get(p)
         flat = ref() if ref is not None else None
         if flat is None:
-            shard = self.init.partitions.shards[p].shard
-            flat = shard.new_empty(shard.numel() * self.init.comm.world_size)
+            flat = self.init.partitions.shards[p].new_whole(self.init.comm.world_size)
         return flat
 
     def _remember_views(self, leaves: list, touched: list) -> None:
