@@ -122,8 +122,12 @@ class Engine:
                                       float(config.gradient_clipping or 0.0),
                                       self.bucket_sizes["allgather_bucket_size"],
                                       self.offload.buckets_alive))
-        self.stage3: FetchSchedule | None = (None if self.unit_choice is None
-                                             else self._build_stage3(self.unit_choice))
+        # gradient readiness: one hook per parameter (stages 0-2), or each unit's own (stage 3)
+        self.stage3: FetchSchedule | None = None
+        if self.unit_choice is None:
+            self.zero.hook_parameters()
+        else:
+            self.stage3 = self._build_stage3(self.unit_choice)
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         # monitors, comms_logger, flops_profiler, throughput, dump_state (monitors.py)
@@ -242,6 +246,8 @@ class Engine:
             if self.stage3 is not None:
                 self.stage3.start_pass("backward")
             (loss.float() * scale).backward(retain_graph=retain_graph)
+            if self.stage3 is not None:
+                self.stage3.finish_backward()  # units with unused parameters hand over
             self.zero.finish_backward()
             if self.stage3 is not None:
                 self.stage3.finish_pass()
