@@ -316,7 +316,7 @@ class Engine:
         return self.grad_norm
 
     # -- checkpoints (checkpoints/save_load.py) -------------------------------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: object = None,
                         exclude_frozen_parameters: bool = False) -> str:
         """Atomic sharded checkpoint, loadable under any world size and stage; collective.
 
