@@ -125,3 +125,38 @@ def test_no_shared_container_is_mutated():
             found += [f"{name}: {cls.name}.{x}"
                       for x in mutated(tree, shared, {"self", "cls", cls.name})]
     assert not found, f"module- or class-level containers mutated (process-wide state): {found}"
+
+
+def imports_of(tree: ast.Module) -> set[str]:
+    """Modules `tree` imports, type-only imports included."""
+    found = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module:
+            found |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+        elif isinstance(n, ast.Import):
+            found |= {a.name for a in n.names}
+    return found
+
+
+def test_nothing_below_the_engine_imports_it():
+    """The parts the engine builds get what they use passed in: none reaches back into it."""
+    importers = {name for name, tree in modules().items() if "zeromem.engine" in imports_of(tree)}
+    assert importers <= {"__init__.py"}, f"{sorted(importers)} import zeromem.engine"
+
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def test_unit_tests_start_no_process_group_and_tests_import_no_test_module():
+    """tests/unit runs without a process group; tests share helpers (harness, models, setups,
+    config_corpus), never each other."""
+    for path in sorted(TESTS.rglob("test_*.py")):
+        if "data" in path.relative_to(TESTS).parts:
+            continue
+        imported = imports_of(ast.parse(path.read_text(), str(path)))
+        others = {m for m in imported if m.split(".")[0].startswith("test_")}
+        assert not others, f"{path.name} imports test modules {sorted(others)}"
+        if path.parent.name == "unit":
+            spawning = imported & {"harness", "harness.run_distributed", "harness.run_together",
+                                   "torch.distributed"}
+            assert not spawning, f"unit/{path.name} uses {sorted(spawning)}: it belongs in distributed/"
