@@ -27,7 +27,7 @@ from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
 from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
-from zeromem.monitors import Observers, due
+from zeromem.monitors import Observers, StepFacts, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
 from zeromem.offload.params import ParamPlacement
 from zeromem.offload.staged_masters import StagedMasters
@@ -131,12 +131,16 @@ class Engine:
                                       float(config.gradient_clipping or 0.0),
                                       self.bucket_sizes["allgather_bucket_size"],
                                       self.offload.buckets_alive))
-        self.stage3: FetchSchedule | None = (None if self.unit_choice is None
-                                             else self._build_stage3(self.unit_choice))
+        # gradient readiness: one hook per parameter (stages 0-2), or each unit's own (stage 3)
+        self.stage3: FetchSchedule | None = None
+        if self.unit_choice is None:
+            self.zero.hook_parameters()
+        else:
+            self.stage3 = self._build_stage3(self.unit_choice)
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         # monitors, comms_logger, flops_profiler, throughput, dump_state (monitors.py)
-        self.observers = Observers(self)
+        self.observers = Observers(config, comm, self.device, self.psi, self.counters)
 
     def _make_scheduler(self, lr_scheduler: SchedulerArg) -> LRScheduler | None:
         """A factory `optimizer -> scheduler`, a ready scheduler, or the config's `scheduler`."""
@@ -248,6 +252,8 @@ class Engine:
             if self.stage3 is not None:
                 self.stage3.start_pass("backward")
             (loss.float() * scale).backward(retain_graph=retain_graph)
+            if self.stage3 is not None:
+                self.stage3.finish_backward()  # units with unused parameters hand over
             self.zero.finish_backward()
             if self.stage3 is not None:
                 self.stage3.finish_pass()
@@ -271,11 +277,15 @@ class Engine:
             self.counters.advance_global(skipped=overflow)
             self.comm.end_step()
             self.offload.end_step()  # swap bytes and I/O wait of this step (offload.io_report())
-        self.observers.after_step()
-        if due(self.global_steps, self.config.steps_per_print):
+        printing = due(self.global_steps, self.config.steps_per_print)
+        facts = StepFacts(self.get_lr(), self.loss_scale, self.grad_norm,
+                          self.memory_report() if self.observers.wants_memory_report(printing)
+                          else None)
+        self.observers.after_step(facts)
+        if printing:
             log.info("step %d: lr %s, grad norm %.4g, loss scale %g, skipped %d%s%s",
-                     self.global_steps, self.get_lr(), self.grad_norm, self.loss_scale,
-                     self.skipped_steps, self.timers.summary(), self.observers.log_line_extras())
+                     self.global_steps, facts.lr, self.grad_norm, self.loss_scale,
+                     self.skipped_steps, self.timers.summary(), self.observers.log_line_extras(facts))
 
     def zero_grad(self) -> None:
         self.zero.zero_grad()
@@ -312,7 +322,7 @@ class Engine:
         return self.grad_norm
 
     # -- checkpoints (checkpoints/save_load.py) -------------------------------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: object = None,
                         exclude_frozen_parameters: bool = False) -> str:
         """Atomic sharded checkpoint, loadable under any world size and stage; collective.
 

@@ -10,7 +10,7 @@ cross the slow links between nodes. The options here keep them inside a node:
   all-gathers stay within the block. Every replica then steps the same shard alike.
 - hpZ (`zero_hpz_partition_size` = h; ZeRO++ section 3.2): stage-3 parameters keep,
   after each forward gather, a secondary copy sharded over blocks of h ranks, so the
-  backward gather runs within the block (stage3/gather.py).
+  backward gather runs within the block (stage3/sharded_unit.py).
 - qwZ (`zero_quantized_weights`; section 3.1): the stage-3 all-gather moves block-wise
   int8 weights plus one fp32 scale per block (quantize.py), about half of bf16's bytes.
 - qgZ (`zero_quantized_gradients`; section 3.3): the gradient reduce-scatter runs in two
@@ -37,7 +37,7 @@ from zeromem import quantize
 from zeromem.comm import Comm, Pending, done
 from zeromem.config.schema import Config, ConfigError
 from zeromem.mesh import Mesh, NodeLayout
-from zeromem.stage3.gather import GatherPolicy
+from zeromem.stage3.sharded_unit import GatherPolicy
 
 
 def node_layout(config: Config, world_size: int, env_ranks_per_node: int | None) -> NodeLayout:

@@ -5,10 +5,13 @@ reduction during backward, then the step's phases, in order. The engine calls
 `start_backward` / `finish_backward` around each backward and `step()` at each
 accumulation boundary; nothing here calls back into the engine.
 
-    backward  reduce     a post-accumulate-grad hook on every parameter adds its
-                         gradient into its group's buffer and frees `param.grad` at
-                         once; when a bucket (= flat group) is complete, its
-                         collective is launched asynchronously while backward goes on.
+    backward  reduce     stages 0-2: a post-accumulate-grad hook on every parameter
+                         adds its gradient into its group's buffer and frees
+                         `param.grad` at once (`hook_parameters`); stage 3: each unit
+                         counts its own and moves all its gradients into the bucket
+                         when the last is in (stage3/sharded_unit.py, `group_ready`).
+                         When a bucket (= flat group) is complete, its collective is
+                         launched asynchronously while backward goes on.
                          alive: one full-size bucket per collective in flight.
     step      1. norm    global L2 norm of the reduced gradients (one all-reduce of a
                          scalar when gradients are sharded); non-finite means overflow.
@@ -160,6 +163,20 @@ class FullBucket:
             self._buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self._buffer[offset:offset + grad.numel()].add_(grad.reshape(-1))
 
+    def fill(self, grads: list[torch.Tensor | None], numels: list[int]) -> None:
+        """Every gradient of the group at once, in slot order (None: none came), in one copy:
+        a stage-3 unit hands its gradients over when the last one is in (sharded_unit.py)."""
+        like = next(g for g in grads if g is not None)
+        parts = [like.new_zeros(n) if g is None else g.reshape(-1) for g, n in zip(grads, numels)]
+        pad = self.numel - sum(numels)
+        if pad:
+            parts.append(like.new_zeros(pad))
+        flat = torch.cat(parts).to(self.dtype)
+        if self._buffer is None:
+            self._buffer = flat
+        else:
+            self._buffer.add_(flat)
+
     def take(self) -> torch.Tensor:
         """The filled bucket; this object holds nothing until the next `add`."""
         buffer = self._buffer
@@ -188,6 +205,9 @@ class ShardAccumulated:
 
     def accumulate(self, offset: int, grad: torch.Tensor) -> None:
         self.bucket.add(offset, grad)
+
+    def fill(self, grads: list[torch.Tensor | None]) -> None:
+        self.bucket.fill(grads, [slot.numel for slot in self.group.slots])
 
     def launch(self, comm: Reduction) -> Pending:
         bucket = self.bucket.take()
@@ -250,40 +270,49 @@ class ZeroOptimizer:
         self.in_flight: deque[Pending] = deque()
         self.reducing = False
         self.next_to_launch = 0
-        self.missing: list[int] = [len(g.params) for g in groups]
-        # Told when a group's last gradient was accumulated this backward (stage 3 releases
-        # the unit then): readiness is counted here only, so nothing can act on a group
-        # before its gradients are in the bucket, whatever order hooks were registered in.
-        self.ready_callbacks: list[Callable[[FlatParamGroup], None]] = []
+        self.ready = [False] * len(groups)  # this backward: every gradient of group i is in
+        self.missing: list[int] = [len(g.params) for g in groups]  # `hook_parameters` counts
         self.gathered_callbacks: list[Callable[[], None]] = []
-        self.hooks = []
-        for gi, g in enumerate(groups):
+        self.hooks: list = []
+
+    # -- backward: reduce -------------------------------------------------------
+    def hook_parameters(self) -> None:
+        """Stages 0-2: a hook per parameter adds its gradient into its group's buffer and
+        counts readiness. (At stage 3 each unit counts its own: stage3/sharded_unit.py.)"""
+        for gi, g in enumerate(self.groups):
             for p, slot in zip(g.params, g.slots):
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._hook(gi, slot.offset)))
 
-    # -- backward: reduce -------------------------------------------------------
     def _hook(self, gi: int, offset: int):
         def on_grad(param: nn.Parameter) -> None:
             group = self.groups[gi]
-            if self.reducing and gi < self.next_to_launch:
+            if self.launched(gi):
                 name = next(s.name for s in group.slots if s.offset == offset)
                 raise RuntimeError(f"parameter {name!r} received a second gradient in one backward "
                                    "after its bucket was reduced; use zeromem.checkpoint")
-            if self.reducing and self.missing[gi] == len(group.params):  # a bucket starts
-                self._wait_in_flight(self.settings.max_buckets - 1)
+            if self.missing[gi] == len(group.params):  # a bucket starts
+                self.bucket_starts()
             group.grads.accumulate(offset, param.grad)
             param.grad = None
             self.missing[gi] -= 1
             if self.missing[gi] == 0:
-                if self.reducing:
-                    self._launch_ready()
-                for callback in self.ready_callbacks:
-                    callback(group)
+                self.group_ready(gi)
         return on_grad
 
-    def on_grads_ready(self, callback: Callable[[FlatParamGroup], None]) -> None:
-        """Call `callback(group)` once per backward, when the group's gradients are all in."""
-        self.ready_callbacks.append(callback)
+    def bucket_starts(self) -> None:
+        """A full-size bucket is about to fill: at most `max_buckets` are alive."""
+        if self.reducing:
+            self._wait_in_flight(self.settings.max_buckets - 1)
+
+    def group_ready(self, gi: int) -> None:
+        """Every gradient of group `gi` is in its buffer: launch it once those before it are."""
+        self.ready[gi] = True
+        if self.reducing:
+            self._launch_ready()
+
+    def launched(self, gi: int) -> bool:
+        """Was group `gi`'s reduction launched in this backward?"""
+        return self.reducing and gi < self.next_to_launch
 
     def after_gather(self, callback: Callable[[], None]) -> None:
         """Call `callback()` each time the updated parameter shards were all-gathered."""
@@ -295,10 +324,11 @@ class ZeroOptimizer:
         every_micro = bool(self.groups) and self.groups[0].grads.reduces_every_microstep
         self.reducing = boundary or every_micro
         self.next_to_launch = 0
+        self.ready = [False] * len(self.groups)
         self.missing = [len(g.params) for g in self.groups]
 
     def _launch_ready(self) -> None:
-        while self.next_to_launch < len(self.groups) and self.missing[self.next_to_launch] <= 0:
+        while self.next_to_launch < len(self.groups) and self.ready[self.next_to_launch]:
             self._launch(self.next_to_launch)
 
     def _wait_in_flight(self, most: int) -> None:

@@ -183,8 +183,8 @@ def gpt_stage3_like_stage2(rank, world_size):
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10000,
                                   "stage3_prefetch_bucket_size": 20000}}, fetch_units=(Block,))
-        # Gradient readiness is counted once, by the reducer: one hook per parameter, so
-        # no hook order can release a unit before its gradient is accumulated (issue 11).
+        # Gradient readiness is counted once, by the unit (sharded_unit.py): one hook per
+        # parameter, none in the reducer, so nothing can act on a unit twice (issue 11).
         hooks = {len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()}
         assert hooks == {1}, f"post-accumulate-grad hooks per parameter: {hooks}"
         g = torch.Generator().manual_seed(rank)

@@ -24,7 +24,7 @@ from zeromem.comm import Comm
 from zeromem.hierarchy import HierarchicalQuantizedReduce
 from zeromem.mesh import Mesh, NodeLayout
 from zeromem.planning.cluster import Cluster, option_cost
-from zeromem.stage3.gather import all_gather_quantized
+from zeromem.stage3.sharded_unit import all_gather_quantized
 
 STEPS = 2  # the second step already applies SGD's momentum and Adam's moments
 

@@ -156,6 +156,9 @@ class ShardToFile:
     def accumulate(self, offset: int, grad: torch.Tensor) -> None:
         self.bucket.add(offset, grad)
 
+    def fill(self, grads: list[torch.Tensor | None]) -> None:
+        self.bucket.fill(grads, [slot.numel for slot in self.group.slots])
+
     def launch(self, comm: Comm) -> Pending:
         g = self.group
         bucket = self.bucket.take()

@@ -39,10 +39,12 @@ prediction is the sum, and `StepTime.overlapped` equals `.serial`.
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import statistics
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -50,6 +52,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed
 from torch import nn
 
 FP32 = 4
@@ -189,15 +192,54 @@ def collectives(shape: Any, layout: Any, param_bytes: int, grad_bytes: int, n_d:
 
 # ---------------------------------------------------------------- measuring
 
-def _seconds(run: Callable[[], Any], barrier: Callable[[], None], reps: int = 1) -> float:
-    """Median seconds of `run`, every rank starting together."""
-    times = []
-    for _ in range(reps):
-        barrier()
-        start = time.perf_counter()
+def run_queue_delay() -> float:
+    """Seconds the calling thread has waited, runnable, for a CPU another process held
+    (the kernel's /proc/<pid>/task/<tid>/schedstat); 0.0 where the kernel does not say."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class Clock:
+    """Times a call on every rank at once, less the time other processes took its CPU.
+
+    On a shared machine the load from other processes shows as run-queue delay of
+    the timed thread: runnable, but another process on the core. Wall time less that
+    delay is what the call costs on the machine to itself (to within the caches and
+    memory bandwidth the others share), however loaded the machine was; `min` or a
+    median of the wall times is not (with 2 cores and 5 busy processes, no call may
+    run unloaded at all). A call that synchronises the ranks (a collective, an engine
+    step) also waits out the other rank's delay, so the largest over the ranks is
+    subtracted; a rank's own work (compute, copies, the optimizer, disk) loses its
+    own. Only the timed (main) thread's delay is counted: gloo's and the swap I/O's
+    worker threads spend most of their time blocked, and their load stays in both
+    the calibration and the steps it predicts.
+    """
+
+    def __init__(self, comm: Any):
+        self.comm = comm
+
+    def seconds(self, run: Callable[[], Any], reps: int = 1, synchronised: bool = True) -> float:
+        """Median over `reps` of `run`'s seconds less the run-queue delay, all ranks
+        starting together."""
+        return statistics.median(wall - delay for wall, delay in
+                                 (self.timed(run, synchronised) for _ in range(reps)))
+
+    def timed(self, run: Callable[[], Any], synchronised: bool = True) -> tuple[float, float]:
+        """(wall seconds, run-queue delay to subtract) of one `run`, all ranks starting
+        together."""
+        self.comm.barrier()
+        delay, start = run_queue_delay(), time.perf_counter()
         run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        wall, delay = time.perf_counter() - start, run_queue_delay() - delay
+        return wall, self._largest(delay) if synchronised else delay
+
+    def _largest(self, seconds: float) -> float:
+        value = torch.tensor([seconds], dtype=torch.float64)
+        self.comm.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        return float(value.item())
 
 
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -323,6 +365,7 @@ class Probe:
         from zeromem.optim import kernel_options
         torch.manual_seed(rank)
         self.comm = Comm()
+        self.clock = Clock(self.comm)
         n = self.comm.world_size
         self.model = what.build()
         self.tokens = torch.randint(0, max(2, what.vocab), (what.micro_batch, what.seq))
@@ -397,7 +440,8 @@ class Probe:
     def sample_compute(self) -> dict:
         """Seconds of one forward and backward of the model (a benchmark takes one beside
         each step it measures: the compute dominates, and the load moves within seconds)."""
-        seconds = _seconds(lambda: _loss(self.model, self.tokens).backward(), self.comm.barrier)
+        seconds = self.clock.seconds(lambda: _loss(self.model, self.tokens).backward(),
+                                     synchronised=False)
         self.model.zero_grad(set_to_none=True)
         return {"forward_backward": seconds}
 
@@ -405,23 +449,24 @@ class Probe:
         """Seconds of each measurement, once (the small collectives: median of SMALL_REPS
         calls, since a latency of a few hundred microseconds is easily missed by a rank
         the scheduler delays; the engine's overhead steps: median of 3)."""
-        barrier = self.comm.barrier
+        seconds = self.clock.seconds
+        local = functools.partial(seconds, synchronised=False)  # each rank's own work
 
         def forward() -> None:
             with torch.no_grad():
                 _loss(self.model, self.tokens)
 
-        out: dict[str, Any] = {"forward": _seconds(forward, barrier), **self.sample_compute()}
+        out: dict[str, Any] = {"forward": local(forward), **self.sample_compute()}
         for kind, (small, large) in self.links.items():
-            out[kind] = (_seconds(small, barrier, self.SMALL_REPS), _seconds(large, barrier))
+            out[kind] = (seconds(small, self.SMALL_REPS), seconds(large))
         src, dst = self.copy
-        out["copy"] = _seconds(lambda: dst.copy_(src), barrier)
+        out["copy"] = local(lambda: dst.copy_(src))
         for name, opt in self.optimizers.items():
-            out["optimizer_" + name] = _seconds(opt.step, barrier)
-        out["disk_write"] = _seconds(lambda: self._disk(self.file.write), barrier)
-        out["disk_read"] = _seconds(lambda: self._disk(self.file.read), barrier)
+            out["optimizer_" + name] = local(opt.step)
+        out["disk_write"] = local(lambda: self._disk(self.file.write))
+        out["disk_read"] = local(lambda: self._disk(self.file.read))
         for name, step in self.overhead.items():
-            out[name] = _seconds(step, barrier, 3)
+            out[name] = seconds(step, 3, synchronised=not name.endswith("_none"))
         return out
 
     def close(self) -> None:
@@ -441,7 +486,9 @@ def _measure_rank(rank: int, world_size: int, what: Measurement) -> list[dict]:
 def from_samples(samples: list[list[dict]], what: Measurement, shape: Any,
                  backend: str = "gloo") -> Calibration:
     """The calibration from each rank's `Probe.sample()`s: per rank the median over the
-    samples, then the slowest rank (a step waits for every rank)."""
+    samples, then the slowest rank (a step waits for every rank). Each sample is already
+    net of the load from other processes (`Clock`); the median takes out what is left
+    of it (the caches and the worker threads the others slow down)."""
     from zeromem.planning.planner import Workload, model_flops
 
     def seconds(key: str, index: int | None = None) -> float:

@@ -7,9 +7,10 @@ config and the parts are passed in, nothing is read from the engine):
 1. `choose_units`, before the flat groups exist: the fetch units (units.py), each
    one flat group per optimizer param group it spans, with the modules that gather it.
 2. `build_stage3`, once the groups, their gradient buffers, the parameter placement
-   (offload/params.py) and the ZeRO optimizer exist: one `FetchUnit` per flat group
-   (gather.py), the prefetch window, and the `FetchSchedule` that hooks the modules
-   (fetch.py); `GatheredParameters` finds the units through `partitions`.
+   (offload/params.py) and the ZeRO optimizer exist: one `ShardedUnit` per flat group
+   (sharded_unit.py: gather, release, gradient reduction), the prefetch window, and
+   the `FetchSchedule` that hooks the modules (fetch.py); `GatheredParameters` finds
+   the units through `partitions`.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from zeromem.layout import derived_prefetch_numel
 from zeromem.offload.params import ParamPlacement
 from zeromem.offload.placement import OffloadPolicy
 from zeromem.stage3.fetch import FetchSchedule, Stage3Limits
-from zeromem.stage3.gather import FetchUnit, LiveStats
+from zeromem.stage3.sharded_unit import LiveStats, ShardedUnit
 from zeromem.stage3.partitioned_init import Partitions
 from zeromem.stage3.units import (UnitCaps, default_target, describe, plan_fetch_units,
                                   unmerged_units)
@@ -77,15 +78,17 @@ def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitCh
                  config: Config, plan: CommPlan, placement: ParamPlacement,
                  gather_timeout_s: float | None, comm: Comm, zero: ZeroOptimizer,
                  partitions: Partitions) -> FetchSchedule:
-    """One FetchUnit per flat group (small ones stay whole: persistent), and their schedule."""
+    """One ShardedUnit per flat group (small ones stay whole: persistent), and their schedule."""
     settings = config.zero_optimization
-    group_of = {id(g.params[0]): g for g in groups}
+    index_of = {id(g.params[0]): i for i, g in enumerate(groups)}  # the reducer's launch order
     live = LiveStats()
     module_units = []
     for modules, (_, params) in zip(choice.modules, choice.parts):
-        group = group_of[id(params[0])]
+        index = index_of[id(params[0])]
+        group = groups[index]
         persistent = group.numel < settings.stage3_param_persistence_threshold
-        unit = FetchUnit(group, plan.shard, persistent, live, placement, plan.gather)
+        unit = ShardedUnit(group, index, zero, plan.shard, persistent, live, placement,
+                           plan.gather)
         module_units += [(m, unit) for m in modules]
     explicit = "stage3_prefetch_bucket_size" in settings.model_fields_set
     prefetch = int(settings.stage3_prefetch_bucket_size) if explicit else derived_prefetch_numel(
@@ -93,8 +96,7 @@ def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitCh
     limits = Stage3Limits(placement.prefetch_numel(prefetch, explicit),
                           settings.stage3_max_live_parameters,
                           settings.stage3_max_reuse_distance, gather_timeout_s)
-    schedule = FetchSchedule(module, module_units, limits, live, comm, comm.store, placement,
-                             zero)
+    schedule = FetchSchedule(module, module_units, limits, live, comm, comm.store, placement)
     zero.after_gather(schedule.refresh)  # persistent units re-gather the new weights
     partitions.add_units(schedule.units)  # GatheredParameters finds them there
     return schedule

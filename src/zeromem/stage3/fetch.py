@@ -2,9 +2,9 @@
 
 Every fetch unit (chosen by units.py: by default repeated blocks and merged
 small neighbours, or one per instance of the classes the caller names) is a
-flat group whose parameters exist only as a 1/N_d shard between uses; its
-`FetchUnit` (gather.py) issues the all-gather, plain, hpZ or qwZ. This module
-decides when:
+`ShardedUnit` (sharded_unit.py): one flat group whose parameters exist only as
+a 1/N_d shard between uses, with its all-gather (plain, hpZ or qwZ), its release
+and its gradients' reduce-scatter. This module decides when:
 
     SHARDED --unshard(async)--> GATHERING --wait--> GATHERED --reshard--> SHARDED
 
@@ -14,9 +14,9 @@ Schedule of one training step (paper section 5.3; FSDP2 follows the same plan):
               flight) and prefetch the next units of the recorded order, up to
               `stage3_prefetch_bucket_size` elements; post-hook: release.
     backward  the unit's outputs carry a hook that re-gathers it before its
-              gradients are computed; when the reducer (zero_optimizer.py) has accumulated
-              every gradient of the unit into its reduce-scatter bucket, it tells
-              the runner, which releases the unit (readiness is counted there only).
+              gradients are computed; when the unit has counted every gradient
+              and handed them to the reducer, it tells the schedule, which
+              releases it (readiness is counted by the unit only).
     end       `finish_pass()` releases whatever is still gathered.
 
 The order of units is recorded per kind of pass: training forward, `no_grad`
@@ -55,10 +55,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from zeromem.comm import Comm
-from zeromem.flat import FlatParamGroup, GroupState
+from zeromem.flat import GroupState
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice
-from zeromem.stage3.gather import FetchUnit, LiveStats
-from zeromem.zero_optimizer import ZeroOptimizer
+from zeromem.stage3.sharded_unit import LiveStats, Phase, ShardedUnit
 
 
 class Stage3DivergenceError(RuntimeError):
@@ -133,7 +132,7 @@ class RecordedOrder:
     elements from one position to another (prefetch window, reuse distance) and the
     next position that uses the same unit. Built once per recording, not per hook."""
 
-    def __init__(self, units: list[FetchUnit]):
+    def __init__(self, units: list[ShardedUnit]):
         self.units = units
         # elements of the prefetch window: persistent units are whole anyway, count nothing
         self.ahead = list(accumulate((0 if u.persistent else u.group.padded_numel
@@ -161,20 +160,20 @@ def _branch_flags(args: tuple, kwargs: dict) -> tuple:
 class FetchSchedule:
     """Installs the gather/release hooks on a module tree and runs the prefetch schedule."""
 
-    def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, FetchUnit]],
+    def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, ShardedUnit]],
                  limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None,
-                 placement: ParamPlacement | None = None, reducer: ZeroOptimizer | None = None):
+                 placement: ParamPlacement | None = None):
         # a unit may be gathered by several modules (merged neighbours, a tied parameter)
         self.units = list({id(u): u for _, u in module_units}.values())
         self.placement = placement or ParamsOnDevice()  # told the order of each pass (read-ahead)
         # A persistent unit is whole from one optimizer step to the next (`refresh`): its
         # modules have nothing to gather, and are hooked only like modules without units.
-        self.unit_of_module: dict[int, list[FetchUnit]] = {}
+        self.unit_of_module: dict[int, list[ShardedUnit]] = {}
         for module, unit in module_units:
             if not unit.persistent:
                 self.unit_of_module.setdefault(id(module), []).append(unit)
         self.unit_of_param = {id(p): u for u in self.units for p in u.group.params}
-        self.extra_units: dict[int, list[FetchUnit]] = {}  # module id -> other units it reads
+        self.extra_units: dict[int, list[ShardedUnit]] = {}  # module id -> other units it reads
         self.limits = limits
         self.stats = stats
         self.comm = comm
@@ -182,7 +181,7 @@ class FetchSchedule:
         self.passes = 0
         self.module_stack: list[int] = []
         # orders by kind of pass: ("forward" | "eval" | "backward", training, flags)
-        self.orders: dict[tuple, list[FetchUnit]] = {}
+        self.orders: dict[tuple, list[ShardedUnit]] = {}
         self.recorded: dict[tuple, RecordedOrder] = {}
         self.pass_kind: tuple = ("forward", root.training, ())
         self.position = 0
@@ -200,9 +199,8 @@ class FetchSchedule:
         for module in root.modules():
             if module is root or id(module) in self.unit_of_module:
                 self._hook_module(module)
-        self.unit_of_group = {id(u.group): u for u in self.units}
-        if reducer is not None:  # the reducer counts gradient readiness; we release on its word
-            reducer.on_grads_ready(self._grads_ready)
+        for unit in self.units:  # each unit counts its own gradients; released once reduced
+            unit.when_reduced(self._release_reduced)
         self.refresh()
 
     def refresh(self) -> None:
@@ -249,7 +247,7 @@ class FetchSchedule:
         self.frontier = 0
         self.used_at.clear()
         for unit in self.units:
-            unit.start_pass(key[0])  # how it gathers: backward from hpZ's copy (gather.py)
+            unit.start_pass(Phase(key[0]))  # how it gathers: backward from hpZ's copy
         if key[0] != "backward":
             self.passes += 1
             if self.store is not None:  # published so a stuck rank can name who diverged
@@ -281,7 +279,7 @@ class FetchSchedule:
             self.tracing.exit()
             self.tracing = None
 
-    def _use(self, units: list[FetchUnit]) -> None:
+    def _use(self, units: list[ShardedUnit]) -> None:
         """Gather `units` for the running module; follow or re-record the order; prefetch."""
         self.busy = True
         try:
@@ -289,7 +287,7 @@ class FetchSchedule:
         finally:
             self.busy = False
 
-    def _follow_order(self, units: list[FetchUnit]) -> None:
+    def _follow_order(self, units: list[ShardedUnit]) -> None:
         expected = self.recorded.get(self.pass_kind)
         for unit in units:
             if self.on_track and (expected is None or self.position >= len(expected)
@@ -303,13 +301,13 @@ class FetchSchedule:
         if self.on_track:
             self._prefetch()
 
-    def _wait(self, unit: FetchUnit) -> None:
+    def _wait(self, unit: ShardedUnit) -> None:
         try:
             unit.wait(self.limits.gather_timeout_s)
         except RuntimeError as error:  # timeout, or a peer that closed the connection
             raise Stage3DivergenceError(self._diagnose(unit, error)) from error
 
-    def _diagnose(self, unit: FetchUnit, error: Exception) -> str:
+    def _diagnose(self, unit: ShardedUnit, error: Exception) -> str:
         """Name the module this rank waits for and the ranks whose pass count differs."""
         here = f"rank {self.comm.rank} waited for the parameters of '{unit.name}' " \
                f"({self.pass_kind} pass {self.passes}, position {self.position})"
@@ -351,7 +349,7 @@ class FetchSchedule:
             at += 1
         self.frontier = at
 
-    def _reused_soon(self, unit: FetchUnit) -> bool:
+    def _reused_soon(self, unit: ShardedUnit) -> bool:
         """Will `unit` be used again within `stage3_max_reuse_distance` elements of this pass?"""
         at = self.used_at.get(id(unit))
         if not self.on_track or at is None:
@@ -362,7 +360,7 @@ class FetchSchedule:
                 and order.numel_between(self.position, later) <= self.limits.max_reuse_distance)
 
     # -- hooks -------------------------------------------------------------
-    def _units_for(self, module: nn.Module) -> list[FetchUnit]:
+    def _units_for(self, module: nn.Module) -> list[ShardedUnit]:
         return self._units_for_id(id(module))
 
     # Hooks run outside any compiled region: they swap `p.data` and run collectives,
@@ -400,7 +398,7 @@ class FetchSchedule:
             self.finish_pass()
         return output
 
-    def _release(self, units: list[FetchUnit]) -> None:
+    def _release(self, units: list[ShardedUnit]) -> None:
         """Reshard `units` unless a module still running (an ancestor) also reads them."""
         in_use = {id(u) for m in self.module_stack for u in self._units_for_id(m)}
         self.busy = True
@@ -411,7 +409,7 @@ class FetchSchedule:
         finally:
             self.busy = False
 
-    def _units_for_id(self, module_id: int) -> list[FetchUnit]:
+    def _units_for_id(self, module_id: int) -> list[ShardedUnit]:
         return self.unit_of_module.get(module_id, []) + self.extra_units.get(module_id, [])
 
     def _hook_backward(self, module: nn.Module, output: object) -> object:
@@ -429,10 +427,18 @@ class FetchSchedule:
     def before_backward(self, module_id: int) -> None:
         self._use(self._units_for_id(module_id))
 
-    def _grads_ready(self, group: FlatParamGroup) -> None:
-        """Every gradient of `group` is in its reduce bucket: the whole buffer can go."""
-        self._release([self.unit_of_group[id(group)]])
+    def _release_reduced(self, unit: ShardedUnit) -> None:
+        """Every gradient of `unit` is in its reduce bucket: the whole buffer can go."""
+        self._release([unit])
+
+    def finish_backward(self) -> None:
+        """Units some gradients never reached hand over what they have (before the
+        reducer launches what is left)."""
+        for unit in self.units:
+            unit.finish_backward()
 
     def remove(self) -> None:
         for h in self.handles + [h for hs in self.module_hooks.values() for h in hs]:
             h.remove()
+        for unit in self.units:
+            unit.remove()

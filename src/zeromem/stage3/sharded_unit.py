@@ -1,12 +1,23 @@
-"""A stage-3 fetch unit: one flat group gathered whole (plainly, from hpZ's copy, or quantized).
+"""A stage-3 unit: one flat group's life between optimizer steps (FSDP2's FSDPParamGroup).
 
 Every fetch unit (chosen by units.py) is a flat group whose parameters exist only
-as a 1/N_d shard between uses. The group owns the gathered buffer and an explicit
-state (flat.py, `GroupState`); a `FetchUnit` issues the all-gather and owns what
-gathering needs: the collective in flight, its hpZ secondary copy, where the shard
-lives between uses, whether it stays whole. The schedule (fetch.py) decides when:
+as a 1/N_d shard between uses. The group (flat.py) owns the buffers and their
+memory state, `GroupState`, as FSDP2's FSDPParam owns its sharded and unsharded
+tensors. The `ShardedUnit` owns everything done with them, each in one place:
 
-    SHARDED --unshard(async)--> GATHERING --wait--> GATHERED --reshard--> SHARDED
+    unshard / wait / reshard  the all-gather of the whole buffer (plain, hpZ or qwZ)
+                              and its release, as the schedule (fetch.py) asks
+    gradients                 readiness, counted once per backward: a hook per
+                              parameter only counts; when the last gradient is in,
+                              all of them go into the unit's bucket in one copy and
+                              the reducer (zero_optimizer.py) launches its
+                              reduce-scatter, in group order on every rank
+    phase                     the pass now running (`Phase`): how a gather runs, and
+                              whether gradients may arrive
+
+    memory (flat.GroupState)  SHARDED --unshard--> GATHERING --wait--> GATHERED --reshard--> SHARDED
+    phase (Phase)             FORWARD | EVAL --start_pass(BACKWARD)--> BACKWARD
+                              --last gradient in, or finish_backward--> REDUCED
 
 How a unit is gathered is a policy chosen once from the config (`GatherPolicy`,
 built by hierarchy.build_comm_plan):
@@ -28,9 +39,10 @@ Ledger kinds: `all_gather_forward`, `all_gather_eval` (no_grad forwards),
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -62,12 +74,41 @@ class LiveStats:
         self.peak = max(self.peak, self.live)
 
 
-class FetchUnit:
-    """One stage-3 flat group's gather and release, as the schedule (fetch.py) asks."""
+class Phase(enum.Enum):
+    """The pass a unit is in; assigned in this file only (FSDP2's TrainingState)."""
 
-    def __init__(self, group: FlatParamGroup, comm: Comm, persistent: bool, stats: LiveStats,
-                 placement: ParamPlacement | None = None, gather: GatherPolicy | None = None):
+    FORWARD = "forward"  # a training forward (and between passes): gathers keep hpZ's copy
+    EVAL = "eval"  # a no_grad forward (evaluation, generation)
+    BACKWARD = "backward"  # gradients arriving; gathers read hpZ's copy
+    REDUCED = "reduced"  # this backward's gradients are in the bucket, handed to the reducer
+
+
+class Reducer(Protocol):
+    """What launches the units' reductions in group order on every rank (zero_optimizer.py)."""
+
+    def bucket_starts(self) -> None:
+        """A full-size bucket is about to be filled (waits for older reductions)."""
+
+    def group_ready(self, index: int) -> None:
+        """Group `index`'s bucket holds every gradient of this backward: launch it in turn."""
+
+    def launched(self, index: int) -> bool:
+        """Was group `index`'s reduction launched in this backward?"""
+
+
+class ShardedUnit:
+    """One stage-3 flat group's gather, release and gradient reduction, as one object.
+
+    `index` is the group's position in the reducer's launch order; `persistent` units
+    (under stage3_param_persistence_threshold) stay whole between optimizer steps.
+    """
+
+    def __init__(self, group: FlatParamGroup, index: int, reducer: Reducer, comm: Comm,
+                 persistent: bool, stats: LiveStats, placement: ParamPlacement | None = None,
+                 gather: GatherPolicy | None = None):
         self.group = group
+        self.index = index
+        self.reducer = reducer
         self.gather = gather or GatherPolicy(comm)  # plain, hpZ or qwZ
         self.placement = placement or ParamsOnDevice()  # where the shard lives between uses
         self.comm = comm
@@ -76,30 +117,46 @@ class FetchUnit:
         self.pending: Pending | None = None  # the all-gather while the group is GATHERING
         self.name = group.slots[0].name.rpartition(".")[0] or group.slots[0].name
         self.pins = 0  # GatheredParameters blocks holding the unit whole
-        self.phase = "forward"  # the pass now running: "forward", "eval" or "backward"
+        self._phase = Phase.FORWARD
         self.secondary_shard: torch.Tensor | None = None  # hpZ: my slice, forward to step
+        self._missing = len(group.params)  # gradients still to come in this backward
+        self._offsets = {id(p): slot.offset for p, slot in zip(group.params, group.slots)}
+        self._on_reduced: Callable[[ShardedUnit], None] = lambda unit: None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_in) for p in group.params]
 
     @property
     def state(self) -> GroupState:
         return self.group.state
 
     @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
     def full(self) -> torch.Tensor | None:
         return self.group.full
 
-    def start_pass(self, phase: str) -> None:
-        """"forward", "eval" or "backward": backward gathers from the secondary copy."""
-        self.phase = phase
+    def _assert_phase(self, *phases: Phase) -> None:
+        if self._phase not in phases:
+            raise AssertionError(f"stage-3 unit '{self.name}': expected phase in "
+                                 f"{[p.name for p in phases]}, got {self._phase.name}")
+
+    def start_pass(self, phase: Phase) -> None:
+        """A pass begins: FORWARD or EVAL (how gathers run), or BACKWARD (gradients come)."""
+        self._phase = phase
+        if phase is Phase.BACKWARD:
+            self._missing = len(self.group.params)
 
     def new_step(self) -> None:
         """The optimizer changed the parameters: the secondary copy is stale."""
         self.secondary_shard = None
-        self.phase = "forward"
+        self._phase = Phase.FORWARD
 
     def held(self) -> list[torch.Tensor]:
         """Tensors the unit holds besides the group's own (hpZ's secondary copy)."""
         return [] if self.secondary_shard is None else [self.secondary_shard]
 
+    # -- gather and release --------------------------------------------------
     def unshard(self) -> None:
         """Start gathering the whole flat buffer (async)."""
         if self.state is not GroupState.SHARDED:
@@ -153,12 +210,68 @@ class FetchUnit:
         """Make the (edited) whole buffer the truth (flat.py)."""
         self.group.adopt_whole()
 
+    # -- gradients ------------------------------------------------------------
+    def when_reduced(self, callback: Callable[[ShardedUnit], None]) -> None:
+        """Call `callback(self)` once the gradients are handed over (the schedule releases)."""
+        self._on_reduced = callback
+
+    def _grad_in(self, param: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated into `param.grad`: count it, nothing more
+        (O(1) per parameter); the last one moves them all into the bucket at once."""
+        if self._phase is Phase.REDUCED:
+            self._late_grad(param)
+            return
+        self._missing -= 1
+        if self._missing == 0:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        """BACKWARD -> REDUCED: every gradient into the bucket (one copy), then launched in turn."""
+        self._assert_phase(Phase.BACKWARD)
+        self._fill_bucket()
+        self.reducer.group_ready(self.index)
+        self._on_reduced(self)
+
+    def finish_backward(self) -> None:
+        """Backward ended: a unit some gradients never reached (parameters unused on this
+        rank) hands over what it has; the reducer launches it, zeros where nothing came."""
+        if self._phase is Phase.BACKWARD:
+            self._fill_bucket()
+
+    def _fill_bucket(self) -> None:
+        params = self.group.params
+        grads = [p.grad for p in params]
+        if any(g is not None for g in grads):
+            self.reducer.bucket_starts()
+            self.group.grads.fill(grads)
+            for p in params:
+                p.grad = None  # the bucket holds them now
+        self._phase = Phase.REDUCED
+
+    def _late_grad(self, param: torch.Tensor) -> None:
+        """A gradient after the unit was handed over (a parameter used again, as in
+        reentrant activation checkpointing): into the bucket, unless it already left."""
+        if self.reducer.launched(self.index):
+            raise RuntimeError(f"parameter of unit '{self.name}' received a second gradient "
+                               "in one backward after its bucket was reduced; use "
+                               "zeromem.checkpoint")
+        assert param.grad is not None  # called by the post-accumulate-grad hook
+        self.reducer.bucket_starts()
+        self.group.grads.accumulate(self._offsets[id(param)], param.grad)
+        param.grad = None
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
     # -- the collective -----------------------------------------------------
     def _launch(self, full: torch.Tensor) -> Pending:
         """Start gathering the group's whole buffer into `full` (async), as the policy says."""
-        policy, kind = self.gather, f"all_gather_{self.phase}"
+        backward = self._phase in (Phase.BACKWARD, Phase.REDUCED)
+        policy = self.gather
+        kind = "all_gather_backward" if backward else f"all_gather_{self._phase.value}"
         secondary = self.secondary_shard
-        if self.phase == "backward" and secondary is not None:
+        if backward and secondary is not None:
             assert policy.secondary is not None  # copies exist only with hpZ on
             return policy.secondary.all_gather(full, secondary, async_op=True, kind=kind)
         shard = self.group.param_shard
@@ -168,7 +281,7 @@ class FetchUnit:
         else:
             pending, finish = all_gather_quantized(policy.primary, shard, full, kind,
                                                    policy.weight_bits, policy.block)
-        keep = self.phase == "forward" and policy.secondary is not None
+        keep = self._phase is Phase.FORWARD and policy.secondary is not None
         inner = pending.finish  # Comm's own finishing step (the comms_logger's record)
 
         def done() -> None:
