@@ -63,13 +63,13 @@ from zeromem.offload.budget import pool_unit_numel
 from zeromem.offload.grad_file import GradFile, ShardToFile
 from zeromem.offload.nvme import AsyncIO, IOStats, OffloadError, SwapSpace
 from zeromem.offload.nvme_optimizer import SwappedOptimizer
+from zeromem.offload.staged_masters import StagedMasters
 
 log = logging.getLogger("zeromem")
 
 __all__ = ["OffloadError", "OffloadPolicy", "Offload", "SwapSpaces", "build_params",
-           "build_offload", "MastersOnDevice",
-           "MastersOnHost", "MastersOnNvme", "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme",
-           "CPU_KERNEL"]
+           "stage_masters", "build_offload", "MastersOnDevice", "MastersOnHost", "MastersOnNvme",
+           "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme", "CPU_KERNEL"]
 
 CPU_KERNEL = "fused"  # torch's fastest CPU optimizer kernel (benchmarks/bench_offload.py)
 
@@ -309,14 +309,16 @@ class MastersOnNvme:
     where = "nvme"
 
     def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy, space: SwapSpace,
-                 rank: int = 0):
-        """Masters stay until SwappedOptimizer writes them to its file (fp32: they are shards).
+                 rank: int = 0, staged: StagedMasters | None = None):
+        """Masters stay until SwappedOptimizer writes them to its file (fp32: they are shards),
+        in `staged`'s file when `initialize` wrote them there as it built the groups.
 
         Gradients reduced every micro-step (stage 2/3) go to a swap file as reduced
         (offload/grad_file.py), so no gradient shard stays in memory; stage 1's whole
         gradient is on the device anyway, and its shard is copied to host (`HostGrads`).
         """
         self.groups, self.policy, self.space, self.rank = groups, policy, space, rank
+        self.staged = staged  # handed to the optimizer, which copies and removes it
         self.optimizer: SwappedOptimizer | None = None
         self.host_grads: HostGrads | None = None
         self.grad_file: GradFile | None = None
@@ -346,7 +348,9 @@ class MastersOnNvme:
                               "and NVMe offload steps tile by tile; offload to \"cpu\" instead")
         policy = self.policy
         grads = self.grad_file if self.grad_file is not None else self._host().buffers
-        self.optimizer = SwappedOptimizer(template, self.groups, self.space, grads, params, policy)
+        self.optimizer = SwappedOptimizer(template, self.groups, self.space, grads, params, policy,
+                                          self.staged)
+        self.staged = None
         if self.rank == 0:  # the default is worth a warning: it sizes every buffer
             quiet = policy.host_budget_set and not self.optimizer.size.over_budget
             (log.info if quiet else log.warning)(
@@ -539,16 +543,31 @@ def build_params(config: Any, shard_numels: list[int], dtype: torch.dtype, devic
         raise
 
 
+def stage_masters(config: Any, shard_numels: list[int], dtype: torch.dtype,
+                  spaces: SwapSpaces) -> StagedMasters | None:
+    """With the optimizer on NVMe, stage 3 and masters apart from the shards (16-bit compute):
+    the file each group's master is written to as it is built (offload/staged_masters.py)."""
+    policy = OffloadPolicy.from_config(config)
+    if policy.optimizer != "nvme" or dtype == torch.float32 or not shard_numels:
+        return None
+    try:
+        return StagedMasters(shard_numels, spaces.for_block(policy.optimizer_block))
+    except BaseException:
+        spaces.close()
+        raise
+
+
 def build_offload(config: Any, groups: list[FlatParamGroup], params: ParamPlacement,
-                  spaces: SwapSpaces, rank: int) -> Offload:
+                  spaces: SwapSpaces, rank: int, staged: StagedMasters | None = None) -> Offload:
     """The masters placement the config asks for, beside the parameter placement the groups'
-    shards were handed to (`build_params`)."""
+    shards were handed to (`build_params`) and, 16-bit, the masters written as they were
+    built (`stage_masters`)."""
     policy = OffloadPolicy.from_config(config)
     if config.aio.use_gds and "nvme" in (policy.optimizer, policy.params):
         log.warning("aio.use_gds: GPUDirect Storage is not implemented; I/O goes through host "
                     "buffers")
     try:
-        masters = _masters_placement(policy, groups, params, spaces, rank)
+        masters = _masters_placement(policy, groups, params, spaces, rank, staged)
     except BaseException:
         spaces.close()
         raise
@@ -559,8 +578,8 @@ def build_offload(config: Any, groups: list[FlatParamGroup], params: ParamPlacem
 
 
 def _masters_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],
-                       params: ParamPlacement, spaces: SwapSpaces,
-                       rank: int) -> MastersPlacement:
+                       params: ParamPlacement, spaces: SwapSpaces, rank: int,
+                       staged: StagedMasters | None) -> MastersPlacement:
     if policy.optimizer == "device":
         return MastersOnDevice(groups, policy, params)
     if policy.optimizer_block.ratio < 1:
@@ -568,4 +587,4 @@ def _masters_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],
                     "all optimizer state is offloaded", policy.optimizer_block.ratio)
     if policy.optimizer == "host":
         return MastersOnHost(groups, policy, params)
-    return MastersOnNvme(groups, policy, spaces.for_block(policy.optimizer_block), rank)
+    return MastersOnNvme(groups, policy, spaces.for_block(policy.optimizer_block), rank, staged)
