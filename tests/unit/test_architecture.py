@@ -167,7 +167,6 @@ def test_unit_tests_start_no_process_group_and_tests_import_no_test_module():
 ANY_EDGES = {
     "deepspeed": "DeepSpeed's own signatures, which take and return anything",
     "config": "raw JSON before validation (pydantic `before` validators, key mapping)",
-    "offload": "issue 11 item 3 / issue 16 in progress: config blocks typed when that lands",
     "planning/calibrate.py": "issue 17 in progress",
 }
 ANY_ALLOWED = {
@@ -178,6 +177,9 @@ ANY_ALLOWED = {
     ("checkpoints/state.py", "scaler_state"): "JSON values",
     ("checkpoints/state.py", "scheduler_state"): "JSON values",
     ("checkpoints/hf_export.py", "output_dtype"): "a transformers config (an optional package)",
+    ("offload/nvme_optimizer.py", "SwappedState.get"): "a dict's interface (torch's optimizer.state)",
+    ("offload/placement.py", "GradsToHost.__init__"): "the gradient buffers (zero_optimizer.py) "
+                                                      "share no protocol yet",
 }
 
 
