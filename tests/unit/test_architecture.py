@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import zeromem
 
 SRC = Path(zeromem.__file__).parent  # the package imported (a mutated copy under tools/mutants.py)
@@ -250,3 +252,27 @@ def assigns_imported_attributes(tree: ast.Module) -> bool:
 def test_no_monkey_patching():
     patching = {name for name, tree in modules().items() if assigns_imported_attributes(tree)}
     assert patching <= set(PATCHING), f"{sorted(patching - set(PATCHING))} patch another package"
+
+
+RUNTIME = {"torch", "pydantic", "safetensors", "numpy"}  # what training needs installed
+
+
+def test_training_needs_only_the_runtime_dependencies():
+    """Module-level imports are the standard library, zeromem and the runtime dependencies;
+    optional packages (matplotlib for plots, transformers, tqdm, tensorboard, wandb) are
+    imported where they are used, and the package metadata asks for nothing else."""
+    import sys
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    third_party = set()
+    for tree in modules().values():
+        for node in tree.body:  # type-only imports sit under `if TYPE_CHECKING:`, not here
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 \
+                and node.module else []
+            third_party |= {n.split(".")[0] for n in names}
+    third_party -= set(sys.stdlib_module_names) | {"zeromem", "pydantic_core"}
+    assert third_party <= RUNTIME, f"imported at module level: {sorted(third_party - RUNTIME)}"
+    project = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]
+    required = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in project["dependencies"]}
+    assert required == RUNTIME, f"pyproject dependencies {sorted(required)}"
