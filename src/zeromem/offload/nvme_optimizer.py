@@ -33,7 +33,7 @@ import contextlib
 import importlib
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
@@ -43,6 +43,10 @@ from zeromem.offload.budget import FP32 as FP32_BYTES
 from zeromem.offload.grad_file import GradFile, piece_bytes, piece_view
 from zeromem.offload.nvme import ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace, round_up
 from zeromem.offload.staged_masters import StagedMasters
+
+if TYPE_CHECKING:  # placement.py builds this optimizer
+    from zeromem.offload.params import ParamPlacement
+    from zeromem.offload.placement import OffloadPolicy
 
 _adam = importlib.import_module("torch.optim.adam")  # the functional kernels behind torch.optim
 _sgd = importlib.import_module("torch.optim.sgd")
@@ -250,8 +254,9 @@ class SwappedOptimizer(torch.optim.Optimizer):
     state: SwappedState  # type: ignore[assignment]  # a dict that refuses lookups on disk
 
     def __init__(self, template: torch.optim.Optimizer, groups: list[FlatParamGroup],
-                 space: SwapSpace, host_grads: dict[int, torch.Tensor] | GradFile, params: Any,
-                 policy: Any, staged: StagedMasters | None = None):
+                 space: SwapSpace, host_grads: dict[int, torch.Tensor] | GradFile,
+                 params: ParamPlacement, policy: OffloadPolicy,
+                 staged: StagedMasters | None = None):
         """`staged`: where `initialize` wrote the masters as it built the groups (else they
         are in memory), copied into this optimizer's file here."""
         super().__init__([dict(g) for g in template.param_groups], template.defaults)
@@ -273,7 +278,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.sub_groups = self.layout.sub_groups
         self.file = space.file("optimizer.swp", self.layout.file_bytes)
         self.host_grads, self.params = host_grads, params
-        config = policy.optimizer_block
+        config = policy.optimizer_offload
         self.read_ahead, self.write_behind = config.pipeline_read, config.pipeline_write
         self.depth = self.size.depth
         self.pool = BufferPool(self.depth * len(self.slot_fields), self.layout.slot_bytes,
