@@ -32,7 +32,7 @@ from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered
 from zeromem.offload.params import ParamPlacement
 from zeromem.offload.staged_masters import StagedMasters
 from zeromem.offload.placement import SwapSpaces, build_offload, build_params, stage_masters
-from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
+from zeromem.optimizer_factory import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler

@@ -56,7 +56,7 @@ from zeromem.config.schema import (AioConfig, Config, ConfigError, OffloadOptimi
                                    OffloadParamConfig, OptimizerConfig)
 from zeromem.flat import FlatParamGroup
 from zeromem.layout import BUCKETS_ALIVE
-from zeromem.optim import OPTIMIZERS, build_optimizer, has_fused_kernel
+from zeromem.optimizer_factory import OPTIMIZERS, build_optimizer, has_fused_kernel
 from zeromem.optimizers import Lamb
 from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
                             host_empty)
@@ -211,7 +211,7 @@ class MastersPlacement(Protocol):
     def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
                         factory: Callable | None,
                         params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
-        """The optimizer over the master shards (see optim.build_optimizer); `device` is the
+        """The optimizer over the master shards (see optimizer_factory.build_optimizer); `device` is the
         engine's, where collectives run."""
 
     def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
