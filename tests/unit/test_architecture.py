@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ MUTATORS = {"append", "extend", "insert", "add", "update", "setdefault", "pop", 
             "remove", "discard", "clear"}
 
 
+@functools.lru_cache(maxsize=1)  # parsed once for every test here; nothing changes the trees
 def modules() -> dict[str, ast.Module]:
     return {p.relative_to(SRC).as_posix(): ast.parse(p.read_text(), str(p))
             for p in sorted(SRC.rglob("*.py"))}
