@@ -159,7 +159,7 @@ def _check_same_tag(state: TrainingState, tag: str) -> None:
 # ---------------------------------------------------------------- save
 
 def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str | None = None,
-                    client_state: Any = None, exclude_frozen_parameters: bool = False) -> str:
+                    client_state: object = None, exclude_frozen_parameters: bool = False) -> str:
     """Write a checkpoint of the engine's `state` to `save_dir/<tag>` atomically; collective.
 
     Every rank writes its own pieces; rank 0 writes the manifest, publishes the

@@ -17,7 +17,7 @@ in training, where they share the machine):
     disk        read and write bandwidth of the engine's swap I/O (`SwapSpace`,
                 O_DIRECT) under the NVMe path
     optimizer   seconds per element of AdamW's step with the kernel each
-                placement runs: on the device the config's as `optim.py` builds
+                placement runs: on the device the config's as `optimizer_factory.py` builds
                 it (fused where torch has it), torch's fused CPU kernel under
                 offload
     overhead    the engine's own cost per step at each stage: per parameter
@@ -56,11 +56,16 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed
 from torch import nn
+
+if TYPE_CHECKING:  # the planner imports this module; its types are only annotations here
+    from zeromem.comm import Comm
+    from zeromem.planning.estimate import ActivationMemory, ModelShape, ShapeMemory, ZeroLayout
+    from zeromem.planning.planner import Setup, StepTime, Workload
 
 FP32 = 4
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -118,8 +123,8 @@ class Calibration:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def step_time(self, shape: Any, setup: Any, layout: Any, states: Any, acts: Any,
-                  work: Any, n_d: int) -> Any:
+    def step_time(self, shape: ModelShape, setup: Setup, layout: ZeroLayout, states: ShapeMemory,
+                  acts: ActivationMemory, work: Workload, n_d: int) -> StepTime:
         """The planner's `StepTime` of `setup` on this machine (see the module docstring)."""
         from zeromem.planning.planner import DTYPE_BYTES, StepTime, model_flops
         gas = work.gas
@@ -138,7 +143,7 @@ class Calibration:
         return StepTime(compute, comm, self._offload(setup, states, p, shape.psi / n_d, gas),
                         optimizer, can_overlap=self.backend == "nccl", overhead=overhead)
 
-    def _offload(self, setup: Any, states: Any, p: int, shard: float, gas: int) -> float:
+    def _offload(self, setup: Setup, states: ShapeMemory, p: int, shard: float, gas: int) -> float:
         """Host copies and swap I/O of one step."""
         moved = offload_traffic(setup, states, p, shard, gas)
         disk = moved.read / self.disk_read + moved.written / self.disk_write
@@ -181,7 +186,7 @@ def offload_traffic(setup: Any, states: Any, param_bytes: int, shard: float,
     return Traffic(copies, read, written)
 
 
-def collectives(shape: Any, layout: Any, param_bytes: int, grad_bytes: int, n_d: int,
+def collectives(shape: ModelShape, layout: ZeroLayout, param_bytes: int, grad_bytes: int, n_d: int,
                 gas: int) -> dict[str, tuple[float, float]]:
     """{kind: (calls, bytes)} one optimizer step issues, as the engine issues them.
 
@@ -219,7 +224,7 @@ def collectives(shape: Any, layout: Any, param_bytes: int, grad_bytes: int, n_d:
             "all_gather": (chunks, param_bytes * sum(groups)), "all_reduce_norm": (1, FP32)}
 
 
-def prefetched_gathers(shape: Any, layout: Any, param_bytes: int, n_d: int,
+def prefetched_gathers(shape: ModelShape, layout: ZeroLayout, param_bytes: int, n_d: int,
                        gas: int) -> tuple[tuple[float, float], tuple[float, float]]:
     """(calls, bytes) of the stage-3 gathers the engine issues ahead of need, in the
     forward and in the backward of one optimizer step: with a prefetch window
@@ -238,7 +243,7 @@ def prefetched_gathers(shape: Any, layout: Any, param_bytes: int, n_d: int,
             (calls, param_bytes * gas * (sum(fetched) - fetched[-1])))
 
 
-def comm_seconds(links: dict[str, Link], shape: Any, layout: Any, param_bytes: int, n_d: int,
+def comm_seconds(links: dict[str, Link], shape: ModelShape, layout: ZeroLayout, param_bytes: int, n_d: int,
                  gas: int, compute: tuple[float, float]) -> float:
     """Seconds one optimizer step waits for its collectives: every call the engine issues
     (`collectives`, at the measured links), less the prefetched stage-3 gathers, each
@@ -289,7 +294,7 @@ class Clock:
     the calibration and the steps it predicts.
     """
 
-    def __init__(self, comm: Any):
+    def __init__(self, comm: Comm):
         self.comm = comm
 
     def seconds(self, run: Callable[[], Any], reps: int = 1, synchronised: bool = True) -> float:
@@ -432,7 +437,7 @@ class Probe:
         from zeromem.config.schema import AioConfig
         from zeromem.offload.nvme import AsyncIO, BufferPool, SwapSpace
         from zeromem.offload.placement import CPU_KERNEL
-        from zeromem.optim import kernel_options
+        from zeromem.optimizer_factory import kernel_options
         torch.manual_seed(rank)
         self.comm = Comm()
         self.clock = Clock(self.comm)
@@ -443,7 +448,7 @@ class Probe:
         self.copy = (torch.ones(self.COPY), torch.empty(self.COPY))
         numel = what.optimizer_numel
         self.optimizers = {}
-        # the kernels the engine builds: on the device the config's AdamW as optim.py asks
+        # the kernels the engine builds: on the device the config's AdamW as optimizer_factory.py asks
         # for it, under offload torch's fastest CPU kernel (offload/placement.py)
         kernels = {"device": kernel_options(torch.optim.AdamW, {"lr": 1e-4}),
                    "cpu": {"lr": 1e-4, CPU_KERNEL: True}}
@@ -553,7 +558,7 @@ def _measure_rank(rank: int, world_size: int, what: Measurement) -> list[dict]:
         probe.close()
 
 
-def from_samples(samples: list[list[dict]], what: Measurement, shape: Any,
+def from_samples(samples: list[list[dict]], what: Measurement, shape: ModelShape,
                  backend: str = "gloo") -> Calibration:
     """The calibration from each rank's `Probe.sample()`s: per rank the median over the
     samples, then the slowest rank (a step waits for every rank). Each sample is already
@@ -584,14 +589,14 @@ def from_samples(samples: list[list[dict]], what: Measurement, shape: Any,
                        *_engine_overhead(seconds, links, n))
 
 
-def measurement(build: Callable[[], nn.Module], shape: Any, micro_batch: int, seq: int,
+def measurement(build: Callable[[], nn.Module], shape: ModelShape, micro_batch: int, seq: int,
                 world_size: int, nvme_path: str | None = None, reps: int = 3) -> Measurement:
     """What `calibrate` measures for `shape` (the disk: `nvme_path`'s, else the temp dir's)."""
     return Measurement(build, micro_batch, seq, shape.vocab or 256,
                        -(-shape.psi // world_size), nvme_path or tempfile.gettempdir(), reps)
 
 
-def calibrate(build: Callable[[], nn.Module], shape: Any, micro_batch: int, seq: int,
+def calibrate(build: Callable[[], nn.Module], shape: ModelShape, micro_batch: int, seq: int,
               world_size: int, nvme_path: str | None = None, reps: int = 3,
               backend: str = "gloo", timeout_s: float = 600) -> Calibration:
     """Measure this machine on `world_size` spawned `backend` ranks (see the module docstring).
