@@ -159,7 +159,7 @@ class Traffic:
     written: float = 0.0  # to them
 
 
-def offload_traffic(setup: Any, states: Any, param_bytes: int, shard: float,
+def offload_traffic(setup: Setup, states: ShapeMemory, param_bytes: int, shard: float,
                     gas: int) -> Traffic:
     """What `setup`'s offload moves in one optimizer step, as the engine moves it (its
     per-step `offload.io_report()` counts the same swap bytes; test_plan_calibrate).
