@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Callable
+from typing import Callable, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,8 @@ from zeromem.checkpoints.tensor_files import CheckpointError
 from zeromem.training_state import TrainingState
 
 log = logging.getLogger("zeromem")
+
+T = TypeVar("T")
 
 
 def all_ranks_ok(state: TrainingState, error: BaseException | None, what: str) -> None:
@@ -34,7 +36,7 @@ def all_ranks_ok(state: TrainingState, error: BaseException | None, what: str) -
     raise CheckpointError(f"{what} failed on rank(s) {failed}; see their error")
 
 
-def attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+def attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     """(`fn()`, None), or (None, the error it raised) to be shared by `all_ranks_ok`."""
     try:
         return fn(), None
@@ -42,11 +44,11 @@ def attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
         return None, error
 
 
-def collective(state: TrainingState, what: str, fn: Callable[[], Any]) -> Any:
+def collective(state: TrainingState, what: str, fn: Callable[[], T]) -> T:
     """`fn()` on every rank; if it raised on any, every rank raises (naming `what`)."""
     result, error = attempt(fn)
     all_ranks_ok(state, error, what)
-    return result
+    return cast(T, result)  # `fn` returned: all_ranks_ok raised otherwise
 
 
 def share_rows(state: TrainingState, row: list[int]) -> list[list[int]]:

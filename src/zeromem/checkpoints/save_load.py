@@ -124,22 +124,22 @@ def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str 
     root, rank = Path(save_dir), state.comm.rank
     tmp = root / f".tmp-{tag}"
     collective(state, "preparing the checkpoint directory",
-                lambda: prepare_tmp(root, tmp) if rank == 0 else None)
+               lambda: prepare_tmp(root, tmp) if rank == 0 else None)
     try:
         with state.all_in_memory():  # masters and optimizer states in memory (offload/placement.py)
             manifest = collective(state, "describing the checkpoint",
-                                   lambda: _build_manifest(state, tag, exclude_frozen_parameters)
-                                   if rank == 0 else None)
+                                  lambda: _build_manifest(state, tag, exclude_frozen_parameters)
+                                  if rank == 0 else None)
             digest, error = attempt(lambda: _write_rank_file(state, tmp, rank,
-                                                              exclude_frozen_parameters))
+                                                             exclude_frozen_parameters))
         rows = share_rows(state, _digest_row(digest, error))
         all_ranks_ok(state, error, "writing the checkpoint shards")
         client, error = attempt(lambda: _write_client_state(tmp, client_state)
-                                 if rank == 0 else None)
+                                if rank == 0 else None)
         all_ranks_ok(state, error, "writing client_state")
         collective(state, "publishing the checkpoint",
-                    lambda: _finish(state, root, tmp, tag, manifest, rows, client)
-                    if rank == 0 else None)
+                   lambda: _finish(state, root, tmp, tag, manifest, rows, client)
+                   if rank == 0 else None)
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -280,9 +280,10 @@ def _build_manifest(state: TrainingState, tag: str, exclude_frozen: bool) -> dic
     }
 
 
-def _finish(state: TrainingState, root: Path, tmp: Path, tag: str, manifest: dict,
+def _finish(state: TrainingState, root: Path, tmp: Path, tag: str, manifest: dict | None,
             rows: list[list[int]], client: dict | None) -> None:
     """Rank 0: complete the manifest, then publish the directory, then `latest`."""
+    assert manifest is not None  # rank 0 built it
     for rank, row in enumerate(rows):
         pieces = [[slot.name, p0, n] for g in state.groups
                   for slot, _, p0, n in group_pieces(g, rank)]
@@ -347,7 +348,7 @@ def _load_deepspeed(state: TrainingState, where: tuple[Path, str], load_optimize
     root, tag = where
     with tempfile.TemporaryDirectory(prefix="zeromem-deepspeed-") as tmp:
         collective(state, f"importing DeepSpeed checkpoint {root / tag}",
-                    lambda: import_deepspeed(root, tmp, tag))
+                   lambda: import_deepspeed(root, tmp, tag))
         _load(state, tmp, tag, load_optimizer_states, load_lr_scheduler_states, False,
               shown=root)
     return str(root / tag), None
@@ -369,8 +370,8 @@ def _load(state: TrainingState, load_dir, tag: str | None, load_optimizer_states
                               "was `latest` replaced during the load?")
     _verify_files(state, path, manifest)
     staged = collective(state, "reading the checkpoint",
-                         lambda: _stage(state, path, manifest, load_optimizer_states,
-                                        trust_client_state))
+                        lambda: _stage(state, path, manifest, load_optimizer_states,
+                                       trust_client_state))
     with state.all_in_memory():  # masters and optimizer states in memory (offload/placement.py)
         _apply(state, staged, load_lr_scheduler_states)
     state.refresh_params()  # the compute-dtype parameters from the loaded masters
@@ -573,6 +574,6 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
         weights = {k: v for k, v in weights.items() if k not in frozen}
     path = Path(save_dir) / filename
     collective(state, "saving the 16-bit model",
-                lambda: write_state_dict(path, weights) if state.comm.rank == 0 else None)
+               lambda: write_state_dict(path, weights) if state.comm.rank == 0 else None)
     return str(path)
 
