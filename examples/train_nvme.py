@@ -12,6 +12,9 @@ one budget, `zeromem.offload_host_budget_bytes` (offload/budget.py):
     optimizer pool   what the budget leaves, cut into sub-groups read ahead / stepped /
                      written behind
 
+The model is built under `zeromem.Init`, which writes each parameter's shard to
+`--nvme-path` as it is made, and `initialize` writes each unit's shard and fp32 master
+as it builds the unit: no rank ever holds the model's states, not even while building.
 The model is chosen so that its states per rank (16 bytes per parameter / N_d) are at
 least 4x the budget. At the end each rank prints the host and NVMe bytes its memory
 ledger holds beside what the planner (`zeromem plan`, planning.predict_memory) predicted
@@ -63,17 +66,19 @@ def run(args: argparse.Namespace, world: int, rank: int) -> dict:
     budget = int(args.host_budget_mb * 2**20)
     config = nvme_config(args.nvme_path, budget, args.micro_batch)
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        shape = GPT(model_config)  # sizes only, no storage
+    psi = count_parameters(shape)
     torch.manual_seed(0)
-    model = GPT(model_config)
-    psi = count_parameters(model)
-    engine = zeromem.initialize(model, config)
+    with zeromem.Init(config=config):  # each shard written to --nvme-path as it is made
+        model = GPT(model_config)
+    engine = zeromem.initialize(model, config)  # each unit's shard and master likewise
     try:
         train(engine, args, rank)
         host, nvme = ledger_bytes(engine)
     finally:
         engine.close()  # removes this rank's swap directory
-    with torch.device("meta"):
-        predicted = predict_memory(shape_of(GPT(model_config)), config, world)
+    predicted = predict_memory(shape_of(shape), config, world)
     return {"psi": psi, "states": STATE_BYTES * psi / world, "budget": budget, "host": host,
             "nvme": nvme, "plan_host": predicted.host_bytes, "plan_nvme": predicted.nvme_bytes}
 

@@ -1,9 +1,12 @@
-"""Small models and a single-process reference trainer shared by the tests."""
+"""Small models, a single-process reference trainer and gradient / storage probes shared by the tests."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 class TinyLM(nn.Module):
@@ -146,3 +149,43 @@ class GainLM(TinyLM):
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.gain(torch.tanh(self.fc1(h))))
+
+
+# ---------------------------------------------------------------- gradients and storage, measured
+
+def grads_of(x, module) -> list[torch.Tensor]:
+    """The gradients of `x` (when it has one) and of `module`'s parameters; then clears them."""
+    out = ([x.grad.clone()] if x is not None and x.grad is not None else [])
+    out += [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    if x is not None:
+        x.grad = None
+    return out
+
+
+def assert_all_close(a, b):
+    """Two lists of tensors equal within fp32 round-off."""
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+
+
+class StorageTracker(TorchDispatchMode):
+    """Weak references to every storage an op creates; `held_bytes` sums those still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: list[tuple[StorageWeakRef, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.refs.append((StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+    def held_bytes(self, exclude) -> int:
+        skip = {StorageWeakRef(t.untyped_storage()).cdata for t in exclude}
+        alive = {r.cdata: n for r, n in self.refs if not r.expired() and r.cdata not in skip}
+        return sum(alive.values())

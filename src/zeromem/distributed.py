@@ -29,10 +29,14 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from zeromem.comm import Comm
 
 log = logging.getLogger("zeromem")
 
@@ -164,6 +168,14 @@ def default_store():
         return None
 
 
+class LiveEngine(Protocol):
+    """What `Lifecycle` knows of an engine: its `Comm` (the comms log reads it) and `close`."""
+
+    comm: Comm
+
+    def close(self, barrier_timeout_s: float = ...) -> None: ...
+
+
 class Lifecycle:
     """The engines alive in this process, and whether zeromem created the default group.
 
@@ -172,17 +184,17 @@ class Lifecycle:
     """
 
     def __init__(self) -> None:
-        self._engines: list[weakref.ref] = []  # in the order built: the newest is the last
+        self._engines: list[weakref.ref[LiveEngine]] = []  # in the order built: newest last
         self.owns_group = False
         self.failed = False  # an uncaught exception is ending the process
         self._installed = False
 
-    def register(self, engine) -> None:
+    def register(self, engine: LiveEngine) -> None:
         """Close `engine` at shutdown unless it was closed before."""
         self._engines = [ref for ref in self._engines if ref() is not None] + [weakref.ref(engine)]
 
     @property
-    def engines(self) -> list:
+    def engines(self) -> list[LiveEngine]:
         """The engines still referenced, oldest first."""
         return [engine for engine in (ref() for ref in self._engines) if engine is not None]
 

@@ -27,11 +27,12 @@ from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
 from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
-from zeromem.monitors import Observers, due
+from zeromem.monitors import Observers, StepFacts, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
 from zeromem.offload.params import ParamPlacement
-from zeromem.offload.placement import SwapSpaces, build_offload, build_params
-from zeromem.optim import normalize_param_groups, optimizer_state_bytes_per_param
+from zeromem.offload.staged_masters import StagedMasters
+from zeromem.offload.placement import SwapSpaces, build_offload, build_params, stage_masters
+from zeromem.optimizer_factory import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.schedulers import build_scheduler
@@ -97,11 +98,19 @@ class Engine:
         self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
         self.unit_choice: UnitChoice | None = None  # stage 3: set by `_partition`
         self.bucket_sizes = self._bucket_sizes(param_groups)  # explicit, or from the model
-        # swap files are named by the global rank: unique across nodes sharing a filesystem
-        # and across data-parallel groups (a dp_group rank repeats in each group)
+        parts = self._partition(param_groups, sharding, fetch_units)
+        # Laid out before the groups exist, so that under Init each unit's shard (and, 16-bit
+        # with the optimizer on NVMe, its fp32 master) leaves memory for its swap file before
+        # the next unit is gathered whole: no rank holds all its shards at once.
+        # Swap files are named by the global rank: unique across nodes sharing a filesystem
+        # and across data-parallel groups (a dp_group rank repeats in each group).
         spaces = SwapSpaces(config, self.runtime.global_rank)
-        params_placement, self.groups = self._build_groups(param_groups, sharding, fetch_units,
-                                                           spaces)
+        shard_numels = self._shard_numels(parts) if sharding.params else []
+        params_placement = build_params(config, shard_numels, self.compute_dtype, self.device,
+                                        spaces)
+        staged = stage_masters(config, shard_numels, self.compute_dtype, spaces)
+        self.groups = self._build_groups(parts, sharding, [s for s in (staged, params_placement)
+                                                           if s is not None], spaces)
         self.partitions.materialize(self.module.parameters(), self.comm)  # frozen, built under Init
         self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
         self.psi = sum(g.numel for g in self.groups)
@@ -112,7 +121,7 @@ class Engine:
         # where masters and optimizer states live (offload/placement.py), beside the parameter
         # placement the shards went to; before the stage-3 units, which receive the latter
         self.offload = build_offload(config, self.groups, params_placement, spaces,
-                                     self.runtime.global_rank)
+                                     self.runtime.global_rank, staged)
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer,
                                                       self.device)
         # tensor parallelism: the clipping norm spans the model-parallel group too
@@ -135,7 +144,7 @@ class Engine:
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         # monitors, comms_logger, flops_profiler, throughput, dump_state (monitors.py)
-        self.observers = Observers(self)
+        self.observers = Observers(config, comm, self.device, self.psi, self.counters)
 
     def _make_scheduler(self, lr_scheduler: SchedulerArg) -> LRScheduler | None:
         """A factory `optimizer -> scheduler`, a ready scheduler, or the config's `scheduler`."""
@@ -159,30 +168,27 @@ class Engine:
                  sizes, f"{psi:,}", self.dp_world_size, derived)
         return sizes
 
-    def _build_groups(self, param_groups: list[dict], sharding: Sharding,
-                      fetch_units: tuple[type, ...],
-                      spaces: SwapSpaces) -> tuple[ParamPlacement, list[FlatParamGroup]]:
-        """One flat group per bucket (per fetch unit at stage 3), in expected backward order,
-        and the parameter placement that took each group's shard as it was built."""
-        order = {id(p): i for i, p in enumerate(self.module.parameters())}
-        parts = self._partition(param_groups, sharding, fetch_units)
-        # laid out before the groups exist: under Init, each unit's shard leaves memory (to
-        # params.swp with parameters on NVMe) before the next unit is gathered whole, so no
-        # rank holds all its shards at once
+    def _shard_numels(self, parts: list[tuple[int, list[nn.Parameter]]]) -> list[int]:
+        """Stage 3: this rank's shard elements of each flat group to build, before it exists."""
         shard = self.plan.shard
-        shard_numels = [ShardLayout(sum(self.partitions.full_numel(p) for p in params),
-                                    shard.world_size, shard.rank).shard_numel
-                        for _, params in parts] if sharding.params else []
-        placement = build_params(self.config, shard_numels, self.compute_dtype, self.device,
-                                 spaces)
+        return [ShardLayout(sum(self.partitions.full_numel(p) for p in params),
+                            shard.world_size, shard.rank).shard_numel for _, params in parts]
+
+    def _build_groups(self, parts: list[tuple[int, list[nn.Parameter]]], sharding: Sharding,
+                      intake: list[ParamPlacement | StagedMasters],
+                      spaces: SwapSpaces) -> list[FlatParamGroup]:
+        """One flat group per part (a bucket, at stage 3 a fetch unit), in expected backward
+        order; each is handed to `intake` (`admit`) as soon as it is built."""
+        order = {id(p): i for i, p in enumerate(self.module.parameters())}
         groups = []
         try:
             for gi, params in parts:
                 self.partitions.materialize(params, self.comm)  # built under Init: one at a time
                 names = [self.names[id(p)] for p in params]
-                groups.append(FlatParamGroup(params, names, shard, sharding, gi,
+                groups.append(FlatParamGroup(params, names, self.plan.shard, sharding, gi,
                                              self.compute_dtype))
-                placement.admit(groups[-1])
+                for place in intake:
+                    place.admit(groups[-1])
         except BaseException:
             spaces.close()  # no half-written swap files left behind
             raise
@@ -197,7 +203,7 @@ class Engine:
             kind = WholeScattered if sharding.optimizer else WholeAllReduced
             for g in groups:
                 g.attach_grads(kind(g, grad_dtype))
-        return placement, groups
+        return groups
 
     def _partition(self, param_groups: list[dict], sharding: Sharding,
                    fetch_units: tuple[type, ...]) -> list[tuple[int, list[nn.Parameter]]]:
@@ -275,11 +281,15 @@ class Engine:
             self.counters.advance_global(skipped=overflow)
             self.comm.end_step()
             self.offload.end_step()  # swap bytes and I/O wait of this step (offload.io_report())
-        self.observers.after_step()
-        if due(self.global_steps, self.config.steps_per_print):
+        printing = due(self.global_steps, self.config.steps_per_print)
+        facts = StepFacts(self.get_lr(), self.loss_scale, self.grad_norm,
+                          self.memory_report() if self.observers.wants_memory_report(printing)
+                          else None)
+        self.observers.after_step(facts)
+        if printing:
             log.info("step %d: lr %s, grad norm %.4g, loss scale %g, skipped %d%s%s",
-                     self.global_steps, self.get_lr(), self.grad_norm, self.loss_scale,
-                     self.skipped_steps, self.timers.summary(), self.observers.log_line_extras())
+                     self.global_steps, facts.lr, self.grad_norm, self.loss_scale,
+                     self.skipped_steps, self.timers.summary(), self.observers.log_line_extras(facts))
 
     def zero_grad(self) -> None:
         self.zero.zero_grad()
@@ -316,7 +326,7 @@ class Engine:
         return self.grad_norm
 
     # -- checkpoints (checkpoints/save_load.py) -------------------------------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: object = None,
                         exclude_frozen_parameters: bool = False) -> str:
         """Atomic sharded checkpoint, loadable under any world size and stage; collective.
 

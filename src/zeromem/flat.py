@@ -271,7 +271,9 @@ class FlatParamGroup:
 
     # -- after the optimizer step -----------------------------------------
     def master_aliases_params(self) -> bool:
-        return self._master.data_ptr() == self._param_shard.data_ptr()
+        """The master is the parameter shard itself (fp32 compute). Identity, not address:
+        offload empties both storages between steps, and empty tensors share address 0."""
+        return self._master is self._param_shard
 
     def write_back(self) -> None:
         """Copy the updated master shard into this rank's parameter shard."""

@@ -25,7 +25,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 if TYPE_CHECKING:
-    from zeromem.engine import Engine
+    from zeromem.comm import Comm
+    from zeromem.config.schema import Config
+    from zeromem.training_state import StepCounters
 
 log = logging.getLogger("zeromem")
 
@@ -40,9 +42,11 @@ def _number(value: float, unit: str = "") -> str:
 class FlopsProfiler:
     """Counts one optimizer step's flops (`profile_step`) and writes the summary."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.config = engine.config.flops_profiler
+    def __init__(self, config: Config, comm: Comm, device: torch.device, psi: int,
+                 counters: StepCounters):
+        """`psi`: the trained parameters; `counters`: the engine's, read to find the profiled step."""
+        self.run_config, self.config = config, config.flops_profiler
+        self.comm, self.device, self.psi, self.counters = comm, device, psi, counters
         self.flops: dict[str, float] = defaultdict(float)  # phase -> flops
         self.seconds: dict[str, float] = defaultdict(float)  # phase -> seconds
         self.modules: dict[str, float] = defaultdict(float)  # forward flops by module name
@@ -50,11 +54,11 @@ class FlopsProfiler:
         self.result: dict | None = None  # the summary's numbers, once written
 
     def profiling(self) -> bool:
-        return self.result is None and self.engine.global_steps + 1 == self.config.profile_step
+        return self.result is None and self.counters.global_steps + 1 == self.config.profile_step
 
     def _sync(self) -> None:
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -79,12 +83,12 @@ class FlopsProfiler:
 
     def after_step(self) -> None:
         """After each optimizer step: at the profiled one, write the summary."""
-        if self.result is not None or self.engine.global_steps != self.config.profile_step:
+        if self.result is not None or self.counters.global_steps != self.config.profile_step:
             return
         self._sync()
         self.seconds["step"] = time.perf_counter() - self.last_backward_end
         self.result = self._numbers()
-        if self.engine.comm.rank == 0:
+        if self.comm.rank == 0:
             text = self.summary()
             if self.config.output_file:
                 with open(self.config.output_file, "w") as handle:
@@ -93,16 +97,16 @@ class FlopsProfiler:
                 log.info("%s", text)
 
     def _numbers(self) -> dict:
-        engine, config = self.engine, self.engine.config
+        config = self.run_config
         fwd, bwd = self.flops["forward"], self.flops["backward"]
         latency = {k: self.seconds[k] for k in ("forward", "backward", "step")}
         iteration = sum(latency.values())
         return {
-            "step": config.flops_profiler.profile_step, "world_size": engine.comm.world_size,
+            "step": config.flops_profiler.profile_step, "world_size": self.comm.world_size,
             "micro_batch": config.train_micro_batch_size_per_gpu,
             "samples": int(config.train_micro_batch_size_per_gpu or 0)
             * int(config.gradient_accumulation_steps or 0),
-            "params": engine.psi, "fwd_flops": fwd, "fwd_macs": fwd / 2, "bwd_flops": bwd,
+            "params": self.psi, "fwd_flops": fwd, "fwd_macs": fwd / 2, "bwd_flops": bwd,
             "latency_s": {**latency, "iteration": iteration},
             "deepspeed_estimate_flops": (3 + self.config.recompute_fwd_factor) * fwd,
             "modules": dict(self.modules),

@@ -102,7 +102,7 @@ class LoadIntoMasters:
                     start, at, n = g.owned_slice(slot)
                     if n and not g.master_aliases_params():
                         g.master[start:start + n].copy_(value.detach().reshape(-1)[at:at + n])
-            params = self.offload.params  # the parameter home (offload/params.py)
+            params = self.offload.params  # where the parameter shards live (offload/params.py)
             for pid, value in loaded.items():
                 g, slot = self.slot_of[pid]
                 start, at, n = g.owned_slice(slot)

@@ -1,6 +1,8 @@
 """What the engine reports besides training: DeepSpeed's monitors, comms logger, flops
 profiler, throughput timer and memory breakdown, as the config's extras ask
-(config/extras.py). The engine calls `Observers` at its hooks and knows nothing else.
+(config/extras.py). The engine calls `Observers` at its hooks and knows nothing else;
+the observers get what they report passed in (the `Comm`, the step counters, a
+`StepFacts` after each step) and never call back into the engine.
 
 Monitors (`csv_monitor`, `tensorboard`, `wandb`) are written by rank 0 at every optimizer
 step, with DeepSpeed's event names and x axis (samples seen: global steps x
@@ -26,6 +28,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +37,10 @@ from zeromem.comm_log import CommLog
 from zeromem.flops import FlopsProfiler
 
 if TYPE_CHECKING:
-    from zeromem.engine import Engine
+    from zeromem.comm import Comm
+    from zeromem.config.schema import Config
+    from zeromem.memory import MemoryReport
+    from zeromem.training_state import StepCounters
 
 log = logging.getLogger("zeromem")
 
@@ -109,22 +115,34 @@ def build_monitors(config) -> list:
     return monitors
 
 
+@dataclass(frozen=True)
+class StepFacts:
+    """What the engine tells its observers after each optimizer step."""
+
+    lr: list[float]  # each param group's learning rate
+    loss_scale: float
+    grad_norm: float | None  # before clipping; None when not computed
+    memory: MemoryReport | None  # the engine's memory report when `wants_memory_report`
+
+
 class Observers:
     """The engine's reporting: called at forward, backward, and after each optimizer step."""
 
-    def __init__(self, engine: Engine):
-        config = engine.config
-        self.engine = engine
+    def __init__(self, config: Config, comm: Comm, device: torch.device, psi: int,
+                 counters: StepCounters):
+        """`psi`: the trained parameters; `counters`: the engine's step counters (read only)."""
         self.config = config
+        self.comm, self.device, self.counters = comm, device, counters
         if config.log_level is not None:
             logging.getLogger("zeromem").setLevel(config.log_level.upper())
-        self.rank = engine.comm.rank
+        self.rank = comm.rank
         self.monitoring = config.monitoring
         self.monitors = build_monitors(config) if self.monitoring and self.rank == 0 else []
         self.losses: list[torch.Tensor] = []
         if config.comms_logger.enabled:
-            engine.comm.log = CommLog(config.comms_logger, engine.comm.world_size, self.rank)
-        self.flops = FlopsProfiler(engine) if config.flops_profiler.enabled else None
+            comm.log = CommLog(config.comms_logger, comm.world_size, self.rank)
+        self.flops = (FlopsProfiler(config, comm, device, psi, counters)
+                      if config.flops_profiler.enabled else None)
         self.throughput = config.timers.throughput
         self._mark = (time.perf_counter(), 0)  # (clock, global step) at the last log line
         if config.dump_state and self.rank == 0:
@@ -141,58 +159,63 @@ class Observers:
             self.losses.append(loss.detach().float().reshape(()))
         return self.flops.phase("backward") if self.flops is not None else _nothing()
 
-    def after_step(self) -> None:
+    def wants_memory_report(self, printing: bool) -> bool:
+        """Whether this step's `StepFacts` needs the memory report (built on this rank only):
+        for the monitors (rank 0), or for a log line (`printing`) with `memory_breakdown`."""
+        return (self.monitoring and self.rank == 0) or (printing and self.config.memory_breakdown)
+
+    def after_step(self, facts: StepFacts) -> None:
         """After an optimizer step (applied or skipped on overflow)."""
         if self.flops is not None:
             self.flops.after_step()
         if self.monitoring:
-            self._write_events()
+            self._write_events(facts)
 
-    def _write_events(self) -> None:
-        engine = self.engine
+    def _write_events(self, facts: StepFacts) -> None:
         loss = torch.stack(self.losses).mean() if self.losses else torch.zeros(())
         self.losses.clear()
-        if engine.comm.world_size > 1:  # every rank: the mean over the data-parallel ranks
-            loss = loss.to(engine.device)
-            engine.comm.all_reduce(loss, kind="monitor")
-            loss = loss / engine.comm.world_size
+        if self.comm.world_size > 1:  # every rank: the mean over the data-parallel ranks
+            loss = loss.to(self.device)
+            self.comm.all_reduce(loss, kind="monitor")
+            loss = loss / self.comm.world_size
         if self.rank != 0:
             return
-        samples = engine.global_steps * int(self.config.train_batch_size or 0)
+        samples = self.counters.global_steps * int(self.config.train_batch_size or 0)
         events: list[Event] = [("Train/Samples/train_loss", float(loss), samples),
-                               ("Train/Samples/lr", float(engine.get_lr()[0]), samples)]
+                               ("Train/Samples/lr", float(facts.lr[0]), samples)]
         if self.config.fp16.enabled:
-            events.append(("Train/Samples/loss_scale", float(engine.loss_scale), samples))
-        if engine.grad_norm is not None:
-            events.append(("Train/Samples/grad_norm", float(engine.grad_norm), samples))
-        events.append(("Train/Samples/model_state_bytes",
-                       float(engine.memory_report().model_state_bytes()), samples))
-        if engine.device.type == "cuda":
+            events.append(("Train/Samples/loss_scale", float(facts.loss_scale), samples))
+        if facts.grad_norm is not None:
+            events.append(("Train/Samples/grad_norm", float(facts.grad_norm), samples))
+        if facts.memory is not None:
+            events.append(("Train/Samples/model_state_bytes",
+                           float(facts.memory.model_state_bytes()), samples))
+        if self.device.type == "cuda":
             events.append(("Train/Samples/max_memory_allocated",
-                           float(torch.cuda.max_memory_allocated(engine.device)), samples))
+                           float(torch.cuda.max_memory_allocated(self.device)), samples))
         for monitor in self.monitors:
             monitor.write(events)
 
-    def log_line_extras(self) -> str:
+    def log_line_extras(self, facts: StepFacts) -> str:
         """What the step log line adds: samples per second, the memory report."""
         text = ""
         if self.throughput.enabled:
-            if self.throughput.synchronized and self.engine.device.type == "cuda":
-                torch.cuda.synchronize(self.engine.device)
-            now, steps = time.perf_counter(), self.engine.global_steps
+            if self.throughput.synchronized and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            now, steps = time.perf_counter(), self.counters.global_steps
             then, before = self._mark
             self._mark = (now, steps)
             if steps > before and now > then:
                 rate = (steps - before) * int(self.config.train_batch_size or 0) / (now - then)
                 text += f", {rate:.1f} samples/s"
-        if self.config.memory_breakdown:
-            text += f"\n{self.engine.memory_report()}"
+        if self.config.memory_breakdown and facts.memory is not None:
+            text += f"\n{facts.memory}"
         return text
 
     def close(self) -> None:
         """At the end of training: the comms summary (rank 0), and the monitors' files."""
-        if self.engine.comm.log is not None and self.rank == 0:
-            log.info("communication summary (comms_logger):\n%s", self.engine.comm.log.summary())
+        if self.comm.log is not None and self.rank == 0:
+            log.info("communication summary (comms_logger):\n%s", self.comm.log.summary())
         for monitor in self.monitors:
             monitor.close()
         self.monitors = []

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -290,18 +289,3 @@ def test_leftovers_of_a_killed_run_are_reclaimed_and_a_live_runs_kept(tmp_path):
     assert os.listdir(tmp_path / "nvme") == []
 
 
-def test_owner_liveness_rules(tmp_path):
-    from zeromem.leftovers import OWNER, UNOWNED_GRACE_S, owner_record, reclaim_stale
-    dirs = {name: tmp_path / f"x-{name}" for name in
-            ("alive", "recycled pid", "other host", "unowned new", "unowned old", "garbage")}
-    for d in dirs.values():
-        d.mkdir()
-    me = owner_record()
-    (dirs["alive"] / OWNER).write_text(json.dumps(me))
-    (dirs["recycled pid"] / OWNER).write_text(json.dumps({**me, "start": me["start"] - 1}))
-    (dirs["other host"] / OWNER).write_text(json.dumps({**me, "host": "elsewhere", "pid": 1}))
-    (dirs["garbage"] / OWNER).write_text(json.dumps({"pid": "x"}))
-    old = time.time() - UNOWNED_GRACE_S - 10
-    os.utime(dirs["unowned old"], (old, old))
-    removed = {p.name for p in reclaim_stale(tmp_path, "x-")}
-    assert removed == {"x-recycled pid", "x-unowned old"}  # an unreadable owner: kept

@@ -155,6 +155,44 @@ def test_host_memory_does_not_grow_with_the_model(tmp_path, monkeypatch):
             assert large[key] - small[key] <= 0.125 * growth, (key, small, large, growth)
 
 
+def bf16_initialize_peaks(rank: int, world_size: int, path: str) -> list[dict]:
+    """8, then 32 layers in the same processes (what the first leaves can only raise the
+    second's peak, so the growth measured is not understated)."""
+    torch.set_num_threads(1)
+    return [bf16_initialize_peak(path, depth, world_size) for depth in (8, 32)]
+
+
+def bf16_initialize_peak(path: str, depth: int, world_size: int) -> dict:
+    """initialize's resident high-water mark, bf16, `depth` Linear(WIDTH) built under Init."""
+    cfg = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "zeromem": {"offload_host_budget_bytes": 8 << 20},
+           "zero_optimization": {"stage": 3,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": path},
+                                 "offload_param": {"device": "nvme", "nvme_path": path}}}
+    torch.manual_seed(0)
+    with zeromem.Init(config=cfg):
+        model = Deep(width=WIDTH, depth=depth)
+    Path("/proc/self/clear_refs").write_text("5")
+    engine = zeromem.initialize(model, cfg)
+    out = {"initialize_peak": _vm("VmHWM"), "states": 16 * engine.psi / world_size,
+           "files": sorted(f.path.name for s in engine.offload.spaces for f in s.files)}
+    engine.close()
+    return out
+
+
+def test_initialize_writes_bf16_masters_as_it_builds(tmp_path, monkeypatch):
+    """bf16 with the optimizer on NVMe: each unit's fp32 master (0.25x of the states in all)
+    goes to masters.swp as the unit is built, and the optimizer copies them into its own
+    file one unit at a time, then removes masters.swp; initialize's peak stays flat."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    for small, large in run_distributed(bf16_initialize_peaks, 2, str(tmp_path)):
+        growth = large["states"] - small["states"]
+        init = large["initialize_peak"] - small["initialize_peak"]
+        assert init <= 0.125 * growth, (small, large, growth)
+        assert "masters.swp" not in large["files"], large["files"]
+
+
 # ---------------------------------------------------------------- beyond host memory, shown
 
 def train_example(rank: int, world_size: int, path: str) -> dict:

@@ -3,8 +3,11 @@
 Timing values are never asserted. What is: the collectives the step-time model
 counts carry the bytes the engine's Comm really sends (stages 0-3, accumulation
 included); a calibration on spawned gloo ranks yields positive figures that agree
-with each other; and the predictions built from it order setups as the work they
-do orders them.
+with each other; the predictions built from it order setups as the work they
+do orders them; and a call that synchronises the ranks is timed net of the
+loaded rank's run-queue delay on both (load made on purpose: tests/contention.py).
+How close the predictions come to measured steps is benchmarks/bench_plan.py's
+question (README, "A plan beside the measured run"), since timings on a shared machine cannot be asserted.
 """
 from __future__ import annotations
 
@@ -15,11 +18,15 @@ import torch
 
 import zeromem
 from gpt import GPT, GPTConfig
+from contention import CAN_SHARE_A_CORE, burn, sharing_one_core
 from harness import run_distributed
+from zeromem.comm import Comm
 from zeromem.config.schema import Config
-from zeromem.planning.calibrate import calibrate, collectives
-from zeromem.planning.planner import (Hardware, Setup, Workload, evaluate, layout_for,
-                                      planned_layout, model_flops, predict_memory, shape_of)
+from zeromem.planning.calibrate import (Clock, calibrate, collectives, offload_traffic,
+                                        run_queue_delay)
+from zeromem.planning.planner import (Hardware, Setup, Workload, deepspeed_config, evaluate,
+                                      layout_for, model_flops, planned_layout, predict_memory,
+                                      shape_of)
 
 SMALL = GPTConfig(n_layer=2, n_embd=128, block_size=32)
 GAS = 2
@@ -32,6 +39,20 @@ def _config(stage: int) -> dict:
                                   "allgather_bucket_size": 30_000,
                                   "stage3_param_persistence_threshold": 20_000},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+def _loaded_ranks(rank, world_size):
+    """Rank r computes on a core shared with r + 1 busy processes, then the ranks meet:
+    (wall, delay) of that call as `Clock` times it synchronised, and the run-queue
+    delay this rank saw around it."""
+    clock = Clock(Comm())
+
+    def work() -> None:
+        with sharing_one_core(rank + 1, index=rank):
+            burn()
+    before = run_queue_delay()
+    synchronised = clock.timed(lambda: (work(), clock.comm.barrier()))
+    return synchronised, run_queue_delay() - before
 
 
 def _comm_bytes(rank, world_size):
@@ -49,10 +70,51 @@ def _comm_bytes(rank, world_size):
     return out
 
 
-def test_counted_collectives_carry_the_bytes_the_engine_sends():
+SWAPPED = (Setup(2, "none", "nvme"), Setup(3, "none", "nvme"), Setup(3, "none", "nvme", "nvme"))
+SWAP_GAS = 3  # reads of the gradient file: 2 per step at 1 micro-step, one more for each more
+
+
+def _planned(setup: Setup, nvme_path: str):
+    """The planner's candidate for `setup` (SMALL, 2 ranks, accumulation SWAP_GAS) and the
+    config it writes."""
+    with torch.device("meta"):
+        shape = shape_of(GPT(SMALL))
+    work = Workload(2, 16, SWAP_GAS, "fp32")
+    candidate = evaluate(shape, setup, Hardware(2, 1e12), work)
+    return shape, candidate, deepspeed_config(candidate, shape, work, 2, nvme_path)
+
+
+def _swap_bytes(rank, world_size, nvme_path):
+    """Each NVMe setup's swap I/O in one optimizer step, as the engine counts it."""
+    out = {}
+    for setup in SWAPPED:
+        torch.manual_seed(0)
+        engine = zeromem.initialize(GPT(SMALL), _planned(setup, nvme_path)[2])
+        for _ in range(2 * SWAP_GAS):  # the second step's: the first starts fresh states
+            tokens = torch.randint(0, 256, (2, 16))
+            engine.backward(engine(tokens, tokens))
+            engine.step()
+        out[setup.label()] = engine.offload.io_report()["last_step"]
+        engine.close()
+    return out
+
+
+def _world(rank, world_size, nvme_path):
+    """One spawned world for the tests below (spawning costs seconds)."""
+    return {"comm": _comm_bytes(rank, world_size),
+            "swap": _swap_bytes(rank, world_size, nvme_path),
+            "clock": _loaded_ranks(rank, world_size) if CAN_SHARE_A_CORE else None}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return run_distributed(_world, 2, str(tmp_path_factory.mktemp("nvme")))
+
+
+def test_counted_collectives_carry_the_bytes_the_engine_sends(world):
     """... and the planner's communication buffers are the engine's (chunked all-gathers:
     at stage 1 the gather's chunk buffers outweigh the reduce-scatter's receive buffer)."""
-    measured = run_distributed(_comm_bytes, 2)
+    measured = [rank["comm"] for rank in world]
     with torch.device("meta"):
         shape = shape_of(GPT(SMALL))
     n = 2
@@ -107,3 +169,32 @@ def test_calibration_is_positive_and_self_consistent(tmp_path):
     assert t[Setup(2, "gpu")].compute == pytest.approx(t[Setup(2)].compute + cal.forward_s)
     assert t[Setup(0)].optimizer == pytest.approx(2 * t[Setup(2)].optimizer, rel=0.01)
     assert t[Setup(2, "none", "nvme")].offload > 0 and t[Setup(2)].offload == 0
+
+
+def test_swap_traffic_the_step_time_counts_is_what_the_engine_moves(world, tmp_path):
+    """The disk bytes a step of each NVMe setup is predicted from (`offload_traffic`) are
+    the bytes the engine's swap I/O moves (ALIGN padding apart), accumulation included:
+    optimizer states in and out, each micro-step's reduced gradient written, read back
+    by the next, by the gradient norm and by the step; updated parameter shards written.
+    Parameter reads at stage 3 are an upper bound: the engine's pool keeps what fits."""
+    for setup in SWAPPED:
+        shape, candidate, _ = _planned(setup, str(tmp_path))
+        planned = offload_traffic(setup, candidate.states, 4, shape.psi / 2, SWAP_GAS)
+        for rank in world:
+            moved = rank["swap"][setup.label()]
+            assert moved["written_bytes"] == pytest.approx(planned.written, rel=0.01), setup
+            if setup.offload_param == "nvme":
+                assert moved["read_bytes"] <= planned.read, setup
+            else:
+                assert moved["read_bytes"] == pytest.approx(planned.read, rel=0.01), setup
+
+
+@pytest.mark.skipif(not CAN_SHARE_A_CORE, reason="needs per-thread schedstat and CPU affinity")
+def test_a_synchronising_call_is_net_of_the_slower_ranks_delay(world):
+    """The ranks wait for each other at the barrier: the call is net of the slower rank's
+    run-queue delay (the largest over the ranks: about twice the other's here), on both."""
+    (synced_0, own_0), (synced_1, own_1) = (rank["clock"] for rank in world)
+    assert synced_0[1] == synced_1[1] > 0
+    assert synced_0[1] == pytest.approx(max(own_0, own_1), rel=0.2)
+    for wall, delay in (synced_0, synced_1):
+        assert 0 < wall - delay < wall

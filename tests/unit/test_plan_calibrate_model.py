@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from gpt import GPT, GPTConfig
-from zeromem.planning.calibrate import Calibration, Link
-from zeromem.planning.planner import Hardware, Setup, Workload, evaluate, model_flops, shape_of
+from zeromem.planning.calibrate import Calibration, Link, comm_seconds, prefetched_gathers
+from zeromem.planning.planner import (Hardware, Setup, Workload, evaluate, model_flops,
+                                      planned_layout, shape_of)
 
 WORK = Workload(2, 32, 2, "fp32")
 
@@ -76,3 +77,43 @@ def test_engine_overhead_is_per_parameter_and_micro_step_at_the_setup_stage():
         assert t.serial == pytest.approx(t.compute + t.comm + t.offload + t.optimizer + t.overhead)
         assert t.overlapped == t.serial  # gloo: nothing overlaps
     assert _time(_cal(), Setup(3)).overhead == 0  # not calibrated: not modelled
+
+
+def _links(bandwidth: float = 1e9, latency: float = 1e-4) -> dict:
+    return {k: Link(latency, bandwidth) for k in ("all_reduce", "reduce_scatter", "all_gather")}
+
+
+def test_prefetched_stage3_gathers_hide_behind_the_compute_of_their_pass():
+    """Every fetched unit's gather but the first of each pass runs while the unit before
+    it computes: with compute to spare they cost nothing; with none, all of them count;
+    the gradient reductions of stages 0-2 count whole either way."""
+    shape, n = _shape(), 2
+    layout = planned_layout(shape, Setup(3))
+    units = shape.with_unit_caps(layout.unit_caps(4, n))
+    forward, backward = prefetched_gathers(units, layout, 4, n, WORK.gas)
+    fetched = [u for u in units.unit_numels if u >= layout.persistence_threshold]
+    assert len(fetched) >= 3 and forward[0] == backward[0] == WORK.gas * (len(fetched) - 1)
+    gather = _links()["all_gather"]
+    whole = comm_seconds(_links(), units, layout, 4, n, WORK.gas, (0.0, 0.0))
+    hidden = gather.seconds(*forward) + gather.seconds(*backward)
+    assert comm_seconds(_links(), units, layout, 4, n, WORK.gas, (1.0, 1.0)) == \
+        pytest.approx(whole - hidden)
+    # hidden up to the pass's compute, each pass on its own
+    short = gather.seconds(*forward) / 2
+    assert comm_seconds(_links(), units, layout, 4, n, WORK.gas, (short, 1.0)) == \
+        pytest.approx(whole - short - gather.seconds(*backward))
+    # no prefetch window: nothing is gathered ahead
+    off = dataclasses.replace(layout, prefetch_numel=0)
+    assert comm_seconds(_links(), units, off, 4, n, WORK.gas, (1.0, 1.0)) == pytest.approx(whole)
+    for stage in (0, 1, 2):
+        knobs = planned_layout(shape, Setup(stage))
+        assert comm_seconds(_links(), shape, knobs, 4, n, WORK.gas, (1.0, 1.0)) == \
+            comm_seconds(_links(), shape, knobs, 4, n, WORK.gas, (0.0, 0.0)) > 0
+
+
+def test_stage3_step_waits_only_for_the_gathers_its_compute_cannot_cover():
+    slow = _time(_cal(flops=1e6, collectives=_links()), Setup(3))  # compute covers all
+    fast = _time(_cal(flops=1e30, forward_s=1e-30, collectives=_links()), Setup(3))
+    assert 0 < slow.comm < fast.comm
+    assert _time(_cal(flops=1e6, collectives=_links()), Setup(2)).comm == \
+        _time(_cal(flops=1e30, forward_s=1e-30, collectives=_links()), Setup(2)).comm

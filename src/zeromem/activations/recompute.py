@@ -49,8 +49,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zeromem.activations.store import (ALREADY_CONSUMED, DEVICE, HOST, ActivationStore, ActivationPolicy,
-                                       ActivationLedger, ActivationStats, StoredTensor)
+from zeromem.activations.store import (ALREADY_CONSUMED, DEVICE, HOST, ActivationLedger,
+                                       ActivationPolicy, ActivationStats, ActivationStore,
+                                       StoredTensor)
 
 logger = logging.getLogger("zeromem")
 
@@ -260,8 +261,8 @@ def configure(mp_group: dist.ProcessGroup | None = None, partition_activations: 
               profile: bool = False) -> ActivationPolicy:
     """Set the policy `checkpoint` uses (DeepSpeed's `checkpointing.configure`, minus globals)."""
     config = ActivationPolicy(mp_group, partition_activations, cpu_checkpointing,
-                                 contiguous_memory_optimization, number_checkpoints,
-                                 synchronize_checkpoint_boundary, profile)
+                              contiguous_memory_optimization, number_checkpoints,
+                              synchronize_checkpoint_boundary, profile)
     _DEFAULT.configure(config)
     return config
 

@@ -423,7 +423,7 @@ def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str
     saved values (lr, betas, ...) replace the defaults, implementation switches excepted.
     """
     from zeromem.config.schema import OptimizerConfig, SchedulerConfig
-    from zeromem.optim import OPTIMIZERS, has_fused_kernel
+    from zeromem.optimizer_factory import OPTIMIZERS, has_fused_kernel
     from zeromem.schedulers import build_scheduler
 
     block = config.get("optimizer")
@@ -443,7 +443,7 @@ def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str
     cls = opt_config.torch_class if opt_config else OPTIMIZERS[kind]
     params = dict(opt_config.params) if opt_config else {}
     if has_fused_kernel(cls) and not {"foreach", "fused"} & set(params):
-        params["fused"] = True  # as zeromem's optim.build_optimizer does
+        params["fused"] = True  # as zeromem's optimizer_factory.build_optimizer does
     groups = [{"params": [torch.zeros(0)],
                **{k: v for k, v in g.items() if k not in _IMPLEMENTATION}} for g in saved]
     optimizer = cls(groups, **params)

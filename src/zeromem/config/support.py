@@ -26,7 +26,7 @@ READ: dict[str, tuple[str, ...]] = {
     "zeromem.timeout_s": ("__init__",), "zeromem.gather_timeout_s": ("engine",),
     "zeromem.offload_host_budget_bytes": ("offload.placement",),
     "zeromem.ignore_unknown_keys": ("config.features",),
-    "optimizer.type": ("config.optimizer_blocks",), "optimizer.params": ("optim",),
+    "optimizer.type": ("config.optimizer_blocks",), "optimizer.params": ("optimizer_factory",),
     "scheduler.type": ("schedulers",), "scheduler.params": ("schedulers",),
     "fp16.enabled": ("config.schema", "precision"), "fp16.auto_cast": ("engine",),
     **{f"fp16.{key}": ("precision",) for key in (

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from zeromem.config.schema import AioConfig
 from zeromem.offload.nvme import AsyncIO, SwapSpace, aligned_empty, round_up
 
 GROW_BYTES = 64 << 20  # the file grows by at least this much (fewer fallocate calls)
@@ -36,7 +36,7 @@ GROW_BYTES = 64 << 20  # the file grows by at least this much (fewer fallocate c
 class ShardFile:
     """An append-only swap file of parameter shards (one ALIGN-aligned record each)."""
 
-    def __init__(self, nvme_path: str | os.PathLike, rank: int, aio: Any):
+    def __init__(self, nvme_path: str | os.PathLike, rank: int, aio: AioConfig):
         self.space = SwapSpace(nvme_path, rank, AsyncIO.from_config(aio))
         self.file = self.space.file("init.swp", GROW_BYTES)
         self.end = 0  # bytes used

@@ -349,6 +349,12 @@ class SwapSpace:
         self.files.append(f)
         return f
 
+    def discard(self, file: SwapFile) -> None:
+        """Close and remove one file before the space closes (its contents are no longer needed)."""
+        file.close()
+        file.path.unlink(missing_ok=True)
+        self.files.remove(file)
+
     @property
     def nbytes(self) -> int:
         """Bytes of all files (their allocated sizes)."""

@@ -33,7 +33,7 @@ import contextlib
 import importlib
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
@@ -42,6 +42,11 @@ from zeromem.offload.budget import MIN_SUB_GROUP, PoolSize, size_optimizer_pool
 from zeromem.offload.budget import FP32 as FP32_BYTES
 from zeromem.offload.grad_file import GradFile, piece_bytes, piece_view
 from zeromem.offload.nvme import ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace, round_up
+from zeromem.offload.staged_masters import StagedMasters
+
+if TYPE_CHECKING:  # placement.py builds this optimizer
+    from zeromem.offload.params import ParamPlacement
+    from zeromem.offload.placement import OffloadPolicy
 
 _adam = importlib.import_module("torch.optim.adam")  # the functional kernels behind torch.optim
 _sgd = importlib.import_module("torch.optim.sgd")
@@ -249,8 +254,11 @@ class SwappedOptimizer(torch.optim.Optimizer):
     state: SwappedState  # type: ignore[assignment]  # a dict that refuses lookups on disk
 
     def __init__(self, template: torch.optim.Optimizer, groups: list[FlatParamGroup],
-                 space: SwapSpace, host_grads: dict[int, torch.Tensor] | GradFile, params: Any,
-                 policy: Any):
+                 space: SwapSpace, host_grads: dict[int, torch.Tensor] | GradFile,
+                 params: ParamPlacement, policy: OffloadPolicy,
+                 staged: StagedMasters | None = None):
+        """`staged`: where `initialize` wrote the masters as it built the groups (else they
+        are in memory), copied into this optimizer's file here."""
         super().__init__([dict(g) for g in template.param_groups], template.defaults)
         self.update = _sgd_update if isinstance(template, torch.optim.SGD) else _adam_update
         self.states = _state_fields(template)
@@ -270,7 +278,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.sub_groups = self.layout.sub_groups
         self.file = space.file("optimizer.swp", self.layout.file_bytes)
         self.host_grads, self.params = host_grads, params
-        config = policy.optimizer_block
+        config = policy.optimizer_offload
         self.read_ahead, self.write_behind = config.pipeline_read, config.pipeline_write
         self.depth = self.size.depth
         self.pool = BufferPool(self.depth * len(self.slot_fields), self.layout.slot_bytes,
@@ -283,7 +291,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.writes_of: dict[int, list[IOHandle]] = {}  # id(slot) -> its last write-behind
         self.state = SwappedState()
         if self.master_in_file:
-            self._write_masters(groups)
+            self._write_masters(groups, staged)
 
     def state_dict(self) -> dict:
         """torch's state dict; only inside `all_in_memory()` (outside, the states are on disk)."""
@@ -303,16 +311,26 @@ class SwappedOptimizer(torch.optim.Optimizer):
                                f"({' + '.join(self.slot_fields)})")
         return buffer_count // per
 
-    def _write_masters(self, groups: list[FlatParamGroup]) -> None:
-        """Initial master values to the file, then the masters give up their memory."""
+    def _write_masters(self, groups: list[FlatParamGroup], staged: StagedMasters | None) -> None:
+        """Initial master values to the file (from `staged`, one group in memory at a time),
+        then the masters give up their memory."""
         slot = self.slots[0]
+        source: tuple[Any, torch.Tensor] | None = None  # the group whose master is in memory
         for sg in self.sub_groups:
             master = self._views(sg, slot)["master"]
             for p in sg.pieces:
-                master[p.at:p.at + p.numel].copy_(p.group.master[p.start:p.start + p.numel])
+                if staged is None:
+                    values = p.group.master
+                else:  # sub-groups walk the groups in order: each is read once
+                    if source is None or source[0] is not p.group:
+                        source = (p.group, staged.read(p.group))
+                    values = source[1]
+                master[p.at:p.at + p.numel].copy_(values[p.start:p.start + p.numel])
             self.file.write(slot["master"][:sg.field_bytes], sg.offset).wait()
         for g in groups:
             g.set_master_storage(torch.empty(0))
+        if staged is not None:
+            staged.discard()
 
     @staticmethod
     def _views(sg: SubGroup, slot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

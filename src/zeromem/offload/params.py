@@ -53,6 +53,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
+from zeromem.config.schema import OffloadParamConfig
 from zeromem.flat import FlatParamGroup
 from zeromem.offload.nvme import BufferPool, IOHandle, OffloadError, SwapSpace, round_up
 
@@ -168,7 +169,7 @@ class ParamsOnHost:
 
     where = "host"
 
-    def __init__(self, config: Any, pin: bool, device: torch.device):
+    def __init__(self, config: OffloadParamConfig, pin: bool, device: torch.device):
         self.groups: list[FlatParamGroup] = []
         self.limit = config.buffer_count
         self.pin = pin
@@ -252,7 +253,7 @@ class ParamsOnNvme:
     where = "nvme"
 
     def __init__(self, shard_numels: Sequence[int], dtype: torch.dtype, device: torch.device,
-                 space: SwapSpace, config: Any, pin: bool):
+                 space: SwapSpace, config: OffloadParamConfig, pin: bool):
         """params.swp laid out for shards of `shard_numels` elements (in `admit` order)."""
         self.groups: list[FlatParamGroup] = []
         self.host_is_device = device.type == "cpu"

@@ -47,15 +47,16 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 
 from zeromem.comm import Pending
-from zeromem.config.schema import ConfigError
+from zeromem.config.schema import (AioConfig, Config, ConfigError, OffloadOptimizerConfig,
+                                   OffloadParamConfig, OptimizerConfig)
 from zeromem.flat import FlatParamGroup
 from zeromem.layout import BUCKETS_ALIVE
-from zeromem.optim import OPTIMIZERS, build_optimizer, has_fused_kernel
+from zeromem.optimizer_factory import OPTIMIZERS, build_optimizer, has_fused_kernel
 from zeromem.optimizers import Lamb
 from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
                             host_empty)
@@ -63,13 +64,16 @@ from zeromem.offload.budget import pool_unit_numel
 from zeromem.offload.grad_file import GradFile, ShardToFile
 from zeromem.offload.nvme import AsyncIO, IOStats, OffloadError, SwapSpace
 from zeromem.offload.nvme_optimizer import SwappedOptimizer
+from zeromem.offload.staged_masters import StagedMasters
+
+OffloadBlock = OffloadOptimizerConfig | OffloadParamConfig
+Block = TypeVar("Block", OffloadOptimizerConfig, OffloadParamConfig)
 
 log = logging.getLogger("zeromem")
 
 __all__ = ["OffloadError", "OffloadPolicy", "Offload", "SwapSpaces", "build_params",
-           "build_offload", "MastersOnDevice",
-           "MastersOnHost", "MastersOnNvme", "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme",
-           "CPU_KERNEL"]
+           "stage_masters", "build_offload", "MastersOnDevice", "MastersOnHost", "MastersOnNvme",
+           "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme", "CPU_KERNEL"]
 
 CPU_KERNEL = "fused"  # torch's fastest CPU optimizer kernel (benchmarks/bench_offload.py)
 
@@ -84,8 +88,8 @@ class OffloadPolicy:
     params: str = "device"  # stage-3 parameter shards: offload_param.device
     optimizer_pin: bool = False  # offload_optimizer.pin_memory, and CUDA is there to use it
     params_pin: bool = False  # offload_param.pin_memory, likewise
-    optimizer_block: Any = None  # the offload_optimizer block (buffer_count, pipeline_*, ...)
-    params_block: Any = None  # the offload_param block (buffer_count, buffer_size, ...)
+    optimizer_block: OffloadOptimizerConfig | None = None  # offload_optimizer (buffer_count, ...)
+    params_block: OffloadParamConfig | None = None  # offload_param (buffer_count, buffer_size, ...)
     # zero_optimization.sub_group_size and offload_optimizer.buffer_count when the config sets
     # them; None: sized from the host budget (offload/budget.py)
     sub_group_size: int | None = None
@@ -94,7 +98,7 @@ class OffloadPolicy:
     host_budget_set: bool = False  # the config names the budget (else its default is logged)
 
     @classmethod
-    def from_config(cls, config: Any) -> OffloadPolicy:
+    def from_config(cls, config: Config) -> OffloadPolicy:
         """From `zero_optimization.offload_optimizer` / `offload_param` and the host budget."""
         zero = config.zero_optimization
         opt, par = zero.offload_optimizer, zero.offload_param
@@ -106,23 +110,39 @@ class OffloadPolicy:
                    _pin(opt), _pin(par), opt, par, sub, buffers, own.offload_host_budget_bytes,
                    "offload_host_budget_bytes" in own.model_fields_set)
 
+    @property
+    def optimizer_offload(self) -> OffloadOptimizerConfig:
+        """The `offload_optimizer` block, asked for only where the optimizer is offloaded."""
+        return _given(self.optimizer_block, "zero_optimization.offload_optimizer")
+
+    @property
+    def params_offload(self) -> OffloadParamConfig:
+        """The `offload_param` block, asked for only where the parameters are offloaded."""
+        return _given(self.params_block, "zero_optimization.offload_param")
+
     def pool_unit_numel(self, param_bytes: int, shard_world: int) -> int | None:
         """With parameters on NVMe, the largest merged fetch unit the parameter pool's share
         of the host budget allows (offload/budget.py); None: nothing to bound."""
         if self.params != "nvme":
             return None
-        return pool_unit_numel(self.host_budget_bytes, self.params_block.buffer_count,
+        return pool_unit_numel(self.host_budget_bytes, self.params_offload.buffer_count,
                                param_bytes, shard_world)
 
 
-def _pin(block: Any) -> bool:
+def _given(block: Block | None, key: str) -> Block:
+    if block is None:
+        raise ConfigError(f"{key}: offload asked of a block the config does not set")
+    return block
+
+
+def _pin(block: OffloadBlock | None) -> bool:
     return block is not None and bool(block.pin_memory) and torch.cuda.is_available()
 
 
 class GradsToHost:
     """A gradient buffer that copies its reduced shard to host after a boundary reduction."""
 
-    def __init__(self, inner: Any, host: torch.Tensor, owner: HostGrads):
+    def __init__(self, inner: Any, host: torch.Tensor, owner: HostGrads):  # a gradient buffer
         self.inner = inner
         self.host = host
         self.owner = owner  # holds `boundary`, set by the engine before each backward
@@ -188,9 +208,10 @@ class MastersPlacement(Protocol):
     def start_backward(self, boundary: bool) -> None:
         """The backward about to run ends a step (`boundary`) or accumulates."""
 
-    def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
+    def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
+                        factory: Callable | None,
                         params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
-        """The optimizer over the master shards (see optim.build_optimizer); `device` is the
+        """The optimizer over the master shards (see optimizer_factory.build_optimizer); `device` is the
         engine's, where collectives run."""
 
     def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
@@ -227,7 +248,8 @@ class MastersOnDevice:
     def start_backward(self, boundary: bool) -> None:
         """Nothing to do: the step reads the device gradients."""
 
-    def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
+    def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
+                        factory: Callable | None,
                         params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
         self.optimizer = build_optimizer(config, self.groups, param_groups, factory, device)
         return self.optimizer
@@ -272,7 +294,8 @@ class MastersOnHost:
     def start_backward(self, boundary: bool) -> None:
         self.host_grads.boundary = boundary
 
-    def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
+    def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
+                        factory: Callable | None,
                         params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
         """The config's optimizer with torch's fastest CPU kernel (`CPU_KERNEL`) unless set."""
         self.optimizer = build_optimizer(config, self.groups, param_groups,
@@ -309,14 +332,16 @@ class MastersOnNvme:
     where = "nvme"
 
     def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy, space: SwapSpace,
-                 rank: int = 0):
-        """Masters stay until SwappedOptimizer writes them to its file (fp32: they are shards).
+                 rank: int = 0, staged: StagedMasters | None = None):
+        """Masters stay until SwappedOptimizer writes them to its file (fp32: they are shards),
+        in `staged`'s file when `initialize` wrote them there as it built the groups.
 
         Gradients reduced every micro-step (stage 2/3) go to a swap file as reduced
         (offload/grad_file.py), so no gradient shard stays in memory; stage 1's whole
         gradient is on the device anyway, and its shard is copied to host (`HostGrads`).
         """
         self.groups, self.policy, self.space, self.rank = groups, policy, space, rank
+        self.staged = staged  # handed to the optimizer, which copies and removes it
         self.optimizer: SwappedOptimizer | None = None
         self.host_grads: HostGrads | None = None
         self.grad_file: GradFile | None = None
@@ -337,7 +362,8 @@ class MastersOnNvme:
         if self.host_grads is not None:
             self.host_grads.boundary = boundary
 
-    def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
+    def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
+                        factory: Callable | None,
                         params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
         template = build_optimizer(config, self.groups, param_groups, factory, device)
         if isinstance(template, Lamb):  # a client factory's (the config's is refused at load)
@@ -346,7 +372,9 @@ class MastersOnNvme:
                               "and NVMe offload steps tile by tile; offload to \"cpu\" instead")
         policy = self.policy
         grads = self.grad_file if self.grad_file is not None else self._host().buffers
-        self.optimizer = SwappedOptimizer(template, self.groups, self.space, grads, params, policy)
+        self.optimizer = SwappedOptimizer(template, self.groups, self.space, grads, params, policy,
+                                          self.staged)
+        self.staged = None
         if self.rank == 0:  # the default is worth a warning: it sizes every buffer
             quiet = policy.host_budget_set and not self.optimizer.size.over_budget
             (log.info if quiet else log.warning)(
@@ -401,7 +429,7 @@ def _store_masters(groups: list[FlatParamGroup], params: ParamPlacement) -> None
     params.flush()
 
 
-def _cpu_kernel_factory(config: Any) -> Callable | None:
+def _cpu_kernel_factory(config: OptimizerConfig | None) -> Callable | None:
     """A factory adding `CPU_KERNEL` to the config's optimizer, unless the config sets one."""
     if config is None or {"fused", "foreach"} & set(config.params):
         return None
@@ -410,7 +438,8 @@ def _cpu_kernel_factory(config: Any) -> Callable | None:
         return None
 
     def factory(groups: list[dict]) -> torch.optim.Optimizer:
-        return cls(groups, **config.params, **{CPU_KERNEL: True})
+        options: dict[str, Any] = {**config.params, CPU_KERNEL: True}
+        return cls(groups, **options)
     return factory
 
 
@@ -444,7 +473,8 @@ class Offload:
         """Full-size gradient buckets ZeroOptimizer keeps, filling or reducing."""
         return self.masters.buckets_alive
 
-    def build_optimizer(self, config: Any, param_groups: list[dict], factory: Callable | None,
+    def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
+                        factory: Callable | None,
                         device: torch.device) -> torch.optim.Optimizer:
         """The optimizer over the master shards, stepped where the masters live; `device` is
         the engine's (collectives over host masters go through it under NCCL)."""
@@ -501,17 +531,19 @@ class Offload:
 class SwapSpaces:
     """An engine's swap directories, one per `nvme_path` (masters and parameters may share one)."""
 
-    def __init__(self, config: Any, rank: int):
-        self.aio = config.aio
+    def __init__(self, config: Config, rank: int):
+        self.aio: AioConfig = config.aio
         self.rank = rank
         self.by_path: dict[str, SwapSpace] = {}
 
-    def for_block(self, block: Any) -> SwapSpace:
+    def for_block(self, block: OffloadBlock) -> SwapSpace:
         """The space under `block.nvme_path`, created on first use."""
-        if block.nvme_path not in self.by_path:
-            self.by_path[block.nvme_path] = SwapSpace(block.nvme_path, self.rank,
-                                                      AsyncIO.from_config(self.aio))
-        return self.by_path[block.nvme_path]
+        path = block.nvme_path
+        if path is None:  # the config refuses device nvme without a path; kept for direct callers
+            raise ConfigError("offload to nvme needs nvme_path")
+        if path not in self.by_path:
+            self.by_path[path] = SwapSpace(path, self.rank, AsyncIO.from_config(self.aio))
+        return self.by_path[path]
 
     def all(self) -> list[SwapSpace]:
         return list(self.by_path.values())
@@ -521,14 +553,14 @@ class SwapSpaces:
             space.close()
 
 
-def build_params(config: Any, shard_numels: list[int], dtype: torch.dtype, device: torch.device,
+def build_params(config: Config, shard_numels: list[int], dtype: torch.dtype, device: torch.device,
                  spaces: SwapSpaces) -> ParamPlacement:
     """The parameter placement, before the flat groups exist: `shard_numels` are the shards
     the engine will build, in order; each is handed over (`admit`) as soon as it is built."""
     policy = OffloadPolicy.from_config(config)
-    block = policy.params_block
     if policy.params == "device":
         return ParamsOnDevice()
+    block = policy.params_offload
     if policy.params == "host":
         return ParamsOnHost(block, policy.params_pin, device)
     try:
@@ -539,16 +571,31 @@ def build_params(config: Any, shard_numels: list[int], dtype: torch.dtype, devic
         raise
 
 
-def build_offload(config: Any, groups: list[FlatParamGroup], params: ParamPlacement,
-                  spaces: SwapSpaces, rank: int) -> Offload:
+def stage_masters(config: Config, shard_numels: list[int], dtype: torch.dtype,
+                  spaces: SwapSpaces) -> StagedMasters | None:
+    """With the optimizer on NVMe, stage 3 and masters apart from the shards (16-bit compute):
+    the file each group's master is written to as it is built (offload/staged_masters.py)."""
+    policy = OffloadPolicy.from_config(config)
+    if policy.optimizer != "nvme" or dtype == torch.float32 or not shard_numels:
+        return None
+    try:
+        return StagedMasters(shard_numels, spaces.for_block(policy.optimizer_offload))
+    except BaseException:
+        spaces.close()
+        raise
+
+
+def build_offload(config: Config, groups: list[FlatParamGroup], params: ParamPlacement,
+                  spaces: SwapSpaces, rank: int, staged: StagedMasters | None = None) -> Offload:
     """The masters placement the config asks for, beside the parameter placement the groups'
-    shards were handed to (`build_params`)."""
+    shards were handed to (`build_params`) and, 16-bit, the masters written as they were
+    built (`stage_masters`)."""
     policy = OffloadPolicy.from_config(config)
     if config.aio.use_gds and "nvme" in (policy.optimizer, policy.params):
         log.warning("aio.use_gds: GPUDirect Storage is not implemented; I/O goes through host "
                     "buffers")
     try:
-        masters = _masters_placement(policy, groups, params, spaces, rank)
+        masters = _masters_placement(policy, groups, params, spaces, rank, staged)
     except BaseException:
         spaces.close()
         raise
@@ -559,13 +606,13 @@ def build_offload(config: Any, groups: list[FlatParamGroup], params: ParamPlacem
 
 
 def _masters_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],
-                       params: ParamPlacement, spaces: SwapSpaces,
-                       rank: int) -> MastersPlacement:
+                       params: ParamPlacement, spaces: SwapSpaces, rank: int,
+                       staged: StagedMasters | None) -> MastersPlacement:
     if policy.optimizer == "device":
         return MastersOnDevice(groups, policy, params)
-    if policy.optimizer_block.ratio < 1:
+    if policy.optimizer_offload.ratio < 1:
         log.warning("offload_optimizer.ratio = %s: partial offload is not implemented; "
-                    "all optimizer state is offloaded", policy.optimizer_block.ratio)
+                    "all optimizer state is offloaded", policy.optimizer_offload.ratio)
     if policy.optimizer == "host":
         return MastersOnHost(groups, policy, params)
-    return MastersOnNvme(groups, policy, spaces.for_block(policy.optimizer_block), rank)
+    return MastersOnNvme(groups, policy, spaces.for_block(policy.optimizer_offload), rank, staged)

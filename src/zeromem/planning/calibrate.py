@@ -17,7 +17,7 @@ in training, where they share the machine):
     disk        read and write bandwidth of the engine's swap I/O (`SwapSpace`,
                 O_DIRECT) under the NVMe path
     optimizer   seconds per element of AdamW's step with the kernel each
-                placement runs: on the device the config's as `optim.py` builds
+                placement runs: on the device the config's as `optimizer_factory.py` builds
                 it (fused where torch has it), torch's fused CPU kernel under
                 offload
     overhead    the engine's own cost per step at each stage: per parameter
@@ -29,28 +29,43 @@ in training, where they share the machine):
                 same step without an engine and less the collectives that engine
                 issues (counted as below, timed with the links above)
 
+Every timing is taken by `Clock`: wall time less the run-queue delay of the timed
+thread (the time other processes held its core; for a call that synchronises the
+ranks, the largest delay over them), so that a calibration on a loaded machine
+measures the machine, not the load; each figure is then the median of the samples.
+
 `Calibration.step_time` predicts one optimizer step of a setup from these and
 the engine's layout (`estimate.exact_model_states`): the collectives it issues
 (counted as the engine issues them, see `collectives`), the optimizer step over
 the rank's elements, the offload traffic, and the engine's overhead for the
-model's number of parameters. With gloo (CPU ranks) nothing
-overlaps: the cores run compute, collectives and the step in turn, so the
-prediction is the sum, and `StepTime.overlapped` equals `.serial`.
+model's number of parameters. With gloo (CPU ranks) the cores run compute,
+collectives and the step in turn, so the prediction is the sum, and
+`StepTime.overlapped` equals `.serial`; the one exception measured is stage 3's
+prefetched gathers, which gloo's worker thread runs while the main thread
+computes (`comm_seconds`).
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import statistics
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import torch.distributed
 from torch import nn
+
+if TYPE_CHECKING:  # the planner imports this module; its types are only annotations here
+    from zeromem.comm import Comm
+    from zeromem.planning.estimate import ActivationMemory, ModelShape, ShapeMemory, ZeroLayout
+    from zeromem.planning.planner import Setup, StepTime, Workload
 
 FP32 = 4
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -108,8 +123,8 @@ class Calibration:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def step_time(self, shape: Any, setup: Any, layout: Any, states: Any, acts: Any,
-                  work: Any, n_d: int) -> Any:
+    def step_time(self, shape: ModelShape, setup: Setup, layout: ZeroLayout, states: ShapeMemory,
+                  acts: ActivationMemory, work: Workload, n_d: int) -> StepTime:
         """The planner's `StepTime` of `setup` on this machine (see the module docstring)."""
         from zeromem.planning.planner import DTYPE_BYTES, StepTime, model_flops
         gas = work.gas
@@ -117,8 +132,9 @@ class Calibration:
         if setup.checkpointing != "none":  # one more forward per micro-step
             compute += gas * self.forward_s * (work.micro_batch * work.seq / self.tokens)
         p = DTYPE_BYTES[work.dtype]
-        comm = sum(self.collectives[LINK_OF.get(kind, kind)].seconds(calls, nbytes)
-                   for kind, (calls, nbytes) in collectives(shape, layout, p, p, n_d, gas).items())
+        forward = gas * self.forward_s * (work.micro_batch * work.seq / self.tokens)
+        comm = comm_seconds(self.collectives, shape, layout, p, n_d, gas,
+                            (forward, max(compute - forward, 0.0)))
         shard = shape.psi / n_d if setup.stage >= 1 else shape.psi
         placement = {"none": "device"}.get(setup.offload_optimizer, "cpu")
         optimizer = shard * self.optimizer[placement]
@@ -127,29 +143,50 @@ class Calibration:
         return StepTime(compute, comm, self._offload(setup, states, p, shape.psi / n_d, gas),
                         optimizer, can_overlap=self.backend == "nccl", overhead=overhead)
 
-    def _offload(self, setup: Any, states: Any, p: int, shard: float, gas: int) -> float:
+    def _offload(self, setup: Setup, states: ShapeMemory, p: int, shard: float, gas: int) -> float:
         """Host copies and swap I/O of one step."""
-        copies, read, written = 0.0, 0.0, 0.0
-        if setup.offload_optimizer == "cpu":
-            copies += (FP32 + p) * shard  # gradient shard to host, updated parameters back
-        if setup.offload_optimizer == "nvme":
-            swapped = states.nvme.get("optimizer_states", 0) + states.nvme.get("masters", 0)
-            read += swapped
-            written += swapped
-            grads = states.nvme.get("grads", 0)
-            written += grads * gas  # each micro-step's reduced shard
-            read += grads * (2 * gas - 1)  # accumulation reads it back, the step reads it
-            copies += FP32 * shard  # the gradient into the step's buffer
-        if setup.offload_param == "cpu":
-            copies += 2 * gas * p * shard  # fetched for forward and for backward
-        if setup.offload_param == "nvme":
-            read += 2 * gas * p * shard
-            written += p * shard
-        disk = (read / self.disk_read + written / self.disk_write) if read or written else 0.0
-        return copies / self.copy_bandwidth + disk
+        moved = offload_traffic(setup, states, p, shard, gas)
+        disk = moved.read / self.disk_read + moved.written / self.disk_write
+        return moved.copies / self.copy_bandwidth + disk
 
 
-def collectives(shape: Any, layout: Any, param_bytes: int, grad_bytes: int, n_d: int,
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one optimizer step moves between device, host and swap files, per rank."""
+
+    copies: float = 0.0  # host <-> device
+    read: float = 0.0  # from the swap files
+    written: float = 0.0  # to them
+
+
+def offload_traffic(setup: Setup, states: ShapeMemory, param_bytes: int, shard: float,
+                    gas: int) -> Traffic:
+    """What `setup`'s offload moves in one optimizer step, as the engine moves it (its
+    per-step `offload.io_report()` counts the same swap bytes; test_plan_calibrate).
+    `states.nvme`: the swap files' contents by name; `shard`: elements per rank."""
+    p = param_bytes
+    copies, read, written = 0.0, 0.0, 0.0
+    if setup.offload_optimizer == "cpu":
+        copies += (FP32 + p) * shard  # gradient shard to host, updated parameters back
+    if setup.offload_optimizer == "nvme":
+        swapped = states.nvme.get("optimizer_states", 0) + states.nvme.get("masters", 0)
+        read += swapped
+        written += swapped
+        grads = states.nvme.get("grads", 0)
+        written += grads * gas  # each micro-step's reduced shard
+        # read back by each micro-step's accumulation but the first, then once by the
+        # gradient norm (the planner's config clips) and once by the step
+        read += grads * (gas - 1 + 2)
+        copies += FP32 * shard  # the gradient into the step's buffer
+    if setup.offload_param == "cpu":
+        copies += 2 * gas * p * shard  # fetched for forward and for backward
+    if setup.offload_param == "nvme":
+        read += 2 * gas * p * shard
+        written += p * shard
+    return Traffic(copies, read, written)
+
+
+def collectives(shape: ModelShape, layout: ZeroLayout, param_bytes: int, grad_bytes: int, n_d: int,
                 gas: int) -> dict[str, tuple[float, float]]:
     """{kind: (calls, bytes)} one optimizer step issues, as the engine issues them.
 
@@ -187,17 +224,98 @@ def collectives(shape: Any, layout: Any, param_bytes: int, grad_bytes: int, n_d:
             "all_gather": (chunks, param_bytes * sum(groups)), "all_reduce_norm": (1, FP32)}
 
 
+def prefetched_gathers(shape: ModelShape, layout: ZeroLayout, param_bytes: int, n_d: int,
+                       gas: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(calls, bytes) of the stage-3 gathers the engine issues ahead of need, in the
+    forward and in the backward of one optimizer step: with a prefetch window
+    (`stage3_prefetch_bucket_size` > 0) every fetched unit but the first of each pass
+    is gathered while the unit before it computes (stage3/fetch.py). The backward
+    starts from the forward's last unit."""
+    from zeromem.planning.estimate import padded_numel
+    if layout.stage < 3 or layout.prefetch_numel <= 0:
+        return (0.0, 0.0), (0.0, 0.0)
+    fetched = [padded_numel(n, n_d) for n in shape.unit_numels
+               if n >= layout.persistence_threshold]
+    if len(fetched) < 2:
+        return (0.0, 0.0), (0.0, 0.0)
+    calls = gas * (len(fetched) - 1)
+    return ((calls, param_bytes * gas * (sum(fetched) - fetched[0])),
+            (calls, param_bytes * gas * (sum(fetched) - fetched[-1])))
+
+
+def comm_seconds(links: dict[str, Link], shape: ModelShape, layout: ZeroLayout, param_bytes: int, n_d: int,
+                 gas: int, compute: tuple[float, float]) -> float:
+    """Seconds one optimizer step waits for its collectives: every call the engine issues
+    (`collectives`, at the measured links), less the prefetched stage-3 gathers, each
+    pass's up to that pass's compute (`compute`: forward and backward seconds).
+
+    Measured on this machine (2 gloo ranks, demo GPT, each phase net of load): the
+    prefetched gathers run on gloo's worker thread while the main thread computes
+    (forward 63 ms with prefetch, 85 ms without, 53 ms with no engine), so the sum
+    of everything in turn overstates stage 3 by most of its gathers. The gradient
+    reductions the other stages launch during backward (overlap_comm) do not hide
+    the same way (stage 0's backward grows by about its all-reduces: gloo reduces on
+    the CPU), and stay whole.
+    """
+    calls = collectives(shape, layout, param_bytes, param_bytes, n_d, gas)
+    total = sum(links[LINK_OF.get(kind, kind)].seconds(c, nbytes)
+                for kind, (c, nbytes) in calls.items())
+    gather = links["all_gather"]
+    hidden = sum(min(gather.seconds(c, nbytes), seconds) for (c, nbytes), seconds
+                 in zip(prefetched_gathers(shape, layout, param_bytes, n_d, gas), compute))
+    return total - hidden
+
+
 # ---------------------------------------------------------------- measuring
 
-def _seconds(run: Callable[[], Any], barrier: Callable[[], None], reps: int = 1) -> float:
-    """Median seconds of `run`, every rank starting together."""
-    times = []
-    for _ in range(reps):
-        barrier()
-        start = time.perf_counter()
+def run_queue_delay() -> float:
+    """Seconds the calling thread has waited, runnable, for a CPU another process held
+    (the kernel's /proc/<pid>/task/<tid>/schedstat); 0.0 where the kernel does not say."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class Clock:
+    """Times a call on every rank at once, less the time other processes took its CPU.
+
+    On a shared machine the load from other processes shows as run-queue delay of
+    the timed thread: runnable, but another process on the core. Wall time less that
+    delay is what the call costs on the machine to itself (to within the caches and
+    memory bandwidth the others share), however loaded the machine was; `min` or a
+    median of the wall times is not (with 2 cores and 5 busy processes, no call may
+    run unloaded at all). A call that synchronises the ranks (a collective, an engine
+    step) also waits out the other rank's delay, so the largest over the ranks is
+    subtracted; a rank's own work (compute, copies, the optimizer, disk) loses its
+    own. Only the timed (main) thread's delay is counted: gloo's and the swap I/O's
+    worker threads spend most of their time blocked, and their load stays in both
+    the calibration and the steps it predicts.
+    """
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
+
+    def seconds(self, run: Callable[[], Any], reps: int = 1, synchronised: bool = True) -> float:
+        """Median over `reps` of `run`'s seconds less the run-queue delay, all ranks
+        starting together."""
+        return statistics.median(wall - delay for wall, delay in
+                                 (self.timed(run, synchronised) for _ in range(reps)))
+
+    def timed(self, run: Callable[[], Any], synchronised: bool = True) -> tuple[float, float]:
+        """(wall seconds, run-queue delay to subtract) of one `run`, all ranks starting
+        together."""
+        self.comm.barrier()
+        delay, start = run_queue_delay(), time.perf_counter()
         run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        wall, delay = time.perf_counter() - start, run_queue_delay() - delay
+        return wall, self._largest(delay) if synchronised else delay
+
+    def _largest(self, seconds: float) -> float:
+        value = torch.tensor([seconds], dtype=torch.float64)
+        self.comm.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        return float(value.item())
 
 
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -260,8 +378,7 @@ def _engine_seconds(seconds: Callable[[str], float], links: dict[str, Link], n: 
         shape = shape_of(OVERHEAD_MODELS[name]())
     layout = layout_for(Config.load(overhead_config(stage), world_size=n), shape, n)
     units = shape.with_unit_caps(layout.unit_caps(FP32, n))  # as the engine merges them
-    comm = sum(links[LINK_OF.get(kind, kind)].seconds(calls, nbytes)
-               for kind, (calls, nbytes) in collectives(units, layout, FP32, FP32, n, 1).items())
+    comm = comm_seconds(links, units, layout, FP32, n, 1, (0.0, 0.0))  # almost no compute
     return seconds(f"{name}_{stage}") - seconds(f"{name}_none") - comm, shape
 
 
@@ -320,9 +437,10 @@ class Probe:
         from zeromem.config.schema import AioConfig
         from zeromem.offload.nvme import AsyncIO, BufferPool, SwapSpace
         from zeromem.offload.placement import CPU_KERNEL
-        from zeromem.optim import kernel_options
+        from zeromem.optimizer_factory import kernel_options
         torch.manual_seed(rank)
         self.comm = Comm()
+        self.clock = Clock(self.comm)
         n = self.comm.world_size
         self.model = what.build()
         self.tokens = torch.randint(0, max(2, what.vocab), (what.micro_batch, what.seq))
@@ -330,7 +448,7 @@ class Probe:
         self.copy = (torch.ones(self.COPY), torch.empty(self.COPY))
         numel = what.optimizer_numel
         self.optimizers = {}
-        # the kernels the engine builds: on the device the config's AdamW as optim.py asks
+        # the kernels the engine builds: on the device the config's AdamW as optimizer_factory.py asks
         # for it, under offload torch's fastest CPU kernel (offload/placement.py)
         kernels = {"device": kernel_options(torch.optim.AdamW, {"lr": 1e-4}),
                    "cpu": {"lr": 1e-4, CPU_KERNEL: True}}
@@ -397,7 +515,8 @@ class Probe:
     def sample_compute(self) -> dict:
         """Seconds of one forward and backward of the model (a benchmark takes one beside
         each step it measures: the compute dominates, and the load moves within seconds)."""
-        seconds = _seconds(lambda: _loss(self.model, self.tokens).backward(), self.comm.barrier)
+        seconds = self.clock.seconds(lambda: _loss(self.model, self.tokens).backward(),
+                                     synchronised=False)
         self.model.zero_grad(set_to_none=True)
         return {"forward_backward": seconds}
 
@@ -405,23 +524,24 @@ class Probe:
         """Seconds of each measurement, once (the small collectives: median of SMALL_REPS
         calls, since a latency of a few hundred microseconds is easily missed by a rank
         the scheduler delays; the engine's overhead steps: median of 3)."""
-        barrier = self.comm.barrier
+        seconds = self.clock.seconds
+        local = functools.partial(seconds, synchronised=False)  # each rank's own work
 
         def forward() -> None:
             with torch.no_grad():
                 _loss(self.model, self.tokens)
 
-        out: dict[str, Any] = {"forward": _seconds(forward, barrier), **self.sample_compute()}
+        out: dict[str, Any] = {"forward": local(forward), **self.sample_compute()}
         for kind, (small, large) in self.links.items():
-            out[kind] = (_seconds(small, barrier, self.SMALL_REPS), _seconds(large, barrier))
+            out[kind] = (seconds(small, self.SMALL_REPS), seconds(large))
         src, dst = self.copy
-        out["copy"] = _seconds(lambda: dst.copy_(src), barrier)
+        out["copy"] = local(lambda: dst.copy_(src))
         for name, opt in self.optimizers.items():
-            out["optimizer_" + name] = _seconds(opt.step, barrier)
-        out["disk_write"] = _seconds(lambda: self._disk(self.file.write), barrier)
-        out["disk_read"] = _seconds(lambda: self._disk(self.file.read), barrier)
+            out["optimizer_" + name] = local(opt.step)
+        out["disk_write"] = local(lambda: self._disk(self.file.write))
+        out["disk_read"] = local(lambda: self._disk(self.file.read))
         for name, step in self.overhead.items():
-            out[name] = _seconds(step, barrier, 3)
+            out[name] = seconds(step, 3, synchronised=not name.endswith("_none"))
         return out
 
     def close(self) -> None:
@@ -438,10 +558,12 @@ def _measure_rank(rank: int, world_size: int, what: Measurement) -> list[dict]:
         probe.close()
 
 
-def from_samples(samples: list[list[dict]], what: Measurement, shape: Any,
+def from_samples(samples: list[list[dict]], what: Measurement, shape: ModelShape,
                  backend: str = "gloo") -> Calibration:
     """The calibration from each rank's `Probe.sample()`s: per rank the median over the
-    samples, then the slowest rank (a step waits for every rank)."""
+    samples, then the slowest rank (a step waits for every rank). Each sample is already
+    net of the load from other processes (`Clock`); the median takes out what is left
+    of it (the caches and the worker threads the others slow down)."""
     from zeromem.planning.planner import Workload, model_flops
 
     def seconds(key: str, index: int | None = None) -> float:
@@ -467,14 +589,14 @@ def from_samples(samples: list[list[dict]], what: Measurement, shape: Any,
                        *_engine_overhead(seconds, links, n))
 
 
-def measurement(build: Callable[[], nn.Module], shape: Any, micro_batch: int, seq: int,
+def measurement(build: Callable[[], nn.Module], shape: ModelShape, micro_batch: int, seq: int,
                 world_size: int, nvme_path: str | None = None, reps: int = 3) -> Measurement:
     """What `calibrate` measures for `shape` (the disk: `nvme_path`'s, else the temp dir's)."""
     return Measurement(build, micro_batch, seq, shape.vocab or 256,
                        -(-shape.psi // world_size), nvme_path or tempfile.gettempdir(), reps)
 
 
-def calibrate(build: Callable[[], nn.Module], shape: Any, micro_batch: int, seq: int,
+def calibrate(build: Callable[[], nn.Module], shape: ModelShape, micro_batch: int, seq: int,
               world_size: int, nvme_path: str | None = None, reps: int = 3,
               backend: str = "gloo", timeout_s: float = 600) -> Calibration:
     """Measure this machine on `world_size` spawned `backend` ranks (see the module docstring).

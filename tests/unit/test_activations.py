@@ -1,25 +1,19 @@
-"""Activation checkpointing (ZeRO-R Pa, Pa+cpu, MD) and the tensor-parallel layers it runs on.
+"""Activation checkpointing (ZeRO-R Pa+cpu, MD) in this process, no process group.
 
-Pure tests run in this process; one spawned world of 4 gloo ranks runs every
-multi-process case (TP parity, Pa combinations, 2x2 groups).
+Partitioned activations over tensor-parallel groups: tests/distributed/test_activations_tp.py.
 """
 from __future__ import annotations
 
 import gc
 import logging
-import math
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from harness import run_distributed
+from models import StorageTracker, assert_all_close, grads_of
 from zeromem.activations import recompute as act
 from zeromem.activations.recompute import ActivationCheckpointing, ActivationPolicy, checkpoint
 
@@ -61,21 +55,6 @@ def run_stack(blocks, x, mode: str):
         else:
             h = torch_checkpoint.checkpoint(b, h, use_reentrant=False)
     return h
-
-
-def grads_of(x, module) -> list[torch.Tensor]:
-    out = ([x.grad.clone()] if x is not None and x.grad is not None else [])
-    out += [p.grad.clone() for p in module.parameters()]
-    module.zero_grad(set_to_none=True)
-    if x is not None:
-        x.grad = None
-    return out
-
-
-def assert_all_close(a, b):
-    assert len(a) == len(b)
-    for u, v in zip(a, b):
-        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
 
 
 # -- gradients, arguments, RNG ------------------------------------------------
@@ -163,30 +142,10 @@ def test_post_accumulate_grad_hook_fires_once_per_parameter_per_backward():
 
 # -- memory between forward and backward ------------------------------------
 
-class _StorageTracker(TorchDispatchMode):
-    """Weak references to every storage an op creates; `held_bytes` sums those still alive."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: list[tuple[StorageWeakRef, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.refs.append((StorageWeakRef(storage), storage.nbytes()))
-        return out
-
-    def held_bytes(self, exclude) -> int:
-        skip = {StorageWeakRef(t.untyped_storage()).cdata for t in exclude}
-        alive = {r.cdata: n for r, n in self.refs if not r.expired() and r.cdata not in skip}
-        return sum(alive.values())
-
 
 def held_between_forward_and_backward(blocks, x, mode: str) -> tuple[int, int]:
     """(bytes of tensors created in forward and still alive, ledger bytes) before backward."""
-    tracker = _StorageTracker()
+    tracker = StorageTracker()
     with tracker:
         loss = run_stack(blocks, x, mode).sum()
     gc.collect()
@@ -285,139 +244,3 @@ def test_estimator_reproduces_the_seed_example():
     assert act.estimate_checkpoint_bytes(2048, 4096) == 16 * 2**20 == 16_777_216
     assert act.estimate_checkpoint_bytes(2048, 4096, mp_size=8) == 2 * 2**20
     assert act.estimate_checkpoint_bytes(3, 5, batch=1, bytes_per_element=4, mp_size=2) == 8 * 4
-
-
-# -- spawned world of 4: TP parity, Pa combinations, 2x2 groups ----------------
-
-class TPBlock(nn.Module):
-    """Megatron MLP: column-parallel up, row-parallel down, dropout on the replicated output."""
-
-    def __init__(self, hidden: int, group):
-        super().__init__()
-        from zeromem.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-        self.fc1 = ColumnParallelLinear(hidden, 4 * hidden, group)
-        self.fc2 = RowParallelLinear(4 * hidden, hidden, group)
-        self.drop = nn.Dropout(0.2)
-
-    def forward(self, x):
-        return x + self.drop(self.fc2(F.gelu(self.fc1(x))))
-
-
-def _check_tp_parity(group, rank: int, size: int) -> None:
-    from zeromem.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    torch.manual_seed(5)
-    dense = nn.Linear(6, 8)
-    torch.manual_seed(5)
-    seeded = ColumnParallelLinear(6, 8, group)  # same seed -> the same full weight, sliced
-    rows = slice(rank * 8 // size, (rank + 1) * 8 // size)
-    assert torch.equal(seeded.weight, dense.weight[rows])
-    assert torch.equal(seeded.bias, dense.bias[rows])
-
-    torch.manual_seed(1)
-    up, down, up2, down2 = nn.Linear(6, 8), nn.Linear(8, 6), nn.Linear(6, 8), nn.Linear(8, 6)
-    tp = nn.ModuleList([ColumnParallelLinear.from_dense(up, group),
-                        RowParallelLinear.from_dense(down, group),
-                        ColumnParallelLinear.from_dense(up2, group, gather_output=True),
-                        RowParallelLinear.from_dense(down2, group, input_is_parallel=False)])
-    x = torch.randn(5, 6, requires_grad=True)
-    weights = torch.randn(5, 6)
-    ref = down2(torch.tanh(up2(down(torch.tanh(up(x))))))
-    out = tp[3](torch.tanh(tp[2](tp[1](torch.tanh(tp[0](x))))))
-    torch.testing.assert_close(out, ref)
-    (ref * weights).sum().backward()
-    x_grad, x.grad = x.grad.clone(), None
-    (out * weights).sum().backward()
-    torch.testing.assert_close(x.grad, x_grad)
-    cols = slice(rank * 8 // size, (rank + 1) * 8 // size)
-    for column, dense_up in ((tp[0], up), (tp[2], up2)):
-        torch.testing.assert_close(column.weight.grad, dense_up.weight.grad[rows])
-        torch.testing.assert_close(column.bias.grad, dense_up.bias.grad[rows])
-    for row, dense_down in ((tp[1], down), (tp[3], down2)):
-        torch.testing.assert_close(row.weight.grad, dense_down.weight.grad[:, cols])
-        torch.testing.assert_close(row.bias.grad, dense_down.bias.grad)
-
-
-_COMBOS = {"plain": None, "ckpt": {}, "Pa": {"partition_activations": True},
-           "Pa+cpu": {"partition_activations": True, "cpu_checkpointing": True},
-           "Pa+MD": {"partition_activations": True, "contiguous_memory_optimization": True},
-           "Pa+cpu+MD": {"partition_activations": True, "cpu_checkpointing": True,
-                         "contiguous_memory_optimization": True}}
-
-
-def _run_pa_combos(group, layers: int, hidden: int, batch: int) -> dict:
-    """Grads and held checkpoint bytes of each combination on one TP model."""
-    torch.manual_seed(0)
-    model = nn.ModuleList(TPBlock(hidden, group) for _ in range(layers))
-    x = torch.randn(batch, hidden, requires_grad=True)
-    out = {}
-    for name, options in _COMBOS.items():
-        act.configure(mp_group=group, number_checkpoints=layers, **(options or {}))
-        torch.manual_seed(42)
-        tracker = _StorageTracker()
-        with tracker:
-            h = x
-            for block in model:
-                h = block(h) if options is None else checkpoint(block, h)
-            loss = h.pow(2).sum()
-        del h
-        gc.collect()
-        alive = tracker.held_bytes(exclude=[x, *model.parameters()])
-        stats = act.checkpoint_stats()
-        loss.backward()
-        assert act.held_checkpoint_bytes() == 0
-        out[name] = (grads_of(x, model), (stats, alive))
-    act.configure()
-    return out
-
-
-def _world_of_four(rank: int, world_size: int) -> dict:
-    import torch.distributed as dist
-    from zeromem.tensor_parallel import make_2d_groups
-    dp_group, mp_group = make_2d_groups(2, 2)
-    _, mp4 = make_2d_groups(1, 4)
-    assert dist.get_process_group_ranks(mp_group) == [rank - rank % 2, rank - rank % 2 + 1]
-    assert dist.get_process_group_ranks(dp_group) == [rank % 2, rank % 2 + 2]
-    assert dist.get_process_group_ranks(mp4) == [0, 1, 2, 3]
-    _check_tp_parity(mp_group, dist.get_rank(mp_group), 2)
-    _check_tp_parity(mp4, rank, 4)
-    # hidden 63 x batch 33: 2079 elements per checkpoint, padded to 2080 (N=2) and 2080 (N=4)
-    layers, hidden, batch = 4, 63, 33
-    result = {}
-    for n, group in ((2, mp_group), (4, mp4)):
-        runs = _run_pa_combos(group, layers, hidden, batch)
-        for name, (grads, _) in runs.items():
-            assert_all_close(runs["plain"][0], grads)
-        result[n] = {name: stats for name, (_, stats) in runs.items()}
-    return result
-
-
-def test_tensor_parallel_and_partitioned_activations_world_of_four():
-    results = run_distributed(_world_of_four, 4)
-    layers, numel = 4, 33 * 63
-    for n, measured in results[0].items():
-        runs = {name: stats for name, (stats, _) in measured.items()}
-        alive = {name: nbytes for name, (_, nbytes) in measured.items()}
-        whole = layers * numel * 4
-        shard = layers * math.ceil(numel / n) * 4
-        print(f"N_mp={n}: ledger", {k: s.held_bytes for k, s in runs.items()}, "alive bytes", alive)
-        # What is really alive between forward and backward: the stored checkpoints (the
-        # whole MD pool when it is on; block inputs 2..4 without Pa, x being the caller's),
-        # the last output (saved by the loss's pow) and the loss.
-        last = numel * 4
-        assert alive["plain"] > 4 * whole
-        assert 3 * last + last <= alive["ckpt"] <= whole + last
-        for name in ("Pa", "Pa+cpu"):
-            assert shard + last <= alive[name] <= shard + last + 64
-        for name in ("Pa+MD", "Pa+cpu+MD"):
-            assert alive[name] <= runs[name].total_pool_bytes + last + 64
-        assert runs["ckpt"].held_bytes == {"device": whole, "host": 0}
-        assert runs["Pa"].held_bytes == {"device": shard, "host": 0}
-        assert runs["Pa+cpu"].held_bytes == {"device": 0, "host": shard}
-        assert runs["Pa+MD"].held_bytes["device"] == shard
-        pool = layers * 64 * math.ceil(shard / layers / 64)  # slots start on 64-byte boundaries
-        assert runs["Pa+MD"].pool_bytes == {"device": pool, "host": 0}
-        assert runs["Pa+cpu+MD"].pool_bytes == {"device": 0, "host": pool}
-        assert runs["Pa+cpu+MD"].held_bytes == {"device": 0, "host": shard}
-        assert whole / runs["Pa"].total_held_bytes >= n * numel / (numel + n)  # ~N_mp, less padding
-        estimate = act.estimate_checkpoint_bytes(1, numel, bytes_per_element=4, mp_size=n)
-        assert shard == layers * estimate
