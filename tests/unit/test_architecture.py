@@ -278,3 +278,28 @@ def test_training_needs_only_the_runtime_dependencies():
     project = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]
     required = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in project["dependencies"]}
     assert required == RUNTIME, f"pyproject dependencies {sorted(required)}"
+
+
+# modules that ask the default group for a rank or size (no group given), and why
+DEFAULT_GROUP_READERS = {
+    "__init__.py": "initialize: the world the node layout is built for",
+    "distributed.py": "Runtime's global rank; the exit barrier",
+    "comm.py": "Comm's own global rank (node layout, timeout diagnosis by the store's keys)",
+    "tensor_parallel.py": "make_2d_groups lays the 2-D grid over every rank of the world",
+    "hierarchy.py": "hybrid sharding and ZeRO++ need the data-parallel group to be the world",
+}
+
+
+def asks_default_group(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+               and n.func.attr in ("get_rank", "get_world_size") and not n.args and not n.keywords
+               and isinstance(n.func.value, ast.Name) and n.func.value.id == "dist"
+               for n in ast.walk(tree))
+
+
+def test_no_rank_look_up_without_a_group_but_at_the_edges():
+    readers = {name for name, tree in modules().items()
+               if not name.startswith("deepspeed/") and asks_default_group(tree)}
+    assert readers <= set(DEFAULT_GROUP_READERS), (
+        f"{sorted(readers - set(DEFAULT_GROUP_READERS))} ask the default group: take the Comm "
+        "(or Runtime) that is passed in")
