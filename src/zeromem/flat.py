@@ -113,6 +113,7 @@ class FlatParamGroup:
         self._param_shard = self._flat_param[self.shard_offset:self.shard_offset + self.shard_numel]
         self._full: torch.Tensor | None = None  # stage 3: the whole buffer while gathered
         self._whole_storage: torch.Tensor | None = None  # stage 3: `_full`'s tensor, kept (below)
+        self._whole_views: list[torch.Tensor] = []  # stage 3: parameter views of it, made once
         self._state = GroupState.WHOLE
         if sharding.params:
             # Stage 3: only the shard persists; `begin_gather` brings the whole on demand.
@@ -204,6 +205,7 @@ class FlatParamGroup:
         if whole is None or whole.dtype != shard.dtype or whole.device != shard.device:
             whole = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
             self._whole_storage = whole
+            self._whole_views = []  # views of the old tensor: made again at the next finish
         else:
             whole.untyped_storage().resize_(self.padded_numel * whole.element_size())
         self._full = whole
@@ -214,7 +216,13 @@ class FlatParamGroup:
         """The all-gather into `full` completed: parameters become views of it."""
         self._assert_in_states(GroupState.GATHERING)
         assert self._full is not None  # set by begin_gather
-        self._view_params(self._full)
+        if not self._whole_views:
+            # Views of the kept tensor stay valid while its storage shrinks and regrows (they
+            # refer to the storage, not to its memory): one C++ call per buffer, not per gather.
+            self._whole_views = list(_unflatten_dense_tensors(self._full[:self.numel],
+                                                              self._shapes))
+        for p, view in zip(self.params, self._whole_views):
+            p.data = view
         self._state = GroupState.GATHERED
 
     def reshard(self) -> None:

@@ -22,9 +22,11 @@ from contention import CAN_SHARE_A_CORE, burn, sharing_one_core
 from harness import run_distributed
 from zeromem.comm import Comm
 from zeromem.config.schema import Config
-from zeromem.planning.calibrate import Clock, calibrate, collectives, run_queue_delay
-from zeromem.planning.planner import (Hardware, Setup, Workload, evaluate, layout_for,
-                                      planned_layout, model_flops, predict_memory, shape_of)
+from zeromem.planning.calibrate import (Clock, calibrate, collectives, offload_traffic,
+                                        run_queue_delay)
+from zeromem.planning.planner import (Hardware, Setup, Workload, deepspeed_config, evaluate,
+                                      layout_for, model_flops, planned_layout, predict_memory,
+                                      shape_of)
 
 SMALL = GPTConfig(n_layer=2, n_embd=128, block_size=32)
 GAS = 2
@@ -68,15 +70,45 @@ def _comm_bytes(rank, world_size):
     return out
 
 
-def _world(rank, world_size):
+SWAPPED = (Setup(2, "none", "nvme"), Setup(3, "none", "nvme"), Setup(3, "none", "nvme", "nvme"))
+SWAP_GAS = 3  # reads of the gradient file: 2 per step at 1 micro-step, one more for each more
+
+
+def _planned(setup: Setup, nvme_path: str):
+    """The planner's candidate for `setup` (SMALL, 2 ranks, accumulation SWAP_GAS) and the
+    config it writes."""
+    with torch.device("meta"):
+        shape = shape_of(GPT(SMALL))
+    work = Workload(2, 16, SWAP_GAS, "fp32")
+    candidate = evaluate(shape, setup, Hardware(2, 1e12), work)
+    return shape, candidate, deepspeed_config(candidate, shape, work, 2, nvme_path)
+
+
+def _swap_bytes(rank, world_size, nvme_path):
+    """Each NVMe setup's swap I/O in one optimizer step, as the engine counts it."""
+    out = {}
+    for setup in SWAPPED:
+        torch.manual_seed(0)
+        engine = zeromem.initialize(GPT(SMALL), _planned(setup, nvme_path)[2])
+        for _ in range(2 * SWAP_GAS):  # the second step's: the first starts fresh states
+            tokens = torch.randint(0, 256, (2, 16))
+            engine.backward(engine(tokens, tokens))
+            engine.step()
+        out[setup.label()] = engine.offload.io_report()["last_step"]
+        engine.close()
+    return out
+
+
+def _world(rank, world_size, nvme_path):
     """One spawned world for the tests below (spawning costs seconds)."""
     return {"comm": _comm_bytes(rank, world_size),
+            "swap": _swap_bytes(rank, world_size, nvme_path),
             "clock": _loaded_ranks(rank, world_size) if CAN_SHARE_A_CORE else None}
 
 
 @pytest.fixture(scope="module")
-def world():
-    return run_distributed(_world, 2)
+def world(tmp_path_factory):
+    return run_distributed(_world, 2, str(tmp_path_factory.mktemp("nvme")))
 
 
 def test_counted_collectives_carry_the_bytes_the_engine_sends(world):
@@ -137,6 +169,24 @@ def test_calibration_is_positive_and_self_consistent(tmp_path):
     assert t[Setup(2, "gpu")].compute == pytest.approx(t[Setup(2)].compute + cal.forward_s)
     assert t[Setup(0)].optimizer == pytest.approx(2 * t[Setup(2)].optimizer, rel=0.01)
     assert t[Setup(2, "none", "nvme")].offload > 0 and t[Setup(2)].offload == 0
+
+
+def test_swap_traffic_the_step_time_counts_is_what_the_engine_moves(world, tmp_path):
+    """The disk bytes a step of each NVMe setup is predicted from (`offload_traffic`) are
+    the bytes the engine's swap I/O moves (ALIGN padding apart), accumulation included:
+    optimizer states in and out, each micro-step's reduced gradient written, read back
+    by the next, by the gradient norm and by the step; updated parameter shards written.
+    Parameter reads at stage 3 are an upper bound: the engine's pool keeps what fits."""
+    for setup in SWAPPED:
+        shape, candidate, _ = _planned(setup, str(tmp_path))
+        planned = offload_traffic(setup, candidate.states, 4, shape.psi / 2, SWAP_GAS)
+        for rank in world:
+            moved = rank["swap"][setup.label()]
+            assert moved["written_bytes"] == pytest.approx(planned.written, rel=0.01), setup
+            if setup.offload_param == "nvme":
+                assert moved["read_bytes"] <= planned.read, setup
+            else:
+                assert moved["read_bytes"] == pytest.approx(planned.read, rel=0.01), setup
 
 
 @pytest.mark.skipif(not CAN_SHARE_A_CORE, reason="needs per-thread schedstat and CPU affinity")

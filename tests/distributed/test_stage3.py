@@ -289,6 +289,53 @@ def test_eval_before_training_and_branches_reading_external_parameters(world):
         assert out["leaked"] == 0, "gathered parameters leaked out of the forward"
 
 
+class Pair(nn.Module):
+    """Two layers in one fetch unit; `b` runs only when the flag says so."""
+
+    def __init__(self, dim: int = 10):
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+
+    def forward(self, h, use_b: bool):
+        h = torch.tanh(self.a(h))
+        return h + self.b(h) if use_b else h
+
+
+class Partial(nn.Module):
+    def __init__(self, vocab: int = 13, dim: int = 10):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pair = Pair(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens, targets, use_b=True):
+        logits = self.head(self.pair(self.embed(tokens), use_b))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def partly_used_unit(rank, world_size):
+    """A unit some of whose gradients never come (`b` skipped) hands over the others at the
+    end of backward, before the reducer launches it (sharded_unit.py `finish_backward`)."""
+    torch.manual_seed(0)
+    model = Partial()
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
+    engine = zeromem.initialize(model, parity_config(3, 1, 0.0, world_size), fetch_units=(Pair,))
+    diffs = []
+    for step, use_b in enumerate([True, False, False, True]):
+        engine_step(engine, rank, step, use_b=use_b)
+        reference_step(ref_model, opt, step, world_size, use_b=use_b)
+        diffs.append(state_dict_diff(engine.full_state_dict(), ref_model))
+        assert all(p.grad is None for p in model.parameters())  # the buckets took them
+    return diffs
+
+
+def test_a_partly_used_unit_trains_like_one_process(world):
+    for diffs in world["partly_used_unit"]:
+        assert max(diffs) <= 1e-5, diffs
+
+
 @pytest.fixture(scope="module")
 def world() -> dict[str, list]:
     """This file's 2-rank cases (but the divergence one) in one spawned world: spawning
@@ -296,4 +343,5 @@ def world() -> dict[str, list]:
     return run_together({name: (fn, ()) for name, fn in (
         ("reuse_and_eval", reuse_and_eval), ("live_limit", live_limit),
         ("against_fsdp2", against_fsdp2), ("gpt_stage3_like_stage2", gpt_stage3_like_stage2),
-        ("eval_first_and_late_branches", eval_first_and_late_branches))}, 2)
+        ("eval_first_and_late_branches", eval_first_and_late_branches),
+        ("partly_used_unit", partly_used_unit))}, 2)

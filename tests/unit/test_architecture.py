@@ -9,7 +9,10 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
+
+import pytest
 
 import zeromem
 
@@ -34,6 +37,7 @@ MUTATORS = {"append", "extend", "insert", "add", "update", "setdefault", "pop", 
             "remove", "discard", "clear"}
 
 
+@functools.lru_cache(maxsize=1)  # parsed once for every test here; nothing changes the trees
 def modules() -> dict[str, ast.Module]:
     return {p.relative_to(SRC).as_posix(): ast.parse(p.read_text(), str(p))
             for p in sorted(SRC.rglob("*.py"))}
@@ -250,3 +254,52 @@ def assigns_imported_attributes(tree: ast.Module) -> bool:
 def test_no_monkey_patching():
     patching = {name for name, tree in modules().items() if assigns_imported_attributes(tree)}
     assert patching <= set(PATCHING), f"{sorted(patching - set(PATCHING))} patch another package"
+
+
+RUNTIME = {"torch", "pydantic", "safetensors", "numpy"}  # what training needs installed
+
+
+def test_training_needs_only_the_runtime_dependencies():
+    """Module-level imports are the standard library, zeromem and the runtime dependencies;
+    optional packages (matplotlib for plots, transformers, tqdm, tensorboard, wandb) are
+    imported where they are used, and the package metadata asks for nothing else."""
+    import sys
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    third_party = set()
+    for tree in modules().values():
+        for node in tree.body:  # type-only imports sit under `if TYPE_CHECKING:`, not here
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 \
+                and node.module else []
+            third_party |= {n.split(".")[0] for n in names}
+    third_party -= set(sys.stdlib_module_names) | {"zeromem", "pydantic_core"}
+    assert third_party <= RUNTIME, f"imported at module level: {sorted(third_party - RUNTIME)}"
+    project = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]
+    required = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in project["dependencies"]}
+    assert required == RUNTIME, f"pyproject dependencies {sorted(required)}"
+
+
+# modules that ask the default group for a rank or size (no group given), and why
+DEFAULT_GROUP_READERS = {
+    "__init__.py": "initialize: the world the node layout is built for",
+    "distributed.py": "Runtime's global rank; the exit barrier",
+    "comm.py": "Comm's own global rank (node layout, timeout diagnosis by the store's keys)",
+    "tensor_parallel.py": "make_2d_groups lays the 2-D grid over every rank of the world",
+    "hierarchy.py": "hybrid sharding and ZeRO++ need the data-parallel group to be the world",
+}
+
+
+def asks_default_group(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+               and n.func.attr in ("get_rank", "get_world_size") and not n.args and not n.keywords
+               and isinstance(n.func.value, ast.Name) and n.func.value.id == "dist"
+               for n in ast.walk(tree))
+
+
+def test_no_rank_look_up_without_a_group_but_at_the_edges():
+    readers = {name for name, tree in modules().items()
+               if not name.startswith("deepspeed/") and asks_default_group(tree)}
+    assert readers <= set(DEFAULT_GROUP_READERS), (
+        f"{sorted(readers - set(DEFAULT_GROUP_READERS))} ask the default group: take the Comm "
+        "(or Runtime) that is passed in")

@@ -63,8 +63,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
+from zeromem.checkpoints.agreement import all_ranks_ok, attempt, check_same_tag, collective, share_rows
 from zeromem.checkpoints.state import (check_states, counters_state, param_groups_state, read_rng,
                                restore_counters, restore_param_groups, restore_scaler,
                                restore_scheduler, rng_to_file, saved_scalar_state, scalar_states,
@@ -102,61 +102,8 @@ def group_pieces(group: FlatParamGroup, rank: int) -> list[tuple[ParamSlot, int,
             out.append((slot, start, at, n))
     return out
 
-# ---------------------------------------------------------------- collectives (through Comm)
 
-def _all_ranks_ok(state: TrainingState, error: BaseException | None, what: str) -> None:
-    """Every rank learns whether any rank failed `what`; all raise together if one did."""
-    comm = state.comm
-    flags = torch.zeros(comm.world_size, dtype=torch.int64, device=state.device)
-    flags[comm.rank] = int(error is not None)
-    comm.all_reduce(flags, op=dist.ReduceOp.MAX, kind="checkpoint")
-    failed = [r for r, f in enumerate(flags.tolist()) if f]
-    if not failed:
-        return
-    if error is not None:
-        if isinstance(error, CheckpointError):
-            raise error
-        raise CheckpointError(f"{what} failed on rank {comm.rank}: {error}") from error
-    raise CheckpointError(f"{what} failed on rank(s) {failed}; see their error")
-
-
-def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
-    try:
-        return fn(), None
-    except Exception as error:  # shared with every rank by _all_ranks_ok, then re-raised
-        return None, error
-
-
-def _collective(state: TrainingState, what: str, fn: Callable[[], Any]) -> Any:
-    result, error = _attempt(fn)
-    _all_ranks_ok(state, error, what)
-    return result
-
-
-def _share_rows(state: TrainingState, row: list[int]) -> list[list[int]]:
-    """All ranks' equal-length integer rows (an all-gather done as an all-reduce)."""
-    comm = state.comm
-    table = torch.zeros(comm.world_size, len(row), dtype=torch.int64, device=state.device)
-    table[comm.rank] = torch.tensor(row, dtype=torch.int64)
-    comm.all_reduce(table, kind="checkpoint")
-    return table.tolist()
-
-
-def _check_same_tag(state: TrainingState, tag: str) -> None:
-    """checkpoint.tag_validation: ranks must agree on the tag (Warn / Fail / Ignore)."""
-    mode = state.tag_validation
-    if mode == "Ignore" or state.comm.world_size == 1:
-        return
-    h = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "little")
-    hashes = {row[0] for row in _share_rows(state, [h])}
-    if len(hashes) > 1:
-        message = f"checkpoint tag {tag!r} differs between ranks"
-        if mode == "Fail":
-            raise CheckpointError(message)
-        log.warning(message)
-
-
-# ---------------------------------------------------------------- save
+# ---------------------------------------------------------------- save (collectives: agreement.py)
 
 def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str | None = None,
                     client_state: object = None, exclude_frozen_parameters: bool = False) -> str:
@@ -173,26 +120,26 @@ def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str 
     if state.counters.mid_accumulation():
         log.warning("saving in the middle of a gradient accumulation: gradients accumulated "
                     "so far are not part of the checkpoint")
-    _check_same_tag(state, tag)
+    check_same_tag(state, tag)
     root, rank = Path(save_dir), state.comm.rank
     tmp = root / f".tmp-{tag}"
-    _collective(state, "preparing the checkpoint directory",
-                lambda: prepare_tmp(root, tmp) if rank == 0 else None)
+    collective(state, "preparing the checkpoint directory",
+               lambda: prepare_tmp(root, tmp) if rank == 0 else None)
     try:
         with state.all_in_memory():  # masters and optimizer states in memory (offload/placement.py)
-            manifest = _collective(state, "describing the checkpoint",
-                                   lambda: _build_manifest(state, tag, exclude_frozen_parameters)
-                                   if rank == 0 else None)
-            digest, error = _attempt(lambda: _write_rank_file(state, tmp, rank,
-                                                              exclude_frozen_parameters))
-        rows = _share_rows(state, _digest_row(digest, error))
-        _all_ranks_ok(state, error, "writing the checkpoint shards")
-        client, error = _attempt(lambda: _write_client_state(tmp, client_state)
-                                 if rank == 0 else None)
-        _all_ranks_ok(state, error, "writing client_state")
-        _collective(state, "publishing the checkpoint",
-                    lambda: _finish(state, root, tmp, tag, manifest, rows, client)
-                    if rank == 0 else None)
+            manifest = collective(state, "describing the checkpoint",
+                                  lambda: _build_manifest(state, tag, exclude_frozen_parameters)
+                                  if rank == 0 else None)
+            digest, error = attempt(lambda: _write_rank_file(state, tmp, rank,
+                                                             exclude_frozen_parameters))
+        rows = share_rows(state, _digest_row(digest, error))
+        all_ranks_ok(state, error, "writing the checkpoint shards")
+        client, error = attempt(lambda: _write_client_state(tmp, client_state)
+                                if rank == 0 else None)
+        all_ranks_ok(state, error, "writing client_state")
+        collective(state, "publishing the checkpoint",
+                   lambda: _finish(state, root, tmp, tag, manifest, rows, client)
+                   if rank == 0 else None)
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -333,9 +280,10 @@ def _build_manifest(state: TrainingState, tag: str, exclude_frozen: bool) -> dic
     }
 
 
-def _finish(state: TrainingState, root: Path, tmp: Path, tag: str, manifest: dict,
+def _finish(state: TrainingState, root: Path, tmp: Path, tag: str, manifest: dict | None,
             rows: list[list[int]], client: dict | None) -> None:
     """Rank 0: complete the manifest, then publish the directory, then `latest`."""
+    assert manifest is not None  # rank 0 built it
     for rank, row in enumerate(rows):
         pieces = [[slot.name, p0, n] for g in state.groups
                   for slot, _, p0, n in group_pieces(g, rank)]
@@ -399,8 +347,8 @@ def _load_deepspeed(state: TrainingState, where: tuple[Path, str], load_optimize
 
     root, tag = where
     with tempfile.TemporaryDirectory(prefix="zeromem-deepspeed-") as tmp:
-        _collective(state, f"importing DeepSpeed checkpoint {root / tag}",
-                    lambda: import_deepspeed(root, tmp, tag))
+        collective(state, f"importing DeepSpeed checkpoint {root / tag}",
+                   lambda: import_deepspeed(root, tmp, tag))
         _load(state, tmp, tag, load_optimizer_states, load_lr_scheduler_states, False,
               shown=root)
     return str(root / tag), None
@@ -411,19 +359,19 @@ def _load(state: TrainingState, load_dir, tag: str | None, load_optimizer_states
           shown: str | os.PathLike | None = None) -> tuple[str, Any]:
     """`load_checkpoint` of a zeromem checkpoint; ranks compare `shown/<tag>` (default:
     `load_dir`), so that each may read its own copy of one checkpoint."""
-    path, manifest = _collective(
+    path, manifest = collective(
         state, "reading the checkpoint manifest",
         lambda: _open_checked(state, load_dir, tag, load_optimizer_states,
                               load_lr_scheduler_states))
     same = Path(load_dir if shown is None else shown) / path.name
     h = int.from_bytes(hashlib.sha256(str(same).encode()).digest()[:7], "little")
-    if len({row[0] for row in _share_rows(state, [h])}) > 1:
+    if len({row[0] for row in share_rows(state, [h])}) > 1:
         raise CheckpointError(f"ranks resolved different checkpoints (this rank: {path}); "
                               "was `latest` replaced during the load?")
     _verify_files(state, path, manifest)
-    staged = _collective(state, "reading the checkpoint",
-                         lambda: _stage(state, path, manifest, load_optimizer_states,
-                                        trust_client_state))
+    staged = collective(state, "reading the checkpoint",
+                        lambda: _stage(state, path, manifest, load_optimizer_states,
+                                       trust_client_state))
     with state.all_in_memory():  # masters and optimizer states in memory (offload/placement.py)
         _apply(state, staged, load_lr_scheduler_states)
     state.refresh_params()  # the compute-dtype parameters from the loaded masters
@@ -504,7 +452,7 @@ def _verify_files(state: TrainingState, path: Path, manifest: dict) -> None:
     codes = [verify_file(path / f["name"], f["sha256"], f["bytes"])
              if i % comm.world_size == comm.rank else 0 for i, f in enumerate(files)]
     if files:
-        codes = [sum(column) for column in zip(*_share_rows(state, codes))]
+        codes = [sum(column) for column in zip(*share_rows(state, codes))]
     raise_problems(path, files, codes)
 
 
@@ -625,7 +573,7 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
         frozen = _frozen_keys(state)
         weights = {k: v for k, v in weights.items() if k not in frozen}
     path = Path(save_dir) / filename
-    _collective(state, "saving the 16-bit model",
-                lambda: write_state_dict(path, weights) if state.comm.rank == 0 else None)
+    collective(state, "saving the 16-bit model",
+               lambda: write_state_dict(path, weights) if state.comm.rank == 0 else None)
     return str(path)
 

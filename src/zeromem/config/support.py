@@ -52,7 +52,7 @@ READ: dict[str, tuple[str, ...]] = {
     **{f"activation_checkpointing.{key}": ("activations.recompute",) for key in (
         "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
         "number_checkpoints", "synchronize_checkpoint_boundary", "profile")},
-    "checkpoint.tag_validation": ("checkpoints.save_load",),
+    "checkpoint.tag_validation": ("checkpoints.agreement",),
     **{f"zero_optimization.{key}": ("config.cluster", "hierarchy") for key in (
         "mics_shard_size", "zero_hpz_partition_size", "zero_quantized_weights",
         "zero_quantized_gradients")},

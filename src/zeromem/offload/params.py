@@ -9,7 +9,7 @@ The three classes share no base class; each implements `ParamPlacement`:
 
     ParamsOnDevice (none) | ParamsOnHost (cpu) | ParamsOnNvme (nvme, stage 3)
         admit(group)             take a group's shard over, as the engine builds the group
-        fetch(group, reader)     `FetchUnit.unshard`: the shard in memory before its gather
+        fetch(group, reader)     `ShardedUnit.unshard`: the shard in memory before its gather
         release(group)           the shard's memory given back (written out first if changed)
         prefetch(group)          start bringing a shard in early
         follow(order)            the runner's recorded unit order for the pass now running
@@ -66,7 +66,7 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
 
 class Reader(Protocol):
-    """What reads a shard while it is in memory: a stage-3 `FetchUnit` and its all-gather."""
+    """What reads a shard while it is in memory: a stage-3 `ShardedUnit` and its all-gather."""
 
     pending: Any  # the all-gather in flight, or None
 

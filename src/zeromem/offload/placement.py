@@ -18,7 +18,7 @@ both to the ZeRO optimizer (zero_optimizer.py); its step's phases call them:
         optimizer.step()                     step phase 4 (the placement built it)
         write_back(groups, params)           step phase 5: masters -> parameter shards
     parameter placement ParamsOnDevice | ParamsOnHost | ParamsOnNvme (offload/params.py)
-        fetch(group, reader) / release(group)   `FetchUnit.unshard` fetches the shard first
+        fetch(group, reader) / release(group)   `ShardedUnit.unshard` fetches the shard first
         load / store(group, start, ...)      the optimizer reads / writes shard pieces
 
 Construction order: the parameter placement first (`build_params`, from the shard

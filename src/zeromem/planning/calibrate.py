@@ -145,24 +145,45 @@ class Calibration:
 
     def _offload(self, setup: Setup, states: ShapeMemory, p: int, shard: float, gas: int) -> float:
         """Host copies and swap I/O of one step."""
-        copies, read, written = 0.0, 0.0, 0.0
-        if setup.offload_optimizer == "cpu":
-            copies += (FP32 + p) * shard  # gradient shard to host, updated parameters back
-        if setup.offload_optimizer == "nvme":
-            swapped = states.nvme.get("optimizer_states", 0) + states.nvme.get("masters", 0)
-            read += swapped
-            written += swapped
-            grads = states.nvme.get("grads", 0)
-            written += grads * gas  # each micro-step's reduced shard
-            read += grads * (2 * gas - 1)  # accumulation reads it back, the step reads it
-            copies += FP32 * shard  # the gradient into the step's buffer
-        if setup.offload_param == "cpu":
-            copies += 2 * gas * p * shard  # fetched for forward and for backward
-        if setup.offload_param == "nvme":
-            read += 2 * gas * p * shard
-            written += p * shard
-        disk = (read / self.disk_read + written / self.disk_write) if read or written else 0.0
-        return copies / self.copy_bandwidth + disk
+        moved = offload_traffic(setup, states, p, shard, gas)
+        disk = moved.read / self.disk_read + moved.written / self.disk_write
+        return moved.copies / self.copy_bandwidth + disk
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one optimizer step moves between device, host and swap files, per rank."""
+
+    copies: float = 0.0  # host <-> device
+    read: float = 0.0  # from the swap files
+    written: float = 0.0  # to them
+
+
+def offload_traffic(setup: Setup, states: ShapeMemory, param_bytes: int, shard: float,
+                    gas: int) -> Traffic:
+    """What `setup`'s offload moves in one optimizer step, as the engine moves it (its
+    per-step `offload.io_report()` counts the same swap bytes; test_plan_calibrate).
+    `states.nvme`: the swap files' contents by name; `shard`: elements per rank."""
+    p = param_bytes
+    copies, read, written = 0.0, 0.0, 0.0
+    if setup.offload_optimizer == "cpu":
+        copies += (FP32 + p) * shard  # gradient shard to host, updated parameters back
+    if setup.offload_optimizer == "nvme":
+        swapped = states.nvme.get("optimizer_states", 0) + states.nvme.get("masters", 0)
+        read += swapped
+        written += swapped
+        grads = states.nvme.get("grads", 0)
+        written += grads * gas  # each micro-step's reduced shard
+        # read back by each micro-step's accumulation but the first, then once by the
+        # gradient norm (the planner's config clips) and once by the step
+        read += grads * (gas - 1 + 2)
+        copies += FP32 * shard  # the gradient into the step's buffer
+    if setup.offload_param == "cpu":
+        copies += 2 * gas * p * shard  # fetched for forward and for backward
+    if setup.offload_param == "nvme":
+        read += 2 * gas * p * shard
+        written += p * shard
+    return Traffic(copies, read, written)
 
 
 def collectives(shape: ModelShape, layout: ZeroLayout, param_bytes: int, grad_bytes: int, n_d: int,

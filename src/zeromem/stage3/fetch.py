@@ -400,7 +400,8 @@ class FetchSchedule:
 
     def _release(self, units: list[ShardedUnit]) -> None:
         """Reshard `units` unless a module still running (an ancestor) also reads them."""
-        in_use = {id(u) for m in self.module_stack for u in self._units_for_id(m)}
+        stack = self.module_stack
+        in_use = {id(u) for m in stack for u in self._units_for_id(m)} if stack else ()
         self.busy = True
         try:
             for unit in units:
@@ -413,6 +414,9 @@ class FetchSchedule:
         return self.unit_of_module.get(module_id, []) + self.extra_units.get(module_id, [])
 
     def _hook_backward(self, module: nn.Module, output: object) -> object:
+        if isinstance(output, torch.Tensor):  # most blocks: no tree to walk
+            return _PreBackward.apply(self, id(module), output) if output.requires_grad \
+                else output
         tensors = []
         tree_map(lambda t: tensors.append(t) if torch.is_tensor(t) and t.requires_grad else None,
                  output)

@@ -108,7 +108,7 @@ class Partitions:
 
     def __init__(self) -> None:
         self.shards = _WeakById()  # parameter -> ParamShard, for parameters built under Init
-        self.units = _WeakById()   # parameter -> stage3.FetchUnit of a live engine
+        self.units = _WeakById()   # parameter -> stage3.ShardedUnit of a live engine
 
     def add_units(self, units: Iterable) -> None:
         """Let `GatheredParameters` find the fetch unit of each stage-3 parameter."""
