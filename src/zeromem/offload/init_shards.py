@@ -62,6 +62,8 @@ class ShardRecord:
     dtype: torch.dtype
     device: torch.device
 
+    held_nbytes = 0  # in memory: nothing
+
     def _buffer(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(an aligned uint8 buffer of the whole record, its first `numel` elements)."""
         itemsize = torch.empty(0, dtype=self.dtype).element_size()

@@ -39,49 +39,40 @@ from zeromem.layout import ShardLayout
 from zeromem.offload.init_shards import ShardFile, ShardRecord
 
 
+class KeptShard:
+    """A shard in memory, on the device its parameter was built on (`ShardRecord`'s verbs)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.numel, self.dtype, self.device = tensor.numel(), tensor.dtype, tensor.device
+
+    @property
+    def held_nbytes(self) -> int:
+        return self.tensor.nbytes
+
+    def read(self) -> torch.Tensor:
+        return self.tensor
+
+    def write(self, values: torch.Tensor) -> None:
+        self.tensor.copy_(values)
+
+
 @dataclass
 class ParamShard:
     """This rank's 1/N_d of one parameter built under `Init` (flattened, padded).
 
-    In memory (`kept`), or, when `Init`'s config puts parameters on NVMe, in a swap
-    file (`record`, offload/init_shards.py) so that no rank holds 1/N_d of the model."""
+    Where it lives (`home`): in memory, or, when `Init`'s config puts parameters on
+    NVMe, in a swap file (offload/init_shards.py), so that no rank holds 1/N_d of the
+    model while building it."""
 
+    home: KeptShard | ShardRecord
     shape: torch.Size
     numel: int
-    kept: torch.Tensor | None = None
-    record: ShardRecord | None = None
-
-    def value(self) -> torch.Tensor:
-        """The shard's values (read back from its file when it is on disk)."""
-        if self.record is not None:
-            return self.record.read()
-        assert self.kept is not None  # one of the two holds it
-        return self.kept
-
-    def assign(self, values: torch.Tensor) -> None:
-        """New values for the shard, where it is."""
-        if self.record is not None:
-            self.record.write(values)
-        else:
-            assert self.kept is not None
-            self.kept.copy_(values)
-
-    @property
-    def shard_numel(self) -> int:
-        return self.record.numel if self.record is not None else self.kept.numel()  # type: ignore[union-attr]
-
-    @property
-    def held_nbytes(self) -> int:
-        """Host or device bytes it holds: none while on disk."""
-        return self.kept.nbytes if self.kept is not None else 0
 
     def new_whole(self, world_size: int) -> torch.Tensor:
         """An uninitialised buffer of N_d shards (the padded whole), where the shard is used."""
-        if self.record is not None:
-            return torch.empty(self.shard_numel * world_size, dtype=self.record.dtype,
-                               device=self.record.device)
-        assert self.kept is not None
-        return self.kept.new_empty(self.shard_numel * world_size)
+        home = self.home
+        return torch.empty(home.numel * world_size, dtype=home.dtype, device=home.device)
 
 
 class _WeakById:
@@ -137,8 +128,8 @@ class Partitions:
         comm.broadcast(flat, 0)
         start = layout.shard_offset
         mine = flat[start:start + layout.shard_numel]
-        self.shards[p] = ParamShard(p.shape, p.numel(), record=disk.put(mine)) \
-            if disk is not None else ParamShard(p.shape, p.numel(), kept=mine.clone())
+        home = disk.put(mine) if disk is not None else KeptShard(mine.clone())
+        self.shards[p] = ParamShard(home, p.shape, p.numel())
         p.data = p.data.new_empty(0)
 
     def gather_whole(self, p: nn.Parameter, comm: Comm,
@@ -147,7 +138,7 @@ class Partitions:
         entry = self.shards[p]
         if flat is None:
             flat = entry.new_whole(comm.world_size)
-        comm.all_gather(flat, entry.value())
+        comm.all_gather(flat, entry.home.read())
         return flat[:entry.numel].view(entry.shape).to(p.dtype)
 
     def reshard(self, p: nn.Parameter, comm: Comm, src_rank: int | None = None) -> None:
@@ -161,7 +152,7 @@ class Partitions:
         flat[:entry.numel].copy_(p.detach().reshape(-1))
         if src_rank is not None:
             comm.broadcast(flat, src_rank)
-        entry.assign(flat[layout.shard_offset:layout.shard_offset + layout.shard_numel])
+        entry.home.write(flat[layout.shard_offset:layout.shard_offset + layout.shard_numel])
         p.data = p.data.new_empty(0)
 
     def materialize(self, params: Iterable[nn.Parameter], comm: Comm) -> None:
@@ -183,7 +174,7 @@ class Partitions:
 
     def held_bytes(self, module: nn.Module) -> int:
         """Bytes this rank holds for `module`'s parameters (shards and whole ones)."""
-        return sum(self.shards[p].held_nbytes if p in self.shards else p.nbytes
+        return sum(self.shards[p].home.held_nbytes if p in self.shards else p.nbytes
                    for p in module.parameters())
 
 
