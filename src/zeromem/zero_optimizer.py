@@ -314,6 +314,10 @@ class ZeroOptimizer:
         """Was group `gi`'s reduction launched in this backward?"""
         return self.reducing and gi < self.next_to_launch
 
+    def one_bucket_at_a_time(self) -> bool:
+        """A single full-size bucket alive at once (reduced shards go to an NVMe file)."""
+        return self.settings.max_buckets == 1
+
     def after_gather(self, callback: Callable[[], None]) -> None:
         """Call `callback()` each time the updated parameter shards were all-gathered."""
         self.gathered_callbacks.append(callback)

@@ -24,6 +24,7 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list = []
         self.launched_now = False
+        self.one_bucket = False
 
     def bucket_starts(self) -> None:
         self.events.append("bucket")
@@ -34,8 +35,11 @@ class Recorder:
     def launched(self, index: int) -> bool:
         return self.launched_now
 
+    def one_bucket_at_a_time(self) -> bool:
+        return self.one_bucket
 
-def _unit() -> tuple[ShardedUnit, Recorder, list[torch.Tensor]]:
+
+def _unit(one_bucket: bool = False) -> tuple[ShardedUnit, Recorder, list[torch.Tensor]]:
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(s)) for s in SHAPES]
     values = [p.detach().clone() for p in params]
@@ -44,6 +48,7 @@ def _unit() -> tuple[ShardedUnit, Recorder, list[torch.Tensor]]:
     group.attach_grads(ShardAccumulated(group, ContiguousShards([group.shard_numel],
                                                                 torch.float32, torch.device("cpu")), 0))
     recorder = Recorder()
+    recorder.one_bucket = one_bucket
     unit = ShardedUnit(group, 0, recorder, comm, False, LiveStats())  # type: ignore[arg-type]
     full = group.begin_gather()  # world size 1: the shard is the whole buffer
     full.copy_(group.param_shard)
@@ -103,3 +108,20 @@ def test_gradients_arrive_only_in_a_backward_and_not_after_the_reduction():
     recorder.launched_now = True  # the reducer launched this unit's bucket
     with pytest.raises(RuntimeError, match="second gradient"):
         _loss(unit.group.params, x, True).backward()
+
+
+def test_with_one_bucket_at_a_time_each_gradient_goes_in_as_it_comes():
+    """Reduced shards to an NVMe file keep one bucket alive: no unit's gradients may wait
+    in param.grad beside the reduction in flight."""
+    unit, recorder, values = _unit(one_bucket=True)
+    x = torch.randn(5)
+    unit.start_pass(Phase.BACKWARD)
+    seen = []  # a later hook on each parameter: its gradient has left param.grad by then
+    for param in unit.group.params:
+        param.register_post_accumulate_grad_hook(
+            lambda p: seen.append((p.grad is None, recorder.events.count("bucket"))))
+    _loss(unit.group.params, x, True).backward()
+    assert seen == [(True, 1)] * 3
+    assert recorder.events == ["bucket", ("ready", 0)] and unit.phase is Phase.REDUCED
+    bucket = unit.group.grads.bucket.take()
+    assert torch.allclose(bucket[:unit.group.numel], _expected(values, x, True))

@@ -11,7 +11,8 @@ tensors. The `ShardedUnit` owns everything done with them, each in one place:
                               parameter only counts; when the last gradient is in,
                               all of them go into the unit's bucket in one copy and
                               the reducer (zero_optimizer.py) launches its
-                              reduce-scatter, in group order on every rank
+                              reduce-scatter, in group order on every rank (with one
+                              bucket at a time, each gradient goes in as it comes)
     phase                     the pass now running (`Phase`): how a gather runs, and
                               whether gradients may arrive
 
@@ -95,6 +96,9 @@ class Reducer(Protocol):
     def launched(self, index: int) -> bool:
         """Was group `index`'s reduction launched in this backward?"""
 
+    def one_bucket_at_a_time(self) -> bool:
+        """Is a single full-size bucket alive at once (reduced shards to an NVMe file)?"""
+
 
 class ShardedUnit:
     """One stage-3 flat group's gather, release and gradient reduction, as one object.
@@ -121,6 +125,9 @@ class ShardedUnit:
         self.secondary_shard: torch.Tensor | None = None  # hpZ: my slice, forward to step
         self._missing = len(group.params)  # gradients still to come in this backward
         self._offsets = {id(p): slot.offset for p, slot in zip(group.params, group.slots)}
+        # With one bucket at a time, gradients may not wait in param.grad beside a reduction
+        # in flight (two units' gradients alive): each goes into the bucket as it comes.
+        self._eager = reducer.one_bucket_at_a_time()
         self._on_reduced: Callable[[ShardedUnit], None] = lambda unit: None
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_in) for p in group.params]
 
@@ -221,6 +228,8 @@ class ShardedUnit:
         if self._phase is Phase.REDUCED:
             self._late_grad(param)
             return
+        if self._eager:
+            self._add_to_bucket(param, first=self._missing == len(self.group.params))
         self._missing -= 1
         if self._missing == 0:
             self._reduce()
@@ -255,8 +264,12 @@ class ShardedUnit:
             raise RuntimeError(f"parameter of unit '{self.name}' received a second gradient "
                                "in one backward after its bucket was reduced; use "
                                "zeromem.checkpoint")
+        self._add_to_bucket(param, first=True)
+
+    def _add_to_bucket(self, param: torch.Tensor, first: bool) -> None:
         assert param.grad is not None  # called by the post-accumulate-grad hook
-        self.reducer.bucket_starts()
+        if first:
+            self.reducer.bucket_starts()
         self.group.grads.accumulate(self._offsets[id(param)], param.grad)
         param.grad = None
 
