@@ -378,6 +378,21 @@ class Config(Extras):
         return train, micro, gas
 
     @classmethod
+    def read(cls, source: dict | str | os.PathLike | Config) -> tuple[dict, str | None]:
+        """`source` as the JSON object it holds, unvalidated, and the file it came from."""
+        if isinstance(source, Config):
+            raw = source._raw if source._raw is not None else source.model_dump(exclude_unset=True)
+            return raw, None
+        if isinstance(source, str) and source.lstrip().startswith("{"):
+            return _parse_json(source, "JSON text"), None  # a config given inline, not a path
+        if isinstance(source, (str, os.PathLike)):
+            return _read_json(os.fspath(source)), os.fspath(source)
+        if isinstance(source, dict):
+            return source, None
+        raise ConfigError("config source must be a dict, a JSON file path or a Config, got "
+                          f"{type(source).__name__}")
+
+    @classmethod
     def load(cls, source: dict | str | os.PathLike | Config, world_size: int | None = None,
              hidden_size: int | None = None) -> Config:
         """Validate `source` (a dict, a JSON file path or a Config) into a Config.
@@ -387,20 +402,9 @@ class Config(Extras):
         the input it was built from (keeping its hidden_size unless a new one is given).
         Raises ConfigError naming the offending key.
         """
-        origin = None
+        data, origin = cls.read(source)
         if isinstance(source, Config):
-            data = source._raw if source._raw is not None else source.model_dump(exclude_unset=True)
             hidden_size = hidden_size if hidden_size is not None else source._hidden_size
-        elif isinstance(source, str) and source.lstrip().startswith("{"):
-            data = _parse_json(source, "JSON text")  # a config given inline, not a path
-        elif isinstance(source, (str, os.PathLike)):
-            origin = os.fspath(source)
-            data = _read_json(origin)
-        elif isinstance(source, dict):
-            data = source
-        else:
-            raise ConfigError("config source must be a dict, a JSON file path or a Config, got "
-                              f"{type(source).__name__}")
         for name, value in (("world_size", world_size), ("hidden_size", hidden_size)):
             bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
             if value is not None and bad:

@@ -21,6 +21,7 @@ nothing beneath them reads it.
 """
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Iterable
@@ -33,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from zeromem.comm import Comm
 from zeromem.distributed import Runtime, ensure_process_group
-from zeromem.config.schema import Config
+from zeromem.config.schema import Config, ConfigError
 from zeromem.layout import ShardLayout
 from zeromem.offload.init_shards import ShardFile, ShardRecord
 
@@ -279,7 +280,7 @@ def _shard_file(config, group) -> ShardFile | None:
     """Init's swap file when `config` puts parameters on NVMe; else None (shards in memory)."""
     if config is None:
         return None
-    cfg = Config.load(config)
+    cfg = placement_config(config)
     zero = cfg.zero_optimization
     if zero.offload_param_device != "nvme":
         return None
@@ -287,6 +288,26 @@ def _shard_file(config, group) -> ShardFile | None:
     assert block is not None and block.nvme_path is not None  # validated with device nvme
     # named by the global rank, as the engine's swap files (read at this edge, as initialize does)
     return ShardFile(block.nvme_path, Runtime.from_env(group, None).global_rank, cfg.aio)
+
+
+def placement_config(source: dict | str | os.PathLike | Config) -> Config:
+    """The blocks of `source` that Init reads (`zero_optimization.offload_param`, `aio`).
+
+    Hugging Face's `from_pretrained` hands Init the Trainer's DeepSpeed config before the
+    Trainer fills its "auto" placeholders (scheduler steps, bucket sizes), so the other
+    blocks cannot be validated yet; the engine validates them whole later.
+    """
+    raw, origin = Config.read(source)
+    zero = raw.get("zero_optimization") or {}
+    part: dict = {"zero_optimization": {"stage": 3}}
+    if isinstance(zero, dict) and "offload_param" in zero:
+        part["zero_optimization"]["offload_param"] = zero["offload_param"]
+    if "aio" in raw:
+        part["aio"] = raw["aio"]
+    try:
+        return Config.load(part)
+    except ConfigError as error:
+        raise ConfigError(f"{origin}: {error}" if origin else str(error)) from None
 
 
 def _broadcast_in_place(tensor: torch.Tensor, comm: Comm) -> None:
