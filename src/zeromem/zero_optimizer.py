@@ -268,6 +268,9 @@ class ZeroOptimizer:
         self.settings = settings
         self.grad_norm: float | None = None  # pre-clip global norm of the last step
         self.in_flight: deque[Pending] = deque()
+        # most full-size buckets alive at once (one starting + reductions not yet waited for):
+        # the bound `max_buckets` keeps, observable (a reduction not waited for holds its buffers)
+        self.buckets_alive_peak = 0
         self.reducing = False
         self.next_to_launch = 0
         self.ready = [False] * len(groups)  # this backward: every gradient of group i is in
@@ -303,6 +306,7 @@ class ZeroOptimizer:
         """A full-size bucket is about to fill: at most `max_buckets` are alive."""
         if self.reducing:
             self._wait_in_flight(self.settings.max_buckets - 1)
+            self.buckets_alive_peak = max(self.buckets_alive_peak, len(self.in_flight) + 1)
 
     def group_ready(self, gi: int) -> None:
         """Every gradient of group `gi` is in its buffer: launch it once those before it are."""

@@ -84,17 +84,6 @@ def _vm(key: str) -> float:
     raise KeyError(key)
 
 
-def count_buckets_alive(engine, out: dict) -> None:
-    """After each gradient reaches its bucket (a hook registered after the engine's): the
-    most full-size gradient buckets alive at once, filling or reducing, into out["buckets"]."""
-    def count(_param) -> None:
-        filling = sum(g.grads.bucket.filling for g in engine.groups if hasattr(g.grads, "bucket"))
-        out["buckets"] = max(out["buckets"], filling + len(engine.zero.in_flight))
-    for p in engine.module.parameters():
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(count)
-
-
 def resident_after_training(rank: int, world_size: int, path: str, depth: int) -> dict:
     """Steady resident bytes of a stage-3 NVMe run of `depth` Linear(WIDTH, WIDTH) layers."""
     torch.set_num_threads(1)
@@ -112,8 +101,6 @@ def resident_after_training(rank: int, world_size: int, path: str, depth: int) -
     Path("/proc/self/clear_refs").write_text("5")  # initialize's own high-water mark
     engine = zeromem.initialize(model, cfg)
     initialize_peak = _vm("VmHWM")
-    buckets = {"buckets": 0}
-    count_buckets_alive(engine, buckets)
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts: training's
     x = torch.randn(8, WIDTH)
     for _ in range(2):
@@ -122,7 +109,8 @@ def resident_after_training(rank: int, world_size: int, path: str, depth: int) -
     held = engine.memory_report().held
     out = {"steady": _vm("VmRSS"), "peak": _vm("VmHWM"), "states": 16 * engine.psi / world_size,
            "host": sum(places.get("host", 0) for places in held.values()),
-           "build_peak": build_peak, "initialize_peak": initialize_peak, **buckets}
+           "build_peak": build_peak, "initialize_peak": initialize_peak,
+           "buckets": engine.zero.buckets_alive_peak}
     engine.close()
     return out
 
