@@ -229,17 +229,16 @@ class ModelParallelNorm:
 
     def square(self, group) -> torch.Tensor:
         """This rank's share of the squared norm of a flat group's reduced gradient."""
-        grad = group.grads.reduced()  # this rank's shard (the whole buffer at stage 0)
-        sq = torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+        sq = group.grads.square()  # this rank's shard (the whole buffer at stage 0)
         if self.comm is None:
             return sq
-        repeated = []
-        for p, slot in zip(group.params, group.slots):
-            start, _, length = group.owned_slice(slot)
-            if length and id(p) in self.replicated:
-                repeated.append(grad[start:start + length])
-        if not repeated:
+        spans = [(start, length) for p, slot in zip(group.params, group.slots)
+                 for start, _, length in [group.owned_slice(slot)]
+                 if length and id(p) in self.replicated]
+        if not spans:
             return sq
+        grad = group.grads.reduced()  # read only here: a shard in grads.swp costs a read
+        repeated = [grad[start:start + length] for start, length in spans]
         rep_sq = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32) ** 2
                               for x in repeated]).sum()
         return (sq - rep_sq) + rep_sq / self.comm.world_size

@@ -103,6 +103,10 @@ class WholeAllReduced:
     def reduced(self) -> torch.Tensor:
         return self.whole
 
+    def square(self) -> torch.Tensor:
+        """The squared L2 norm of `reduced()` (fp32)."""
+        return torch.linalg.vector_norm(self.reduced(), dtype=torch.float32) ** 2
+
     def zero(self) -> None:
         self.whole.zero_()
 
@@ -224,6 +228,10 @@ class ShardAccumulated:
 
     def reduced(self) -> torch.Tensor:
         return self.shard
+
+    def square(self) -> torch.Tensor:
+        """The squared L2 norm of `reduced()` (fp32)."""
+        return torch.linalg.vector_norm(self.reduced(), dtype=torch.float32) ** 2
 
     def zero(self) -> None:
         self.shard.zero_()

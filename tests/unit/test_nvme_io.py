@@ -55,3 +55,35 @@ def test_swap_file_round_trip(tmp_path, monkeypatch, direct):
     assert torch.equal(data, back) and f.direct is direct and bool(syncs) is not direct
     f.close()
     io.shutdown()
+
+
+def test_grad_file_keeps_each_records_squared_norm_so_the_step_norm_reads_nothing(tmp_path):
+    """The global norm (issue 16, item 2) takes each shard's square at `put`, accumulated
+    over micro-steps, instead of reading grads.swp back: a whole extra pass the step waited
+    for, one record at a time."""
+    from zeromem.offload.grad_file import GradFile, ShardToFile, aligned_fp32
+    from zeromem.offload.nvme import SwapSpace
+    space = SwapSpace(tmp_path, 0, AsyncIO(1 << 20, 2))
+    groups = [SimpleNamespace(shard_numel=n, padded_numel=2 * n) for n in (1000, 333)]
+    store = GradFile(groups, space)  # type: ignore[arg-type]
+    kinds = [ShardToFile(g, torch.float32, torch.device("cpu"), store)  # type: ignore[arg-type]
+             for g in groups]
+    expected = []
+    for g, seed in zip(groups, (1, 2)):
+        total = torch.zeros(g.shard_numel)
+        for micro in range(2):  # two micro-steps: the record accumulates
+            raw, shard = aligned_fp32(g.shard_numel)
+            shard.copy_(torch.randn(g.shard_numel, generator=torch.Generator().manual_seed(
+                seed * 10 + micro)))
+            total += shard
+            store.put(g, raw, shard)
+        expected.append(torch.linalg.vector_norm(total) ** 2)
+    store.flush()
+    read_before = space.io.stats.read_bytes
+    for kind, want in zip(kinds, expected):
+        assert torch.allclose(kind.square(), want, rtol=1e-5), (kind.square(), want)
+    assert space.io.stats.read_bytes == read_before  # nothing read back for the norm
+    assert torch.allclose(kinds[0].reduced().square().sum(), expected[0], rtol=1e-5)
+    kinds[1].zero()  # the next step starts a fresh gradient: no stale square
+    assert float(kinds[1].square()) == 0.0
+    space.close()

@@ -10,7 +10,8 @@ the optimizer states (offload/nvme_optimizer.py).
     ShardToFile (one per flat group; replaces grads.ShardAccumulated)
         accumulate(offset, grad)   into a full-size bucket, as ShardAccumulated
         launch(comm)               reduce-scatter; when done, `GradFile.put` the shard
-        reduced()                  the shard read back (the global norm reads it once)
+        reduced()                  the shard read back
+        square()                   its squared norm, taken at `put` (the global norm reads nothing)
         zero()                     the next `put` starts a fresh gradient
     GradFile
         put(group, shard)          write (or, accumulating, read + add + write)
@@ -64,6 +65,9 @@ class GradFile:
         self.file = space.file("grads.swp", total)
         self.numel = {id(g): g.shard_numel for g in groups}
         self.written: set[int] = set()  # groups whose record holds this step's gradient
+        # the squared norm of each written record, taken while the shard was in memory: the
+        # step's global norm then reads nothing (a whole extra pass over grads.swp, waited for)
+        self.squares: dict[int, torch.Tensor] = {}
         self.writing: deque[tuple[torch.Tensor, IOHandle]] = deque()
         self.bytes_written = 0
         self.failed: BaseException | None = None  # a lost write: no later gradient is whole
@@ -75,6 +79,7 @@ class GradFile:
         if key in self.written:  # accumulating over micro-steps: record += shard
             shard.add_(self.read(group))
         self.written.add(key)
+        self.squares[key] = torch.linalg.vector_norm(shard, dtype=torch.float32) ** 2
         self.writing.append((raw, self.file.write(raw, self.offsets[key])))
         self.bytes_written += raw.numel()
         while len(self.writing) > MAX_WRITES:
@@ -89,6 +94,10 @@ class GradFile:
         self.flush()
         self.file.read(raw, self.offsets[key]).wait()
         return shard
+
+    def square(self, group: FlatParamGroup) -> torch.Tensor:
+        """The squared L2 norm of the group's gradient shard (0 when none was stored)."""
+        return self.squares[id(group)] if id(group) in self.written else torch.zeros(())
 
     def read_piece(self, group: FlatParamGroup, start: int, numel: int,
                    buf: torch.Tensor) -> tuple[torch.Tensor, IOHandle | None]:
@@ -125,6 +134,7 @@ class GradFile:
 
     def zero(self, group: FlatParamGroup) -> None:
         self.written.discard(id(group))
+        self.squares.pop(id(group), None)
 
 
 def piece_view(start: int, numel: int, buf: torch.Tensor) -> torch.Tensor:
@@ -179,7 +189,11 @@ class ShardToFile:
         return Pending(None, store)
 
     def reduced(self) -> torch.Tensor:
-        return self.store.read(self.group).to(self.device)  # the norm's collective runs there
+        return self.store.read(self.group).to(self.device)
+
+    def square(self) -> torch.Tensor:
+        """Kept by `GradFile.put`: the norm reads no gradient back."""
+        return self.store.square(self.group).to(self.device)  # the norm's collective runs there
 
     def zero(self) -> None:
         self.store.zero(self.group)
