@@ -97,7 +97,7 @@ class GradFile:
 
     def square(self, group: FlatParamGroup) -> torch.Tensor:
         """The squared L2 norm of the group's gradient shard (0 when none was stored)."""
-        return self.squares[id(group)] if id(group) in self.written else torch.zeros(())
+        return self.squares.get(id(group), torch.zeros(()))  # `zero` drops it
 
     def read_piece(self, group: FlatParamGroup, start: int, numel: int,
                    buf: torch.Tensor) -> tuple[torch.Tensor, IOHandle | None]:
