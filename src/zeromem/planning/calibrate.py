@@ -174,9 +174,9 @@ def offload_traffic(setup: Setup, states: ShapeMemory, param_bytes: int, shard: 
         written += swapped
         grads = states.nvme.get("grads", 0)
         written += grads * gas  # each micro-step's reduced shard
-        # read back by each micro-step's accumulation but the first, then once by the
-        # gradient norm (the planner's config clips) and once by the step
-        read += grads * (gas - 1 + 2)
+        # read back by each micro-step's accumulation but the first, and once by the
+        # step; the clipping norm reads nothing (GradFile.square, kept as shards are written)
+        read += grads * gas
         copies += FP32 * shard  # the gradient into the step's buffer
     if setup.offload_param == "cpu":
         copies += 2 * gas * p * shard  # fetched for forward and for backward
