@@ -22,8 +22,8 @@ from contention import CAN_SHARE_A_CORE, burn, sharing_one_core
 from harness import run_distributed
 from zeromem.comm import Comm
 from zeromem.config.schema import Config
-from zeromem.planning.calibrate import (Clock, calibrate, collectives, offload_traffic,
-                                        run_queue_delay)
+from zeromem.planning.calibrate import Clock, calibrate, run_queue_delay
+from zeromem.planning.step_model import collectives, offload_traffic
 from zeromem.planning.planner import (Hardware, Setup, Workload, deepspeed_config, evaluate,
                                       layout_for, model_flops, planned_layout, predict_memory,
                                       shape_of)

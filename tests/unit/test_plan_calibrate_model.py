@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpt import GPT, GPTConfig
-from zeromem.planning.calibrate import Calibration, Link, comm_seconds, prefetched_gathers
+from zeromem.planning.step_model import Calibration, Link, comm_seconds, prefetched_gathers
 from zeromem.planning.planner import (Hardware, Setup, Workload, evaluate, model_flops,
                                       planned_layout, shape_of)
 

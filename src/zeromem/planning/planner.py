@@ -47,7 +47,7 @@ from zeromem.planning.model_shapes import load_hf_model, load_model, shape_of
 from zeromem.stage3.units import UnitCaps
 
 if TYPE_CHECKING:
-    from zeromem.planning.calibrate import Calibration
+    from zeromem.planning.step_model import Calibration
 
 __all__ = ["estimate", "plan", "load_model", "shape_of", "predict_memory", "Plan", "Hardware",
            "Workload", "Setup"]
