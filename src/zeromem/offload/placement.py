@@ -12,7 +12,7 @@ names), "swap file" only the NVMe file type (offload/nvme.py).
 between them (STYLE rule 3), and `Offload` holds them for the engine, which hands
 both to the ZeRO optimizer (zero_optimizer.py); its step's phases call them:
 
-    masters placement   MastersOnDevice | MastersOnHost | MastersOnNvme
+    masters placement   MastersOnDevice | MastersOnHost | MastersOnNvme (offload/masters.py)
         start_backward(boundary)            whether this backward ends a step
         unscale_grads(groups, multiplier)   step phase 3
         optimizer.step()                     step phase 4 (the placement built it)
@@ -28,7 +28,7 @@ written to params.swp at once); then, once the groups exist, the masters placeme
 (`build_offload`), which reads a master that aliases the shard (fp32) back through
 the parameter placement's `load`. The stage-3 units receive `Offload.params` last.
 
-Gradients (host, nvme): each group's gradient object is wrapped (`GradsToHost`)
+Gradients (host, nvme): each group's gradient object is wrapped (`masters.GradsToHost`)
 so that when its bucket's reduction finishes in the boundary backward, the
 reduced shard is copied into an fp32 host buffer; the copy overlaps the rest of
 backward. `ZeroOptimizer.start_backward(boundary)` tells the masters placement before
@@ -47,24 +47,19 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from zeromem.comm import Pending
 from zeromem.config.schema import (AioConfig, Config, ConfigError, OffloadOptimizerConfig,
                                    OffloadParamConfig, OptimizerConfig)
 from zeromem.flat import FlatParamGroup
-from zeromem.layout import BUCKETS_ALIVE
-from zeromem.optimizer_factory import OPTIMIZERS, build_optimizer, has_fused_kernel
-from zeromem.optimizers import Lamb
-from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme,
-                            host_empty)
+from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme)
 from zeromem.offload.budget import pool_unit_numel
-from zeromem.offload.grad_file import GradFile, ShardToFile
 from zeromem.offload.nvme import AsyncIO, IOStats, OffloadError, SwapSpace
-from zeromem.offload.nvme_optimizer import SwappedOptimizer
 from zeromem.offload.staged_masters import StagedMasters
+from zeromem.offload.masters import (CPU_KERNEL, MastersOnDevice, MastersOnHost, MastersOnNvme,
+                                     MastersPlacement)
 
 OffloadBlock = OffloadOptimizerConfig | OffloadParamConfig
 Block = TypeVar("Block", OffloadOptimizerConfig, OffloadParamConfig)
@@ -74,8 +69,6 @@ log = logging.getLogger("zeromem")
 __all__ = ["OffloadError", "OffloadPolicy", "Offload", "SwapSpaces", "build_params",
            "stage_masters", "build_offload", "MastersOnDevice", "MastersOnHost", "MastersOnNvme",
            "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme", "CPU_KERNEL"]
-
-CPU_KERNEL = "fused"  # torch's fastest CPU optimizer kernel (benchmarks/bench_offload.py)
 
 WHERE = {"none": "device", "cpu": "host", "nvme": "nvme"}  # offload_*.device -> placement
 
@@ -137,310 +130,6 @@ def _given(block: Block | None, key: str) -> Block:
 
 def _pin(block: OffloadBlock | None) -> bool:
     return block is not None and bool(block.pin_memory) and torch.cuda.is_available()
-
-
-class GradsToHost:
-    """A gradient buffer that copies its reduced shard to host after a boundary reduction."""
-
-    def __init__(self, inner: Any, host: torch.Tensor, owner: HostGrads):  # a gradient buffer
-        self.inner = inner
-        self.host = host
-        self.owner = owner  # holds `boundary`, set by the engine before each backward
-        self.reduces_every_microstep = inner.reduces_every_microstep
-
-    def launch(self, comm) -> Pending:
-        pending = self.inner.launch(comm)
-        if not self.owner.boundary:
-            return pending  # stage 2 accumulates on the device until the last micro-step
-
-        def copy_to_host() -> None:
-            pending.wait()
-            self.host.copy_(self.inner.reduced(), non_blocking=True)
-
-        return Pending(None, copy_to_host)
-
-    def __getattr__(self, name: str) -> Any:  # accumulate, reduced, zero, held, ...
-        return getattr(self.inner, name)
-
-
-class HostGrads:
-    """fp32 host buffers the reduced gradient shards are copied into at the boundary.
-
-    Where the reduced shard already is an fp32 host tensor (the CPU is the device), it
-    is used as it is: a copy would hold the gradient twice in the same memory.
-    """
-
-    def __init__(self, groups: list[FlatParamGroup], pin: bool):
-        self.buffers: dict[int, torch.Tensor] = {}
-        self.boundary = False  # does the backward now running end a step (`start_backward`)
-        self.cuda = any(g.param_shard.is_cuda for g in groups)
-        for g in groups:
-            reduced = g.grads.reduced()
-            if reduced.device.type == "cpu" and reduced.dtype == torch.float32 \
-                    and reduced.numel() == g.shard_numel:
-                self.buffers[id(g)] = reduced
-                continue
-            self.buffers[id(g)] = host_empty(g.shard_numel, torch.float32, pin).zero_()
-            g.attach_grads(GradsToHost(g.grads, self.buffers[id(g)], self))
-
-    def sync(self) -> None:
-        """Wait for the copies: they were issued non-blocking."""
-        if self.cuda:
-            torch.cuda.current_stream().synchronize()
-
-    def file_into(self, ledger) -> None:
-        for t in self.buffers.values():
-            ledger.add("grads", "host", t)
-
-
-# ---------------------------------------------------------------- masters placements
-
-class MastersPlacement(Protocol):
-    """Where masters and optimizer states live and the step runs; one verb per step phase."""
-
-    where: str  # "device" | "host" | "nvme"
-    buckets_alive: int  # full-size gradient buckets ZeroOptimizer keeps (zero_optimizer.py)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer `build_optimizer` made; None before."""
-
-    def start_backward(self, boundary: bool) -> None:
-        """The backward about to run ends a step (`boundary`) or accumulates."""
-
-    def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
-                        factory: Callable | None,
-                        params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
-        """The optimizer over the master shards (see optimizer_factory.build_optimizer); `device` is the
-        engine's, where collectives run."""
-
-    def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
-        """Step phase 3: the masters' gradients = reduced gradients x multiplier, in fp32."""
-
-    def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
-        """Step phase 5: updated masters into the parameter shards, wherever those live."""
-
-    def all_in_memory(self) -> contextlib.AbstractContextManager:
-        """Every master and optimizer state in memory inside the block."""
-
-    def file_into(self, ledger) -> None:
-        """File this placement's host and NVMe tensors in the memory ledger."""
-
-
-class MastersOnDevice:
-    """No `offload_optimizer`: masters and states beside the parameters; torch's own step."""
-
-    where = "device"
-    buckets_alive = BUCKETS_ALIVE
-
-    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy,
-                 params: ParamPlacement):
-        self.groups = groups
-        self.optimizer: torch.optim.Optimizer | None = None
-        if policy.params != "device":  # the shards left memory, but the step needs a master
-            for g in groups:
-                if g.master_aliases_params():
-                    shard = g.param_shard
-                    master = torch.empty(g.shard_numel, dtype=shard.dtype, device=shard.device)
-                    params.load(g, 0, master)
-                    g.place_master(master)
-
-    def start_backward(self, boundary: bool) -> None:
-        """Nothing to do: the step reads the device gradients."""
-
-    def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
-                        factory: Callable | None,
-                        params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
-        self.optimizer = build_optimizer(config, self.groups, param_groups, factory, device)
-        return self.optimizer
-
-    def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
-        for g in groups:
-            grad = g.grads.reduced()
-            if grad.dtype == torch.float32 and multiplier == 1.0:
-                g.master.grad = grad  # no copy needed
-            else:
-                g.master.grad = grad.to(torch.float32).mul_(multiplier)
-
-    def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
-        _store_masters(groups, params)
-
-    def all_in_memory(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def file_into(self, ledger) -> None:
-        """The engine files device tensors itself."""
-
-
-class MastersOnHost:
-    """`offload_optimizer.device: cpu`: fp32 masters, states and gradients in host memory."""
-
-    where = "host"
-    buckets_alive = BUCKETS_ALIVE
-
-    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy,
-                 params: ParamPlacement):
-        self.groups = groups
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.host_grads = HostGrads(groups, policy.optimizer_pin)
-        for g in groups:  # its own host tensor even in fp32: the device keeps the parameter shard
-            master = host_empty(g.shard_numel, torch.float32, policy.optimizer_pin)
-            if g.master_aliases_params():  # fp32: the values are where the shard is
-                params.load(g, 0, master)
-            else:
-                master.copy_(g.master)
-            g.place_master(master)
-
-    def start_backward(self, boundary: bool) -> None:
-        self.host_grads.boundary = boundary
-
-    def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
-                        factory: Callable | None,
-                        params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
-        """The config's optimizer with torch's fastest CPU kernel (`CPU_KERNEL`) unless set."""
-        self.optimizer = build_optimizer(config, self.groups, param_groups,
-                                         factory or _cpu_kernel_factory(config), device)
-        return self.optimizer
-
-    def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
-        self.host_grads.sync()
-        for g in groups:
-            grad = self.host_grads.buffers[id(g)]
-            if multiplier != 1.0:
-                grad.mul_(multiplier)
-            g.master.grad = grad
-
-    def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
-        _store_masters(groups, params)
-
-    def all_in_memory(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # host memory is memory
-
-    def file_into(self, ledger) -> None:
-        for g in self.groups:
-            ledger.add("master_params", "host", g.master)
-        for state in (self.optimizer.state.values() if self.optimizer is not None else ()):
-            for t in state.values():
-                if torch.is_tensor(t):
-                    ledger.add("optimizer_states", "host", t)
-        self.host_grads.file_into(ledger)
-
-
-class MastersOnNvme:
-    """`offload_optimizer.device: nvme`: masters and states in a swap file, stepped by sub-group."""
-
-    where = "nvme"
-
-    def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy, space: SwapSpace,
-                 rank: int = 0, staged: StagedMasters | None = None):
-        """Masters stay until SwappedOptimizer writes them to its file (fp32: they are shards),
-        in `staged`'s file when `initialize` wrote them there as it built the groups.
-
-        Gradients reduced every micro-step (stage 2/3) go to a swap file as reduced
-        (offload/grad_file.py), so no gradient shard stays in memory; stage 1's whole
-        gradient is on the device anyway, and its shard is copied to host (`HostGrads`).
-        """
-        self.groups, self.policy, self.space, self.rank = groups, policy, space, rank
-        self.staged = staged  # handed to the optimizer, which copies and removes it
-        self.optimizer: SwappedOptimizer | None = None
-        self.host_grads: HostGrads | None = None
-        self.grad_file: GradFile | None = None
-        self.buckets_alive = BUCKETS_ALIVE
-        if groups and all(g.grads.reduces_every_microstep for g in groups):
-            self.grad_file = GradFile(groups, space)
-            # each bucket is a whole unit in host memory (and a reducing one gloo's receive
-            # buffer and its reduced shard too): one at a time keeps backward's peak to one
-            # unit's gradient path; the reduction and the write still overlap the next unit's
-            # backward, as its first gradient is computed before the bucket is needed
-            self.buckets_alive = 1
-            for g in groups:
-                g.attach_grads(ShardToFile(g, g.grads.dtype, g.grads.device, self.grad_file))
-        else:
-            self.host_grads = HostGrads(groups, policy.optimizer_pin)
-
-    def start_backward(self, boundary: bool) -> None:
-        if self.host_grads is not None:
-            self.host_grads.boundary = boundary
-
-    def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
-                        factory: Callable | None,
-                        params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
-        template = build_optimizer(config, self.groups, param_groups, factory, device)
-        if isinstance(template, Lamb):  # a client factory's (the config's is refused at load)
-            raise ConfigError("Lamb cannot step NVMe-offloaded optimizer state: its trust ratio "
-                              "needs each parameter's whole update before any of it is applied, "
-                              "and NVMe offload steps tile by tile; offload to \"cpu\" instead")
-        policy = self.policy
-        grads = self.grad_file if self.grad_file is not None else self._host().buffers
-        self.optimizer = SwappedOptimizer(template, self.groups, self.space, grads, params, policy,
-                                          self.staged)
-        self.staged = None
-        if self.rank == 0:  # the default is worth a warning: it sizes every buffer
-            quiet = policy.host_budget_set and not self.optimizer.size.over_budget
-            (log.info if quiet else log.warning)(
-                "%s%s", self.optimizer.size.describe(),
-                "" if policy.host_budget_set else " (the default: set it to your host's share)")
-        return self.optimizer
-
-    def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
-        if self.grad_file is not None:  # scaled as the step reads them
-            self._built().grad_multiplier = multiplier
-            return
-        host = self._host()
-        host.sync()
-        if multiplier != 1.0:
-            for g in groups:
-                host.buffers[id(g)].mul_(multiplier)
-
-    def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
-        params.flush()  # the step stored every sub-group's new values already
-
-    def all_in_memory(self) -> contextlib.AbstractContextManager:
-        return self._built().all_in_memory(self.groups)
-
-    def file_into(self, ledger) -> None:
-        opt = self._built()
-        ledger.add("optimizer_states", "host", opt.pool.arena)
-        master = opt.layout.master_nbytes
-        if master:
-            ledger.add_bytes("master_params", "nvme", master)
-        ledger.add_bytes("optimizer_states", "nvme", opt.file.nbytes - master)
-        if self.grad_file is not None:
-            ledger.add_bytes("grads", "nvme", self.grad_file.file.nbytes)
-        else:
-            self._host().file_into(ledger)
-
-    def _built(self) -> SwappedOptimizer:
-        if self.optimizer is None:
-            raise RuntimeError("the NVMe optimizer is used before build_optimizer() made it")
-        return self.optimizer
-
-    def _host(self) -> HostGrads:
-        """Stage 1's host gradient buffers (stages 2/3 keep gradients in `grad_file`)."""
-        if self.host_grads is None:
-            raise RuntimeError("stage 2/3 NVMe offload keeps gradients in a swap file, not on host")
-        return self.host_grads
-
-
-def _store_masters(groups: list[FlatParamGroup], params: ParamPlacement) -> None:
-    for g in groups:
-        if not g.master_aliases_params():
-            params.store(g, 0, g.master)
-    params.flush()
-
-
-def _cpu_kernel_factory(config: OptimizerConfig | None) -> Callable | None:
-    """A factory adding `CPU_KERNEL` to the config's optimizer, unless the config sets one."""
-    if config is None or {"fused", "foreach"} & set(config.params):
-        return None
-    cls = config.torch_class
-    if cls not in OPTIMIZERS.values() or not has_fused_kernel(cls):
-        return None
-
-    def factory(groups: list[dict]) -> torch.optim.Optimizer:
-        options: dict[str, Any] = {**config.params, CPU_KERNEL: True}
-        return cls(groups, **options)
-    return factory
 
 
 # ---------------------------------------------------------------- the pair, for the engine
