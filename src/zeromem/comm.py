@@ -185,6 +185,8 @@ class Comm:
                       is not None else list(range(self.world_size)))
         self.layout = layout
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0  # in the default group
+        # whether the group is every rank of the job (hybrid sharding and ZeRO++ need that)
+        self.spans_world = len(self.ranks) == (dist.get_world_size() if dist.is_initialized() else 1)
         self.inter_fraction = layout.off_node_fraction(self.ranks, self.global_rank) if layout else 0.0
         self.ledger = ledger or CommLedger()
         self.children: list[Comm] = []  # Comms over sub-groups, closed with this one
