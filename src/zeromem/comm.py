@@ -33,7 +33,7 @@ from zeromem.mesh import NodeLayout
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
 if TYPE_CHECKING:
-    from zeromem.comm_log import CommLog
+    from zeromem.monitoring.comm_log import CommLog
 
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -283,7 +283,7 @@ class Comm:
             except RuntimeError:
                 pass
 
-    # -- comms_logger (comm_log.py) ------------------------------------------
+    # -- comms_logger (monitoring/comm_log.py) ------------------------------------------
     def _logged(self, collective: str, kind: str, nbytes: int, issue: Callable[[], Pending],
                 async_op: bool) -> Pending:
         """Run `issue` and, with a log attached, record the collective when it completes."""
