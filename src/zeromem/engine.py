@@ -27,19 +27,19 @@ from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
 from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
-from zeromem.monitors import Observers, StepFacts, due
+from zeromem.monitoring.monitors import Observers, StepFacts, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
 from zeromem.offload.params import ParamPlacement
 from zeromem.offload.staged_masters import StagedMasters
 from zeromem.offload.placement import SwapSpaces, build_offload, build_params, stage_masters
-from zeromem.optimizer_factory import normalize_param_groups, optimizer_state_bytes_per_param
+from zeromem.optim.factory import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
-from zeromem.schedulers import build_scheduler
+from zeromem.optim.schedulers import build_scheduler
 from zeromem.stage3.build import UnitChoice, build_stage3, choose_units, unit_caps
 from zeromem.stage3.fetch import FetchSchedule
 from zeromem.tensor_parallel import ModelParallelNorm
-from zeromem.timers import PhaseTimers
+from zeromem.monitoring.timers import PhaseTimers
 from zeromem.training_state import RngState, SchedulerArg, Stateful, StepCounters, TrainingState
 from zeromem.zero_optimizer import (ContiguousShards, ShardAccumulated, StepSettings,
                                     WholeAllReduced, WholeScattered, ZeroOptimizer)
@@ -143,7 +143,7 @@ class Engine:
             self.stage3 = self._build_stage3(self.unit_choice)
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
-        # monitors, comms_logger, flops_profiler, throughput, dump_state (monitors.py)
+        # monitors, comms_logger, flops_profiler, throughput, dump_state (monitoring/monitors.py)
         self.observers = Observers(config, comm, self.device, self.psi, self.counters)
 
     def _make_scheduler(self, lr_scheduler: SchedulerArg) -> LRScheduler | None:
