@@ -33,7 +33,7 @@ from zeromem.mesh import NodeLayout
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
 if TYPE_CHECKING:
-    from zeromem.comm_log import CommLog
+    from zeromem.monitoring.comm_log import CommLog
 
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -269,6 +269,8 @@ class Comm:
                       is not None else list(range(self.world_size)))
         self.layout = layout
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0  # in the default group
+        # whether the group is every rank of the job (hybrid sharding and ZeRO++ need that)
+        self.spans_world = len(self.ranks) == (dist.get_world_size() if dist.is_initialized() else 1)
         self.inter_fraction = layout.off_node_fraction(self.ranks, self.global_rank) if layout else 0.0
         self.ledger = ledger or CommLedger()
         self.children: list[Comm] = []  # Comms over sub-groups, closed with this one
@@ -365,7 +367,7 @@ class Comm:
             except RuntimeError:
                 pass
 
-    # -- comms_logger (comm_log.py) ------------------------------------------
+    # -- comms_logger (monitoring/comm_log.py) ------------------------------------------
     def _logged(self, collective: str, kind: str, nbytes: int, issue: Callable[[], Pending],
                 async_op: bool) -> Pending:
         """Run `issue` and, with a log attached, record the collective when it completes."""

@@ -28,20 +28,20 @@ from zeromem.flat import (ContiguousShards, FlatParamGroup, ShardAccumulated, Sh
 from zeromem.hierarchy import build_comm_plan
 from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
-from zeromem.monitors import Observers, StepFacts, due
+from zeromem.monitoring.monitors import Observers, StepFacts, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
 from zeromem.offload.params import ParamPlacement
 from zeromem.offload.staged_masters import StagedMasters
 from zeromem.offload.placement import (OffloadPolicy, SwapSpaces, build_offload, build_params,
                                        stage_masters)
-from zeromem.optimizer_factory import normalize_param_groups, optimizer_state_bytes_per_param
+from zeromem.optim.factory import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
-from zeromem.schedulers import build_scheduler
+from zeromem.optim.schedulers import build_scheduler
 from zeromem.stage3.fetch import FetchSchedule, build_stage3
 from zeromem.stage3.units import UnitCaps, UnitChoice, choose_units
 from zeromem.tensor_parallel import ModelParallelNorm
-from zeromem.timers import PhaseTimers
+from zeromem.monitoring.timers import PhaseTimers
 from zeromem.training_state import RngState, SchedulerArg, Stateful, StepCounters, TrainingState
 from zeromem.zero_optimizer import StepSettings, ZeroOptimizer
 
@@ -148,7 +148,7 @@ class Engine:
             self.zero.after_gather(self.stage3.refresh)  # persistent units re-gather the new weights
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
-        # monitors, comms_logger, flops_profiler, throughput, dump_state (monitors.py)
+        # monitors, comms_logger, flops_profiler, throughput, dump_state (monitoring/monitors.py)
         self.observers = Observers(config, comm, self.device, self.psi, self.counters)
 
     def _make_scheduler(self, lr_scheduler: SchedulerArg) -> LRScheduler | None:

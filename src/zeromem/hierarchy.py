@@ -176,8 +176,7 @@ def build_comm_plan(config: Config, comm: Comm, env_ranks_per_node: int | None) 
     quantized = zero.zero_quantized_weights or zero.zero_quantized_gradients
     if not (hpz > 1 or shard_size > 0 or quantized):
         return CommPlan(comm, comm, GatherPolicy(comm))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if comm.group is not None and len(comm.ranks) != world:
+    if not comm.spans_world:
         raise ConfigError("zero_optimization: hybrid sharding and ZeRO++ need the data-parallel "
                           "group to be every rank (dp_group=None)")
     layout = comm.layout or node_layout(config, comm.world_size, env_ranks_per_node)

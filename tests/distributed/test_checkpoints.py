@@ -28,7 +28,7 @@ from setups import G, PARTITION_ALL, SAVE_BUCKET, checkpoint_config, train_globa
 from zeromem.checkpoints import save_load as ckpt
 from zeromem.checkpoints.save_load import CheckpointError
 from zeromem.checkpoints.consolidate import (load_consolidated)
-from zeromem.schedulers import WarmupLR
+from zeromem.optim.schedulers import WarmupLR
 
 SAVE_AT, RESUME = 2, 2  # optimizer steps before the save, and after the load
 LOAD_BUCKET = 37  # a bucket other than SAVE_BUCKET: different flat groups on load

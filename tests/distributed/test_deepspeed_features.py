@@ -26,8 +26,8 @@ import zeromem
 from harness import run_distributed
 from models import Reference, micro_batch, state_dict_diff, uses_sometimes
 from setups import build_tiny_lm, parity_config
-from zeromem.optimizers import Lamb
-from zeromem.schedulers import OneCycle
+from zeromem.optim.optimizers import Lamb
+from zeromem.optim.schedulers import OneCycle
 
 STEPS = 4
 LAMB = {"type": "Lamb", "params": {"lr": 2e-2, "weight_decay": 0.01, "max_coeff": 10.0,

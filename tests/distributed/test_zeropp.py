@@ -318,3 +318,20 @@ def test_quantized_options_converge_like_plain_stage3(measured):
         for name in ("+qwZ", "+qgZ", "all three"):
             final = runs[name]["losses"][-1]
             assert abs(final - plain[-1]) <= 0.05 * plain[-1], (name, final, plain[-1])
+
+
+def hybrid_on_a_sub_group(rank: int, world_size: int) -> str:
+    """hpZ asked for over a data-parallel group of one rank (each rank its own group)."""
+    import torch.distributed as dist
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    try:
+        zeromem.initialize(TinyLM(), config(3, "adamw", zero_hpz_partition_size=2),
+                           dp_group=groups[rank])
+    except zeromem.ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+def test_hybrid_sharding_on_a_data_parallel_sub_group_is_refused_by_name():
+    for rank, message in enumerate(run_distributed(hybrid_on_a_sub_group, 2)):
+        assert "need the data-parallel group to be every rank" in message, (rank, message)

@@ -305,9 +305,9 @@ def test_training_needs_only_the_runtime_dependencies():
 DEFAULT_GROUP_READERS = {
     "__init__.py": "initialize: the world the node layout is built for",
     "distributed.py": "Runtime's global rank; the exit barrier",
-    "comm.py": "Comm's own global rank (node layout, timeout diagnosis by the store's keys)",
+    "comm.py": "Comm's own global rank (node layout, timeout diagnosis by the store's keys) "
+               "and whether its group is the world (hybrid sharding, ZeRO++)",
     "tensor_parallel.py": "make_2d_groups lays the 2-D grid over every rank of the world",
-    "hierarchy.py": "hybrid sharding and ZeRO++ need the data-parallel group to be the world",
 }
 
 
@@ -324,3 +324,5 @@ def test_no_rank_look_up_without_a_group_but_at_the_edges():
     assert readers <= set(DEFAULT_GROUP_READERS), (
         f"{sorted(readers - set(DEFAULT_GROUP_READERS))} ask the default group: take the Comm "
         "(or Runtime) that is passed in")
+    assert readers == set(DEFAULT_GROUP_READERS), (
+        f"{sorted(set(DEFAULT_GROUP_READERS) - readers)} no longer ask: drop them from the allowlist")

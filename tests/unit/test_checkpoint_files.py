@@ -80,7 +80,7 @@ def test_json_codec_round_trip():
 def test_checkpointed_pieces_are_stateful_and_round_trip():
     """Scaler, scheduler, counters and RNG each offer state_dict / load_state_dict."""
     from zeromem.precision import DynamicScaler, NoScaler, StaticScaler
-    from zeromem.schedulers import WarmupLR
+    from zeromem.optim.schedulers import WarmupLR
     from zeromem.training_state import RngState, Stateful, StepCounters
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

@@ -19,7 +19,7 @@ import pytest
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from zeromem import schedulers
+from zeromem.optim import schedulers
 from zeromem.config.schema import (Config, ConfigError, OptimizerConfig, _optimizer_params_model,
                             _scheduler_params_model)
 

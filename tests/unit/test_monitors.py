@@ -10,10 +10,10 @@ import types
 
 import pytest
 
-from zeromem.comm_log import CommLog, bandwidths
+from zeromem.monitoring.comm_log import CommLog, bandwidths
 from zeromem.config.extras import CommsLoggerConfig
 from zeromem.config.schema import Config, ConfigError, Unsupported
-from zeromem.monitors import CsvMonitor, TensorBoardMonitor, WandbMonitor, build_monitors, due
+from zeromem.monitoring.monitors import CsvMonitor, TensorBoardMonitor, WandbMonitor, build_monitors, due
 
 EVENTS = [("Train/Samples/train_loss", 2.5, 8), ("Train/Samples/lr", 0.1, 8)]
 

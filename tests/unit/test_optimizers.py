@@ -1,4 +1,4 @@
-"""zeromem.optimizers against DeepSpeed's formulas, written out here step by step."""
+"""zeromem.optim.optimizers against DeepSpeed's formulas, written out here step by step."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zeromem.config.schema import Config, ConfigError, Unsupported
-from zeromem.optimizers import Adam, Lamb, Lion
+from zeromem.optim.optimizers import Adam, Lamb, Lion
 
 
 def tensors(seed: int = 0, shapes=((3, 4), (5,), (2, 2, 2))) -> list[torch.nn.Parameter]:

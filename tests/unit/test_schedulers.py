@@ -1,4 +1,4 @@
-"""Pure-logic tests of zeromem.schedulers against DeepSpeed's formulas and its printed lrs."""
+"""Pure-logic tests of zeromem.optim.schedulers against DeepSpeed's formulas and its printed lrs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zeromem.config.schema import Config, ConfigError
-from zeromem.schedulers import (LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR,
+from zeromem.optim.schedulers import (LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR,
                                 build_scheduler)
 
 

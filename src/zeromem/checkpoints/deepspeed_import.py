@@ -31,7 +31,7 @@ The import assembles each parameter's full fp32 master and optimizer states and 
 them as a one-rank zeromem checkpoint (one piece per parameter, `checkpoints/save_load.py`),
 which the ordinary loader then reads at any world size and stage. The learning-rate
 schedule continues where DeepSpeed's stopped: DeepSpeed's `last_batch_iteration` i
-(-1 before its first step) is zeromem's `last_epoch` i + 1 (`schedulers.py`).
+(-1 before its first step) is zeromem's `last_epoch` i + 1 (`optim/schedulers.py`).
 
 Loading runs no code from the files: every `.pt` is read with `torch.load(weights_only=True)`
 and an allowlist of the three DeepSpeed classes its optimizer files pickle, rebuilt as
@@ -423,8 +423,8 @@ def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str
     saved values (lr, betas, ...) replace the defaults, implementation switches excepted.
     """
     from zeromem.config.schema import OptimizerConfig, SchedulerConfig
-    from zeromem.optimizer_factory import OPTIMIZERS, has_fused_kernel
-    from zeromem.schedulers import build_scheduler
+    from zeromem.optim.factory import OPTIMIZERS, has_fused_kernel
+    from zeromem.optim.schedulers import build_scheduler
 
     block = config.get("optimizer")
     try:

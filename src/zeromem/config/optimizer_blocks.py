@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, \
     create_model, field_validator, model_validator
 
-from zeromem import optimizers, schedulers
+from zeromem.optim import optimizers, schedulers
 from zeromem.config.rules import ConfigError, Unsupported, humanise
 from zeromem.config.types import Bool, Float, Int, _Beta, _Block, _pair
 
@@ -34,7 +34,7 @@ _OPTIMIZER_PARAM_RULES: dict[str, Any] = {
     **{name: Bool for name in ("amsgrad", "nesterov", "maximize", "capturable", "differentiable",
                                "decoupled_weight_decay")},
     "foreach": Bool | None, "fused": Bool | None,
-    # DeepSpeed's own optimizers (zeromem.optimizers) and Adagrad
+    # DeepSpeed's own optimizers (zeromem.optim.optimizers) and Adagrad
     **{name: Bool for name in ("bias_correction", "eps_inside_sqrt", "adam_w_mode")},
     **{name: Annotated[Float, Field(ge=0)] for name in ("max_coeff", "min_coeff", "lr_decay",
                                                         "initial_accumulator_value")},
@@ -76,7 +76,7 @@ class OptimizerConfig(_Block):
 
     type: Literal["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion"]  # case-insensitive in the file
     params: dict[str, Any] = Field(default_factory=dict)  # keywords of the optimizer's constructor
-    # "bias_correction": false: DeepSpeed's FusedAdam math (zeromem.optimizers.Adam), which
+    # "bias_correction": false: DeepSpeed's FusedAdam math (zeromem.optim.optimizers.Adam), which
     # torch's Adam cannot do
     _uncorrected: bool = PrivateAttr(default=False)
 
@@ -126,7 +126,7 @@ class OptimizerConfig(_Block):
 
     @property
     def torch_class(self) -> builtins.type[torch.optim.Optimizer]:  # `type` is a field here
-        """The optimizer class this block names (a torch.optim one, or zeromem.optimizers')."""
+        """The optimizer class this block names (a torch.optim one, or zeromem.optim.optimizers')."""
         return optimizers.Adam if self._uncorrected else self._classes[self.type]
 
 
@@ -147,7 +147,7 @@ def _scheduler_params_model(name: str) -> type[BaseModel]:
 
 
 class SchedulerConfig(_Block):
-    """`scheduler`: one of DeepSpeed's schedules (see zeromem.schedulers)."""
+    """`scheduler`: one of DeepSpeed's schedules (see zeromem.optim.schedulers)."""
 
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest", "OneCycle"]  # any case
     params: dict[str, Any] = Field(default_factory=dict)  # keywords of the schedule's constructor

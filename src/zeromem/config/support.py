@@ -26,8 +26,8 @@ READ: dict[str, tuple[str, ...]] = {
     "zeromem.timeout_s": ("__init__",), "zeromem.gather_timeout_s": ("engine",),
     "zeromem.offload_host_budget_bytes": ("offload.placement",),
     "zeromem.ignore_unknown_keys": ("config.features",),
-    "optimizer.type": ("config.optimizer_blocks",), "optimizer.params": ("optimizer_factory",),
-    "scheduler.type": ("schedulers",), "scheduler.params": ("schedulers",),
+    "optimizer.type": ("config.optimizer_blocks",), "optimizer.params": ("optim.factory",),
+    "scheduler.type": ("optim.schedulers",), "scheduler.params": ("optim.schedulers",),
     "fp16.enabled": ("config.schema", "precision"), "fp16.auto_cast": ("engine",),
     **{f"fp16.{key}": ("precision",) for key in (
         "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
@@ -60,17 +60,19 @@ READ: dict[str, tuple[str, ...]] = {
     "zeromem.cluster.quantized_gradient_bits": ("hierarchy",),
     "zeromem.cluster.quantization_block_size": ("hierarchy",),
     # DeepSpeed's extras (config/extras.py)
-    **{f"{block}.{key}": ("monitors",) for block in ("csv_monitor", "tensorboard")
+    **{f"{block}.{key}": ("monitoring.monitors",) for block in ("csv_monitor", "tensorboard")
        for key in ("enabled", "output_path", "job_name")},
-    **{f"wandb.{key}": ("monitors",) for key in ("enabled", "group", "team", "project")},
-    "comms_logger.enabled": ("monitors",),
-    **{f"comms_logger.{key}": ("comm_log",) for key in ("prof_all", "prof_ops", "verbose", "debug")},
-    "flops_profiler.enabled": ("monitors",),
-    **{f"flops_profiler.{key}": ("flops",) for key in (
+    **{f"wandb.{key}": ("monitoring.monitors",) for key in ("enabled", "group", "team", "project")},
+    "comms_logger.enabled": ("monitoring.monitors",),
+    **{f"comms_logger.{key}": ("monitoring.comm_log",)
+       for key in ("prof_all", "prof_ops", "verbose", "debug")},
+    "flops_profiler.enabled": ("monitoring.monitors",),
+    **{f"flops_profiler.{key}": ("monitoring.flops",) for key in (
         "recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed",
         "output_file")},
-    "timers.throughput.enabled": ("monitors",), "timers.throughput.synchronized": ("monitors",),
-    "dump_state": ("monitors",), "memory_breakdown": ("monitors",), "log_level": ("monitors",),
+    **{key: ("monitoring.monitors",) for key in (
+        "timers.throughput.enabled", "timers.throughput.synchronized", "dump_state", "memory_breakdown",
+        "log_level")},
     "dataloader_drop_last": ("deepspeed.__init__",),
 }
 

@@ -19,8 +19,8 @@ from zeromem.comm import Pending
 from zeromem.config.schema import ConfigError, OptimizerConfig
 from zeromem.flat import FlatParamGroup
 from zeromem.layout import BUCKETS_ALIVE
-from zeromem.optimizer_factory import OPTIMIZERS, build_optimizer, has_fused_kernel
-from zeromem.optimizers import Lamb
+from zeromem.optim.factory import OPTIMIZERS, build_optimizer, has_fused_kernel
+from zeromem.optim.optimizers import Lamb
 from zeromem.offload.params import ParamPlacement, host_empty
 from zeromem.offload.grad_file import GradFile, ShardToFile
 from zeromem.offload.nvme import SwapSpace

@@ -17,7 +17,7 @@ in training, where they share the machine):
     disk        read and write bandwidth of the engine's swap I/O (`SwapSpace`,
                 O_DIRECT) under the NVMe path
     optimizer   seconds per element of AdamW's step with the kernel each
-                placement runs: on the device the config's as `optimizer_factory.py` builds
+                placement runs: on the device the config's as `optim/factory.py` builds
                 it (fused where torch has it), torch's fused CPU kernel under
                 offload
     overhead    the engine's own cost per step at each stage: per parameter
@@ -230,7 +230,7 @@ class Probe:
         from zeromem.config.schema import AioConfig
         from zeromem.offload.nvme import AsyncIO, BufferPool, SwapSpace
         from zeromem.offload.placement import CPU_KERNEL
-        from zeromem.optimizer_factory import kernel_options
+        from zeromem.optim.factory import kernel_options
         torch.manual_seed(rank)
         self.comm = Comm()
         self.clock = Clock(self.comm)
@@ -241,7 +241,7 @@ class Probe:
         self.copy = (torch.ones(self.COPY), torch.empty(self.COPY))
         numel = what.optimizer_numel
         self.optimizers = {}
-        # the kernels the engine builds: on the device the config's AdamW as optimizer_factory.py asks
+        # the kernels the engine builds: on the device the config's AdamW as optim/factory.py asks
         # for it, under offload torch's fastest CPU kernel (offload/placement.py)
         kernels = {"device": kernel_options(torch.optim.AdamW, {"lr": 1e-4}),
                    "cpu": {"lr": 1e-4, CPU_KERNEL: True}}

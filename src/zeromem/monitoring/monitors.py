@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zeromem.comm_log import CommLog
-from zeromem.flops import FlopsProfiler
+from zeromem.monitoring.comm_log import CommLog
+from zeromem.monitoring.flops import FlopsProfiler
 
 if TYPE_CHECKING:
     from zeromem.comm import Comm

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from zeromem.config.schema import ConfigError
-from zeromem.optimizers import Lamb
+from zeromem.optim.optimizers import Lamb
 
 log = logging.getLogger("zeromem")
 
@@ -115,7 +115,7 @@ def has_fused_kernel(cls: type) -> bool:
 def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state per parameter the paper's K counts besides the fp32 master."""
     defaults = optimizer.defaults
-    if hasattr(optimizer, "state_bytes_per_param"):  # zeromem.optimizers
+    if hasattr(optimizer, "state_bytes_per_param"):  # zeromem.optim.optimizers
         return optimizer.state_bytes_per_param
     if isinstance(optimizer, torch.optim.Adagrad):
         return 4

@@ -1,0 +1,3 @@
+"""What the engine reports besides training: DeepSpeed's monitors (csv, TensorBoard, wandb),
+comms_logger, flops_profiler and per-phase timers.
+"""
