@@ -32,10 +32,9 @@ from collections import deque
 import torch
 
 from zeromem.comm import Comm, Pending
-from zeromem.flat import FlatParamGroup
+from zeromem.flat import FlatParamGroup, FullBucket
 from zeromem.offload.nvme import (ALIGN, IOHandle, OffloadError, SwapSpace, aligned_empty,
                                   round_up)
-from zeromem.zero_optimizer import FullBucket
 
 # reduced shards waiting for their write: bounds host memory in backward (each is one
 # unit's shard: with more, backward's peak grows with the units' size)
