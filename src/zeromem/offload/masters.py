@@ -95,7 +95,7 @@ class MastersPlacement(Protocol):
     """Where masters and optimizer states live and the step runs; one verb per step phase."""
 
     where: str  # "device" | "host" | "nvme"
-    buckets_alive: int  # full-size gradient buckets alive at once (comm.ReduceOrder)
+    buckets_alive: int  # full-size gradient buckets ZeroOptimizer keeps (zero_optimizer.py)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -118,6 +118,9 @@ class MastersPlacement(Protocol):
 
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         """Every master and optimizer state in memory inside the block."""
+
+    def finish_io(self) -> None:
+        """Wait for swap I/O the step left in flight (before the files are removed)."""
 
     def file_into(self, ledger) -> None:
         """File this placement's host and NVMe tensors in the memory ledger."""
@@ -163,6 +166,9 @@ class MastersOnDevice:
 
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def finish_io(self) -> None:
+        """No swap files."""
 
     def file_into(self, ledger) -> None:
         """The engine files device tensors itself."""
@@ -212,6 +218,9 @@ class MastersOnHost:
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # host memory is memory
 
+    def finish_io(self) -> None:
+        """No swap files."""
+
     def file_into(self, ledger) -> None:
         for g in self.groups:
             ledger.add("master_params", "host", g.master)
@@ -255,8 +264,11 @@ class MastersOnNvme:
             self.host_grads = HostGrads(groups, policy.optimizer_pin)
 
     def start_backward(self, boundary: bool) -> None:
+        """At the boundary, the step's first reads start: they overlap this backward."""
         if self.host_grads is not None:
             self.host_grads.boundary = boundary
+        if boundary and self.optimizer is not None:
+            self.optimizer.read_before_step()
 
     def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
                         factory: Callable | None,
@@ -293,6 +305,10 @@ class MastersOnNvme:
 
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         return self._built().all_in_memory(self.groups)
+
+    def finish_io(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.settle()
 
     def file_into(self, ledger) -> None:
         opt = self._built()
