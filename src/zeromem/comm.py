@@ -21,7 +21,7 @@ followed by a local sum, which sends half as much.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -168,6 +168,90 @@ class Reduction(Protocol):
     def note_buffer(self, tensor: torch.Tensor) -> None: ...
 
     def release_buffer(self, tensor: torch.Tensor) -> None: ...
+
+
+class ReduceOrder:
+    """The gradient reductions of one backward, launched in bucket order on every rank.
+
+    Ranks must issue collectives in the same order even when their graphs differ (a
+    parameter unused on one rank only), so buckets launch strictly in index order: a
+    ready bucket waits for the ones before it. At most `max_buckets` full-size buckets
+    are alive, filling or reducing: a bucket starts filling (`bucket_starts`) only when
+    fewer than `max_buckets` reductions are in flight, and a launch first waits for the
+    oldest until at most `max_buckets - 2` are (1: one bucket at a time, reduced shards
+    to an NVMe file, offload/grad_file.py).
+
+    One object shared by the owners of the buckets (the ZeRO optimizer's parameter hooks
+    at stages 0-2, each stage-3 unit), built by the engine and passed in. An owner hands
+    in its launch when its bucket is complete (`ready`); the order runs launches, with
+    `comm`, and calls nothing else: no call goes back up to the owners' owners.
+    """
+
+    def __init__(self, comm: Reduction, count: int, max_buckets: int, overlap: bool = True):
+        self.comm = comm  # what the buckets reduce with (hierarchy.CommPlan.grads)
+        self.count = count  # buckets (flat groups); every one is handed in when reducing
+        self.max_buckets = max_buckets
+        self.overlap = overlap  # overlap_comm: reductions run while backward goes on
+        self.reducing = False  # this backward reduces (a boundary, or every micro-step)
+        self.next_index = 0  # buckets before it were launched in this backward
+        self.waiting: dict[int, Callable[[Reduction], Pending]] = {}  # ready, not launched
+        self.in_flight: deque[Pending] = deque()
+        # most full-size buckets alive at once (one starting + reductions not yet waited for):
+        # the bound `max_buckets` keeps, observable (a reduction not waited for holds its buffers)
+        self.buckets_alive_peak = 0
+
+    @property
+    def one_bucket_at_a_time(self) -> bool:
+        """A single full-size bucket alive at once: no gradient may wait beside a reduction."""
+        return self.max_buckets == 1
+
+    def start(self, reducing: bool) -> None:
+        """A backward begins; `reducing`: its buckets are launched (else they accumulate)."""
+        self.reducing = reducing
+        self.next_index = 0
+        self.waiting.clear()
+
+    def bucket_starts(self) -> None:
+        """A full-size bucket is about to fill: at most `max_buckets` are alive."""
+        if self.reducing:
+            self._wait_in_flight(self.max_buckets - 1)
+            self.buckets_alive_peak = max(self.buckets_alive_peak, len(self.in_flight) + 1)
+
+    def ready(self, index: int, launch: Callable[[Reduction], Pending]) -> None:
+        """Bucket `index` is complete: `launch(comm)` runs once those before it have."""
+        if not self.reducing:
+            return
+        self.waiting[index] = launch
+        while self.next_index in self.waiting:
+            self._launch(self.waiting.pop(self.next_index))
+
+    def launched(self, index: int) -> bool:
+        """Was bucket `index`'s reduction launched in this backward?"""
+        return self.reducing and index < self.next_index
+
+    def finish(self) -> None:
+        """Backward ended: wait for every reduction. Each bucket must have been handed in."""
+        while self.in_flight:
+            self.in_flight.popleft().wait()
+        missed = self.reducing and self.next_index < self.count
+        self.reducing = False
+        if missed:  # its owner's gradients were never reduced: the step would read zeros
+            raise RuntimeError(f"gradient bucket {self.next_index} of {self.count} was never "
+                               "handed in for reduction in this backward")
+
+    def _launch(self, launch: Callable[[Reduction], Pending]) -> None:
+        self._wait_in_flight(self.max_buckets - 2)
+        pending = launch(self.comm)
+        self.next_index += 1
+        if self.overlap:
+            self.in_flight.append(pending)
+        else:
+            pending.wait()
+
+    def _wait_in_flight(self, most: int) -> None:
+        """Wait for the oldest reductions until at most `most` are in flight."""
+        while len(self.in_flight) > max(0, most):
+            self.in_flight.popleft().wait()
 
 
 class Comm:

@@ -20,10 +20,11 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zeromem.activations import recompute as activations
 from zeromem.checkpoints import save_load as checkpoints
-from zeromem.comm import Comm
+from zeromem.comm import Comm, ReduceOrder
 from zeromem.config.schema import Config
 from zeromem.distributed import Runtime
-from zeromem.flat import FlatParamGroup, Sharding
+from zeromem.flat import (ContiguousShards, FlatParamGroup, ShardAccumulated, Sharding,
+                          WholeAllReduced, WholeScattered)
 from zeromem.hierarchy import build_comm_plan
 from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
@@ -31,18 +32,18 @@ from zeromem.monitoring.monitors import Observers, StepFacts, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
 from zeromem.offload.params import ParamPlacement
 from zeromem.offload.staged_masters import StagedMasters
-from zeromem.offload.placement import SwapSpaces, build_offload, build_params, stage_masters
+from zeromem.offload.placement import (OffloadPolicy, SwapSpaces, build_offload, build_params,
+                                       stage_masters)
 from zeromem.optim.factory import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.optim.schedulers import build_scheduler
-from zeromem.stage3.build import UnitChoice, build_stage3, choose_units, unit_caps
-from zeromem.stage3.fetch import FetchSchedule
+from zeromem.stage3.fetch import FetchSchedule, build_stage3
+from zeromem.stage3.units import UnitCaps, UnitChoice, choose_units
 from zeromem.tensor_parallel import ModelParallelNorm
 from zeromem.monitoring.timers import PhaseTimers
 from zeromem.training_state import RngState, SchedulerArg, Stateful, StepCounters, TrainingState
-from zeromem.zero_optimizer import (ContiguousShards, ShardAccumulated, StepSettings,
-                                    WholeAllReduced, WholeScattered, ZeroOptimizer)
+from zeromem.zero_optimizer import StepSettings, ZeroOptimizer
 
 log = logging.getLogger("zeromem")
 
@@ -128,19 +129,23 @@ class Engine:
         if mp_group is None:  # DeepSpeed's way: the group given to checkpointing.configure
             mp_group = self.activation_checkpointing.config.mp_group
         self.mp_norm = ModelParallelNorm(module, mp_group)
+        # the buckets' reductions, in bucket order on every rank, with at most `buckets_alive`
+        # full-size buckets alive: one object shared by whoever fills the buckets (comm.py)
+        self.reductions = ReduceOrder(self.plan.grads, len(self.groups), self.offload.buckets_alive,
+                                      config.zero_optimization.overlap_comm is not False)
         # one gradient's life: reduced in backward, stepped, all-gathered (zero_optimizer.py)
         self.zero = ZeroOptimizer(self.groups, self.plan, self.offload.masters, self.offload.params,
                                   self.optimizer, self.scaler, self.mp_norm, StepSettings(
-                                      config.zero_optimization.overlap_comm is not False,
                                       float(config.gradient_clipping or 0.0),
-                                      self.bucket_sizes["allgather_bucket_size"],
-                                      self.offload.buckets_alive))
+                                      self.bucket_sizes["allgather_bucket_size"]),
+                                  self.reductions)
         # gradient readiness: one hook per parameter (stages 0-2), or each unit's own (stage 3)
         self.stage3: FetchSchedule | None = None
         if self.unit_choice is None:
             self.zero.hook_parameters()
         else:
             self.stage3 = self._build_stage3(self.unit_choice)
+            self.zero.after_gather(self.stage3.refresh)  # persistent units re-gather the new weights
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         # monitors, comms_logger, flops_profiler, throughput, dump_state (monitoring/monitors.py)
@@ -208,11 +213,9 @@ class Engine:
     def _partition(self, param_groups: list[dict], sharding: Sharding,
                    fetch_units: tuple[type, ...]) -> list[tuple[int, list[nn.Parameter]]]:
         """(param group index, parameters) of each flat group to build."""
-        if sharding.params:  # one group per fetch unit and param group (stage3/build.py)
-            caps = unit_caps(self.config, self.compute_dtype, self.plan.shard.world_size,
-                             self.bucket_sizes["reduce_bucket_size"])
-            self.unit_choice = choose_units(self.module, param_groups, fetch_units, caps,
-                                            self.partitions.full_numel)
+        if sharding.params:  # one group per fetch unit and param group (stage3/units.py)
+            self.unit_choice = choose_units(self.module, param_groups, fetch_units,
+                                            self._unit_caps(), self.partitions.full_numel)
             self.fetch_unit_report = self.unit_choice.report
             return self.unit_choice.parts
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
@@ -223,11 +226,21 @@ class Engine:
             parts += [(gi, bucket) for bucket in _bucket_params(params, bucket_numel)]
         return parts
 
+    def _unit_caps(self) -> UnitCaps:
+        """What bounds a merged fetch unit: the reduce bucket, and with parameters on NVMe
+        the parameter pool's share of the host budget (offload/budget.py); and which units
+        merge as persistent (stage3_param_persistence_threshold)."""
+        bucket_numel = self.bucket_sizes["reduce_bucket_size"]
+        pool = OffloadPolicy.from_config(self.config).pool_unit_numel(
+            self.compute_dtype.itemsize, self.plan.shard.world_size)
+        return UnitCaps(bucket_numel, pool,
+                        int(self.config.zero_optimization.stage3_param_persistence_threshold))
+
     def _build_stage3(self, choice: UnitChoice) -> FetchSchedule:
-        """The fetch units and their schedule (stage3/build.py); records the prefetch window."""
+        """The fetch units and their schedule (stage3/fetch.py); records the prefetch window."""
         schedule = build_stage3(self.module, self.groups, choice, self.config, self.plan,
                                 self.offload.params, self.runtime.gather_timeout_s, self.comm,
-                                self.zero, self.partitions)
+                                self.reductions, self.partitions)
         self.bucket_sizes["stage3_prefetch_bucket_size"] = schedule.limits.prefetch_numel
         return schedule
 

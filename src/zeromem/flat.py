@@ -17,21 +17,34 @@ are sharded (ZeRO paper, section 5):
     3      shard    shard, reduce-scattered every micro   shard
 
 That choice is data (`Sharding`) and the gradient buffer is an object chosen once
-(`zero_optimizer.py`); nothing here branches on a stage number. The arithmetic of padding
+(below); nothing here branches on a stage number. The arithmetic of padding
 and shard ranges is layout.py's. The group is the one owner of its buffers and of
 its `GroupState`: other modules change them only through its named transitions.
+
+Three gradient buffer kinds, chosen once from `Sharding` (llm.c style: data, not branches):
+
+- `WholeAllReduced`  (stage 0): whole buffer, all-reduced at the boundary.
+- `WholeScattered`   (stage 1): whole buffer, reduce-scattered at the boundary;
+  the owned chunk of the whole buffer is the reduced shard.
+- `ShardAccumulated` (stages 2, 3): only the shard persists, as a view into one
+  contiguous buffer shared by all groups (`contiguous_gradients`); a temporary
+  full bucket (`FullBucket`) is filled during each micro-step's backward,
+  reduce-scattered, added into the shard and dropped.
+
+Their owners fill them (the ZeRO optimizer's hooks at stages 0-2, the stage-3 unit)
+and hand their `launch` to the shared `comm.ReduceOrder`.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
-from zeromem.comm import Comm, Pending
+from zeromem.comm import Comm, Pending, Reduction, reduce_scatter_copies
 from zeromem.layout import ShardLayout, gather_chunks, padded_numel, slices_of
 
 
@@ -124,7 +137,7 @@ class FlatParamGroup:
             self._empty_params()
             self._state = GroupState.SHARDED
         self._master = self._param_shard if master is None else master  # fp32: no second copy
-        self._grads = None  # set by `attach_grads` (engine.py, offload/placement.py); see zero_optimizer.py
+        self._grads = None  # set by `attach_grads` (engine.py, offload/placement.py); kinds below
 
     # -- read-only views of the owned state ---------------------------------
     @property
@@ -159,7 +172,7 @@ class FlatParamGroup:
 
     # -- transitions of the buffers other modules place -----------------------
     def attach_grads(self, buffer) -> None:
-        """Hold gradients in `buffer` (zero_optimizer.py), or in a wrapper of the current one (offload)."""
+        """Hold gradients in `buffer` (a kind below), or in a wrapper of the current one (offload)."""
         self._grads = buffer
 
     def place_master(self, master: torch.Tensor) -> None:
@@ -332,3 +345,177 @@ class FlatParamGroup:
     def owned_slice(self, slot: ParamSlot) -> tuple[int, int, int]:
         """(start in the shard, start in the parameter, length) of `slot`'s owned part."""
         return self.layout.owned_slice(slot.offset, slot.numel)
+
+
+# ---------------------------------------------------------------- gradient buffers
+
+class GradKind(Protocol):
+    """What sizes a gradient kind's communication buffers (class attributes)."""
+
+    temporary_buckets: int
+    scatters: bool
+
+
+def launch_copies(kind: GradKind, backend: str) -> int:
+    """Full-size buffers (each as large as the group's bucket) that one launch of a group of
+    gradient `kind` holds until it is waited on, all noted in Comm's CB figure: the bucket
+    itself when it is a temporary, and the backend's receive buffer when it is
+    reduce-scattered (`comm.reduce_scatter_copies`). The planner sizes CB with this."""
+    return kind.temporary_buckets + (reduce_scatter_copies(backend) if kind.scatters else 0)
+
+
+class WholeAllReduced:
+    """Stage 0: every rank keeps the whole summed gradient."""
+
+    reduces_every_microstep = False
+    temporary_buckets = 0  # full-size buffers a launch holds besides the collective's own
+    scatters = False  # all-reduced in place: no receive buffer
+
+    def __init__(self, group: FlatParamGroup, dtype: torch.dtype):
+        self.group = group
+        self.whole = torch.zeros(group.padded_numel, dtype=dtype, device=group.param_shard.device)
+
+    def accumulate(self, offset: int, grad: torch.Tensor) -> None:
+        self.whole[offset:offset + grad.numel()].add_(grad.reshape(-1))
+
+    def launch(self, comm: Comm) -> Pending:
+        return comm.all_reduce(self.whole, async_op=True)
+
+    def reduced(self) -> torch.Tensor:
+        return self.whole
+
+    def square(self) -> torch.Tensor:
+        """The squared L2 norm of `reduced()` (fp32)."""
+        return torch.linalg.vector_norm(self.reduced(), dtype=torch.float32) ** 2
+
+    def zero(self) -> None:
+        self.whole.zero_()
+
+    def held(self) -> list[torch.Tensor]:
+        return [self.whole]
+
+
+class WholeScattered(WholeAllReduced):
+    """Stage 1: the whole gradient accumulates locally; the boundary reduce-scatters it."""
+
+    scatters = True
+
+    def launch(self, comm: Reduction) -> Pending:  # type: ignore[override]  # stage 0's all-reduces
+        return comm.reduce_scatter(self.reduced(), self.whole, async_op=True)
+
+    def reduced(self) -> torch.Tensor:
+        g = self.group
+        return self.whole[g.shard_offset:g.shard_offset + g.shard_numel]
+
+
+class ContiguousShards:
+    """`contiguous_gradients`: every group's reduced shard is a view into one zeroed buffer.
+
+    The buffer is allocated when a shard is first read, not at construction: a placement
+    that stores reduced shards elsewhere (offload/grad_file.py) replaces the gradient
+    objects before any backward, and then no rank ever holds the model's gradient shard.
+    """
+
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device):
+        self.offsets = [sum(numels[:i]) for i in range(len(numels))]
+        self.numels = numels
+        self.dtype, self.device = dtype, device
+        self.views: list[torch.Tensor] = []  # one per group, always the same tensor
+
+    def shard(self, index: int) -> torch.Tensor:
+        if not self.views:
+            flat = torch.zeros(sum(self.numels), dtype=self.dtype, device=self.device)
+            self.views = [flat[start:start + n] for start, n in zip(self.offsets, self.numels)]
+        return self.views[index]
+
+
+class FullBucket:
+    """One flat group's full-size gradient bucket, alive only while a reduction needs it:
+    allocated zeroed at the first gradient, handed over whole at launch (a group no
+    gradient reached reduces zeros), and started afresh by the next gradient."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def filling(self) -> bool:
+        """A bucket is alive: a gradient arrived since the last `take`."""
+        return self._buffer is not None
+
+    def add(self, offset: int, grad: torch.Tensor) -> None:
+        if self._buffer is None:
+            self._buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self._buffer[offset:offset + grad.numel()].add_(grad.reshape(-1))
+
+    def fill(self, grads: list[torch.Tensor | None], numels: list[int]) -> None:
+        """Every gradient of the group at once, in slot order (None: none came), in one copy:
+        a stage-3 unit fills its bucket when the last one is in (stage3/sharded_unit.py)."""
+        like = next(g for g in grads if g is not None)
+        parts = [like.new_zeros(n) if g is None else g.reshape(-1) for g, n in zip(grads, numels)]
+        pad = self.numel - sum(numels)
+        if pad:
+            parts.append(like.new_zeros(pad))
+        flat = torch.cat(parts).to(self.dtype)
+        if self._buffer is None:
+            self._buffer = flat
+        else:
+            self._buffer.add_(flat)
+
+    def take(self) -> torch.Tensor:
+        """The filled bucket; this object holds nothing until the next `add`."""
+        buffer = self._buffer
+        self._buffer = None
+        if buffer is None:
+            return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return buffer
+
+
+class ShardAccumulated:
+    """Stage 2: only the reduced shard persists; full-size gradients live one bucket at a time."""
+
+    reduces_every_microstep = True
+    temporary_buckets = 1  # the full-size bucket, dropped once reduced
+    scatters = True
+
+    def __init__(self, group: FlatParamGroup, shards: ContiguousShards, index: int):
+        self.group = group
+        self.shards, self.index = shards, index
+        self.dtype, self.device = shards.dtype, shards.device  # the bucket's (reduce-scatter's)
+        self.bucket = FullBucket(group.padded_numel, self.dtype, self.device)
+
+    @property
+    def shard(self) -> torch.Tensor:
+        return self.shards.shard(self.index)
+
+    def accumulate(self, offset: int, grad: torch.Tensor) -> None:
+        self.bucket.add(offset, grad)
+
+    def fill(self, grads: list[torch.Tensor | None]) -> None:
+        self.bucket.fill(grads, [slot.numel for slot in self.group.slots])
+
+    def launch(self, comm: Reduction) -> Pending:
+        bucket = self.bucket.take()
+        comm.note_buffer(bucket)
+        out = torch.empty(self.group.shard_numel, dtype=self.dtype, device=self.device)
+        pending = comm.reduce_scatter(out, bucket, async_op=True)
+
+        def add_into_shard() -> None:
+            pending.wait()
+            self.shard.add_(out)
+            comm.release_buffer(bucket)
+
+        return Pending(None, add_into_shard)
+
+    def reduced(self) -> torch.Tensor:
+        return self.shard
+
+    def square(self) -> torch.Tensor:
+        """The squared L2 norm of `reduced()` (fp32)."""
+        return torch.linalg.vector_norm(self.reduced(), dtype=torch.float32) ** 2
+
+    def zero(self) -> None:
+        self.shard.zero_()
+
+    def held(self) -> list[torch.Tensor]:
+        return [self.shard]

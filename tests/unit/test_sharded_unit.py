@@ -1,7 +1,9 @@
-"""A stage-3 unit's gradient life (stage3/sharded_unit.py): readiness counted once, in the unit.
+"""A stage-3 unit's gradient life (stage3/sharded_unit.py): readiness counted once, in the unit,
+which fills its group's bucket and hands its own reduce-scatter to the shared `ReduceOrder`.
 
-No process group: the unit's group is gathered by hand (world size 1), and the reducer is a
-recorder of what the unit asked for (it launches nothing: no collective is imitated).
+No process group: the unit's group is gathered by hand (world size 1), and the order reduces
+with `OneRank`, a reduction over one rank (a reduce-scatter over one rank is a copy), which
+records every bucket it is given.
 """
 from __future__ import annotations
 
@@ -11,35 +13,34 @@ import pytest
 import torch
 from torch import nn
 
-from zeromem.flat import FlatParamGroup, GroupState, Sharding
+from zeromem.comm import Pending, ReduceOrder, done
+from zeromem.flat import (ContiguousShards, FlatParamGroup, GroupState, ShardAccumulated,
+                          Sharding)
 from zeromem.stage3.sharded_unit import LiveStats, Phase, ShardedUnit
-from zeromem.zero_optimizer import ContiguousShards, ShardAccumulated
 
 SHAPES = [(3, 5), (3,), (4,)]  # weight, bias, and a parameter used only sometimes
 
 
-class Recorder:
-    """The reducer's side of the protocol, recorded in order."""
+class OneRank:
+    """A reduction over one rank, recording each bucket it reduces."""
 
     def __init__(self) -> None:
-        self.events: list = []
-        self.launched_now = False
-        self.one_bucket = False
+        self.buckets: list[torch.Tensor] = []
 
-    def bucket_starts(self) -> None:
-        self.events.append("bucket")
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       async_op: bool = False) -> Pending:
+        self.buckets.append(input.clone())
+        output.copy_(input)
+        return done()
 
-    def group_ready(self, index: int) -> None:
-        self.events.append(("ready", index))
+    def note_buffer(self, tensor: torch.Tensor) -> None:
+        pass
 
-    def launched(self, index: int) -> bool:
-        return self.launched_now
-
-    def one_bucket_at_a_time(self) -> bool:
-        return self.one_bucket
+    def release_buffer(self, tensor: torch.Tensor) -> None:
+        pass
 
 
-def _unit(one_bucket: bool = False) -> tuple[ShardedUnit, Recorder, list[torch.Tensor]]:
+def _unit(max_buckets: int = 3) -> tuple[ShardedUnit, OneRank, list[torch.Tensor]]:
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(s)) for s in SHAPES]
     values = [p.detach().clone() for p in params]
@@ -47,13 +48,14 @@ def _unit(one_bucket: bool = False) -> tuple[ShardedUnit, Recorder, list[torch.T
     group = FlatParamGroup(params, ["w", "b", "u"], comm, Sharding.for_stage(3), 0)  # type: ignore[arg-type]
     group.attach_grads(ShardAccumulated(group, ContiguousShards([group.shard_numel],
                                                                 torch.float32, torch.device("cpu")), 0))
-    recorder = Recorder()
-    recorder.one_bucket = one_bucket
-    unit = ShardedUnit(group, 0, recorder, comm, False, LiveStats())  # type: ignore[arg-type]
+    reduction = OneRank()
+    order = ReduceOrder(reduction, 1, max_buckets)
+    order.start(reducing=True)
+    unit = ShardedUnit(group, 0, order, comm, False, LiveStats())  # type: ignore[arg-type]
     full = group.begin_gather()  # world size 1: the shard is the whole buffer
     full.copy_(group.param_shard)
     group.finish_gather()
-    return unit, recorder, values
+    return unit, reduction, values
 
 
 def _loss(params, x: torch.Tensor, use_u: bool) -> torch.Tensor:
@@ -68,35 +70,56 @@ def _expected(values: list[torch.Tensor], x: torch.Tensor, use_u: bool) -> torch
                       for r, v in zip(ref, values)])
 
 
-def test_the_last_gradient_moves_all_into_the_bucket_once():
-    unit, recorder, values = _unit()
+def _launches_seen(unit: ShardedUnit, reduction: OneRank) -> list[tuple[bool, int]]:
+    """After each parameter's gradient reached the unit: (left param.grad?, launches so far)."""
+    seen: list[tuple[bool, int]] = []
+    for param in unit.group.params:  # a later hook on each parameter runs after the unit's
+        param.register_post_accumulate_grad_hook(
+            lambda p: seen.append((p.grad is None, len(reduction.buckets))))
+    return seen
+
+
+def test_the_last_gradient_fills_the_bucket_once_and_the_unit_launches_it():
+    unit, reduction, values = _unit()
     assert unit.state is GroupState.GATHERED and unit.phase is Phase.FORWARD
     x = torch.randn(5)
     unit.start_pass(Phase.BACKWARD)
+    seen = _launches_seen(unit, reduction)
     _loss(unit.group.params, x, True).backward()
-    # one bucket, filled and handed over once, after every gradient was in
-    assert recorder.events == ["bucket", ("ready", 0)]
-    assert unit.phase is Phase.REDUCED
-    assert all(p.grad is None for p in unit.group.params)  # the bucket holds them
-    bucket = unit.group.grads.bucket.take()
+    # gradients wait in param.grad until the last; then one bucket, launched at once
+    assert seen == [(False, 0), (False, 0), (True, 1)]
+    assert unit.phase is Phase.REDUCED and unit.order.launched(0)
+    assert all(p.grad is None for p in unit.group.params)  # the bucket held them
+    (bucket,) = reduction.buckets
     assert bucket.numel() == unit.group.padded_numel
     assert torch.allclose(bucket[:unit.group.numel], _expected(values, x, True))
+    unit.order.finish()
+    assert torch.allclose(unit.group.grads.reduced()[:unit.group.numel], _expected(values, x, True))
 
 
-def test_a_unit_some_gradients_never_reach_hands_over_at_the_end():
-    unit, recorder, values = _unit()
+def test_a_unit_some_gradients_never_reach_hands_in_at_the_end():
+    unit, reduction, values = _unit()
     x = torch.randn(5)
     unit.start_pass(Phase.BACKWARD)
     _loss(unit.group.params, x, False).backward()  # `u` unused on this rank
-    assert recorder.events == [] and unit.phase is Phase.BACKWARD
+    assert reduction.buckets == [] and unit.phase is Phase.BACKWARD
     unit.finish_backward()
-    assert recorder.events == ["bucket"] and unit.phase is Phase.REDUCED
-    bucket = unit.group.grads.bucket.take()
-    assert torch.allclose(bucket[:unit.group.numel], _expected(values, x, False))  # zeros for u
+    assert unit.phase is Phase.REDUCED and len(reduction.buckets) == 1
+    assert torch.allclose(reduction.buckets[0][:unit.group.numel],
+                          _expected(values, x, False))  # zeros for u
+    unit.order.finish()
+
+
+def test_a_unit_that_never_hands_in_is_an_error_at_the_end_of_backward():
+    unit, _, _ = _unit()
+    unit.start_pass(Phase.BACKWARD)
+    _loss(unit.group.params, torch.randn(5), False).backward()
+    with pytest.raises(RuntimeError, match="bucket 0 of 1 was never handed in"):
+        unit.order.finish()  # finish_backward was not called: its gradients would be lost
 
 
 def test_gradients_arrive_only_in_a_backward_and_not_after_the_reduction():
-    unit, recorder, _ = _unit()
+    unit, _, _ = _unit()
     x = torch.randn(5)
     unit.start_pass(Phase.FORWARD)
     with pytest.raises(AssertionError, match="expected phase in \\['BACKWARD'\\], got FORWARD"):
@@ -104,24 +127,20 @@ def test_gradients_arrive_only_in_a_backward_and_not_after_the_reduction():
     unit.start_pass(Phase.BACKWARD)
     for p in unit.group.params:
         p.grad = None
-    _loss(unit.group.params, x, True).backward()
-    recorder.launched_now = True  # the reducer launched this unit's bucket
+    _loss(unit.group.params, x, True).backward()  # the unit launched its bucket
     with pytest.raises(RuntimeError, match="second gradient"):
         _loss(unit.group.params, x, True).backward()
 
 
 def test_with_one_bucket_at_a_time_each_gradient_goes_in_as_it_comes():
     """Reduced shards to an NVMe file keep one bucket alive: no unit's gradients may wait
-    in param.grad beside the reduction in flight."""
-    unit, recorder, values = _unit(one_bucket=True)
+    in param.grad beside the reduction in flight; the bucket still launches at the last."""
+    unit, reduction, values = _unit(max_buckets=1)
     x = torch.randn(5)
     unit.start_pass(Phase.BACKWARD)
-    seen = []  # a later hook on each parameter: its gradient has left param.grad by then
-    for param in unit.group.params:
-        param.register_post_accumulate_grad_hook(
-            lambda p: seen.append((p.grad is None, recorder.events.count("bucket"))))
+    seen = _launches_seen(unit, reduction)
     _loss(unit.group.params, x, True).backward()
-    assert seen == [(True, 1)] * 3
-    assert recorder.events == ["bucket", ("ready", 0)] and unit.phase is Phase.REDUCED
-    bucket = unit.group.grads.bucket.take()
-    assert torch.allclose(bucket[:unit.group.numel], _expected(values, x, True))
+    assert seen == [(True, 0), (True, 0), (True, 1)]
+    assert unit.phase is Phase.REDUCED
+    assert torch.allclose(reduction.buckets[0][:unit.group.numel], _expected(values, x, True))
+    unit.order.finish()

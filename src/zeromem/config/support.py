@@ -36,7 +36,7 @@ READ: dict[str, tuple[str, ...]] = {
     **{f"zero_optimization.{key}": ("engine",) for key in (
         "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
         "stage3_prefetch_bucket_size")},
-    **{f"zero_optimization.{key}": ("stage3.build",) for key in (
+    **{f"zero_optimization.{key}": ("stage3.fetch",) for key in (
         "stage3_param_persistence_threshold", "stage3_max_live_parameters",
         "stage3_max_reuse_distance")},
     "zero_optimization.sub_group_size": ("offload.placement",),

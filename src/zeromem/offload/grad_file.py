@@ -32,12 +32,11 @@ from collections import deque
 import torch
 
 from zeromem.comm import Comm, Pending
-from zeromem.flat import FlatParamGroup
+from zeromem.flat import FlatParamGroup, FullBucket
 from zeromem.offload.nvme import (IOHandle, OffloadError, SwapSpace, aligned_empty, piece_bytes,
                                   piece_range, piece_view, round_up)
 
 __all__ = ["GradFile", "ShardToFile", "piece_bytes", "piece_view", "record_bytes"]
-from zeromem.zero_optimizer import FullBucket
 
 # reduced shards waiting for their write: bounds host memory in backward (each is one
 # unit's shard: with more, backward's peak grows with the units' size)

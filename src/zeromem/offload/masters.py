@@ -95,7 +95,7 @@ class MastersPlacement(Protocol):
     """Where masters and optimizer states live and the step runs; one verb per step phase."""
 
     where: str  # "device" | "host" | "nvme"
-    buckets_alive: int  # full-size gradient buckets ZeroOptimizer keeps (zero_optimizer.py)
+    buckets_alive: int  # full-size gradient buckets alive at once (comm.ReduceOrder)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

@@ -15,7 +15,7 @@ Schedule of one training step (paper section 5.3; FSDP2 follows the same plan):
               `stage3_prefetch_bucket_size` elements; post-hook: release.
     backward  the unit's outputs carry a hook that re-gathers it before its
               gradients are computed; when the unit has counted every gradient
-              and handed them to the reducer, it tells the schedule, which
+              and handed its reduce-scatter in, it tells the schedule, which
               releases it (readiness is counted by the unit only).
     end       `finish_pass()` releases whatever is still gathered.
 
@@ -43,21 +43,36 @@ tracer must see every op; later passes run compiled.
 
 Outside a gather a partitioned parameter has shape `torch.Size([0])` (as in
 DeepSpeed); use `zeromem.GatheredParameters` to read it whole.
+
+Built by `build_stage3` (torchtitan's `apply_*(model, config)` style: the config and
+the parts are passed in, nothing is read from the engine), once the flat groups, the
+parameter placement (offload/params.py) and the `ReduceOrder` (comm.py) exist: one
+`ShardedUnit` per flat group, the prefetch window, and the schedule; `GatheredParameters`
+finds the units through `partitions`. The units were chosen before the groups were
+built (units.py `choose_units`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from zeromem.comm import Comm
-from zeromem.flat import GroupState
+from zeromem.comm import Comm, ReduceOrder
+from zeromem.config.schema import Config
+from zeromem.flat import FlatParamGroup, GroupState
+from zeromem.layout import derived_prefetch_numel
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice
+from zeromem.stage3.partitioned_init import Partitions
 from zeromem.stage3.sharded_unit import LiveStats, Phase, ShardedUnit
+from zeromem.stage3.units import UnitChoice
+
+if TYPE_CHECKING:  # the engine builds the plan and passes it in
+    from zeromem.hierarchy import CommPlan
 
 
 class Stage3DivergenceError(RuntimeError):
@@ -436,8 +451,8 @@ class FetchSchedule:
         self._release([unit])
 
     def finish_backward(self) -> None:
-        """Units some gradients never reached hand over what they have (before the
-        reducer launches what is left)."""
+        """Units some gradients never reached hand in what they have (before the engine
+        waits for the reductions)."""
         for unit in self.units:
             unit.finish_backward()
 
@@ -446,3 +461,30 @@ class FetchSchedule:
             h.remove()
         for unit in self.units:
             unit.remove()
+
+
+def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitChoice,
+                 config: Config, plan: CommPlan, placement: ParamPlacement,
+                 gather_timeout_s: float | None, comm: Comm, order: ReduceOrder,
+                 partitions: Partitions) -> FetchSchedule:
+    """One ShardedUnit per flat group (small ones stay whole: persistent), and their schedule."""
+    settings = config.zero_optimization
+    index_of = {id(g.params[0]): i for i, g in enumerate(groups)}  # the units' launch order
+    live = LiveStats()
+    module_units = []
+    for modules, (_, params) in zip(choice.modules, choice.parts):
+        index = index_of[id(params[0])]
+        group = groups[index]
+        persistent = group.numel < settings.stage3_param_persistence_threshold
+        unit = ShardedUnit(group, index, order, plan.shard, persistent, live, placement,
+                           plan.gather)
+        module_units += [(m, unit) for m in modules]
+    explicit = "stage3_prefetch_bucket_size" in settings.model_fields_set
+    prefetch = int(settings.stage3_prefetch_bucket_size) if explicit else derived_prefetch_numel(
+        max((g.numel for g in groups), default=0))
+    limits = Stage3Limits(placement.prefetch_numel(prefetch, explicit),
+                          settings.stage3_max_live_parameters,
+                          settings.stage3_max_reuse_distance, gather_timeout_s)
+    schedule = FetchSchedule(module, module_units, limits, live, comm, comm.store, placement)
+    partitions.add_units(schedule.units)  # GatheredParameters finds them there
+    return schedule

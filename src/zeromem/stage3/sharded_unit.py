@@ -9,10 +9,13 @@ tensors. The `ShardedUnit` owns everything done with them, each in one place:
                               and its release, as the schedule (fetch.py) asks
     gradients                 readiness, counted once per backward: a hook per
                               parameter only counts; when the last gradient is in,
-                              all of them go into the unit's bucket in one copy and
-                              the reducer (zero_optimizer.py) launches its
-                              reduce-scatter, in group order on every rank (with one
-                              bucket at a time, each gradient goes in as it comes)
+                              all of them go into the group's bucket in one copy and
+                              the unit hands its reduce-scatter to the `ReduceOrder`
+                              it shares with the other units (comm.py), which
+                              launches it in group order on every rank (with one
+                              bucket at a time, each gradient goes in as it comes).
+                              Nothing here knows the optimizer: the step reads the
+                              reduced shard from the group.
     phase                     the pass now running (`Phase`): how a gather runs, and
                               whether gradients may arrive
 
@@ -43,12 +46,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
 from zeromem import quantize
-from zeromem.comm import Comm, Pending
+from zeromem.comm import Comm, Pending, ReduceOrder
 from zeromem.flat import FlatParamGroup, GroupState
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice
 
@@ -81,38 +84,23 @@ class Phase(enum.Enum):
     FORWARD = "forward"  # a training forward (and between passes): gathers keep hpZ's copy
     EVAL = "eval"  # a no_grad forward (evaluation, generation)
     BACKWARD = "backward"  # gradients arriving; gathers read hpZ's copy
-    REDUCED = "reduced"  # this backward's gradients are in the bucket, handed to the reducer
-
-
-class Reducer(Protocol):
-    """What launches the units' reductions in group order on every rank (zero_optimizer.py)."""
-
-    def bucket_starts(self) -> None:
-        """A full-size bucket is about to be filled (waits for older reductions)."""
-
-    def group_ready(self, index: int) -> None:
-        """Group `index`'s bucket holds every gradient of this backward: launch it in turn."""
-
-    def launched(self, index: int) -> bool:
-        """Was group `index`'s reduction launched in this backward?"""
-
-    def one_bucket_at_a_time(self) -> bool:
-        """Is a single full-size bucket alive at once (reduced shards to an NVMe file)?"""
+    REDUCED = "reduced"  # this backward's gradients are in the bucket, its launch handed in
 
 
 class ShardedUnit:
     """One stage-3 flat group's gather, release and gradient reduction, as one object.
 
-    `index` is the group's position in the reducer's launch order; `persistent` units
-    (under stage3_param_persistence_threshold) stay whole between optimizer steps.
+    `index` is the group's position in the launch order (`order`, shared by the units);
+    `persistent` units (under stage3_param_persistence_threshold) stay whole between
+    optimizer steps.
     """
 
-    def __init__(self, group: FlatParamGroup, index: int, reducer: Reducer, comm: Comm,
+    def __init__(self, group: FlatParamGroup, index: int, order: ReduceOrder, comm: Comm,
                  persistent: bool, stats: LiveStats, placement: ParamPlacement | None = None,
                  gather: GatherPolicy | None = None):
         self.group = group
         self.index = index
-        self.reducer = reducer
+        self.order = order  # launches the units' reductions in index order, bounds those alive
         self.gather = gather or GatherPolicy(comm)  # plain, hpZ or qwZ
         self.placement = placement or ParamsOnDevice()  # where the shard lives between uses
         self.comm = comm
@@ -127,7 +115,7 @@ class ShardedUnit:
         self._offsets = {id(p): slot.offset for p, slot in zip(group.params, group.slots)}
         # With one bucket at a time, gradients may not wait in param.grad beside a reduction
         # in flight (two units' gradients alive): each goes into the bucket as it comes.
-        self._eager = reducer.one_bucket_at_a_time()
+        self._eager = order.one_bucket_at_a_time
         self._on_reduced: Callable[[ShardedUnit], None] = lambda unit: None
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_in) for p in group.params]
 
@@ -237,21 +225,25 @@ class ShardedUnit:
     def _reduce(self) -> None:
         """BACKWARD -> REDUCED: every gradient into the bucket (one copy), then launched in turn."""
         self._assert_phase(Phase.BACKWARD)
-        self._fill_bucket()
-        self.reducer.group_ready(self.index)
+        self._hand_in()
         self._on_reduced(self)
 
     def finish_backward(self) -> None:
         """Backward ended: a unit some gradients never reached (parameters unused on this
-        rank) hands over what it has; the reducer launches it, zeros where nothing came."""
+        rank) hands in what it has, zeros where nothing came (every rank reduces it)."""
         if self._phase is Phase.BACKWARD:
-            self._fill_bucket()
+            self._hand_in()
+
+    def _hand_in(self) -> None:
+        """Fill the bucket, then give its reduce-scatter to the order (launched in turn)."""
+        self._fill_bucket()
+        self.order.ready(self.index, self.group.grads.launch)
 
     def _fill_bucket(self) -> None:
         params = self.group.params
         grads = [p.grad for p in params]
         if any(g is not None for g in grads):
-            self.reducer.bucket_starts()
+            self.order.bucket_starts()
             self.group.grads.fill(grads)
             for p in params:
                 p.grad = None  # the bucket holds them now
@@ -260,7 +252,7 @@ class ShardedUnit:
     def _late_grad(self, param: torch.Tensor) -> None:
         """A gradient after the unit was handed over (a parameter used again, as in
         reentrant activation checkpointing): into the bucket, unless it already left."""
-        if self.reducer.launched(self.index):
+        if self.order.launched(self.index):
             raise RuntimeError(f"parameter of unit '{self.name}' received a second gradient "
                                "in one backward after its bucket was reduced; use "
                                "zeromem.checkpoint")
@@ -269,7 +261,7 @@ class ShardedUnit:
     def _add_to_bucket(self, param: torch.Tensor, first: bool) -> None:
         assert param.grad is not None  # called by the post-accumulate-grad hook
         if first:
-            self.reducer.bucket_starts()
+            self.order.bucket_starts()
         self.group.grads.accumulate(self._offsets[id(param)], param.grad)
         param.grad = None
 

@@ -39,10 +39,13 @@ when any of them runs).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from torch import nn
+
+log = logging.getLogger("zeromem")
 
 MIN_UNIT_NUMEL = 2 ** 16
 MAX_UNIT_NUMEL = 2 ** 22
@@ -261,3 +264,30 @@ def describe(units: list[UnitPlan], names: dict[int, str], user_classes: tuple[t
         span = first if len(unit.modules) == 1 else f"{first} .. {last}"
         lines.append(f"  {i:3d} {unit.numel:>12,}  {unit.kind:<14} {span or '(root)'}")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class UnitChoice:
+    """The fetch units chosen for a model, as flat groups to build."""
+
+    parts: list[tuple[int, list[nn.Parameter]]]  # (param group index, parameters) per group
+    modules: list[list[nn.Module]]  # per part: the modules whose hooks gather it
+    report: str  # one line per unit, for the run report (`describe`)
+
+
+def choose_units(module: nn.Module, param_groups: list[dict], fetch_units: tuple[type, ...],
+                 caps: UnitCaps, full_numel: Callable[[nn.Parameter], int]) -> UnitChoice:
+    """The fetch units of `module`, split by optimizer param group: the engine builds one
+    flat group per part, before the stage-3 units (fetch.py `build_stage3`) exist."""
+    group_of = {id(p): gi for gi, pg in enumerate(param_groups) for p in pg["params"]}
+    plans = plan_fetch_units(module, fetch_units, caps, full_numel)
+    parts, modules = [], []
+    for plan in plans:
+        for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
+            parts.append((gi, [p for p in plan.params if group_of.get(id(p)) == gi]))
+            modules.append(plan.modules)
+    names = {id(m): n for n, m in module.named_modules()}
+    target = default_target(unmerged_units(module, full_numel), caps)
+    report = describe(plans, names, fetch_units, target)
+    log.info("%s", report)
+    return UnitChoice(parts, modules, report)
