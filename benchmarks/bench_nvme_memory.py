@@ -8,12 +8,14 @@ processes). Per rank: resident memory (VmRSS of /proc/self/status) right after `
 after the last step ("steady"), and its high-water mark (VmHWM), and the median step time.
 With MALLOC_MMAP_THRESHOLD_=65536 glibc returns freed blocks at once, so RSS is what is held.
 "peak" is training's high-water mark (reset after `initialize`), "init_peak" construction's;
-"io" is rank 0's swap I/O of the last step (`engine.offload.io_report()`).
+"io" is rank 0's swap I/O of the last step (`engine.offload.io_report()`: wait_s is the time
+it blocked on it), "io_ranks" both ranks' bytes together.
 
 Item 2 of issue 16 (at the disk's pace), with `--disk-mb N`: the disk's best read and
 write rates under --nvme-path are measured first (bench_offload.raw_best: several
 threads, deep queue, O_DIRECT, no fsync), and each NVMe row also gets
-`io_s` = last step's bytes read / read rate + bytes written / write rate, `compute_s` =
+`io_s` = last step's bytes read / read rate + bytes written / write rate, over both ranks
+(they share the one disk), `compute_s` =
 the "cpu" mode's step (the same work with nothing on disk), and `vs_bound` = step /
 max(compute_s, io_s) (goal <= 1.2). Modes run one after another: timings on a shared
 machine are noisy, so compare medians of several runs.
@@ -123,7 +125,8 @@ def run(mode: str, args) -> dict:
     states = 16 * sum(args.width * args.width + args.width for _ in range(args.depth)) / 2 / MB
     return {"mode": mode, "states_mb": states,
             **{k: max(o[k] for o in outs) for k in ("init", "init_peak", "steady", "peak", "step")},
-            "io": outs[0]["io"]}
+            "io": next(o["io"] for o in outs if o["rank"] == 0),
+            "io_ranks": {k: sum(o["io"][k] for o in outs) for k in ("read_bytes", "written_bytes")}}
 
 
 def main() -> None:
@@ -149,7 +152,7 @@ def main() -> None:
         if mode == "cpu":
             compute_s = r["step"]
         if disk is not None and mode.startswith("nvme"):
-            io = r["io"]
+            io = r["io_ranks"]  # both ranks' bytes: one disk serves them
             r["io_s"] = io["read_bytes"] / disk["read"] + io["written_bytes"] / disk["write"]
             if compute_s is not None:
                 r["compute_s"] = compute_s

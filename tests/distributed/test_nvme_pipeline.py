@@ -4,8 +4,11 @@ model, and the per-step I/O on the run report."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -67,12 +70,99 @@ def test_defaults_overlap_io_reread_params_and_match_the_reference(tmp_path):
         assert out["sub_groups"] >= 3, out["sub_groups"]
         for overlapped in out["overlapped"]:  # read(i+1) and write(i-1) beside update(i)
             assert overlapped["read_ahead"] > 0 and overlapped["write_behind"] > 0, overlapped
-        for reads in out["reads"]:  # 2 micro-steps x (forward + backward) of the units
-            assert reads >= 2 * (2 * out["units"] - 1), (reads, out["units"])  # last unit kept
+        for reads in out["reads"]:  # 2 micro-steps x (forward + backward) of the units: the
+            # pool keeps 2 shards (the step keeps them current), every other one comes from disk
+            assert reads >= 2 * 2 * (out["units"] - 2), (reads, out["units"])
         for io in out["io"]:  # the run report: the step's bytes and time blocked on them
             assert io["read_bytes"] >= out["files"]["params.swp"] + out["files"]["grads.swp"], io
             assert io["written_bytes"] >= out["files"]["optimizer.swp"], io
             assert io["wait_s"] >= 0.0
+
+
+# ---------------------------------------------------------------- I/O beyond step()
+
+# a slow disk: writes of these files sleep first, so that the step's last writes are surely
+# in flight when it returns; the optimizer's longer, so a save that waited for the parameter
+# shards' writes only still finds them in flight
+WRITE_DELAY_S = {"optimizer.swp": 0.1, "params.swp": 0.04}
+
+
+@contextlib.contextmanager
+def slow_writes() -> Iterator[None]:
+    """Inside the block, every write request to a file of WRITE_DELAY_S waits its delay first."""
+    import zeromem.offload.nvme as nvme
+    transfer = nvme._transfer
+
+    def slow(op, fd, view, offset, path):
+        if op == "write":
+            time.sleep(WRITE_DELAY_S.get(Path(path).name, 0.0))
+        transfer(op, fd, view, offset, path)
+
+    nvme._transfer = slow
+    try:
+        yield
+    finally:
+        nvme._transfer = transfer
+
+
+def beyond_step_engine(model: torch.nn.Module, path: str, world_size: int,
+                       write_behind: bool = True):
+    cfg = parity_config(3, 1, 0.0, world_size)
+    cfg["zero_optimization"].update(defaults_case(path))
+    cfg["zero_optimization"]["offload_optimizer"]["pipeline_write"] = write_behind
+    return zeromem.initialize(model, cfg)
+
+
+def train_step(engine, step: int, rank: int) -> dict:
+    tokens, targets = micro_batch(step, rank, 0)
+    engine.backward(engine(tokens, targets, uses_sometimes(step, rank, 0, False)))
+    engine.step()
+    return dict(engine.optimizer.overlapped)
+
+
+def beyond_step_run(rank: int, world_size: int, path: str) -> dict:
+    """Writes left in flight by step() (on a slow disk), a checkpoint saved right after one,
+    and the same training with every write waited for inside the step."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    ref = Reference(copy.deepcopy(model), per_rank=False)
+    behind = beyond_step_engine(copy.deepcopy(model), path, world_size)
+    waited = beyond_step_engine(copy.deepcopy(model), path, world_size, write_behind=False)
+    for step in range(2):
+        ref.step(step, world_size, 1)
+    out: dict = {"waited": [train_step(waited, step, rank) for step in range(2)]}
+    with slow_writes():  # back to back: a forward and the save right after step(), on a slow disk
+        out["behind"] = [train_step(behind, step, rank) for step in range(2)]
+        behind.save_checkpoint(Path(path) / "ckpt")
+    out["diffs"] = []
+    loaded = beyond_step_engine(TinyLM(), path, world_size)
+    loaded.load_checkpoint(Path(path) / "ckpt")
+    out["diffs"].append(state_dict_diff(loaded.full_state_dict(), ref.model))
+    for engine in (behind, waited, loaded):
+        train_step(engine, 2, rank)
+    ref.step(2, world_size, 1)
+    fulls = [engine.full_state_dict() for engine in (behind, waited, loaded)]
+    out["diffs"] += [state_dict_diff(full, ref.model) for full in fulls]
+    out["identical"] = all(torch.equal(fulls[0][k], full[k]) for full in fulls[1:]
+                           for k in fulls[0])
+    for engine in (behind, waited, loaded):
+        engine.close()
+    return out
+
+
+def test_io_beyond_the_step_keeps_results_and_checkpoints_exact(tmp_path):
+    """The boundary backward starts the step's first reads; the last writes are still in
+    flight when step() returns (on a disk slowed down here), unless pipeline_write is off. A
+    checkpoint saved right then loads to the reference's states, and the next step of the
+    saved, the loaded and the always-waited engines are bitwise the same (and the
+    reference's). Without waiting for the writes the save would read stale records."""
+    for out in run_distributed(beyond_step_run, 2, str(tmp_path)):
+        assert max(out["diffs"]) <= 1e-5, out["diffs"]
+        assert out["identical"]
+        for overlapped in out["behind"]:
+            assert overlapped["before_step"] > 0 and overlapped["after_step"] > 0, overlapped
+        for overlapped in out["waited"]:
+            assert overlapped["after_step"] == 0, overlapped
 
 
 # ---------------------------------------------------------------- host memory vs model size

@@ -8,6 +8,7 @@ sleeps), an identity of the kernel's clocks, not a speed.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -38,3 +39,18 @@ def test_seconds_are_the_median_of_wall_less_delay():
     with sharing_one_core(1):
         seconds = clock.seconds(burn, reps=3, synchronised=False)
     assert seconds == pytest.approx(0.15, rel=0.15, abs=0.01)  # the CPU time burnt
+
+
+def _burn_in_a_thread(seconds_of_cpu: float) -> None:
+    worker = threading.Thread(target=burn, args=(seconds_of_cpu,))
+    worker.start()
+    worker.join()
+
+
+def test_worker_cpu_is_the_cpu_time_of_the_processs_other_threads():
+    """What gloo's worker threads spend beside the calling one (`Clock.worker_cpu`): a
+    thread burning 0.1 s of CPU counts, the calling thread's own compute does not."""
+    clock = Clock(Comm())
+    assert clock.worker_cpu(lambda: _burn_in_a_thread(0.1), reps=3) == \
+        pytest.approx(0.1, rel=0.15, abs=0.01)
+    assert clock.worker_cpu(lambda: burn(0.1)) == pytest.approx(0.0, abs=0.01)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gpt import GPT, GPTConfig
-from zeromem.planning.step_model import Calibration, Link, comm_seconds, prefetched_gathers
+from zeromem.planning.step_model import (Calibration, Link, comm_seconds, offload_traffic,
+                                          prefetched_gathers)
 from zeromem.planning.planner import (Hardware, Setup, Workload, evaluate, model_flops,
                                       planned_layout, shape_of)
 
@@ -117,3 +118,81 @@ def test_stage3_step_waits_only_for_the_gathers_its_compute_cannot_cover():
     assert 0 < slow.comm < fast.comm
     assert _time(_cal(flops=1e6, collectives=_links()), Setup(2)).comm == \
         _time(_cal(flops=1e30, forward_s=1e-30, collectives=_links()), Setup(2)).comm
+
+
+def test_a_hidden_gather_still_costs_its_ranks_cpu_time():
+    """gloo: a prefetched gather the rank does not wait for still takes the worker's CPU
+    time (`Calibration.beside`) from the core the rank computes on; only its hidden part
+    does (the rest is waited for whole); with no such figure (NCCL) it costs nothing."""
+    shape, n = _shape(), 2
+    layout = planned_layout(shape, Setup(3))
+    units = shape.with_unit_caps(layout.unit_caps(4, n))
+    forward, backward = prefetched_gathers(units, layout, 4, n, WORK.gas)
+    beside = Link(2e-5, 4e9)
+    free = comm_seconds(_links(), units, layout, 4, n, WORK.gas, (1.0, 1.0))
+    paid = comm_seconds(_links(), units, layout, 4, n, WORK.gas, (1.0, 1.0), beside)
+    assert paid == pytest.approx(free + beside.seconds(*forward) + beside.seconds(*backward))
+    # half the forward's gathers hidden: half their CPU time, the other half waited for
+    gather = _links()["all_gather"]
+    short = gather.seconds(*forward) / 2
+    half = comm_seconds(_links(), units, layout, 4, n, WORK.gas, (short, 1.0), beside)
+    assert half == pytest.approx(comm_seconds(_links(), units, layout, 4, n, WORK.gas,
+                                              (short, 1.0))
+                                 + beside.seconds(*forward) / 2 + beside.seconds(*backward))
+    # nothing hidden (no compute, or stages 0-2): nothing to add
+    assert comm_seconds(_links(), units, layout, 4, n, WORK.gas, (0.0, 0.0), beside) == \
+        comm_seconds(_links(), units, layout, 4, n, WORK.gas, (0.0, 0.0))
+    knobs = planned_layout(shape, Setup(2))
+    assert comm_seconds(_links(), shape, knobs, 4, n, WORK.gas, (1.0, 1.0), beside) == \
+        comm_seconds(_links(), shape, knobs, 4, n, WORK.gas, (1.0, 1.0))
+    # the planner's stage-3 step carries it (compute covers every gather here)
+    slow = _cal(flops=1e6, collectives=_links())
+    with_cpu = _time(dataclasses.replace(slow, beside=beside), Setup(3))
+    assert with_cpu.comm == pytest.approx(_time(slow, Setup(3)).comm + beside.seconds(*forward)
+                                          + beside.seconds(*backward))
+    assert _time(dataclasses.replace(slow, beside=beside), Setup(2)) == _time(slow, Setup(2))
+
+
+def _samples(worker_cpu: tuple[float, float]) -> list[dict]:
+    """One made-up `Probe.sample()`: every figure 1 ms (links: 1 ms and 2 ms), and the CPU
+    time gloo's threads spend on the small and large all-gather."""
+    out = {k: 1e-3 for k in ("forward", "forward_backward", "copy", "optimizer_device",
+                             "optimizer_cpu", "disk_write", "disk_read")}
+    out.update({k: (1e-3, 2e-3) for k in ("all_reduce", "reduce_scatter", "all_gather")})
+    out.update({f"{name}_{stage}": 1e-3 for name in ("params", "elements")
+                for stage in ("none", 0, 1, 2, 3)})
+    return [{**out, "all_gather_cpu": worker_cpu}]
+
+
+def test_the_cpu_time_of_a_gather_is_fitted_to_its_two_messages_on_gloo_only():
+    from zeromem.planning.calibrate import from_samples, measurement
+    what = measurement(GPT, _shape(), 2, 32, 2)
+    small, large = what.link_sizes(2)
+    cal = from_samples([_samples((1e-4, 5e-4))] * 2, what, _shape())
+    bandwidth = 4 * (large - small) / 4e-4
+    assert cal.beside == Link(pytest.approx(1e-4 - 4 * small / bandwidth), pytest.approx(bandwidth))
+    assert cal.beside.seconds(1, 4 * large) == pytest.approx(5e-4)
+    # the slower rank's, like every figure
+    assert from_samples([_samples((1e-4, 5e-4)), _samples((1e-4, 9e-4))], what,
+                        _shape()).beside.seconds(1, 4 * large) == pytest.approx(9e-4)
+    assert from_samples([_samples((1e-4, 5e-4))] * 2, what, _shape(), "nccl").beside is None
+
+
+def test_host_copies_on_a_cpu_device_are_only_those_the_engine_makes():
+    """With the CPU as the device (a `calibrate` run) the engine gathers stage 3 from the
+    host shard itself (offload/params.ParamsOnHost) and steps an fp32 gradient shard where
+    it was reduced (offload/masters.HostGrads): only the updated parameters are copied back.
+    For a GPU every copy counts; a bf16 gradient is copied into an fp32 host buffer anyway."""
+    shape, n = _shape(), 2
+    shard = shape.psi / n
+    both = Setup(3, "none", "cpu", "cpu")
+    states = evaluate(shape, both, Hardware(n, 1e12), WORK).states
+    gas = WORK.gas
+    assert offload_traffic(both, states, 4, shard, gas, device_is_host=True).copies == 4 * shard
+    assert offload_traffic(both, states, 4, shard, gas).copies == (8 + 2 * gas * 4) * shard
+    assert offload_traffic(both, states, 2, shard, gas, device_is_host=True).copies == 6 * shard
+    assert offload_traffic(Setup(2, "none", "cpu"), states, 4, shard, gas,
+                           device_is_host=True).copies == 4 * shard
+    # a calibration measured the CPU as the device; one for a GPU would count them all
+    assert _time(_cal(), both).offload == pytest.approx(4 * shard / 1e10)
+    assert _time(_cal(device="cuda"), both).offload == pytest.approx((8 + 2 * gas * 4) * shard / 1e10)

@@ -33,8 +33,10 @@ import torch
 
 from zeromem.comm import Comm, Pending
 from zeromem.flat import FlatParamGroup, FullBucket
-from zeromem.offload.nvme import (ALIGN, IOHandle, OffloadError, SwapSpace, aligned_empty,
-                                  round_up)
+from zeromem.offload.nvme import (IOHandle, OffloadError, SwapSpace, aligned_empty, piece_bytes,
+                                  piece_range, piece_view, round_up)
+
+__all__ = ["GradFile", "ShardToFile", "piece_bytes", "piece_view", "record_bytes"]
 
 # reduced shards waiting for their write: bounds host memory in backward (each is one
 # unit's shard: with more, backward's peak grows with the units' size)
@@ -105,8 +107,7 @@ class GradFile:
         Returns the fp32 view of those elements in `buf` (which must hold
         `piece_bytes(numel)`) and the read's handle (None: no gradient, zeros).
         """
-        begin = start * 4 // ALIGN * ALIGN
-        length = round_up(start * 4 - begin + numel * 4)
+        begin, length = piece_range(start, numel)
         view = piece_view(start, numel, buf)
         if id(group) not in self.written:
             view.zero_()
@@ -134,17 +135,6 @@ class GradFile:
     def zero(self, group: FlatParamGroup) -> None:
         self.written.discard(id(group))
         self.squares.pop(id(group), None)
-
-
-def piece_view(start: int, numel: int, buf: torch.Tensor) -> torch.Tensor:
-    """Where `read_piece` puts elements [start, start + numel) in `buf`: past the alignment skip."""
-    skip = start * 4 % ALIGN
-    return buf[skip:skip + numel * 4].view(torch.float32)
-
-
-def piece_bytes(numel: int) -> int:
-    """Buffer bytes `GradFile.read_piece` needs for `numel` elements at any start."""
-    return round_up(numel * 4) + ALIGN
 
 
 class ShardToFile:

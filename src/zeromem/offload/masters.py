@@ -100,6 +100,9 @@ class MastersPlacement(Protocol):
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         """Every master and optimizer state in memory inside the block."""
 
+    def finish_io(self) -> None:
+        """Wait for swap I/O the step left in flight (before the files are removed)."""
+
     def file_into(self, ledger) -> None:
         """File this placement's host and NVMe tensors in the memory ledger."""
 
@@ -144,6 +147,9 @@ class MastersOnDevice:
 
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def finish_io(self) -> None:
+        """No swap files."""
 
     def file_into(self, ledger) -> None:
         """The engine files device tensors itself."""
@@ -193,6 +199,9 @@ class MastersOnHost:
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # host memory is memory
 
+    def finish_io(self) -> None:
+        """No swap files."""
+
     def file_into(self, ledger) -> None:
         for g in self.groups:
             ledger.add("master_params", "host", g.master)
@@ -232,8 +241,11 @@ class MastersOnNvme:
             self.buckets_alive = 1
 
     def start_backward(self, boundary: bool) -> None:
+        """At the boundary, the step's first reads start: they overlap this backward."""
         if self.host_grads is not None:
             self.host_grads.boundary = boundary
+        if boundary and self.optimizer is not None:
+            self.optimizer.read_before_step()
 
     def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
                         factory: Callable | None,
@@ -270,6 +282,10 @@ class MastersOnNvme:
 
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         return self._built().all_in_memory(self.groups)
+
+    def finish_io(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.settle()
 
     def file_into(self, ledger) -> None:
         opt = self._built()

@@ -67,6 +67,25 @@ def swap_file_bytes(nbytes: int) -> int:
     return round_up(max(1, nbytes))
 
 
+def piece_range(start: int, numel: int) -> tuple[int, int]:
+    """(first byte, length) of the ALIGN blocks holding fp32 elements [start, start + numel)
+    of a record that starts on a block: the request that reads or writes that piece."""
+    begin = start * 4 // ALIGN * ALIGN
+    return begin, round_up(start * 4 - begin + numel * 4)
+
+
+def piece_view(start: int, numel: int, buf: torch.Tensor) -> torch.Tensor:
+    """Where a `piece_range` request puts elements [start, start + numel) in the aligned
+    uint8 `buf`: past the bytes of the first block that precede the piece."""
+    skip = start * 4 % ALIGN
+    return buf[skip:skip + numel * 4].view(torch.float32)
+
+
+def piece_bytes(numel: int) -> int:
+    """Buffer bytes a `piece_range` request of `numel` elements needs, wherever it starts."""
+    return round_up(numel * 4) + ALIGN
+
+
 def aligned_nbytes(nbytes: int) -> int:
     """Host bytes `aligned_empty(nbytes)` allocates: ALIGN more, to start on a boundary."""
     return nbytes + ALIGN

@@ -17,6 +17,15 @@ are in flight:
                              on pool views and the host gradient shards
     write i-1 ...            pool -> NVMe   (offload_optimizer.pipeline_write)
 
+In fp32 the master pieces are read from and written to the parameter shards' place
+(`ParamPlacement.read_piece` / `write_piece`: for params.swp, straight from the
+master buffer), so the step holds no parameter buffer. The I/O reaches beyond
+`step()` on both sides: the boundary backward starts reading the first `depth`
+sub-groups' fields and masters (`read_before_step`; the gradients follow at the
+step), and the last sub-groups' writes are left in flight when `step()` returns,
+waited for when their slot or record is next used, or by `settle()` (which
+`all_in_memory` and the engine's close call before the files are used whole).
+
 Buffer lifetimes: the pool lives as long as the optimizer; a sub-group holds its
 buffers from the launch of its read until its write has completed, and only then
 is the slot reused. Fresh states (step 0 of a param group) are zero-filled, not
@@ -31,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -40,13 +48,16 @@ import torch
 from zeromem.flat import FlatParamGroup
 from zeromem.offload.budget import MIN_SUB_GROUP, PoolSize, size_optimizer_pool
 from zeromem.offload.budget import FP32 as FP32_BYTES
-from zeromem.offload.grad_file import GradFile, piece_bytes, piece_view
-from zeromem.offload.nvme import ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace, round_up
+from zeromem.offload.grad_file import GradFile
+from zeromem.offload.nvme import (ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace,
+                                  piece_bytes, piece_view, round_up)
 from zeromem.offload.staged_masters import StagedMasters
 
 if TYPE_CHECKING:  # placement.py builds this optimizer
     from zeromem.offload.params import ParamPlacement
     from zeromem.offload.placement import OffloadPolicy
+
+Slot = dict[str, torch.Tensor]  # field name -> one pool buffer (aligned uint8), a sub-group's while in flight
 
 _adam = importlib.import_module("torch.optim.adam")  # the functional kernels behind torch.optim
 _sgd = importlib.import_module("torch.optim.sgd")
@@ -161,7 +172,9 @@ def layout_optimizer(groups: Sequence[Any], states: int, master_in_file: bool,
                                params_pool_bytes, sub_group_size, buffer_count)
     while True:  # a derived size shrinks until the cut sub-groups' buffers fit the budget
         sub_groups = plan_sub_groups(groups, size.sub_group_size)
-        slot_bytes = max((max(sg.field_bytes, grad_slot_bytes(sg) if grads_in_file else 0)
+        # gradients, and fp32 masters read from the parameter shards, are read piece by piece
+        pieces_read = grads_in_file or not master_in_file
+        slot_bytes = max((max(sg.field_bytes, grad_slot_bytes(sg) if pieces_read else 0)
                           for sg in sub_groups), default=ALIGN)
         size = replace(size, slot_bytes=slot_bytes)
         over = size.pool_bytes - size.room_bytes()
@@ -287,8 +300,13 @@ class SwappedOptimizer(torch.optim.Optimizer):
                       for _ in range(self.depth)]
         self.steps = [0] * len(self.param_groups)  # optimizer steps taken, per param group
         self.failed: BaseException | None = None
-        self.overlapped = {"read_ahead": 0, "write_behind": 0}  # sub-group I/O overlapped, last step
-        self.writes_of: dict[int, list[IOHandle]] = {}  # id(slot) -> its last write-behind
+        # sub-groups whose I/O overlapped other work in the last step: read ahead, written
+        # behind, read in backward (`read_before_step`), still written after `step()` returned
+        self.overlapped = {"read_ahead": 0, "write_behind": 0, "before_step": 0, "after_step": 0}
+        # sub-group index -> (the slot it was written from, the writes) until waited for
+        self.writes: dict[int, tuple[Slot, list[IOHandle]]] = {}
+        # sub-group index -> (slot, reads) started by `read_before_step`, taken by the step
+        self.early: dict[int, tuple[Slot, list[IOHandle]]] = {}
         self.state = SwappedState()
         if self.master_in_file:
             self._write_masters(groups, staged)
@@ -333,53 +351,74 @@ class SwappedOptimizer(torch.optim.Optimizer):
             staged.discard()
 
     @staticmethod
-    def _views(sg: SubGroup, slot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _views(sg: SubGroup, slot: Slot) -> dict[str, torch.Tensor]:
         return {name: buf[:sg.numel * 4].view(torch.float32) for name, buf in slot.items()}
 
     # -- one sub-group ------------------------------------------------------------
-    def _start_reads(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
-        """Start reading the sub-group's fields (and, fp32, prefetching its parameter shards)."""
-        self._check_written(slot)
+    def _start_reads(self, i: int, slot: Slot) -> list[IOHandle]:
+        """Start reading sub-group `i` into `slot`: fields, fp32 master pieces and gradients."""
+        return self._start_state_reads(i, slot) + self._start_grad_reads(i, slot)
+
+    def _start_state_reads(self, i: int, slot: Slot) -> list[IOHandle]:
+        """Its fields and (fp32: the master is the parameter shard) its pieces of the shards,
+        once the writes still in flight from `slot` and to `i`'s records have finished."""
+        self._settle_slot(slot)  # a read into a buffer a write still reads would be stored
+        self._settle(i)  # a read before the record's last write lands would miss it
+        sg = self.sub_groups[i]
         handles = self._read_fields_async(sg, slot)
-        if self.grad_file is not None:
+        if not self.master_in_file:
             for p, at in zip(sg.pieces, self._grad_places(sg)):
-                _, handle = self.grad_file.read_piece(p.group, p.start, p.numel,
-                                                      slot["grad"][at:])
+                handle = self.params.read_piece(p.group, p.start, p.numel, slot["master"][at:])
                 if handle is not None:
                     handles.append(handle)
-        if not self.master_in_file:
-            for p in sg.pieces:
-                self.params.prefetch(p.group)
         return handles
 
-    def _compute(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> None:
-        """Step the sub-group on its views, then store the new values into the parameter shards."""
+    def _start_grad_reads(self, i: int, slot: Slot) -> list[IOHandle]:
+        """Its gradient pieces from grads.swp (none to read: host gradients, stage 1)."""
+        if self.grad_file is None:
+            return []
+        sg, handles = self.sub_groups[i], []
+        for p, at in zip(sg.pieces, self._grad_places(sg)):
+            _, handle = self.grad_file.read_piece(p.group, p.start, p.numel, slot["grad"][at:])
+            if handle is not None:
+                handles.append(handle)
+        return handles
+
+    def _masters(self, sg: SubGroup, slot: Slot) -> list[torch.Tensor]:
+        """The master pieces in `slot`: cut from the field, or (fp32) as `read_piece` put them."""
+        if self.master_in_file:
+            master = self._views(sg, slot)["master"]
+            return [master[p.at:p.at + p.numel] for p in sg.pieces]
+        return [piece_view(p.start, p.numel, slot["master"][at:])
+                for p, at in zip(sg.pieces, self._grad_places(sg))]
+
+    def _compute(self, sg: SubGroup, slot: Slot) -> None:
+        """Step the sub-group on its views (16-bit: then store the new values into the shards)."""
         views = self._views(sg, slot)
-        if not self.master_in_file:  # fp32: the master is the parameter shard
-            for p in sg.pieces:
-                self.params.load(p.group, p.start, views["master"][p.at:p.at + p.numel])
 
         def cut(t: torch.Tensor) -> list[torch.Tensor]:
             return [t[p.at:p.at + p.numel] for p in sg.pieces]
 
-        masters = cut(views["master"])
+        masters = self._masters(sg, slot)
         grads = self._grads(sg, slot)
         states = {name: cut(views[name]) for name in self.states}
         self.update(self.param_groups[sg.param_group], masters, grads, states,
                     self.steps[sg.param_group])
-        for p, m in zip(sg.pieces, masters):
-            self.params.store(p.group, p.start, m)
+        if self.master_in_file:  # fp32 masters reach their shards in `_start_writes`
+            for p, m in zip(sg.pieces, masters):
+                self.params.store(p.group, p.start, m)
 
     @staticmethod
     def _grad_places(sg: SubGroup) -> list[int]:
-        """Byte position of each piece's gradient read in the sub-group's grad buffer."""
+        """Byte position of each piece's aligned read in a sub-group's grad (or fp32 master)
+        buffer."""
         places, at = [], 0
         for p in sg.pieces:
             places.append(at)
             at += piece_bytes(p.numel)
         return places
 
-    def _grads(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def _grads(self, sg: SubGroup, slot: Slot) -> list[torch.Tensor]:
         """The sub-group's gradient pieces: read from the file (scaled here) or host buffers."""
         if not isinstance(self.host_grads, GradFile):
             return [self.host_grads[id(p.group)][p.start:p.start + p.numel] for p in sg.pieces]
@@ -389,88 +428,147 @@ class SwappedOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(grads, self.grad_multiplier)
         return grads
 
-    def _start_writes(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
-        handles = [self.file.write(slot[name][:sg.field_bytes], sg.offset + k * sg.field_bytes)
-                   for k, name in enumerate(self.file_fields)]
-        self.writes_of[id(slot)] = handles
-        return handles
+    def _write_fields(self, sg: SubGroup, slot: Slot) -> list[IOHandle]:
+        return [self.file.write(slot[name][:sg.field_bytes], sg.offset + k * sg.field_bytes)
+                for k, name in enumerate(self.file_fields)]
 
-    def _check_written(self, slot: dict[str, torch.Tensor]) -> None:
-        """A slot is read into only after its last write was waited for: a write still in
-        flight would store the new read's bytes, and its error would be lost."""
-        if not all(h.settled for h in self.writes_of.pop(id(slot), ())):
-            raise OffloadError(f"{self.file.path}: a pool buffer was reused before its "
-                               "write-behind was waited for")
+    def _start_writes(self, i: int, slot: Slot) -> None:
+        """Write sub-group `i`'s fields and (fp32) its shard pieces from `slot`; recorded in
+        `writes` until waited for (`_settle`), which may be after `step()` returns."""
+        sg = self.sub_groups[i]
+        handles = self._write_fields(sg, slot)
+        if not self.master_in_file:
+            for p, at in zip(sg.pieces, self._grad_places(sg)):
+                handles += self.params.write_piece(p.group, p.start, p.numel,
+                                                   slot["master"][at:])
+        self.writes[i] = (slot, handles)
+
+    def _settle(self, i: int) -> None:
+        """Wait for sub-group `i`'s writes: its records are whole on disk, its slot reusable."""
+        entry = self.writes.pop(i, None)
+        for handle in entry[1] if entry is not None else ():
+            handle.wait()
+
+    def _settle_slot(self, slot: Slot) -> None:
+        for i in [i for i, (s, _) in self.writes.items() if s is slot]:
+            self._settle(i)
+
+    def _written(self, slot: Slot) -> bool:
+        """No write from `slot` is still running (a read may start into it without waiting)."""
+        return all(h.done() for s, hs in self.writes.values() if s is slot for h in hs)
+
+    def _last_write(self, slot: Slot) -> int:
+        """The latest sub-group written from `slot` (-1: none): reuse the oldest first."""
+        return max((i for i, (s, _) in self.writes.items() if s is slot), default=-1)
 
     # -- the pipeline -------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closures
-        """One optimizer step over every sub-group: read ahead, step, write behind."""
-        if self.failed is not None:
-            raise OffloadError(f"NVMe offload failed earlier and the optimizer state on "
-                               f"{self.file.path} is not trustworthy: {self.failed}")
-        free = list(self.slots)
-        reading: dict[int, tuple[dict[str, torch.Tensor], list[IOHandle]]] = {}
-        writing: deque[tuple[dict[str, torch.Tensor], list[IOHandle]]] = deque()
-        self.overlapped = {"read_ahead": 0, "write_behind": 0}  # sub-groups, this step
-        if self.grad_file is not None:
-            self.grad_file.flush()  # the last gradients' writes, before their reads
+    def read_before_step(self) -> None:
+        """Start reading the first sub-groups' fields (fp32: and master pieces) now, in the
+        backward that ends the step, so that the step starts with its first buffers full.
+
+        Their gradients are read at the step, once backward has written them. Nothing
+        read here changes before the step: only the step writes these records (and
+        `all_in_memory`, which drops these reads first)."""
+        if self.early or not self.read_ahead or self.failed is not None:
+            return
+        free = sorted(self.slots, key=self._last_write)
         try:
-            self._pipeline(free, reading, writing)
+            for i in range(min(self.depth, len(self.sub_groups))):
+                slot = free.pop(0)
+                self.early[i] = (slot, self._start_state_reads(i, slot))
         except BaseException as e:
             self.failed = e
             raise
-        finally:
-            for handles in [h for _, h in reading.values()] + [h for _, h in writing]:
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closures
+        """One optimizer step over every sub-group: read ahead, step, write behind.
+
+        The last sub-groups' writes are still in flight when it returns (with
+        `pipeline_write`): waited for when their slot or record is next used, or by `settle`."""
+        if self.failed is not None:
+            raise OffloadError(f"NVMe offload failed earlier and the optimizer state on "
+                               f"{self.file.path} is not trustworthy: {self.failed}")
+        reading, self.early = self.early, {}
+        taken = [s for s, _ in reading.values()]
+        free = sorted((s for s in self.slots if not any(s is t for t in taken)),
+                      key=self._last_write)
+        self.overlapped = {"read_ahead": 0, "write_behind": 0, "before_step": len(reading),
+                           "after_step": 0}  # sub-groups whose I/O overlapped other work
+        if self.grad_file is not None:
+            self.grad_file.flush()  # the last gradients' writes, before their reads
+        try:
+            for i, (slot, handles) in reading.items():
+                handles += self._start_grad_reads(i, slot)
+            self._pipeline(free, reading)
+        except BaseException as e:
+            self.failed = e
+            for handles in [h for _, h in reading.values()] + [h for _, h in self.writes.values()]:
                 for h in handles:
                     with contextlib.suppress(BaseException):
                         h.wait()
+            raise
+        self.overlapped["after_step"] = sum(not all(h.settled for h in hs)
+                                            for _, hs in self.writes.values())
         for pg in {sg.param_group for sg in self.sub_groups}:
             self.steps[pg] += 1
 
-    def _pipeline(self, free: list, reading: dict, writing: deque) -> None:
-        subs, next_read = self.sub_groups, 0
+    def _pipeline(self, free: list[Slot], reading: dict[int, tuple[Slot, list[IOHandle]]]) -> None:
+        subs = self.sub_groups
+        next_read = max(reading, default=-1) + 1
 
-        def reclaim(block: bool) -> None:
-            while writing and (block or all(h.done() for h in writing[0][1])):
-                slot, handles = writing.popleft()
-                for h in handles:
-                    h.wait()
-                free.append(slot)
-                block = False
+        def read_ahead(i: int) -> None:
+            """Into slots whose writes are done, up to `depth` sub-groups ahead of `i`."""
+            nonlocal next_read
+            while next_read < len(subs) and next_read - i < self.depth:
+                at = next((k for k, s in enumerate(free) if self._written(s)), None)
+                if at is None:
+                    return
+                ready = free.pop(at)
+                reading[next_read] = (ready, self._start_reads(next_read, ready))
+                next_read += 1
+                self.overlapped["read_ahead"] += 1
 
         for i, sg in enumerate(subs):
-            if i not in reading:
-                if not free:
-                    reclaim(block=True)
-                slot = free.pop()
-                reading[i] = (slot, self._start_reads(sg, slot))
-                next_read = i + 1
+            if i not in reading:  # read-ahead off, or no slot's write had finished
+                slot = free.pop(0)  # the slot written longest ago
+                reading[i] = (slot, self._start_reads(i, slot))
+                next_read = max(next_read, i + 1)
             slot, handles = reading.pop(i)
             for h in handles:
                 h.wait()
             if self.read_ahead:
-                reclaim(block=False)
-                while next_read < len(subs) and free and next_read - i < self.depth:
-                    nxt = free.pop()
-                    reading[next_read] = (nxt, self._start_reads(subs[next_read], nxt))
-                    next_read += 1
-                    self.overlapped["read_ahead"] += 1
+                read_ahead(i)
             self._compute(sg, slot)
-            writing.append((slot, self._start_writes(sg, slot)))
+            self._start_writes(i, slot)
+            free.append(slot)
             if not self.write_behind:
-                reclaim(block=True)
-            elif i + 1 < len(subs):
+                self._settle(i)
+            elif self.read_ahead:
+                read_ahead(i)  # a slot whose write finished while `i` stepped
+            if self.write_behind and i + 1 < len(subs):
                 self.overlapped["write_behind"] += 1  # stays in flight while i + 1 steps
-        while writing:
-            reclaim(block=True)
+
+    def settle(self) -> None:
+        """Wait for every read and write in flight; the reads `read_before_step` started are
+        dropped (the step reads again). Before the files are read or written whole."""
+        early, self.early = self.early, {}
+        try:
+            for _, handles in early.values():
+                for h in handles:
+                    h.wait()
+            for i in list(self.writes):
+                self._settle(i)
+        except BaseException as e:
+            self.failed = e
+            raise
 
     # -- whole-state access (checkpoints, full_state_dict) --------------------------
-    def _read_fields(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> None:
+    def _read_fields(self, sg: SubGroup, slot: Slot) -> None:
         for h in self._read_fields_async(sg, slot):
             h.wait()
 
-    def _read_fields_async(self, sg: SubGroup, slot: dict[str, torch.Tensor]) -> list[IOHandle]:
+    def _read_fields_async(self, sg: SubGroup, slot: Slot) -> list[IOHandle]:
         handles = []
         for k, name in enumerate(self.file_fields):
             buf = slot[name][:sg.field_bytes]
@@ -487,6 +585,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         On exit the (possibly replaced) tensors are written back to the file and the
         step counters taken from `state[master]["step"]`.
         """
+        self.settle()  # writes behind land, reads before the step are dropped: the file is whole
         slot = self.slots[0]
         self.state.in_memory = True
         if self.master_in_file:
@@ -508,7 +607,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         finally:
             self._write_in_memory(groups, slot)
 
-    def _write_in_memory(self, groups: list[FlatParamGroup], slot: dict[str, torch.Tensor]) -> None:
+    def _write_in_memory(self, groups: list[FlatParamGroup], slot: Slot) -> None:
         for g in groups:
             self.steps[g.param_group_index] = int(self.state[g.master]["step"])
         for sg in self.sub_groups:
@@ -517,7 +616,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 for name in self.file_fields:
                     whole = p.group.master if name == "master" else self.state[p.group.master][name]
                     views[name][p.at:p.at + p.numel].copy_(whole[p.start:p.start + p.numel])
-            for h in self._start_writes(sg, slot):
+            for h in self._write_fields(sg, slot):
                 h.wait()
         self.state = SwappedState()  # load_state_dict may have replaced the dict
         if self.master_in_file:

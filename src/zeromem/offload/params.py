@@ -14,6 +14,8 @@ The three classes share no base class; each implements `ParamPlacement`:
         prefetch(group)          start bringing a shard in early
         follow(order)            the runner's recorded unit order for the pass now running
         load / store(group, start, ...)   the optimizer reads / writes shard pieces
+        read_piece / write_piece(...)        the same for the NVMe optimizer's fp32 masters,
+                                 through its own aligned buffer (no parameter buffer held)
         flush()                  step phase 5: stored values reach the shard's place
         all_in_memory()          every shard in memory inside the block (checkpoints)
 
@@ -44,6 +46,13 @@ Buffer lifetimes:
   the optimizer changed it; the buffer goes back to the pool when that write
   completes. Inside `all_in_memory()` each shard has its own memory, written
   back to the file after the block.
+  The NVMe optimizer's fp32 step (where the master is the shard) reads and writes
+  its pieces of params.swp straight from its own buffers (`read_piece` /
+  `write_piece`), so the step holds no pool buffer and waits on no eviction; the
+  writes are left in flight and waited for before that record is next read or
+  written (`piece_writes`). A block that two pieces of a shard share (sub-groups
+  cut shards anywhere) is written once, by the later piece, which takes the
+  earlier piece's bytes of it from `boundary` (pieces are stepped in order).
 """
 from __future__ import annotations
 
@@ -55,7 +64,8 @@ import torch
 
 from zeromem.config.schema import OffloadParamConfig
 from zeromem.flat import FlatParamGroup
-from zeromem.offload.nvme import BufferPool, IOHandle, OffloadError, SwapSpace, round_up
+from zeromem.offload.nvme import (ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace,
+                                  piece_range, piece_view, round_up)
 
 __all__ = ["ParamPlacement", "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme", "host_empty"]
 
@@ -103,6 +113,16 @@ class ParamPlacement(Protocol):
     def store(self, group: FlatParamGroup, start: int, values: torch.Tensor) -> None:
         """Write `values` (any dtype) into the shard at `start`, in the shard's dtype."""
 
+    def read_piece(self, group: FlatParamGroup, start: int, numel: int,
+                   buf: torch.Tensor) -> IOHandle | None:
+        """Start bringing fp32 shard elements [start, start + numel) to `piece_view(start, numel,
+        buf)` (`buf`: aligned uint8, `piece_bytes(numel)` long); None when already there."""
+
+    def write_piece(self, group: FlatParamGroup, start: int, numel: int,
+                    buf: torch.Tensor) -> list[IOHandle]:
+        """Store the piece at `piece_view(start, numel, buf)` as those shard elements (pieces
+        of a shard in increasing order within a step); the writes `buf` must outlive."""
+
     def flush(self) -> None:
         """Make stored values durable in the shard's place."""
 
@@ -147,6 +167,16 @@ class ParamsOnDevice:
 
     def store(self, group: FlatParamGroup, start: int, values: torch.Tensor) -> None:
         group.param_shard[start:start + values.numel()].copy_(values)
+
+    def read_piece(self, group: FlatParamGroup, start: int, numel: int,
+                   buf: torch.Tensor) -> IOHandle | None:
+        self.load(group, start, piece_view(start, numel, buf))
+        return None
+
+    def write_piece(self, group: FlatParamGroup, start: int, numel: int,
+                    buf: torch.Tensor) -> list[IOHandle]:
+        self.store(group, start, piece_view(start, numel, buf))
+        return []
 
     def flush(self) -> None:
         """Stores went straight into the shard."""
@@ -229,6 +259,16 @@ class ParamsOnHost:
         if self.copies and id(group) in self.in_memory:
             group.param_shard[start:start + values.numel()].copy_(values)
 
+    def read_piece(self, group: FlatParamGroup, start: int, numel: int,
+                   buf: torch.Tensor) -> IOHandle | None:
+        self.load(group, start, piece_view(start, numel, buf))
+        return None
+
+    def write_piece(self, group: FlatParamGroup, start: int, numel: int,
+                    buf: torch.Tensor) -> list[IOHandle]:
+        self.store(group, start, piece_view(start, numel, buf))
+        return []
+
     def flush(self) -> None:
         """Stores went straight into the host tensors."""
 
@@ -279,6 +319,12 @@ class ParamsOnNvme:
         self.writing: deque[tuple[torch.Tensor, IOHandle]] = deque()
         self.dirty: set[int] = set()
         self.readers: dict[int, Reader] = {}
+        # the optimizer's piece writes in flight, per group id, with their byte ranges: waited
+        # before that range is next read (the read would miss them) or the record written
+        # whole (two writes land in either order); a step's pieces never overlap each other
+        self.piece_writes: dict[int, list[tuple[int, int, IOHandle]]] = {}
+        # (group id, block offset) -> that block as the earlier of two pieces sharing it left it
+        self.boundary: dict[tuple[int, int], torch.Tensor] = {}
         self._order_now: Sequence[Any] | None = None  # what `follow` was told last
         self._order: Sequence[Any] | None = None  # the order indexed below
         self._position: dict[int, int] = {}  # group id -> position in `_order`
@@ -301,6 +347,7 @@ class ParamsOnNvme:
         group.drop_shard_storage()
 
     def _write_now(self, g: FlatParamGroup, shard: torch.Tensor) -> None:
+        self._settle_pieces(id(g))
         buf = self._acquire()
         try:
             self._view(g, buf).copy_(shard)
@@ -365,11 +412,49 @@ class ParamsOnNvme:
         group.param_shard[start:start + values.numel()].copy_(values)
         self.dirty.add(id(group))
 
+    def read_piece(self, group: FlatParamGroup, start: int, numel: int,
+                   buf: torch.Tensor) -> IOHandle | None:
+        """From the shard in memory if it is there (no I/O), else from params.swp."""
+        key = id(group)
+        begin, length = piece_range(start, numel)
+        if key in self.in_memory:
+            buf[:length].copy_(self.in_memory[key][1][begin:begin + length])
+            return None
+        self._settle_pieces(key, begin, begin + length)
+        return self.file.read(buf[:length], self.offsets[key] + begin)
+
+    def write_piece(self, group: FlatParamGroup, start: int, numel: int,
+                    buf: torch.Tensor) -> list[IOHandle]:
+        """Write the piece's blocks from `buf`, but a last block the next piece shares: that one
+        is kept in `boundary` and written by the next piece, with its own bytes."""
+        key = id(group)
+        if key in self.in_memory:  # the copy in memory stays current: the next forward uses it
+            group.param_shard[start:start + numel].copy_(piece_view(start, numel, buf))
+        self._forget_read(key)  # a read in flight would bring the old values
+        begin, length = piece_range(start, numel)
+        head = start * 4 - begin
+        if head:  # the first block is shared with the piece before, stepped before this one
+            earlier = self.boundary.pop((key, begin), None)
+            if earlier is None:
+                raise OffloadError(f"{self.file.path}: a piece at element {start} is written "
+                                   "before the piece that shares its first block")
+            buf[:head].copy_(earlier[:head])
+        end, stop = begin + length, (start + numel) * 4
+        if stop % ALIGN and stop < self.nbytes[key]:  # the last block is the next piece's too
+            end -= ALIGN
+            self.boundary[(key, end)] = buf[end - begin:end - begin + ALIGN].clone()
+        if end == begin:
+            return []
+        handle = self.file.write(buf[:end - begin], self.offsets[key] + begin)
+        self.piece_writes.setdefault(key, []).append((begin, end, handle))
+        return [handle]
+
     def flush(self) -> None:
         """Write every changed shard back and wait; the shards stay in memory, clean."""
         handles = []
         for key in self.dirty:
             g, buf = self.in_memory[key]
+            self._settle_pieces(key)
             handles.append(self.file.write(buf[:round_up(self.nbytes[key])], self.offsets[key]))
         self.dirty.clear()
         for h in handles:
@@ -397,6 +482,7 @@ class ParamsOnNvme:
 
     def _launch_read(self, group: FlatParamGroup, buf: torch.Tensor) -> None:
         key = id(group)
+        self._settle_pieces(key)
         handle = self.file.read(buf[:round_up(self.nbytes[key])], self.offsets[key])
         self.reading[key] = (group, buf, handle)
 
@@ -455,6 +541,7 @@ class ParamsOnNvme:
         g.drop_shard_storage()
         if key in self.dirty:
             self.dirty.discard(key)
+            self._settle_pieces(key)
             self.writing.append((buf, self.file.write(buf[:round_up(self.nbytes[key])],
                                                       self.offsets[key])))
         else:
@@ -468,8 +555,29 @@ class ParamsOnNvme:
             self.pool.release(buf)
             block = False
 
+    def _settle_pieces(self, key: int, begin: int = 0, end: int | None = None) -> None:
+        """Wait for the optimizer's piece writes of one record that overlap bytes [begin, end)
+        (all by default); a failed write raises here."""
+        writes = self.piece_writes.pop(key, [])
+        keep = [w for w in writes if end is not None and (w[1] <= begin or w[0] >= end)]
+        if keep:
+            self.piece_writes[key] = keep
+        for _, _, handle in (w for w in writes if not any(w is k for k in keep)):
+            handle.wait()
+
+    def _forget_read(self, key: int) -> None:
+        """Drop a read of the record still in flight (its buffer back to the pool)."""
+        if key in self.reading:
+            _, buf, handle = self.reading.pop(key)
+            try:
+                handle.wait()
+            finally:
+                self.pool.release(buf)
+
     def _drain(self) -> None:
         """Finish all I/O and evict everything (clean)."""
+        for key in list(self.piece_writes):
+            self._settle_pieces(key)
         self.flush()
         for key in list(self.reading):
             _, buf, handle = self.reading.pop(key)
@@ -504,7 +612,9 @@ class ParamsOnNvme:
         return self.pool.nbytes
 
     def close(self) -> None:
-        for _, buf, handle in self.reading.values():
+        handles = [h for _, _, h in self.reading.values()]
+        for h in handles + [h for ws in self.piece_writes.values() for _, _, h in ws]:
             with contextlib.suppress(OffloadError):
-                handle.wait()
+                h.wait()
         self.reading.clear()
+        self.piece_writes.clear()

@@ -16,6 +16,7 @@ both to the ZeRO optimizer (zero_optimizer.py); its step's phases call them:
         start_backward(boundary)            whether this backward ends a step
         unscale_grads(groups, multiplier)   step phase 3
         optimizer.step()                     step phase 4 (the placement built it)
+        finish_io()                          I/O the step left in flight (close)
         write_back(groups, params)           step phase 5: masters -> parameter shards
     parameter placement ParamsOnDevice | ParamsOnHost | ParamsOnNvme (offload/params.py)
         fetch(group, reader) / release(group)   `ShardedUnit.unshard` fetches the shard first
@@ -214,7 +215,11 @@ class Offload:
         return {"last_step": vars(self.io_last_step).copy(), "total": vars(self.io_total())}
 
     def close(self) -> None:
-        """Wait for I/O in flight and remove the swap files."""
+        """Wait for I/O in flight (the step's writes behind, too) and remove the swap files."""
+        try:
+            self.masters.finish_io()
+        except OffloadError as e:  # the files are removed anyway: nothing is lost that was kept
+            log.error("NVMe offload I/O failed before close: %s", e)
         self.params.close()
         for space in self.spaces:
             space.close()

@@ -13,6 +13,10 @@ in training, where they share the machine):
                 own `Comm`, fitted to a small and a large message:
                 t = latency + bytes / bandwidth (bytes: the tensor reduced or
                 gathered)
+    beside      the CPU time gloo's own threads spend on those all-gathers (the
+                process's CPU time less the calling thread's), fitted the same
+                way: what a stage-3 gather prefetched beside compute still costs
+                the core its rank computes on (`step_model.comm_seconds`)
     copies      host <-> device bandwidth (a CPU device: a memory copy)
     disk        read and write bandwidth of the engine's swap I/O (`SwapSpace`,
                 O_DIRECT) under the NVMe path
@@ -104,6 +108,18 @@ class Clock:
         run()
         wall, delay = time.perf_counter() - start, run_queue_delay() - delay
         return wall, self._largest(delay) if synchronised else delay
+
+    def worker_cpu(self, run: Callable[[], Any], reps: int = 1) -> float:
+        """Median over `reps` of the CPU seconds this process's other threads (gloo's
+        workers) spend during `run`, all ranks starting together: the process's CPU time
+        less the calling thread's, neither of which counts time another process held a
+        core."""
+        def once() -> float:
+            self.comm.barrier()
+            process, own = time.process_time(), time.thread_time()
+            run()
+            return (time.process_time() - process) - (time.thread_time() - own)
+        return statistics.median(once() for _ in range(reps))
 
     def _largest(self, seconds: float) -> float:
         value = torch.tensor([seconds], dtype=torch.float64)
@@ -316,7 +332,8 @@ class Probe:
     def sample(self) -> dict:
         """Seconds of each measurement, once (the small collectives: median of SMALL_REPS
         calls, since a latency of a few hundred microseconds is easily missed by a rank
-        the scheduler delays; the engine's overhead steps: median of 3)."""
+        the scheduler delays; the engine's overhead steps and the CPU time of the large
+        all-gather, which moves with what other processes do to the caches: median of 3)."""
         seconds = self.clock.seconds
         local = functools.partial(seconds, synchronised=False)  # each rank's own work
 
@@ -327,6 +344,9 @@ class Probe:
         out: dict[str, Any] = {"forward": local(forward), **self.sample_compute()}
         for kind, (small, large) in self.links.items():
             out[kind] = (seconds(small, self.SMALL_REPS), seconds(large))
+        small, large = self.links["all_gather"]
+        worker = self.clock.worker_cpu
+        out["all_gather_cpu"] = (worker(small, self.SMALL_REPS), worker(large, 3))
         src, dst = self.copy
         out["copy"] = local(lambda: dst.copy_(src))
         for name, opt in self.optimizers.items():
@@ -364,12 +384,11 @@ def from_samples(samples: list[list[dict]], what: Measurement, shape: ModelShape
                    for rank in samples)
 
     n = len(samples)
-    small, large = what.link_sizes(n)
-    links = {}
-    for kind in KINDS:
-        t_small, t_large = seconds(kind, 0), seconds(kind, 1)
-        bandwidth = FP32 * (large - small) / max(t_large - t_small, 1e-9)
-        links[kind] = Link(max(t_small - FP32 * small / bandwidth, 1e-7), bandwidth)
+    sizes = what.link_sizes(n)
+    links = {kind: _fit(sizes, seconds(kind, 0), seconds(kind, 1)) for kind in KINDS}
+    # gloo gathers on the host's cores; NCCL on the GPU (`Calibration.beside`)
+    beside = (_fit(sizes, seconds("all_gather_cpu", 0), seconds("all_gather_cpu", 1), 0.0)
+              if backend == "gloo" else None)
     numel = what.optimizer_numel
     fwd, both = seconds("forward"), seconds("forward_backward")
     tokens = what.micro_batch * what.seq
@@ -379,7 +398,15 @@ def from_samples(samples: list[list[dict]], what: Measurement, shape: ModelShape
                        Probe.DISK_BYTES / seconds("disk_read"),
                        Probe.DISK_BYTES / seconds("disk_write"), what.nvme_path,
                        {k: seconds("optimizer_" + k) / numel for k in ("device", "cpu")},
-                       *_engine_overhead(seconds, links, n))
+                       *_engine_overhead(seconds, links, n), beside=beside)
+
+
+def _fit(sizes: tuple[int, int], small_s: float, large_s: float, least_latency: float = 1e-7) -> Link:
+    """The link through (small message, `small_s`) and (large message, `large_s`); `sizes`:
+    the two messages' elements."""
+    small, large = sizes
+    bandwidth = FP32 * (large - small) / max(large_s - small_s, 1e-9)
+    return Link(max(small_s - FP32 * small / bandwidth, least_latency), bandwidth)
 
 
 def measurement(build: Callable[[], nn.Module], shape: ModelShape, micro_batch: int, seq: int,

@@ -8,7 +8,8 @@ model's number of parameters. With gloo (CPU ranks) the cores run compute,
 collectives and the step in turn, so the prediction is the sum, and
 `StepTime.overlapped` equals `.serial`; the one exception measured is stage 3's
 prefetched gathers, which gloo's worker thread runs while the main thread
-computes (`comm_seconds`).
+computes (`comm_seconds`): the rank waits for none of that gather, but its core
+still spends the worker's CPU time on it (`Calibration.beside`).
 """
 from __future__ import annotations
 
@@ -55,6 +56,13 @@ class Calibration:
     optimizer: dict[str, float] = field(default_factory=dict)  # "device" / "cpu": s per element
     overhead: dict[int, float] = field(default_factory=dict)  # stage: s per parameter and step
     overhead_per_element: dict[int, float] = field(default_factory=dict)  # stage: s per element
+    # where the ranks computed: `calibrate` builds the model on the CPU, so the host is the
+    # device and the engine skips the host copies it makes for a GPU (`offload_traffic`)
+    device: str = "cpu"
+    # CPU seconds a gather run beside compute still takes from its rank's core, per call and
+    # byte gathered (gloo: its worker threads copy on the host, on the cores the ranks compute
+    # on); None: it takes none (NCCL, where the GPU gathers while the host waits)
+    beside: Link | None = None
 
     def describe(self) -> str:
         mb = 1e6
@@ -70,7 +78,10 @@ class Calibration:
                 + " per element; engine overhead per parameter "
                 + ", ".join(f"stage {k} {v * 1e6:.0f} us" for k, v in self.overhead.items())
                 + ", per element " + ", ".join(f"stage {k} {v * 1e9:.1f} ns"
-                                              for k, v in self.overhead_per_element.items()))
+                                              for k, v in self.overhead_per_element.items())
+                + ("" if self.beside is None else
+                   f"; a gather beside compute takes its rank's CPU {self.beside.latency * 1e6:.0f}"
+                   f" us + bytes at {self.beside.bandwidth / mb:.0f} MB/s"))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,7 +97,7 @@ class Calibration:
         p = DTYPE_BYTES[work.dtype]
         forward = gas * self.forward_s * (work.micro_batch * work.seq / self.tokens)
         comm = comm_seconds(self.collectives, shape, layout, p, n_d, gas,
-                            (forward, max(compute - forward, 0.0)))
+                            (forward, max(compute - forward, 0.0)), self.beside)
         shard = shape.psi / n_d if setup.stage >= 1 else shape.psi
         placement = {"none": "device"}.get(setup.offload_optimizer, "cpu")
         optimizer = shard * self.optimizer[placement]
@@ -97,7 +108,7 @@ class Calibration:
 
     def _offload(self, setup: Setup, states: ShapeMemory, p: int, shard: float, gas: int) -> float:
         """Host copies and swap I/O of one step."""
-        moved = offload_traffic(setup, states, p, shard, gas)
+        moved = offload_traffic(setup, states, p, shard, gas, device_is_host=self.device == "cpu")
         disk = moved.read / self.disk_read + moved.written / self.disk_write
         return moved.copies / self.copy_bandwidth + disk
 
@@ -112,14 +123,18 @@ class Traffic:
 
 
 def offload_traffic(setup: Setup, states: ShapeMemory, param_bytes: int, shard: float,
-                    gas: int) -> Traffic:
+                    gas: int, device_is_host: bool = False) -> Traffic:
     """What `setup`'s offload moves in one optimizer step, as the engine moves it (its
     per-step `offload.io_report()` counts the same swap bytes; test_plan_calibrate).
-    `states.nvme`: the swap files' contents by name; `shard`: elements per rank."""
+    `states.nvme`: the swap files' contents by name; `shard`: elements per rank;
+    `device_is_host`: the ranks compute on the CPU, where host memory is device memory."""
     p = param_bytes
     copies, read, written = 0.0, 0.0, 0.0
     if setup.offload_optimizer == "cpu":
-        copies += (FP32 + p) * shard  # gradient shard to host, updated parameters back
+        # the reduced gradient shard to host (on a CPU device an fp32 one is used where it
+        # is: offload/masters.HostGrads), the updated parameters back into the shard
+        grad = 0 if device_is_host and p == FP32 else FP32
+        copies += (grad + p) * shard
     if setup.offload_optimizer == "nvme":
         swapped = states.nvme.get("optimizer_states", 0) + states.nvme.get("masters", 0)
         read += swapped
@@ -130,8 +145,8 @@ def offload_traffic(setup: Setup, states: ShapeMemory, param_bytes: int, shard: 
         # step; the clipping norm reads nothing (GradFile.square, kept as shards are written)
         read += grads * gas
         copies += FP32 * shard  # the gradient into the step's buffer
-    if setup.offload_param == "cpu":
-        copies += 2 * gas * p * shard  # fetched for forward and for backward
+    if setup.offload_param == "cpu" and not device_is_host:  # a CPU device gathers from
+        copies += 2 * gas * p * shard  # the host shard itself; else fetched for forward and backward
     if setup.offload_param == "nvme":
         read += 2 * gas * p * shard
         written += p * shard
@@ -196,23 +211,37 @@ def prefetched_gathers(shape: ModelShape, layout: ZeroLayout, param_bytes: int, 
 
 
 def comm_seconds(links: dict[str, Link], shape: ModelShape, layout: ZeroLayout, param_bytes: int, n_d: int,
-                 gas: int, compute: tuple[float, float]) -> float:
-    """Seconds one optimizer step waits for its collectives: every call the engine issues
+                 gas: int, compute: tuple[float, float], beside: Link | None = None) -> float:
+    """Seconds one optimizer step spends on its collectives: every call the engine issues
     (`collectives`, at the measured links), less the prefetched stage-3 gathers, each
-    pass's up to that pass's compute (`compute`: forward and backward seconds).
+    pass's up to that pass's compute (`compute`: forward and backward seconds), plus the
+    CPU time the hidden part still takes from the rank (`beside`; None: nothing).
 
     Measured on this machine (2 gloo ranks, demo GPT, each phase net of load): the
     prefetched gathers run on gloo's worker thread while the main thread computes
     (forward 63 ms with prefetch, 85 ms without, 53 ms with no engine), so the sum
-    of everything in turn overstates stage 3 by most of its gathers. The gradient
-    reductions the other stages launch during backward (overlap_comm) do not hide
-    the same way (stage 0's backward grows by about its all-reduces: gloo reduces on
-    the CPU), and stay whole.
+    of everything in turn overstates stage 3 by most of its gathers. They are not
+    free, though: each rank computes on one core of its own (OMP_NUM_THREADS=1, as
+    many ranks as cores), and the worker thread's copies take their CPU time from
+    that core: gloo's threads spend 0.35-0.6 ms of CPU per MB gathered, against the
+    gather's 0.8 ms of wall time (calibrate.Probe's "all_gather_cpu", three loaded runs),
+    and leaving it out under-predicted stage 3 by 5-11 % on the idle machine. The CPU
+    time is what a hidden gather costs, not its wall time: the rest of that is waiting
+    for the other rank and the socket, which leaves the core to compute. On a GPU (NCCL,
+    `beside` None) the gather runs on the device while the host queues compute:
+    the hidden part costs nothing. The gradient reductions the other stages launch
+    during backward (overlap_comm) do not hide on gloo (stage 0's backward grows by
+    about its all-reduces: gloo reduces on the CPU), and stay whole.
     """
     calls = collectives(shape, layout, param_bytes, param_bytes, n_d, gas)
     total = sum(links[LINK_OF.get(kind, kind)].seconds(c, nbytes)
                 for kind, (c, nbytes) in calls.items())
     gather = links["all_gather"]
-    hidden = sum(min(gather.seconds(c, nbytes), seconds) for (c, nbytes), seconds
-                 in zip(prefetched_gathers(shape, layout, param_bytes, n_d, gas), compute))
-    return total - hidden
+    for (c, nbytes), seconds in zip(prefetched_gathers(shape, layout, param_bytes, n_d, gas),
+                                    compute):
+        whole = gather.seconds(c, nbytes)
+        hidden = min(whole, seconds)
+        total -= hidden
+        if beside is not None and hidden > 0:  # the hidden share of the worker's CPU time
+            total += beside.seconds(c, nbytes) * hidden / whole
+    return total
