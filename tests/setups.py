@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import zeromem
+from zeromem.comm import Pending, done
 from models import TinyLM, micro_batch, uses_sometimes
 
 # Checkpoint tests: G micro-batches per optimizer step whatever the world size, so runs of
@@ -211,3 +212,28 @@ class ActivationCensus:
             self.peak = max(self.peak, self.at_backward_start)
             with Watch():
                 (backward or (lambda x: x.backward()))(loss)
+
+
+class OneRank:
+    """Collectives over one rank, for unit tests without a process group (a reduce-scatter or
+    an all-reduce over one rank leaves its input as it is), recording each bucket reduced."""
+
+    def __init__(self) -> None:
+        self.buckets: list[torch.Tensor] = []
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       async_op: bool = False) -> Pending:
+        self.buckets.append(input.clone())
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input[:output.numel()])
+        return done()
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Pending:
+        self.buckets.append(tensor.clone())
+        return done()
+
+    def note_buffer(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def release_buffer(self, tensor: torch.Tensor) -> None:
+        pass

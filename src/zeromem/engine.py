@@ -23,8 +23,7 @@ from zeromem.checkpoints import save_load as checkpoints
 from zeromem.comm import Comm, ReduceOrder
 from zeromem.config.schema import Config
 from zeromem.distributed import Runtime
-from zeromem.flat import (ContiguousShards, FlatParamGroup, ShardAccumulated, Sharding,
-                          WholeAllReduced, WholeScattered)
+from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hierarchy import build_comm_plan
 from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
@@ -32,8 +31,8 @@ from zeromem.monitoring.monitors import Observers, StepFacts, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
 from zeromem.offload.params import ParamPlacement
 from zeromem.offload.staged_masters import StagedMasters
-from zeromem.offload.placement import (OffloadPolicy, SwapSpaces, build_offload, build_params,
-                                       stage_masters)
+from zeromem.offload.placement import (OffloadPolicy, SwapSpaces, build_grads, build_offload,
+                                       build_params, stage_masters)
 from zeromem.optim.factory import normalize_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
@@ -119,10 +118,13 @@ class Engine:
         # walk of the module tree at every step costs about a millisecond on a deep model
         grouped = {id(p) for g in self.groups for p in g.params}
         self.loose_params = [p for p in module.parameters() if id(p) not in grouped]
+        # each group's gradient buffer, built knowing where its reduced gradient goes (kept,
+        # copied to host at the boundary, or written to grads.swp: offload/placement.py)
+        grads = build_grads(config, self.groups, sharding, spaces, self.device)
         # where masters and optimizer states live (offload/placement.py), beside the parameter
         # placement the shards went to; before the stage-3 units, which receive the latter
         self.offload = build_offload(config, self.groups, params_placement, spaces,
-                                     self.runtime.global_rank, staged)
+                                     self.runtime.global_rank, staged, grads)
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer,
                                                       self.device)
         # tensor parallelism: the clipping norm spans the model-parallel group too
@@ -198,16 +200,6 @@ class Engine:
             spaces.close()  # no half-written swap files left behind
             raise
         groups.sort(key=lambda g: -min(order[id(p)] for p in g.params))
-        grad_dtype = self.config.grad_dtype
-        if sharding.grads:
-            # contiguous_gradients: every group's gradient shard is a view into one buffer
-            shards = ContiguousShards([g.shard_numel for g in groups], grad_dtype, self.device)
-            for i, g in enumerate(groups):
-                g.attach_grads(ShardAccumulated(g, shards, i))
-        else:
-            kind = WholeScattered if sharding.optimizer else WholeAllReduced
-            for g in groups:
-                g.attach_grads(kind(g, grad_dtype))
         return groups
 
     def _partition(self, param_groups: list[dict], sharding: Sharding,

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -137,7 +137,7 @@ class FlatParamGroup:
             self._empty_params()
             self._state = GroupState.SHARDED
         self._master = self._param_shard if master is None else master  # fp32: no second copy
-        self._grads = None  # set by `attach_grads` (engine.py, offload/placement.py); kinds below
+        self._grads = None  # set once by `attach_grads` (offload/placement.py `build_grads`)
 
     # -- read-only views of the owned state ---------------------------------
     @property
@@ -172,7 +172,11 @@ class FlatParamGroup:
 
     # -- transitions of the buffers other modules place -----------------------
     def attach_grads(self, buffer) -> None:
-        """Hold gradients in `buffer` (a kind below), or in a wrapper of the current one (offload)."""
+        """Hold gradients in `buffer` (a kind below, built knowing where its reduced gradient
+        goes: offload/placement.py `build_grads`). Once: nothing wraps or replaces it later."""
+        if self._grads is not None:
+            raise AssertionError(f"flat group of {self.slots[0].name!r}...: its gradient buffer "
+                                 "is set once, when it is built")
         self._grads = buffer
 
     def place_master(self, master: torch.Tensor) -> None:
@@ -349,6 +353,33 @@ class FlatParamGroup:
 
 # ---------------------------------------------------------------- gradient buffers
 
+class HostCopies(Protocol):
+    """Offload's fp32 host buffers for reduced gradients (offload/masters.py `HostGrads`),
+    given to each gradient buffer when it is built (FSDP2's OffloadPolicy): the buffer then
+    knows that its reduced shard goes there after each boundary reduction."""
+
+    boundary: bool  # the backward now running ends a step
+
+    def buffer_for(self, group: FlatParamGroup, reduced: torch.Tensor) -> torch.Tensor | None:
+        """`group`'s host buffer; None where `reduced` already is one (fp32 in host memory)."""
+
+
+def copied_to_host(pending: Pending, host: HostCopies | None, buffer: torch.Tensor | None,
+                   reduced: Callable[[], torch.Tensor]) -> Pending:
+    """`pending`, then (offload, boundary) the reduced shard copied into its host buffer,
+    non-blocking: the copy overlaps the rest of backward (the step syncs before reading)."""
+    if host is None or buffer is None:
+        return pending  # the reduced shard stays where it is reduced, or already is on host
+    if not host.boundary:
+        return pending  # stage 2 accumulates on the device until the last micro-step
+
+    def copy_to_host() -> None:
+        pending.wait()
+        buffer.copy_(reduced(), non_blocking=True)
+
+    return Pending(None, copy_to_host)
+
+
 class GradKind(Protocol):
     """What sizes a gradient kind's communication buffers (class attributes)."""
 
@@ -371,15 +402,18 @@ class WholeAllReduced:
     temporary_buckets = 0  # full-size buffers a launch holds besides the collective's own
     scatters = False  # all-reduced in place: no receive buffer
 
-    def __init__(self, group: FlatParamGroup, dtype: torch.dtype):
+    def __init__(self, group: FlatParamGroup, dtype: torch.dtype, host: HostCopies | None = None):
         self.group = group
         self.whole = torch.zeros(group.padded_numel, dtype=dtype, device=group.param_shard.device)
+        self.host = host  # offload: where the reduced shard is copied at the boundary
+        self.host_buffer = host.buffer_for(group, self.reduced()) if host is not None else None
 
     def accumulate(self, offset: int, grad: torch.Tensor) -> None:
         self.whole[offset:offset + grad.numel()].add_(grad.reshape(-1))
 
     def launch(self, comm: Comm) -> Pending:
-        return comm.all_reduce(self.whole, async_op=True)
+        return copied_to_host(comm.all_reduce(self.whole, async_op=True), self.host,
+                              self.host_buffer, self.reduced)
 
     def reduced(self) -> torch.Tensor:
         return self.whole
@@ -401,7 +435,8 @@ class WholeScattered(WholeAllReduced):
     scatters = True
 
     def launch(self, comm: Reduction) -> Pending:  # type: ignore[override]  # stage 0's all-reduces
-        return comm.reduce_scatter(self.reduced(), self.whole, async_op=True)
+        return copied_to_host(comm.reduce_scatter(self.reduced(), self.whole, async_op=True),
+                              self.host, self.host_buffer, self.reduced)
 
     def reduced(self) -> torch.Tensor:
         g = self.group
@@ -411,9 +446,10 @@ class WholeScattered(WholeAllReduced):
 class ContiguousShards:
     """`contiguous_gradients`: every group's reduced shard is a view into one zeroed buffer.
 
-    The buffer is allocated when a shard is first read, not at construction: a placement
-    that stores reduced shards elsewhere (offload/grad_file.py) replaces the gradient
-    objects before any backward, and then no rank ever holds the model's gradient shard.
+    The buffer is allocated when a shard is first read, not at construction: where reduced
+    shards go to a swap file instead (offload/grad_file.py `ShardToFile`, chosen when the
+    gradient buffers are built), none is ever read, and no rank holds the model's gradient
+    shard.
     """
 
     def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device):
@@ -478,11 +514,14 @@ class ShardAccumulated:
     temporary_buckets = 1  # the full-size bucket, dropped once reduced
     scatters = True
 
-    def __init__(self, group: FlatParamGroup, shards: ContiguousShards, index: int):
+    def __init__(self, group: FlatParamGroup, shards: ContiguousShards, index: int,
+                 host: HostCopies | None = None):
         self.group = group
         self.shards, self.index = shards, index
         self.dtype, self.device = shards.dtype, shards.device  # the bucket's (reduce-scatter's)
         self.bucket = FullBucket(group.padded_numel, self.dtype, self.device)
+        self.host = host  # offload: where the reduced shard is copied at the boundary
+        self.host_buffer = host.buffer_for(group, self.shard) if host is not None else None
 
     @property
     def shard(self) -> torch.Tensor:
@@ -505,7 +544,8 @@ class ShardAccumulated:
             self.shard.add_(out)
             comm.release_buffer(bucket)
 
-        return Pending(None, add_into_shard)
+        return copied_to_host(Pending(None, add_into_shard), self.host, self.host_buffer,
+                              self.reduced)
 
     def reduced(self) -> torch.Tensor:
         return self.shard

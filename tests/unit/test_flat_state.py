@@ -7,7 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from zeromem.flat import FlatParamGroup, GroupState, Sharding
+from setups import OneRank
+from zeromem.flat import FlatParamGroup, GroupState, ShardAccumulated, ContiguousShards, Sharding
+from zeromem.flat import WholeScattered
+from zeromem.offload.masters import HostGrads
 
 SHAPES = [(3, 5), (7,), (2, 2, 2)]
 
@@ -77,3 +80,43 @@ def test_owned_buffers_change_only_through_named_transitions():
     assert g.master is master
     g.set_master_storage(torch.ones(g.shard_numel))
     assert g.master is master and master.sum() == g.shard_numel  # same tensor, new storage
+    g.attach_grads(object())  # built once, knowing where its reduced gradient goes (offload)
+    with pytest.raises(AssertionError, match="set once"):
+        g.attach_grads(object())  # no wrapper attached afterwards: one writer of the field
+
+
+def _reduced_once(kind, reduction: OneRank) -> None:
+    """One backward's gradient of 1.0 everywhere into `kind`, reduced over one rank."""
+    kind.accumulate(0, torch.ones(kind.group.numel))
+    kind.launch(reduction).wait()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_buffer_built_with_host_copies_copies_its_reduced_shard_at_the_boundary_only(stage):
+    """Offload's destination is given when the buffer is built (offload/placement.py
+    `build_grads`): the reduced shard reaches the host buffer after a boundary reduction."""
+    group = _group(stage, world=1, rank=0)
+    host = HostGrads(pin=False)
+    if stage == 1:
+        kind = WholeScattered(group, torch.bfloat16, host)
+    else:
+        shards = ContiguousShards([group.shard_numel], torch.bfloat16, torch.device("cpu"))
+        kind = ShardAccumulated(group, shards, 0, host)
+    buffer = host.buffers[id(group)]
+    assert buffer.dtype == torch.float32 and buffer.numel() == group.shard_numel
+    reduction = OneRank()
+    host.boundary = False  # accumulating: the reduced shard stays where it is reduced
+    _reduced_once(kind, reduction)
+    assert buffer.abs().sum() == 0
+    host.boundary = True
+    _reduced_once(kind, reduction)
+    assert torch.equal(buffer, kind.reduced().float())
+    assert buffer[:group.numel].min() > 0
+
+
+def test_a_reduced_shard_already_in_fp32_host_memory_is_read_as_it_is():
+    group = _group(2, world=1, rank=0)
+    host = HostGrads(pin=False)
+    shards = ContiguousShards([group.shard_numel], torch.float32, torch.device("cpu"))
+    kind = ShardAccumulated(group, shards, 0, host)
+    assert kind.host_buffer is None and host.buffers[id(group)] is kind.reduced()

@@ -13,31 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from zeromem.comm import Pending, ReduceOrder, done
+from setups import OneRank
+from zeromem.comm import ReduceOrder
 from zeromem.flat import (ContiguousShards, FlatParamGroup, GroupState, ShardAccumulated,
                           Sharding)
 from zeromem.stage3.sharded_unit import LiveStats, Phase, ShardedUnit
 
 SHAPES = [(3, 5), (3,), (4,)]  # weight, bias, and a parameter used only sometimes
-
-
-class OneRank:
-    """A reduction over one rank, recording each bucket it reduces."""
-
-    def __init__(self) -> None:
-        self.buckets: list[torch.Tensor] = []
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
-                       async_op: bool = False) -> Pending:
-        self.buckets.append(input.clone())
-        output.copy_(input)
-        return done()
-
-    def note_buffer(self, tensor: torch.Tensor) -> None:
-        pass
-
-    def release_buffer(self, tensor: torch.Tensor) -> None:
-        pass
 
 
 def _unit(max_buckets: int = 3) -> tuple[ShardedUnit, OneRank, list[torch.Tensor]]:

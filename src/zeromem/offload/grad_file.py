@@ -7,7 +7,7 @@ file grads.swp as soon as its reduce-scatter finishes (one ALIGN-aligned record
 per group), and the NVMe optimizer reads it back sub-group by sub-group beside
 the optimizer states (offload/nvme_optimizer.py).
 
-    ShardToFile (one per flat group; replaces grads.ShardAccumulated)
+    ShardToFile (one per flat group; placement.build_grads picks it over flat.ShardAccumulated)
         accumulate(offset, grad)   into a full-size bucket, as ShardAccumulated
         launch(comm)               reduce-scatter; when done, `GradFile.put` the shard
         reduced()                  the shard read back

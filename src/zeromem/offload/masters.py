@@ -2,9 +2,9 @@
 
 One placement per run, chosen by `placement.build_offload` from the `OffloadPolicy`:
 `MastersOnDevice` (no offload), `MastersOnHost` (ZeRO-Offload: the step on the CPU,
-gradients copied to host buffers as their reductions finish, `GradsToHost` /
-`HostGrads`) or `MastersOnNvme` (ZeRO-Infinity: masters and states in a swap file,
-stepped sub-group by sub-group, offload/nvme_optimizer.py). Each answers the same
+gradients copied to host buffers as their reductions finish, `HostGrads`) or
+`MastersOnNvme` (ZeRO-Infinity: masters and states in a swap file, stepped sub-group
+by sub-group, offload/nvme_optimizer.py). Each answers the same
 `MastersPlacement` protocol, which the ZeRO optimizer's step phases call.
 """
 from __future__ import annotations
@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
-from zeromem.comm import Pending
 from zeromem.config.schema import ConfigError, OptimizerConfig
 from zeromem.flat import FlatParamGroup
 from zeromem.layout import BUCKETS_ALIVE
 from zeromem.optim.factory import OPTIMIZERS, build_optimizer, has_fused_kernel
 from zeromem.optim.optimizers import Lamb
 from zeromem.offload.params import ParamPlacement, host_empty
-from zeromem.offload.grad_file import GradFile, ShardToFile
+from zeromem.offload.grad_file import GradFile
 from zeromem.offload.nvme import SwapSpace
 from zeromem.offload.nvme_optimizer import SwappedOptimizer
 from zeromem.offload.staged_masters import StagedMasters
@@ -35,49 +34,31 @@ log = logging.getLogger("zeromem")
 CPU_KERNEL = "fused"  # torch's fastest CPU optimizer kernel (benchmarks/bench_offload.py)
 
 
-class GradsToHost:
-    """A gradient buffer that copies its reduced shard to host after a boundary reduction."""
-
-    def __init__(self, inner: Any, host: torch.Tensor, owner: HostGrads):  # a gradient buffer
-        self.inner = inner
-        self.host = host
-        self.owner = owner  # holds `boundary`, set by the engine before each backward
-        self.reduces_every_microstep = inner.reduces_every_microstep
-
-    def launch(self, comm) -> Pending:
-        pending = self.inner.launch(comm)
-        if not self.owner.boundary:
-            return pending  # stage 2 accumulates on the device until the last micro-step
-
-        def copy_to_host() -> None:
-            pending.wait()
-            self.host.copy_(self.inner.reduced(), non_blocking=True)
-
-        return Pending(None, copy_to_host)
-
-    def __getattr__(self, name: str) -> Any:  # accumulate, reduced, zero, held, ...
-        return getattr(self.inner, name)
-
-
 class HostGrads:
     """fp32 host buffers the reduced gradient shards are copied into at the boundary.
 
-    Where the reduced shard already is an fp32 host tensor (the CPU is the device), it
-    is used as it is: a copy would hold the gradient twice in the same memory.
+    Given to each gradient buffer when it is built (flat.py `HostCopies`): the buffer asks
+    for its host buffer (`buffer_for`) and copies its reduced shard there after each
+    boundary reduction. Where the reduced shard already is an fp32 host tensor (the CPU
+    is the device), it is used as it is: a copy would hold the gradient twice in the same
+    memory.
     """
 
-    def __init__(self, groups: list[FlatParamGroup], pin: bool):
+    def __init__(self, pin: bool):
+        self.pin = pin
         self.buffers: dict[int, torch.Tensor] = {}
         self.boundary = False  # does the backward now running end a step (`start_backward`)
-        self.cuda = any(g.param_shard.is_cuda for g in groups)
-        for g in groups:
-            reduced = g.grads.reduced()
-            if reduced.device.type == "cpu" and reduced.dtype == torch.float32 \
-                    and reduced.numel() == g.shard_numel:
-                self.buffers[id(g)] = reduced
-                continue
-            self.buffers[id(g)] = host_empty(g.shard_numel, torch.float32, pin).zero_()
-            g.attach_grads(GradsToHost(g.grads, self.buffers[id(g)], self))
+        self.cuda = False  # a copy came from a GPU: the step waits for it (`sync`)
+
+    def buffer_for(self, group: FlatParamGroup, reduced: torch.Tensor) -> torch.Tensor | None:
+        """`group`'s host buffer; None where `reduced` already is one (it is read as it is)."""
+        self.cuda = self.cuda or group.param_shard.is_cuda
+        if reduced.device.type == "cpu" and reduced.dtype == torch.float32 \
+                and reduced.numel() == group.shard_numel:
+            self.buffers[id(group)] = reduced
+            return None
+        self.buffers[id(group)] = host_empty(group.shard_numel, torch.float32, self.pin).zero_()
+        return self.buffers[id(group)]
 
     def sync(self) -> None:
         """Wait for the copies: they were issued non-blocking."""
@@ -181,10 +162,10 @@ class MastersOnHost:
     buckets_alive = BUCKETS_ALIVE
 
     def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy,
-                 params: ParamPlacement):
+                 params: ParamPlacement, host_grads: HostGrads):
         self.groups = groups
         self.optimizer: torch.optim.Optimizer | None = None
-        self.host_grads = HostGrads(groups, policy.optimizer_pin)
+        self.host_grads = host_grads  # the gradient buffers copy into it (placement.build_grads)
         for g in groups:  # its own host tensor even in fp32: the device keeps the parameter shard
             master = host_empty(g.shard_numel, torch.float32, policy.optimizer_pin)
             if g.master_aliases_params():  # fp32: the values are where the shard is
@@ -237,31 +218,27 @@ class MastersOnNvme:
     where = "nvme"
 
     def __init__(self, groups: list[FlatParamGroup], policy: OffloadPolicy, space: SwapSpace,
-                 rank: int = 0, staged: StagedMasters | None = None):
+                 grads: HostGrads | GradFile, rank: int = 0, staged: StagedMasters | None = None):
         """Masters stay until SwappedOptimizer writes them to its file (fp32: they are shards),
         in `staged`'s file when `initialize` wrote them there as it built the groups.
 
-        Gradients reduced every micro-step (stage 2/3) go to a swap file as reduced
+        Where the gradient buffers put the reduced gradients (`grads`, placement.build_grads):
+        reduced every micro-step (stage 2/3), they go to a swap file as reduced
         (offload/grad_file.py), so no gradient shard stays in memory; stage 1's whole
         gradient is on the device anyway, and its shard is copied to host (`HostGrads`).
         """
         self.groups, self.policy, self.space, self.rank = groups, policy, space, rank
         self.staged = staged  # handed to the optimizer, which copies and removes it
         self.optimizer: SwappedOptimizer | None = None
-        self.host_grads: HostGrads | None = None
-        self.grad_file: GradFile | None = None
+        self.host_grads = grads if isinstance(grads, HostGrads) else None
+        self.grad_file = grads if isinstance(grads, GradFile) else None
         self.buckets_alive = BUCKETS_ALIVE
-        if groups and all(g.grads.reduces_every_microstep for g in groups):
-            self.grad_file = GradFile(groups, space)
+        if self.grad_file is not None:
             # each bucket is a whole unit in host memory (and a reducing one gloo's receive
             # buffer and its reduced shard too): one at a time keeps backward's peak to one
             # unit's gradient path; the reduction and the write still overlap the next unit's
             # backward, as its first gradient is computed before the bucket is needed
             self.buckets_alive = 1
-            for g in groups:
-                g.attach_grads(ShardToFile(g, g.grads.dtype, g.grads.device, self.grad_file))
-        else:
-            self.host_grads = HostGrads(groups, policy.optimizer_pin)
 
     def start_backward(self, boundary: bool) -> None:
         """At the boundary, the step's first reads start: they overlap this backward."""

@@ -29,11 +29,14 @@ written to params.swp at once); then, once the groups exist, the masters placeme
 (`build_offload`), which reads a master that aliases the shard (fp32) back through
 the parameter placement's `load`. The stage-3 units receive `Offload.params` last.
 
-Gradients (host, nvme): each group's gradient object is wrapped (`masters.GradsToHost`)
-so that when its bucket's reduction finishes in the boundary backward, the
-reduced shard is copied into an fp32 host buffer; the copy overlaps the rest of
-backward. `ZeroOptimizer.start_backward(boundary)` tells the masters placement before
-each backward; the host buffers (`HostGrads`) live for the engine, filed as grads/host.
+Gradients (host, nvme): `build_grads` builds each group's gradient buffer knowing
+where its reduced gradient goes (FSDP2's OffloadPolicy), before the masters placement,
+which is handed that destination: with `masters.HostGrads`, when a bucket's reduction
+finishes in the boundary backward, the reduced shard is copied into an fp32 host
+buffer (the copy overlaps the rest of backward; `ZeroOptimizer.start_backward(boundary)`
+tells the masters placement before each backward; the host buffers live for the engine,
+filed as grads/host); with `grad_file.GradFile` (the optimizer on NVMe, stages 2-3) it
+is written to grads.swp as reduced (`ShardToFile`).
 
 NVMe optimizer (offload/nvme_optimizer.py): masters and states in a swap file, stepped
 sub-group by sub-group through a pool of `buffer_count` buffers (read i+1 while
@@ -54,13 +57,15 @@ import torch
 
 from zeromem.config.schema import (AioConfig, Config, ConfigError, OffloadOptimizerConfig,
                                    OffloadParamConfig, OptimizerConfig)
-from zeromem.flat import FlatParamGroup
+from zeromem.flat import (ContiguousShards, FlatParamGroup, ShardAccumulated, Sharding,
+                          WholeAllReduced, WholeScattered)
+from zeromem.offload.grad_file import GradFile, ShardToFile
 from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme)
 from zeromem.offload.budget import pool_unit_numel
 from zeromem.offload.nvme import AsyncIO, IOStats, OffloadError, SwapSpace
 from zeromem.offload.staged_masters import StagedMasters
-from zeromem.offload.masters import (CPU_KERNEL, MastersOnDevice, MastersOnHost, MastersOnNvme,
-                                     MastersPlacement)
+from zeromem.offload.masters import (CPU_KERNEL, HostGrads, MastersOnDevice, MastersOnHost,
+                                     MastersOnNvme, MastersPlacement)
 
 OffloadBlock = OffloadOptimizerConfig | OffloadParamConfig
 Block = TypeVar("Block", OffloadOptimizerConfig, OffloadParamConfig)
@@ -68,8 +73,8 @@ Block = TypeVar("Block", OffloadOptimizerConfig, OffloadParamConfig)
 log = logging.getLogger("zeromem")
 
 __all__ = ["OffloadError", "OffloadPolicy", "Offload", "SwapSpaces", "build_params",
-           "stage_masters", "build_offload", "MastersOnDevice", "MastersOnHost", "MastersOnNvme",
-           "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme", "CPU_KERNEL"]
+           "stage_masters", "build_grads", "build_offload", "MastersOnDevice", "MastersOnHost",
+           "MastersOnNvme", "ParamsOnDevice", "ParamsOnHost", "ParamsOnNvme", "CPU_KERNEL"]
 
 WHERE = {"none": "device", "cpu": "host", "nvme": "nvme"}  # offload_*.device -> placement
 
@@ -279,17 +284,62 @@ def stage_masters(config: Config, shard_numels: list[int], dtype: torch.dtype,
         raise
 
 
+GradHome = HostGrads | GradFile | None  # where reduced gradients go (None: where reduced)
+
+
+def build_grads(config: Config, groups: list[FlatParamGroup], sharding: Sharding,
+                spaces: SwapSpaces, device: torch.device) -> GradHome:
+    """Each group's gradient buffer (flat.py), built knowing where its reduced gradient goes
+    (FSDP2's OffloadPolicy), which is returned for the masters placement (`build_offload`):
+
+    - None: it stays where it is reduced (no optimizer offload);
+    - `HostGrads`: copied into an fp32 host buffer after the boundary reduction, the copy
+      overlapping the rest of backward (the optimizer on the host; on NVMe below stage 2);
+    - `GradFile`: written to grads.swp as reduced (the optimizer on NVMe, stages 2-3).
+    """
+    home = _grad_home(OffloadPolicy.from_config(config), groups, sharding, spaces)
+    dtype = config.grad_dtype
+    host = home if isinstance(home, HostGrads) else None
+    if sharding.grads:
+        # contiguous_gradients: every group's reduced shard is a view into one buffer,
+        # allocated when first read (never, where the shards go to grads.swp)
+        shards = ContiguousShards([g.shard_numel for g in groups], dtype, device)
+        for i, g in enumerate(groups):
+            g.attach_grads(ShardToFile(g, dtype, device, home) if isinstance(home, GradFile)
+                           else ShardAccumulated(g, shards, i, host))
+    else:
+        kind = WholeScattered if sharding.optimizer else WholeAllReduced
+        for g in groups:
+            g.attach_grads(kind(g, dtype, host))
+    return home
+
+
+def _grad_home(policy: OffloadPolicy, groups: list[FlatParamGroup], sharding: Sharding,
+               spaces: SwapSpaces) -> GradHome:
+    if policy.optimizer == "device":
+        return None
+    if policy.optimizer == "nvme" and sharding.grads and groups:
+        try:
+            return GradFile(groups, spaces.for_block(policy.optimizer_offload))
+        except BaseException:
+            spaces.close()
+            raise
+    return HostGrads(policy.optimizer_pin)
+
+
 def build_offload(config: Config, groups: list[FlatParamGroup], params: ParamPlacement,
-                  spaces: SwapSpaces, rank: int, staged: StagedMasters | None = None) -> Offload:
+                  spaces: SwapSpaces, rank: int, staged: StagedMasters | None = None,
+                  grads: GradHome = None) -> Offload:
     """The masters placement the config asks for, beside the parameter placement the groups'
-    shards were handed to (`build_params`) and, 16-bit, the masters written as they were
-    built (`stage_masters`)."""
+    shards were handed to (`build_params`), where the gradient buffers put the reduced
+    gradients (`build_grads`) and, 16-bit, the masters written as they were built
+    (`stage_masters`)."""
     policy = OffloadPolicy.from_config(config)
     if config.aio.use_gds and "nvme" in (policy.optimizer, policy.params):
         log.warning("aio.use_gds: GPUDirect Storage is not implemented; I/O goes through host "
                     "buffers")
     try:
-        masters = _masters_placement(policy, groups, params, spaces, rank, staged)
+        masters = _masters_placement(policy, groups, params, spaces, rank, staged, grads)
     except BaseException:
         spaces.close()
         raise
@@ -301,12 +351,17 @@ def build_offload(config: Config, groups: list[FlatParamGroup], params: ParamPla
 
 def _masters_placement(policy: OffloadPolicy, groups: list[FlatParamGroup],
                        params: ParamPlacement, spaces: SwapSpaces, rank: int,
-                       staged: StagedMasters | None) -> MastersPlacement:
+                       staged: StagedMasters | None, grads: GradHome) -> MastersPlacement:
     if policy.optimizer == "device":
         return MastersOnDevice(groups, policy, params)
     if policy.optimizer_offload.ratio < 1:
         log.warning("offload_optimizer.ratio = %s: partial offload is not implemented; "
                     "all optimizer state is offloaded", policy.optimizer_offload.ratio)
+    if grads is None:
+        raise ConfigError("offload_optimizer: the gradient buffers were built without "
+                          "offload (placement.build_grads, from the same config)")
     if policy.optimizer == "host":
-        return MastersOnHost(groups, policy, params)
-    return MastersOnNvme(groups, policy, spaces.for_block(policy.optimizer_offload), rank, staged)
+        assert isinstance(grads, HostGrads)  # build_grads: host copies unless on NVMe
+        return MastersOnHost(groups, policy, params, grads)
+    return MastersOnNvme(groups, policy, spaces.for_block(policy.optimizer_offload), grads, rank,
+                         staged)
