@@ -145,8 +145,11 @@ def beyond_step_run(rank: int, world_size: int, path: str) -> dict:
     out["diffs"] += [state_dict_diff(full, ref.model) for full in fulls]
     out["identical"] = all(torch.equal(fulls[0][k], full[k]) for full in fulls[1:]
                            for k in fulls[0])
+    train_step(behind, 3, rank)  # and close right after a step: its writes are waited for
+    out["in_flight_at_close"] = len(behind.optimizer.writes)
     for engine in (behind, waited, loaded):
         engine.close()
+    out["in_flight_after_close"] = len(behind.optimizer.writes)
     return out
 
 
@@ -155,7 +158,8 @@ def test_io_beyond_the_step_keeps_results_and_checkpoints_exact(tmp_path):
     flight when step() returns (on a disk slowed down here), unless pipeline_write is off. A
     checkpoint saved right then loads to the reference's states, and the next step of the
     saved, the loaded and the always-waited engines are bitwise the same (and the
-    reference's). Without waiting for the writes the save would read stale records."""
+    reference's). Without waiting for the writes the save would read stale records; close
+    waits for them too."""
     for out in run_distributed(beyond_step_run, 2, str(tmp_path)):
         assert max(out["diffs"]) <= 1e-5, out["diffs"]
         assert out["identical"]
@@ -163,6 +167,7 @@ def test_io_beyond_the_step_keeps_results_and_checkpoints_exact(tmp_path):
             assert overlapped["before_step"] > 0 and overlapped["after_step"] > 0, overlapped
         for overlapped in out["waited"]:
             assert overlapped["after_step"] == 0, overlapped
+        assert out["in_flight_at_close"] > 0 and out["in_flight_after_close"] == 0, out
 
 
 # ---------------------------------------------------------------- host memory vs model size
