@@ -55,9 +55,17 @@ def aligned_fp32(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class GradFile:
-    """This rank's reduced gradient shards, one aligned fp32 record per flat group."""
+    """This rank's reduced gradient shards, one aligned fp32 record per flat group.
 
-    def __init__(self, groups: list[FlatParamGroup], space: SwapSpace):
+    `accum_dtype` (config.grad_dtype: data_types.grad_accum_dtype, else the compute dtype)
+    is the dtype micro-steps accumulate in, as in the gradient buffer kept in memory
+    (flat.ShardAccumulated) and as DeepSpeed does, whatever the placement: an fp32 record
+    holding a bf16 sum rounds it to bf16 at each micro-step, so NVMe trains like CPU offload.
+    """
+
+    def __init__(self, groups: list[FlatParamGroup], space: SwapSpace,
+                 accum_dtype: torch.dtype = torch.float32):
+        self.accum_dtype = accum_dtype
         self.offsets: dict[int, int] = {}
         total = 0
         for g in groups:
@@ -79,6 +87,8 @@ class GradFile:
         key = id(group)
         if key in self.written:  # accumulating over micro-steps: record += shard
             shard.add_(self.read(group))
+            if self.accum_dtype != torch.float32:  # the sum rounded as accum_dtype's add rounds
+                shard.copy_(shard.to(self.accum_dtype))
         self.written.add(key)
         self.squares[key] = torch.linalg.vector_norm(shard, dtype=torch.float32) ** 2
         self.writing.append((raw, self.file.write(raw, self.offsets[key])))

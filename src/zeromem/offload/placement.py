@@ -297,8 +297,8 @@ def build_grads(config: Config, groups: list[FlatParamGroup], sharding: Sharding
       overlapping the rest of backward (the optimizer on the host; on NVMe below stage 2);
     - `GradFile`: written to grads.swp as reduced (the optimizer on NVMe, stages 2-3).
     """
-    home = _grad_home(OffloadPolicy.from_config(config), groups, sharding, spaces)
     dtype = config.grad_dtype
+    home = _grad_home(OffloadPolicy.from_config(config), groups, sharding, spaces, dtype)
     host = home if isinstance(home, HostGrads) else None
     if sharding.grads:
         # contiguous_gradients: every group's reduced shard is a view into one buffer,
@@ -315,12 +315,12 @@ def build_grads(config: Config, groups: list[FlatParamGroup], sharding: Sharding
 
 
 def _grad_home(policy: OffloadPolicy, groups: list[FlatParamGroup], sharding: Sharding,
-               spaces: SwapSpaces) -> GradHome:
+               spaces: SwapSpaces, accum_dtype: torch.dtype) -> GradHome:
     if policy.optimizer == "device":
         return None
     if policy.optimizer == "nvme" and sharding.grads and groups:
         try:
-            return GradFile(groups, spaces.for_block(policy.optimizer_offload))
+            return GradFile(groups, spaces.for_block(policy.optimizer_offload), accum_dtype)
         except BaseException:
             spaces.close()
             raise
