@@ -60,8 +60,9 @@ def pipeline_run(rank: int, world_size: int, path: str) -> dict:
 
 
 def test_defaults_overlap_io_reread_params_and_match_the_reference(tmp_path):
-    """Read-ahead / write-behind on by default; gradients accumulate (2 micro-steps) and are
-    clipped through grads.swp; every forward and backward reads the shards from disk again;
+    """Read-ahead / write-behind on by default (the first sub-groups' gradients read in the
+    boundary backward); gradients accumulate (2 micro-steps) and are clipped through
+    grads.swp; every forward and backward reads the shards from disk again;
     parameters equal the single-process reference's after every step."""
     results = run_distributed(pipeline_run, 2, str(tmp_path))
     for out in results:
@@ -70,6 +71,9 @@ def test_defaults_overlap_io_reread_params_and_match_the_reference(tmp_path):
         assert out["sub_groups"] >= 3, out["sub_groups"]
         for overlapped in out["overlapped"]:  # read(i+1) and write(i-1) beside update(i)
             assert overlapped["read_ahead"] > 0 and overlapped["write_behind"] > 0, overlapped
+            # gradients read in the boundary backward: only once its puts (the accumulated
+            # micro-steps' sum) are stored; an earlier read would break the parity above
+            assert overlapped["grads_before_step"] > 0, overlapped
         for reads in out["reads"]:  # 2 micro-steps x (forward + backward) of the units: the
             # pool keeps 2 shards (the step keeps them current), every other one comes from disk
             assert reads >= 2 * 2 * (out["units"] - 2), (reads, out["units"])
@@ -154,8 +158,9 @@ def beyond_step_run(rank: int, world_size: int, path: str) -> dict:
 
 
 def test_io_beyond_the_step_keeps_results_and_checkpoints_exact(tmp_path):
-    """The boundary backward starts the step's first reads; the last writes are still in
-    flight when step() returns (on a disk slowed down here), unless pipeline_write is off. A
+    """The boundary backward starts the step's first reads (gradients as soon as backward
+    has stored them); the last writes are still in flight when step() returns (on a disk
+    slowed down here), unless pipeline_write is off. A
     checkpoint saved right then loads to the reference's states, and the next step of the
     saved, the loaded and the always-waited engines are bitwise the same (and the
     reference's). Without waiting for the writes the save would read stale records; close
@@ -165,6 +170,8 @@ def test_io_beyond_the_step_keeps_results_and_checkpoints_exact(tmp_path):
         assert out["identical"]
         for overlapped in out["behind"]:
             assert overlapped["before_step"] > 0 and overlapped["after_step"] > 0, overlapped
+            # the first sub-groups' gradients were read in backward, once stored whole
+            assert overlapped["grads_before_step"] > 0, overlapped
         for overlapped in out["waited"]:
             assert overlapped["after_step"] == 0, overlapped
         assert out["in_flight_at_close"] > 0 and out["in_flight_after_close"] == 0, out

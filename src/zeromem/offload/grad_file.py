@@ -17,6 +17,9 @@ the optimizer states (offload/nvme_optimizer.py).
         put(group, shard)          write (or, accumulating, read + add + write)
         read(group) / read_piece   whole shard / an aligned range for the optimizer
         flush()                    every write finished (before the step reads)
+        stored(group)              its record is this step's and written: a read may start
+                                   (`on_put` tells the optimizer after each put, so its first
+                                   sub-groups' gradient reads start in backward)
 
 Buffer lifetimes: a bucket lives from the group's first gradient to the end of its
 reduce-scatter (as at stage 2/3 without offload), but only one bucket is alive at a
@@ -28,6 +31,7 @@ them at once.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import torch
 
@@ -77,7 +81,9 @@ class GradFile:
         # the squared norm of each written record, taken while the shard was in memory: the
         # step's global norm then reads nothing (a whole extra pass over grads.swp, waited for)
         self.squares: dict[int, torch.Tensor] = {}
-        self.writing: deque[tuple[torch.Tensor, IOHandle]] = deque()
+        self.writing: deque[tuple[int, torch.Tensor, IOHandle]] = deque()  # (group id, ...)
+        # called after each `put` (the NVMe optimizer starts reads of stored gradients)
+        self.on_put: Callable[[FlatParamGroup], None] | None = None
         self.bytes_written = 0
         self.failed: BaseException | None = None  # a lost write: no later gradient is whole
 
@@ -91,10 +97,17 @@ class GradFile:
                 shard.copy_(shard.to(self.accum_dtype))
         self.written.add(key)
         self.squares[key] = torch.linalg.vector_norm(shard, dtype=torch.float32) ** 2
-        self.writing.append((raw, self.file.write(raw, self.offsets[key])))
+        self.writing.append((key, raw, self.file.write(raw, self.offsets[key])))
         self.bytes_written += raw.numel()
         while len(self.writing) > MAX_WRITES:
             self._wait_oldest()
+        if self.on_put is not None:
+            self.on_put(group)
+
+    def stored(self, group: FlatParamGroup) -> bool:
+        """The group's record holds this step's gradient, its write finished (a read may start)."""
+        key = id(group)
+        return key in self.written and all(k != key for k, _, _ in self.writing)
 
     def read(self, group: FlatParamGroup) -> torch.Tensor:
         """The group's gradient shard (zeros when none was stored this step), in fresh memory."""
@@ -132,7 +145,7 @@ class GradFile:
 
     def _wait_oldest(self) -> None:
         try:
-            self.writing.popleft()[1].wait()
+            self.writing.popleft()[2].wait()
         except BaseException as e:
             self.failed = e
             raise

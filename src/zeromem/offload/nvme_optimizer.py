@@ -21,10 +21,11 @@ In fp32 the master pieces are read from and written to the parameter shards' pla
 (`ParamPlacement.read_piece` / `write_piece`: for params.swp, straight from the
 master buffer), so the step holds no parameter buffer. The I/O reaches beyond
 `step()` on both sides: the boundary backward starts reading the first `depth`
-sub-groups' fields and masters (`read_before_step`; the gradients follow at the
-step), and the last sub-groups' writes are left in flight when `step()` returns,
-waited for when their slot or record is next used, or by `settle()` (which
-`all_in_memory` and the engine's close call before the files are used whole).
+sub-groups' fields and masters (`read_before_step`), and each one's gradients as
+soon as backward has stored all of them in grads.swp (`_read_grads_early`); the last
+sub-groups' writes are left in flight when `step()` returns, waited for when their
+slot or record is next used, or by `settle()` (which `all_in_memory` and the engine's
+close call before the files are used whole).
 
 Buffer lifetimes: the pool lives as long as the optimizer; a sub-group holds its
 buffers from the launch of its read until its write has completed, and only then
@@ -301,12 +302,20 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.steps = [0] * len(self.param_groups)  # optimizer steps taken, per param group
         self.failed: BaseException | None = None
         # sub-groups whose I/O overlapped other work in the last step: read ahead, written
-        # behind, read in backward (`read_before_step`), still written after `step()` returned
-        self.overlapped = {"read_ahead": 0, "write_behind": 0, "before_step": 0, "after_step": 0}
+        # behind, read in backward (`read_before_step`), their gradients too
+        # (`_read_grads_early`), still written after `step()` returned
+        self.overlapped = {"read_ahead": 0, "write_behind": 0, "before_step": 0,
+                           "grads_before_step": 0, "after_step": 0}
         # sub-group index -> (the slot it was written from, the writes) until waited for
         self.writes: dict[int, tuple[Slot, list[IOHandle]]] = {}
         # sub-group index -> (slot, reads) started by `read_before_step`, taken by the step
         self.early: dict[int, tuple[Slot, list[IOHandle]]] = {}
+        # the groups the boundary backward has put in grads.swp since `read_before_step`, and
+        # the early sub-groups whose gradient reads have started (`_read_grads_early`)
+        self.put_in_backward: set[int] = set()
+        self.grads_early: set[int] = set()
+        if self.grad_file is not None:
+            self.grad_file.on_put = self._read_grads_early
         self.state = SwappedState()
         if self.master_in_file:
             self._write_masters(groups, staged)
@@ -472,10 +481,32 @@ class SwappedOptimizer(torch.optim.Optimizer):
         if self.early or not self.read_ahead or self.failed is not None:
             return
         free = sorted(self.slots, key=self._last_write)
+        self.put_in_backward, self.grads_early = set(), set()
         try:
             for i in range(min(self.depth, len(self.sub_groups))):
                 slot = free.pop(0)
                 self.early[i] = (slot, self._start_state_reads(i, slot))
+        except BaseException as e:
+            self.failed = e
+            raise
+
+    def _read_grads_early(self, group: FlatParamGroup) -> None:
+        """`GradFile.put` stored `group`'s gradient: start the gradient reads of each early
+        sub-group whose groups' gradients this backward has all put and written.
+
+        The boundary backward puts each group's final gradient once, so a record put
+        since `read_before_step` no longer changes before the step."""
+        if not self.early or self.failed is not None or self.grad_file is None:
+            return
+        self.put_in_backward.add(id(group))
+        stored = self.grad_file.stored
+        try:
+            for i, (slot, handles) in self.early.items():
+                pieces = self.sub_groups[i].pieces
+                if i not in self.grads_early and all(
+                        id(p.group) in self.put_in_backward and stored(p.group) for p in pieces):
+                    self.grads_early.add(i)
+                    handles += self._start_grad_reads(i, slot)
         except BaseException as e:
             self.failed = e
             raise
@@ -494,12 +525,15 @@ class SwappedOptimizer(torch.optim.Optimizer):
         free = sorted((s for s in self.slots if not any(s is t for t in taken)),
                       key=self._last_write)
         self.overlapped = {"read_ahead": 0, "write_behind": 0, "before_step": len(reading),
+                           "grads_before_step": len(self.grads_early),
                            "after_step": 0}  # sub-groups whose I/O overlapped other work
         if self.grad_file is not None:
             self.grad_file.flush()  # the last gradients' writes, before their reads
         try:
             for i, (slot, handles) in reading.items():
-                handles += self._start_grad_reads(i, slot)
+                if i not in self.grads_early:  # else read in backward (`_read_grads_early`)
+                    handles += self._start_grad_reads(i, slot)
+            self.grads_early = set()
             self._pipeline(free, reading)
         except BaseException as e:
             self.failed = e
@@ -552,7 +586,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
     def settle(self) -> None:
         """Wait for every read and write in flight; the reads `read_before_step` started are
         dropped (the step reads again). Before the files are read or written whole."""
-        early, self.early = self.early, {}
+        early, self.early, self.grads_early = self.early, {}, set()
         try:
             for _, handles in early.values():
                 for h in handles:
