@@ -19,7 +19,7 @@ from zeromem.config.schema import Config, ConfigError
 from zeromem.distributed import LIFECYCLE, Runtime, default_store, ensure_process_group, shutdown
 from zeromem.checkpoints.consolidate import CheckpointError
 from zeromem.engine import Engine
-from zeromem.hierarchy import node_layout
+from zeromem.hybrid.hierarchy import node_layout
 from zeromem.config.support import check_supported_keys
 from zeromem.offload.nvme import OffloadError
 from zeromem.stage3 import partitioned_init

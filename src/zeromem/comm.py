@@ -7,7 +7,7 @@ waits on explicitly. Bytes are counted per rank as the algorithm sends them
 reduce-scatter or an all-gather (N-1)/N of the full buffer.
 
 Each count is split into intra-node and inter-node bytes from the node layout
-(mesh.py): a collective is modelled as each rank sending an equal share of its
+(hybrid/mesh.py): a collective is modelled as each rank sending an equal share of its
 bytes to every peer of the group (direct all-to-all; gloo's reduce-scatter here is
 one), so the inter-node part is the fraction of the group's peers on other nodes.
 A group within one node (hpZ's secondary group, a node's reduce-scatter) crosses
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from zeromem.mesh import NodeLayout
+from zeromem.hybrid.mesh import NodeLayout
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def done() -> Pending:
 
 
 class Reduction(Protocol):
-    """What gradient buffers reduce with: a `Comm`, or a two-level reduction (hierarchy.py)."""
+    """What gradient buffers reduce with: a `Comm`, or a two-level reduction (hybrid/hierarchy.py)."""
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        async_op: bool = False) -> Pending: ...

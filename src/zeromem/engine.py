@@ -24,7 +24,7 @@ from zeromem.comm import Comm, ReduceOrder
 from zeromem.config.schema import Config
 from zeromem.distributed import Runtime
 from zeromem.flat import FlatParamGroup, Sharding
-from zeromem.hierarchy import build_comm_plan
+from zeromem.hybrid.hierarchy import build_comm_plan
 from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitoring.monitors import Observers, StepFacts, due
@@ -90,7 +90,7 @@ class Engine:
         # this engine's policy and byte ledger, active while its forward/backward run
         self.activation_checkpointing = activations.for_engine(config.activation_checkpointing)
 
-        # which group each collective runs over: hybrid sharding, hpZ, qwZ, qgZ (hierarchy.py)
+        # which group each collective runs over: hybrid sharding, hpZ, qwZ, qgZ (hybrid/hierarchy.py)
         self.plan = build_comm_plan(config, comm, self.runtime.ranks_per_node)
         param_groups = normalize_param_groups(module, model_parameters)
         self.names = {id(p): n for n, p in module.named_parameters()}

@@ -51,7 +51,7 @@ from zeromem.flat import FlatParamGroup
 from zeromem.layout import GATHER_IN_FLIGHT
 
 if TYPE_CHECKING:  # the parts the engine builds and passes in; the planner imports this module
-    from zeromem.hierarchy import CommPlan
+    from zeromem.hybrid.hierarchy import CommPlan
     from zeromem.offload.params import ParamPlacement
     from zeromem.offload.placement import MastersPlacement
     from zeromem.precision import DynamicScaler, NoScaler, StaticScaler

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import zeromem
-from zeromem.mesh import NodeLayout
+from zeromem.hybrid.mesh import NodeLayout
 
 STEPS, SAVE_AFTER = 5, 3
 

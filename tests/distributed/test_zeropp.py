@@ -1,4 +1,4 @@
-"""Hybrid sharding, hpZ, qwZ and qgZ on 4 ranks seen as 2 "nodes" of 2 (hierarchy.py).
+"""Hybrid sharding, hpZ, qwZ and qgZ on 4 ranks seen as 2 "nodes" of 2 (hybrid/hierarchy.py).
 
 Exact options (hybrid sharding, hpZ) must train like one process on the global batch
 (fp32, 1e-5) on every rank, ranks seeded differently, with AdamW and with SGD +
@@ -19,10 +19,10 @@ import torch
 import zeromem
 from harness import run_distributed
 from models import GainLM, Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
-from zeromem import quantize
+from zeromem.hybrid import quantize
 from zeromem.comm import Comm
-from zeromem.hierarchy import HierarchicalQuantizedReduce
-from zeromem.mesh import Mesh, NodeLayout
+from zeromem.hybrid.hierarchy import HierarchicalQuantizedReduce
+from zeromem.hybrid.mesh import Mesh, NodeLayout
 from zeromem.planning.cluster import Cluster, option_cost
 from zeromem.stage3.sharded_unit import all_gather_quantized
 

@@ -1,10 +1,10 @@
-"""Block-wise quantization (quantize.py): the error bound per block and the bytes on the wire."""
+"""Block-wise quantization (hybrid/quantize.py): the error bound per block and the bytes on the wire."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from zeromem import quantize
+from zeromem.hybrid import quantize
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -5,8 +5,8 @@ import torch
 
 from zeromem.config.schema import Config
 from zeromem.distributed import Runtime
-from zeromem.hierarchy import node_layout
-from zeromem.mesh import NodeLayout
+from zeromem.hybrid.hierarchy import node_layout
+from zeromem.hybrid.mesh import NodeLayout
 
 CONFIG = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 

@@ -3,7 +3,7 @@
 The DeepSpeed keys that turn the options on live in `zero_optimization`
 (`mics_shard_size`, `zero_hpz_partition_size`, `zero_quantized_weights`,
 `zero_quantized_gradients`); this block holds zeromem's own knobs around them, and
-`check_zeropp` the rules that tie those keys to the stage (hierarchy.py builds them).
+`check_zeropp` the rules that tie those keys to the stage (hybrid/hierarchy.py builds them).
 """
 from __future__ import annotations
 

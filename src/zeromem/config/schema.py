@@ -253,7 +253,7 @@ def _activation_checkpointing_key(config: Config) -> str | None:
 
 
 def _zeropp_key(config: Config) -> str | None:
-    # hpZ, qwZ and qgZ are built (hierarchy.py); LoCo and quantized frozen weights are not
+    # hpZ, qwZ and qgZ are built (hybrid/hierarchy.py); LoCo and quantized frozen weights are not
     zero = config.zero_optimization
     names = ("zero_quantized_nontrainable_weights", "zeropp_loco_param")
     used = [name for name in names if getattr(zero, name)]
@@ -261,7 +261,7 @@ def _zeropp_key(config: Config) -> str | None:
 
 
 def _mics_key(config: Config) -> str | None:
-    # mics_shard_size is built (hybrid sharding, hierarchy.py); MiCS's hierarchical gather is not
+    # mics_shard_size is built (hybrid sharding, hybrid/hierarchy.py); MiCS's hierarchical gather is not
     zero = config.zero_optimization
     return ("zero_optimization.mics_hierarchical_params_gather"
             if zero.mics_hierarchical_params_gather else None)

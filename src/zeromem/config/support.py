@@ -53,12 +53,12 @@ READ: dict[str, tuple[str, ...]] = {
         "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
         "number_checkpoints", "synchronize_checkpoint_boundary", "profile")},
     "checkpoint.tag_validation": ("checkpoints.agreement",),
-    **{f"zero_optimization.{key}": ("config.cluster", "hierarchy") for key in (
+    **{f"zero_optimization.{key}": ("config.cluster", "hybrid.hierarchy") for key in (
         "mics_shard_size", "zero_hpz_partition_size", "zero_quantized_weights",
         "zero_quantized_gradients")},
-    "zeromem.cluster.ranks_per_node": ("hierarchy",),
-    "zeromem.cluster.quantized_gradient_bits": ("hierarchy",),
-    "zeromem.cluster.quantization_block_size": ("hierarchy",),
+    "zeromem.cluster.ranks_per_node": ("hybrid.hierarchy",),
+    "zeromem.cluster.quantized_gradient_bits": ("hybrid.hierarchy",),
+    "zeromem.cluster.quantization_block_size": ("hybrid.hierarchy",),
     # DeepSpeed's extras (config/extras.py)
     **{f"{block}.{key}": ("monitoring.monitors",) for block in ("csv_monitor", "tensorboard")
        for key in ("enabled", "output_path", "job_name")},

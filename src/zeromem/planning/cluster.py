@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zeromem.quantize import packed_nbytes
+from zeromem.hybrid.quantize import packed_nbytes
 
 OPTIONS: dict[str, dict] = {
     "stage 3": {},

@@ -72,7 +72,7 @@ from zeromem.stage3.sharded_unit import LiveStats, Phase, ShardedUnit
 from zeromem.stage3.units import UnitChoice
 
 if TYPE_CHECKING:  # the engine builds the plan and passes it in
-    from zeromem.hierarchy import CommPlan
+    from zeromem.hybrid.hierarchy import CommPlan
 
 
 class Stage3DivergenceError(RuntimeError):

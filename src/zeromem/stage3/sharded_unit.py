@@ -28,7 +28,7 @@ built by hierarchy.build_comm_plan):
 
 - Plain: the unit's shard is all-gathered over the primary group (every shard rank).
 - qwZ (ZeRO++ section 3.1): each rank packs its shard as block-wise int8 plus fp32
-  scales (quantize.py); the packed shards are all-gathered and dequantized into the
+  scales (hybrid/quantize.py); the packed shards are all-gathered and dequantized into the
   whole buffer, about half the bytes of bf16.
 - hpZ (section 3.2): after a training forward's gather, the unit keeps slice
   `position` of the whole buffer, where `position` is its rank in the secondary
@@ -50,7 +50,7 @@ from typing import Callable
 
 import torch
 
-from zeromem import quantize
+from zeromem.hybrid import quantize
 from zeromem.comm import Comm, Pending, ReduceOrder
 from zeromem.flat import FlatParamGroup, GroupState
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice

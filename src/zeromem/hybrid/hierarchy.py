@@ -12,7 +12,7 @@ cross the slow links between nodes. The options here keep them inside a node:
   after each forward gather, a secondary copy sharded over blocks of h ranks, so the
   backward gather runs within the block (stage3/sharded_unit.py).
 - qwZ (`zero_quantized_weights`; section 3.1): the stage-3 all-gather moves block-wise
-  int8 weights plus one fp32 scale per block (quantize.py), about half of bf16's bytes.
+  int8 weights plus one fp32 scale per block (hybrid/quantize.py), about half of bf16's bytes.
 - qgZ (`zero_quantized_gradients`; section 3.3): the gradient reduce-scatter runs in two
   hops: an all-to-all within the node of int4 (or int8) chunks, summed there, then an
   all-to-all across nodes of the node's partial sums, again quantized. Each node
@@ -21,7 +21,7 @@ cross the slow links between nodes. The options here keep them inside a node:
 
 `build_comm_plan` reads the config once and hands the engine a `CommPlan`: the `Comm`
 the flat groups shard over, the object the reducer reduces gradients with, and the
-stage-3 gather. The node layout (mesh.py) comes from `zeromem.cluster.ranks_per_node`,
+stage-3 gather. The node layout (hybrid/mesh.py) comes from `zeromem.cluster.ranks_per_node`,
 else from the environment as `distributed.Runtime` read it once (ZEROMEM_RANKS_PER_NODE
 or torchrun's LOCAL_WORLD_SIZE); nothing here reads the environment.
 """
@@ -33,10 +33,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from zeromem import quantize
+from zeromem.hybrid import quantize
 from zeromem.comm import Comm, Pending, done
 from zeromem.config.schema import Config, ConfigError
-from zeromem.mesh import Mesh, NodeLayout
+from zeromem.hybrid.mesh import Mesh, NodeLayout
 from zeromem.stage3.sharded_unit import GatherPolicy
 
 
