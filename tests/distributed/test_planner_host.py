@@ -3,7 +3,7 @@
 The ledger counts the tensors the engine really holds (host masters, optimizer states,
 host gradients, swap buffers, parameter shards) and the bytes of its swap files;
 `predict_memory` computes them from shapes and the config (`planning/host_memory.py`).
-Both come from the engine's own sizing code (`offload/nvme_optimizer.layout_optimizer`,
+Both come from the engine's own sizing code (`offload/sub_groups.layout_optimizer`,
 `offload/budget.py`), so each named part is exact.
 """
 from __future__ import annotations

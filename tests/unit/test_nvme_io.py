@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zeromem.offload.nvme import ALIGN, AsyncIO, BufferPool, SwapFile, aligned_empty
-from zeromem.offload.nvme_optimizer import plan_sub_groups
+from zeromem.offload.sub_groups import plan_sub_groups
 
 
 def test_plan_sub_groups_covers_shards_within_param_groups():

@@ -53,7 +53,7 @@ class PoolSize:
     budget_bytes: int
     params_pool_bytes: int
     derived: bool  # sub_group_size came from the budget, not from the config
-    # one pool buffer once the sub-groups are cut (nvme_optimizer.layout_optimizer): a gradient
+    # one pool buffer once the sub-groups are cut (sub_groups.layout_optimizer): a gradient
     # read of several pieces needs ALIGN more per piece; 0 = not cut yet, one field's bytes
     slot_bytes: int = 0
 

@@ -19,7 +19,7 @@ master weights and optimizer states off the device. Per element of the rank's sh
     offload_param: nvme       a pool of buffer_count buffers of the largest
                               parameter shard; the shards on NVMe, one aligned slot each
 
-Every size comes from the engine's own layout code (`offload/nvme_optimizer.py`
+Every size comes from the engine's own layout code (`offload/sub_groups.py`
 `layout_optimizer`, `offload/budget.py`, `offload/nvme.py` `BufferPool.bytes_for`,
 `offload/grad_file.py` `record_bytes`) applied to the planner's shard sizes, so the
 prediction cannot drift from what the engine allocates.
@@ -32,7 +32,7 @@ from zeromem.config.schema import Config, OffloadParamConfig, TimeoutsConfig
 from zeromem.offload.budget import DEPTH, MIN_SUB_GROUP
 from zeromem.offload.grad_file import record_bytes
 from zeromem.offload.nvme import BufferPool, round_up, swap_file_bytes
-from zeromem.offload.nvme_optimizer import ShardSpec, layout_optimizer
+from zeromem.offload.sub_groups import ShardSpec, layout_optimizer
 from zeromem.offload.placement import OffloadPolicy
 
 FP32 = 4
