@@ -43,7 +43,7 @@ READ: dict[str, tuple[str, ...]] = {
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("checkpoints.save_load",),
     **{f"zero_optimization.offload_{block}.{key}": ("offload.placement",) for block in ("param", "optimizer")
        for key in ("device", "nvme_path", "pin_memory", "buffer_count")},
-    "zero_optimization.offload_param.buffer_size": ("offload.params",),
+    "zero_optimization.offload_param.buffer_size": ("offload.params_nvme",),
     "zero_optimization.offload_optimizer.pipeline_read": ("offload.nvme_optimizer",),
     "zero_optimization.offload_optimizer.pipeline_write": ("offload.nvme_optimizer",),
     "zero_optimization.offload_optimizer.ratio": ("offload.placement",),

@@ -18,7 +18,7 @@ both to the ZeRO optimizer (zero_optimizer.py); its step's phases call them:
         optimizer.step()                     step phase 4 (the placement built it)
         finish_io()                          I/O the step left in flight (close)
         write_back(groups, params)           step phase 5: masters -> parameter shards
-    parameter placement ParamsOnDevice | ParamsOnHost | ParamsOnNvme (offload/params.py)
+    parameter placement ParamsOnDevice | ParamsOnHost (offload/params.py) | ParamsOnNvme (params_nvme.py)
         fetch(group, reader) / release(group)   `ShardedUnit.unshard` fetches the shard first
         load / store(group, start, ...)      the optimizer reads / writes shard pieces
 
@@ -60,7 +60,8 @@ from zeromem.config.schema import (AioConfig, Config, ConfigError, OffloadOptimi
 from zeromem.flat import (ContiguousShards, FlatParamGroup, ShardAccumulated, Sharding,
                           WholeAllReduced, WholeScattered)
 from zeromem.offload.grad_file import GradFile, ShardToFile
-from zeromem.offload.params import (ParamPlacement, ParamsOnDevice, ParamsOnHost, ParamsOnNvme)
+from zeromem.offload.params import ParamPlacement, ParamsOnDevice, ParamsOnHost
+from zeromem.offload.params_nvme import ParamsOnNvme
 from zeromem.offload.budget import pool_unit_numel
 from zeromem.offload.nvme import AsyncIO, IOStats, OffloadError, SwapSpace
 from zeromem.offload.staged_masters import StagedMasters

@@ -1,0 +1,370 @@
+"""Stage-3 parameter shards on NVMe (`offload_param.device: nvme`, ZeRO-Infinity).
+
+The third `ParamPlacement` (offload/params.py has the protocol and the two in memory).
+
+Buffer lifetimes: shards in the file params.swp (offsets aligned by `round_up`)
+and a pool of `offload_param.buffer_count` buffers, each the size of the
+largest shard. A shard is read when its unit is unsharded (and the shards of
+the next units in the followed order are read ahead); `group.param_shard` is
+then a view into a pool buffer. It stays until released (least recently
+used, never while its all-gather is in flight) and is written back only if
+the optimizer changed it; the buffer goes back to the pool when that write
+completes. Inside `all_in_memory()` each shard has its own memory, written
+back to the file after the block.
+
+The NVMe optimizer's fp32 step (where the master is the shard) reads and writes
+its pieces of params.swp straight from its own buffers (`read_piece` /
+`write_piece`), so the step holds no pool buffer and waits on no eviction; the
+writes are left in flight and waited for before that record is next read or
+written (`piece_writes`). A block that two pieces of a shard share (sub-groups
+cut shards anywhere) is written once, by the later piece, which takes the
+earlier piece's bytes of it from `boundary` (pieces are stepped in order).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict, deque
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from zeromem.config.schema import OffloadParamConfig
+from zeromem.flat import FlatParamGroup
+from zeromem.offload.nvme import (ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace,
+                                  piece_range, piece_view, round_up)
+from zeromem.offload.params import Reader
+
+__all__ = ["ParamsOnNvme"]
+
+
+class ParamsOnNvme:
+    """`offload_param.device: nvme` (stage 3): shards in a file, a bounded pool in memory."""
+
+    where = "nvme"
+
+    def __init__(self, shard_numels: Sequence[int], dtype: torch.dtype, device: torch.device,
+                 space: SwapSpace, config: OffloadParamConfig, pin: bool):
+        """params.swp laid out for shards of `shard_numels` elements (in `admit` order)."""
+        self.groups: list[FlatParamGroup] = []
+        self.host_is_device = device.type == "cpu"
+        self.largest_unit_numel = 0  # the largest group admitted (whole, padded)
+        self.dtype = dtype
+        self.planned = [n * dtype.itemsize for n in shard_numels]  # bytes, in admit order
+        self.planned_offsets, total = [], 0
+        for nbytes in self.planned:
+            self.planned_offsets.append(total)
+            total += round_up(nbytes)
+        biggest = max(shard_numels, default=0)
+        if biggest > config.buffer_size:
+            raise OffloadError(f"a parameter shard of {biggest} elements exceeds "
+                               "zero_optimization.offload_param.buffer_size = "
+                               f"{config.buffer_size}")
+        self.nbytes: dict[int, int] = {}  # group id -> bytes of its shard
+        self.offsets: dict[int, int] = {}  # group id -> its record in params.swp
+        self.pool = BufferPool(config.buffer_count, max(self.planned, default=1), pin)
+        self.file = space.file("params.swp", total)
+        self.lookahead = max(1, config.buffer_count // 2)
+        self.in_memory: OrderedDict[int, tuple[FlatParamGroup, torch.Tensor]] = OrderedDict()
+        self.reading: dict[int, tuple[FlatParamGroup, torch.Tensor, IOHandle]] = {}
+        self.writing: deque[tuple[torch.Tensor, IOHandle]] = deque()
+        self.dirty: set[int] = set()
+        self.readers: dict[int, Reader] = {}
+        # the optimizer's piece writes in flight, per group id, with their byte ranges: waited
+        # before that range is next read (the read would miss them) or the record written
+        # whole (two writes land in either order); a step's pieces never overlap each other
+        self.piece_writes: dict[int, list[tuple[int, int, IOHandle]]] = {}
+        # (group id, block offset) -> that block as the earlier of two pieces sharing it left it
+        self.boundary: dict[tuple[int, int], torch.Tensor] = {}
+        self._order_now: Sequence[Any] | None = None  # what `follow` was told last
+        self._order: Sequence[Any] | None = None  # the order indexed below
+        self._position: dict[int, int] = {}  # group id -> position in `_order`
+        # how fetch found its shard: already in memory, read ahead, or read on demand
+        self.counts = {"in_memory": 0, "read_ahead": 0, "on_demand": 0}
+
+    def admit(self, group: FlatParamGroup) -> None:
+        """Write the new group's shard to its record now and drop it: the file is the truth."""
+        index = len(self.groups)
+        nbytes = group.shard_numel * group.param_shard.element_size()
+        if index >= len(self.planned) or nbytes != self.planned[index] \
+                or group.param_shard.dtype != self.dtype:
+            raise AssertionError(f"{self.file.path}: group {index} of {nbytes} bytes "
+                                 f"({group.param_shard.dtype}) was not laid out")
+        self.groups.append(group)
+        self.nbytes[id(group)] = nbytes
+        self.offsets[id(group)] = self.planned_offsets[index]
+        self.largest_unit_numel = max(self.largest_unit_numel, group.padded_numel)
+        self._write_now(group, group.param_shard)
+        group.drop_shard_storage()
+
+    def _write_now(self, g: FlatParamGroup, shard: torch.Tensor) -> None:
+        self._settle_pieces(id(g))
+        buf = self._acquire()
+        try:
+            self._view(g, buf).copy_(shard)
+            self.file.write(buf[:round_up(self.nbytes[id(g)])], self.offsets[id(g)]).wait()
+        finally:
+            self.pool.release(buf)
+
+    def _view(self, g: FlatParamGroup, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:self.nbytes[id(g)]].view(self.dtype)
+
+    # -- the interface ----------------------------------------------------------
+    def fetch(self, group: FlatParamGroup, reader: Reader | None = None) -> None:
+        """Bring the shard into a pool buffer (waiting for a read-ahead), then read ahead."""
+        if reader is not None:
+            self.readers[id(group)] = reader
+        self._fetch(group)
+        self._read_ahead(group)  # never evicts `group`: its all-gather has not started yet
+
+    def release(self, group: FlatParamGroup) -> None:
+        """Evict the shard (written back first when the optimizer changed it)."""
+        if id(group) in self.in_memory:
+            self._evict(id(group))
+
+    def follow(self, order: Sequence[Any] | None) -> None:
+        """Read ahead along `order` (fetch units, recorded by the stage-3 runner) from now on."""
+        self._order_now = order
+
+    def prefetch_numel(self, configured: int, set_in_config: bool) -> int:
+        """On a CPU device, one unit gathered ahead (its gather overlaps this unit's compute;
+        the shards of the units after it are read ahead into the pool meanwhile).
+
+        There the gathered units are host memory: DeepSpeed's default window (5e7
+        elements) would hold as much of the model gathered as fits in it, i.e. host
+        memory growing with the model, which NVMe offload exists to avoid. A value the
+        config sets is kept; on a GPU the gathered units are device memory.
+        """
+        if set_in_config or not self.host_is_device:
+            return configured
+        return min(configured, self.largest_unit_numel)
+
+    def prefetch(self, group: FlatParamGroup, keep: int | None = None) -> None:
+        key = id(group)
+        if key in self.in_memory or key in self.reading:
+            return
+        self._reclaim(block=False)
+        buf = self.pool.acquire()
+        if buf is None:  # make room by dropping a clean shard already used (LRU), if any
+            victim = self._idle(clean=True, keep=keep)
+            if victim is None:
+                return
+            self._evict(victim)
+            buf = self.pool.acquire()
+            assert buf is not None  # the eviction freed one
+        self._launch_read(group, buf)
+
+    def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:
+        self._fetch(group)
+        out.copy_(group.param_shard[start:start + out.numel()])
+
+    def store(self, group: FlatParamGroup, start: int, values: torch.Tensor) -> None:
+        self._fetch(group)
+        group.param_shard[start:start + values.numel()].copy_(values)
+        self.dirty.add(id(group))
+
+    def read_piece(self, group: FlatParamGroup, start: int, numel: int,
+                   buf: torch.Tensor) -> IOHandle | None:
+        """From the shard in memory if it is there (no I/O), else from params.swp."""
+        key = id(group)
+        begin, length = piece_range(start, numel)
+        if key in self.in_memory:
+            buf[:length].copy_(self.in_memory[key][1][begin:begin + length])
+            return None
+        self._settle_pieces(key, begin, begin + length)
+        return self.file.read(buf[:length], self.offsets[key] + begin)
+
+    def write_piece(self, group: FlatParamGroup, start: int, numel: int,
+                    buf: torch.Tensor) -> list[IOHandle]:
+        """Write the piece's blocks from `buf`, but a last block the next piece shares: that one
+        is kept in `boundary` and written by the next piece, with its own bytes."""
+        key = id(group)
+        if key in self.in_memory:  # the copy in memory stays current: the next forward uses it
+            group.param_shard[start:start + numel].copy_(piece_view(start, numel, buf))
+        self._forget_read(key)  # a read in flight would bring the old values
+        begin, length = piece_range(start, numel)
+        head = start * 4 - begin
+        if head:  # the first block is shared with the piece before, stepped before this one
+            earlier = self.boundary.pop((key, begin), None)
+            if earlier is None:
+                raise OffloadError(f"{self.file.path}: a piece at element {start} is written "
+                                   "before the piece that shares its first block")
+            buf[:head].copy_(earlier[:head])
+        end, stop = begin + length, (start + numel) * 4
+        if stop % ALIGN and stop < self.nbytes[key]:  # the last block is the next piece's too
+            end -= ALIGN
+            self.boundary[(key, end)] = buf[end - begin:end - begin + ALIGN].clone()
+        if end == begin:
+            return []
+        handle = self.file.write(buf[:end - begin], self.offsets[key] + begin)
+        self.piece_writes.setdefault(key, []).append((begin, end, handle))
+        return [handle]
+
+    def flush(self) -> None:
+        """Write every changed shard back and wait; the shards stay in memory, clean."""
+        handles = []
+        for key in self.dirty:
+            g, buf = self.in_memory[key]
+            self._settle_pieces(key)
+            handles.append(self.file.write(buf[:round_up(self.nbytes[key])], self.offsets[key]))
+        self.dirty.clear()
+        for h in handles:
+            h.wait()
+        self._reclaim(block=True, every=True)
+
+    # -- which shards are in memory ----------------------------------------------
+    def _fetch(self, group: FlatParamGroup) -> None:
+        key = id(group)
+        if key in self.in_memory:
+            self.in_memory.move_to_end(key)
+            self.counts["in_memory"] += 1
+            return
+        self.counts["read_ahead" if key in self.reading else "on_demand"] += 1
+        if key not in self.reading:
+            self._launch_read(group, self._acquire())
+        _, buf, handle = self.reading.pop(key)
+        try:
+            handle.wait()
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        group.set_shard_storage(self._view(group, buf))
+        self.in_memory[key] = (group, buf)
+
+    def _launch_read(self, group: FlatParamGroup, buf: torch.Tensor) -> None:
+        key = id(group)
+        self._settle_pieces(key)
+        handle = self.file.read(buf[:round_up(self.nbytes[key])], self.offsets[key])
+        self.reading[key] = (group, buf, handle)
+
+    def _read_ahead(self, group: FlatParamGroup) -> None:
+        """Start reading the units that follow `group`'s in the recorded order of this pass."""
+        order = self._order_now
+        if not order:
+            return
+        if order is not self._order:
+            self._order, self._position = order, {id(u.group): i for i, u in enumerate(order)}
+        pos = self._position.get(id(group))
+        if pos is None:
+            return
+        for unit in order[pos + 1:pos + 1 + self.lookahead]:
+            self.prefetch(unit.group, keep=id(group))
+
+    def _acquire(self) -> torch.Tensor:
+        """A free buffer: reclaim finished writes, evict the least recently used shard, or wait."""
+        while True:
+            buf = self.pool.acquire()
+            if buf is not None:
+                return buf
+            if self.writing:
+                self._reclaim(block=True)
+            elif self.in_memory:
+                self._evict(self._victim())
+            elif self.reading:  # only read-aheads hold buffers: drop the oldest
+                key = next(iter(self.reading))
+                _, buf, handle = self.reading.pop(key)
+                handle.wait()
+                self.pool.release(buf)
+            else:
+                raise OffloadError(f"offload_param.buffer_count = {self.pool.count} buffers, all "
+                                   "in use")
+
+    def _idle(self, clean: bool, keep: int | None = None) -> int | None:
+        """The least recently used shard no all-gather is reading (and unchanged, if `clean`)."""
+        for key in self.in_memory:
+            reader = self.readers.get(key)
+            if (reader is None or reader.pending is None) and not (clean and key in self.dirty) \
+                    and key != keep:
+                return key
+        return None
+
+    def _victim(self) -> int:
+        """The shard to evict for a demand read: `_idle`, else wait for the oldest gather."""
+        key = self._idle(clean=False)
+        if key is not None:
+            return key
+        key = next(iter(self.in_memory))
+        self.readers[key].wait()  # all in use by gathers in flight: finish the oldest
+        return key
+
+    def _evict(self, key: int) -> None:
+        g, buf = self.in_memory.pop(key)
+        g.drop_shard_storage()
+        if key in self.dirty:
+            self.dirty.discard(key)
+            self._settle_pieces(key)
+            self.writing.append((buf, self.file.write(buf[:round_up(self.nbytes[key])],
+                                                      self.offsets[key])))
+        else:
+            self.pool.release(buf)
+
+    def _reclaim(self, block: bool, every: bool = False) -> None:
+        """Return the buffers of completed writes (waiting for the oldest if `block`)."""
+        while self.writing and (block or every or self.writing[0][1].done()):
+            buf, handle = self.writing.popleft()
+            handle.wait()
+            self.pool.release(buf)
+            block = False
+
+    def _settle_pieces(self, key: int, begin: int = 0, end: int | None = None) -> None:
+        """Wait for the optimizer's piece writes of one record that overlap bytes [begin, end)
+        (all by default); a failed write raises here."""
+        writes = self.piece_writes.pop(key, [])
+        keep = [w for w in writes if end is not None and (w[1] <= begin or w[0] >= end)]
+        if keep:
+            self.piece_writes[key] = keep
+        for _, _, handle in (w for w in writes if not any(w is k for k in keep)):
+            handle.wait()
+
+    def _forget_read(self, key: int) -> None:
+        """Drop a read of the record still in flight (its buffer back to the pool)."""
+        if key in self.reading:
+            _, buf, handle = self.reading.pop(key)
+            try:
+                handle.wait()
+            finally:
+                self.pool.release(buf)
+
+    def _drain(self) -> None:
+        """Finish all I/O and evict everything (clean)."""
+        for key in list(self.piece_writes):
+            self._settle_pieces(key)
+        self.flush()
+        for key in list(self.reading):
+            _, buf, handle = self.reading.pop(key)
+            handle.wait()
+            self.pool.release(buf)
+        for key in list(self.in_memory):
+            self._evict(key)
+
+    @contextlib.contextmanager
+    def all_in_memory(self) -> Iterator[None]:
+        """All shards in their own memory inside the block, written back to the file after."""
+        self._drain()
+        for g in self.groups:
+            buf = self._acquire()
+            try:
+                self.file.read(buf[:round_up(self.nbytes[id(g)])], self.offsets[id(g)]).wait()
+                g.set_shard_storage(self._view(g, buf).clone())
+            finally:
+                self.pool.release(buf)
+        try:
+            yield
+        finally:
+            for g in self.groups:
+                self._write_now(g, g.param_shard)
+                g.drop_shard_storage()
+
+    def file_into(self, ledger) -> None:
+        ledger.add("params", "host", self.pool.arena)
+        ledger.add_bytes("params", "nvme", self.file.nbytes)
+
+    def pool_bytes(self) -> int:
+        return self.pool.nbytes
+
+    def close(self) -> None:
+        handles = [h for _, _, h in self.reading.values()]
+        for h in handles + [h for ws in self.piece_writes.values() for _, _, h in ws]:
+            with contextlib.suppress(OffloadError):
+                h.wait()
+        self.reading.clear()
+        self.piece_writes.clear()
