@@ -233,7 +233,8 @@ def test_host_memory_does_not_grow_with_the_model(tmp_path, monkeypatch):
         assert small["buckets"] == large["buckets"] == 1, (small, large)
         growth = large["states"] - small["states"]
         assert growth > 25e6, growth
-        assert abs(large["host"] - small["host"]) <= 0.01 * growth, (small, large)
+        # the pools are sized to the shard up to the budget, never past it
+        assert small["host"] <= large["host"] <= 8 << 20, (small, large)
         assert large["steady"] - small["steady"] <= 0.25 * growth, (small, large, growth)
         assert large["peak"] - small["peak"] <= 0.25 * growth, (small, large, growth)
         # building under Init and initialize: Init writes each shard to its swap file as it

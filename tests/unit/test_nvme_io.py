@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zeromem.offload.nvme import ALIGN, AsyncIO, BufferPool, SwapFile, aligned_empty
-from zeromem.offload.sub_groups import plan_sub_groups
+from zeromem.offload.sub_groups import ShardSpec, layout_optimizer, plan_sub_groups
 
 
 def test_plan_sub_groups_covers_shards_within_param_groups():
@@ -23,6 +23,21 @@ def test_plan_sub_groups_covers_shards_within_param_groups():
         assert pieces[0][0] == 0 and sum(n for _, n in pieces) == g.shard_numel
         assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))
     assert [sg.numel for sg in subs] == [40, 40, 40, 40, 27]  # 50+30 and 7+100 elements
+
+
+def test_the_pool_holds_no_buffer_a_step_cannot_use():
+    """A shard the 64 MiB budget would cut into a full and a part-used sub-group: cut into
+    equal ones instead (every buffer used whole), and no more of them in flight than there
+    are (the budget alone would allow 3)."""
+    shard = ShardSpec(0, 2_500_000)
+    layout = layout_optimizer([shard], states=2, master_in_file=False, grads_in_file=True,
+                              budget_bytes=64 << 20, params_pool_bytes=0,
+                              sub_group_size=None, buffer_count=None)
+    sizes = [sg.numel for sg in layout.sub_groups]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == shard.shard_numel, sizes
+    assert layout.size.depth <= len(layout.sub_groups), (layout.size, sizes)
+    assert layout.pool_nbytes <= BufferPool.bytes_for(len(sizes) * layout.slot_fields,
+                                                      layout.slot_bytes)
 
 
 def test_buffers_are_aligned_and_bounded():

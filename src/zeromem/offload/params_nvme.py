@@ -61,7 +61,9 @@ class ParamsOnNvme:
                                f"{config.buffer_size}")
         self.nbytes: dict[int, int] = {}  # group id -> bytes of its shard
         self.offsets: dict[int, int] = {}  # group id -> its record in params.swp
-        self.pool = BufferPool(config.buffer_count, max(self.planned, default=1), pin)
+        # never more buffers than shards: one no unit can use is not held
+        self.pool = BufferPool(max(1, min(config.buffer_count, len(self.planned))),
+                               max(self.planned, default=1), pin)
         self.file = space.file("params.swp", total)
         self.lookahead = max(1, config.buffer_count // 2)
         self.in_memory: OrderedDict[int, tuple[FlatParamGroup, torch.Tensor]] = OrderedDict()

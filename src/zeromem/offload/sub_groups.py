@@ -123,23 +123,34 @@ def layout_optimizer(groups: Sequence[Any], states: int, master_in_file: bool,
     slot_fields = 1 + states + (1 if grads_in_file else 0)
     size = size_optimizer_pool(budget_bytes, slot_fields, _largest_param_group(groups),
                                params_pool_bytes, sub_group_size, buffer_count)
-    while True:  # a derived size shrinks until the cut sub-groups' buffers fit the budget
+    # gradients, and fp32 masters read from the parameter shards, are read piece by piece
+    pieces_read = grads_in_file or not master_in_file
+
+    def cut(size: PoolSize) -> tuple[list[SubGroup], PoolSize]:
         sub_groups = plan_sub_groups(groups, size.sub_group_size)
-        # gradients, and fp32 masters read from the parameter shards, are read piece by piece
-        pieces_read = grads_in_file or not master_in_file
         slot_bytes = max((max(sg.field_bytes, grad_slot_bytes(sg) if pieces_read else 0)
                           for sg in sub_groups), default=ALIGN)
-        size = replace(size, slot_bytes=slot_bytes)
+        return sub_groups, replace(size, slot_bytes=slot_bytes)
+
+    while True:  # a derived size shrinks until the cut sub-groups' buffers fit the budget
+        sub_groups, size = cut(size)
         over = size.pool_bytes - size.room_bytes()
         if not size.derived or over <= 0 or size.sub_group_size <= MIN_SUB_GROUP:
             break
         fewer = -(-over // (size.buffer_count * FP32_BYTES)) // 1024 * 1024 + 1024
         size = replace(size, sub_group_size=max(MIN_SUB_GROUP, size.sub_group_size - fewer))
+    if size.derived:  # as many sub-groups, of equal size: every buffer is used whole
+        largest = _largest_param_group(groups)
+        equal = max(MIN_SUB_GROUP, -(-largest // -(-largest // size.sub_group_size)))
+        if equal < size.sub_group_size:
+            sub_groups, size = cut(replace(size, sub_group_size=equal))
+    # never more sub-groups in flight than the shard has: buffers no step can use are not held
+    size = replace(size, depth=max(1, min(size.depth, len(sub_groups))))
     file_fields = int(master_in_file) + states
     total = 0
     for sg in sub_groups:
         sg.offset, total = total, total + sg.field_bytes * file_fields
-    return OptimizerLayout(size, sub_groups, states, master_in_file, grads_in_file, slot_bytes)
+    return OptimizerLayout(size, sub_groups, states, master_in_file, grads_in_file, size.slot_bytes)
 
 
 def _largest_param_group(groups: Sequence[Any]) -> int:

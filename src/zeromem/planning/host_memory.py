@@ -61,7 +61,8 @@ def _params_pool(numels: list[int], param: str, param_bytes: int, buffers: Offlo
     """Host bytes of the NVMe parameter pool (`ParamsOnNvme`): buffer_count largest shards."""
     if param != "nvme":
         return 0
-    return BufferPool.bytes_for(buffers.param_buffer_count, param_bytes * max(numels, default=1))
+    count = max(1, min(buffers.param_buffer_count, len(numels)))  # as ParamsOnNvme caps it
+    return BufferPool.bytes_for(count, param_bytes * max(numels, default=1))
 
 
 def least_budget(shards: list[float], param: str, param_bytes: int, state_bytes: int,
