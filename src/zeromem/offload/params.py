@@ -123,6 +123,20 @@ class ParamPlacement(Protocol):
         """Release storage."""
 
 
+def _load_piece(placement: ParamPlacement, group: FlatParamGroup, start: int, numel: int,
+                buf: torch.Tensor) -> IOHandle | None:
+    """`read_piece` of a placement in memory: its `load` into the piece's place in `buf`."""
+    placement.load(group, start, piece_view(start, numel, buf))
+    return None
+
+
+def _store_piece(placement: ParamPlacement, group: FlatParamGroup, start: int, numel: int,
+                 buf: torch.Tensor) -> list[IOHandle]:
+    """`write_piece` of a placement in memory: its `store`, done when it returns."""
+    placement.store(group, start, piece_view(start, numel, buf))
+    return []
+
+
 class ParamsOnDevice:
     """Parameter shards stay in device memory (no `offload_param`)."""
 
@@ -152,15 +166,8 @@ class ParamsOnDevice:
     def store(self, group: FlatParamGroup, start: int, values: torch.Tensor) -> None:
         group.param_shard[start:start + values.numel()].copy_(values)
 
-    def read_piece(self, group: FlatParamGroup, start: int, numel: int,
-                   buf: torch.Tensor) -> IOHandle | None:
-        self.load(group, start, piece_view(start, numel, buf))
-        return None
-
-    def write_piece(self, group: FlatParamGroup, start: int, numel: int,
-                    buf: torch.Tensor) -> list[IOHandle]:
-        self.store(group, start, piece_view(start, numel, buf))
-        return []
+    read_piece = _load_piece  # in memory: a piece is a load / store through the buffer
+    write_piece = _store_piece
 
     def flush(self) -> None:
         """Stores went straight into the shard."""
@@ -243,15 +250,8 @@ class ParamsOnHost:
         if self.copies and id(group) in self.in_memory:
             group.param_shard[start:start + values.numel()].copy_(values)
 
-    def read_piece(self, group: FlatParamGroup, start: int, numel: int,
-                   buf: torch.Tensor) -> IOHandle | None:
-        self.load(group, start, piece_view(start, numel, buf))
-        return None
-
-    def write_piece(self, group: FlatParamGroup, start: int, numel: int,
-                    buf: torch.Tensor) -> list[IOHandle]:
-        self.store(group, start, piece_view(start, numel, buf))
-        return []
+    read_piece = _load_piece  # in memory: a piece is a load / store through the buffer
+    write_piece = _store_piece
 
     def flush(self) -> None:
         """Stores went straight into the host tensors."""
