@@ -93,6 +93,12 @@ class ZeroOptimizer:
         self.missing: list[int] = [len(g.params) for g in groups]  # `hook_parameters` counts
         self.gathered_callbacks: list[Callable[[], None]] = []
         self.hooks: list = []
+        # no phase before the update needs the whole gradient (no clip coefficient, no loss
+        # scale, no model-parallel norm reading gradients back): the NVMe step may begin in
+        # the boundary backward (offload/backward_step.py)
+        masters.allow_step_in_backward(
+            not settings.gradient_clipping and scaler.scale == 1.0 and not scaler.dynamic
+            and mp_norm.comm is None)
 
     # -- backward: reduce -------------------------------------------------------
     def hook_parameters(self) -> None:
@@ -154,6 +160,8 @@ class ZeroOptimizer:
             for g in self.groups:
                 g.master.grad = None
             self.gather_params()                                 # 5. gather
+        else:
+            self.masters.skip_step()  # what the boundary backward began is undone
         self.scaler.update(overflow)
         return overflow
 

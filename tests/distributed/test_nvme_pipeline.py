@@ -114,6 +114,7 @@ def beyond_step_engine(model: torch.nn.Module, path: str, world_size: int,
     cfg = parity_config(3, 1, 0.0, world_size)
     cfg["zero_optimization"].update(defaults_case(path))
     cfg["zero_optimization"]["offload_optimizer"]["pipeline_write"] = write_behind
+    cfg["zeromem"] = {"nvme_step_in_backward": False}  # the step in step() (test_backward_step)
     return zeromem.initialize(model, cfg)
 
 

@@ -25,6 +25,7 @@ READ: dict[str, tuple[str, ...]] = {
     "prescale_gradients": ("engine",),  # always on: see Engine.backward
     "zeromem.timeout_s": ("__init__",), "zeromem.gather_timeout_s": ("engine",),
     "zeromem.offload_host_budget_bytes": ("offload.placement",),
+    "zeromem.nvme_step_in_backward": ("offload.placement",),
     "zeromem.ignore_unknown_keys": ("config.features",),
     "optimizer.type": ("config.optimizer_blocks",), "optimizer.params": ("optim.factory",),
     "scheduler.type": ("optim.schedulers",), "scheduler.params": ("optim.schedulers",),

@@ -20,6 +20,9 @@ the optimizer states (offload/nvme_optimizer.py).
         stored(group)              its record is this step's and written: a read may start
                                    (`on_put` tells the optimizer after each put, so its first
                                    sub-groups' gradient reads start in backward)
+        take                       where the optimizer steps in the boundary backward
+                                   (offload/backward_step.py), `put` hands it the shard
+                                   first; a shard it took whole is not written (nor read back)
 
 Buffer lifetimes: a bucket lives from the group's first gradient to the end of its
 reduce-scatter (as at stage 2/3 without offload), but only one bucket is alive at a
@@ -84,7 +87,12 @@ class GradFile:
         self.writing: deque[tuple[int, torch.Tensor, IOHandle]] = deque()  # (group id, ...)
         # called after each `put` (the NVMe optimizer starts reads of stored gradients)
         self.on_put: Callable[[FlatParamGroup], None] | None = None
+        # given each shard `put` first (the NVMe optimizer's step in backward); True: taken
+        # whole, so not written: the group's record is then not this step's (`consumed`)
+        self.take: Callable[[FlatParamGroup, torch.Tensor], bool] | None = None
+        self.consumed: set[int] = set()
         self.bytes_written = 0
+        self.bytes_read = 0
         self.failed: BaseException | None = None  # a lost write: no later gradient is whole
 
     def put(self, group: FlatParamGroup, raw: torch.Tensor, shard: torch.Tensor) -> None:
@@ -95,8 +103,12 @@ class GradFile:
             shard.add_(self.read(group))
             if self.accum_dtype != torch.float32:  # the sum rounded as accum_dtype's add rounds
                 shard.copy_(shard.to(self.accum_dtype))
-        self.written.add(key)
         self.squares[key] = torch.linalg.vector_norm(shard, dtype=torch.float32) ** 2
+        if self.take is not None and self.take(group, shard):
+            self.written.discard(key)  # the record holds earlier micro-steps' sum only
+            self.consumed.add(key)
+            return
+        self.written.add(key)
         self.writing.append((key, raw, self.file.write(raw, self.offsets[key])))
         self.bytes_written += raw.numel()
         while len(self.writing) > MAX_WRITES:
@@ -112,11 +124,13 @@ class GradFile:
     def read(self, group: FlatParamGroup) -> torch.Tensor:
         """The group's gradient shard (zeros when none was stored this step), in fresh memory."""
         key = id(group)
+        self._check_kept(key)
         raw, shard = aligned_fp32(self.numel[key])
         if key not in self.written:
             return shard.zero_()
         self.flush()
         self.file.read(raw, self.offsets[key]).wait()
+        self.bytes_read += raw.numel()
         return shard
 
     def square(self, group: FlatParamGroup) -> torch.Tensor:
@@ -132,9 +146,11 @@ class GradFile:
         """
         begin, length = piece_range(start, numel)
         view = piece_view(start, numel, buf)
+        self._check_kept(id(group))
         if id(group) not in self.written:
             view.zero_()
             return view, None
+        self.bytes_read += length
         return view, self.file.read(buf[:length], self.offsets[id(group)] + begin)
 
     def flush(self) -> None:
@@ -150,6 +166,11 @@ class GradFile:
             self.failed = e
             raise
 
+    def _check_kept(self, key: int) -> None:
+        if key in self.consumed:
+            raise OffloadError("this gradient shard was stepped in the boundary backward and not "
+                               "kept (offload/backward_step.py)")
+
     def _check(self) -> None:
         if self.failed is not None:
             raise OffloadError(f"NVMe offload failed earlier and the gradients in "
@@ -157,6 +178,7 @@ class GradFile:
 
     def zero(self, group: FlatParamGroup) -> None:
         self.written.discard(id(group))
+        self.consumed.discard(id(group))
         self.squares.pop(id(group), None)
 
 

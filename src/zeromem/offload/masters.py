@@ -85,6 +85,13 @@ class MastersPlacement(Protocol):
     def start_backward(self, boundary: bool) -> None:
         """The backward about to run ends a step (`boundary`) or accumulates."""
 
+    def allow_step_in_backward(self, allowed: bool) -> None:
+        """Nothing needs the whole gradient before the update (no clipping, no loss scale):
+        the step may begin in the boundary backward where the placement can (NVMe)."""
+
+    def skip_step(self) -> None:
+        """The step is skipped (a non-finite norm): whatever it began is undone."""
+
     def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
                         factory: Callable | None,
                         params: ParamPlacement, device: torch.device) -> torch.optim.Optimizer:
@@ -127,6 +134,12 @@ class MastersOnDevice:
 
     def start_backward(self, boundary: bool) -> None:
         """Nothing to do: the step reads the device gradients."""
+
+    def allow_step_in_backward(self, allowed: bool) -> None:
+        """The step needs the optimizer's own."""
+
+    def skip_step(self) -> None:
+        """Nothing began before the step."""
 
     def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
                         factory: Callable | None,
@@ -176,6 +189,12 @@ class MastersOnHost:
 
     def start_backward(self, boundary: bool) -> None:
         self.host_grads.boundary = boundary
+
+    def allow_step_in_backward(self, allowed: bool) -> None:
+        """The step needs the optimizer's own."""
+
+    def skip_step(self) -> None:
+        """Nothing began before the step."""
 
     def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
                         factory: Callable | None,
@@ -245,7 +264,14 @@ class MastersOnNvme:
         if self.host_grads is not None:
             self.host_grads.boundary = boundary
         if boundary and self.optimizer is not None:
-            self.optimizer.read_before_step()
+            self.optimizer.read_before_step()  # or the step begins, where allowed
+
+    def allow_step_in_backward(self, allowed: bool) -> None:
+        if self.optimizer is not None:
+            self.optimizer.allow_step_in_backward(allowed)
+
+    def skip_step(self) -> None:
+        self._built().discard()
 
     def build_optimizer(self, config: OptimizerConfig | None, param_groups: list[dict],
                         factory: Callable | None,

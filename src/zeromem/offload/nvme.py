@@ -257,6 +257,7 @@ class SwapFile:
         self.nbytes = swap_file_bytes(nbytes)
         self.io = io
         self.direct = direct and hasattr(os, "O_DIRECT")
+        self.read_bytes = self.written_bytes = 0  # this file's share of `io.stats`
         self.fd = -1
         try:
             self.fd = self._open_probed()
@@ -300,11 +301,13 @@ class SwapFile:
     def read(self, buffer: torch.Tensor, offset: int) -> IOHandle:
         """Start reading `buffer.numel()` bytes (an ALIGN multiple) from `offset`."""
         self._check(buffer, offset)
+        self.read_bytes += buffer.numel()
         return self.io.submit("read", self.fd, buffer, offset, self.path)
 
     def write(self, buffer: torch.Tensor, offset: int) -> IOHandle:
         """Start writing `buffer` at `offset`; buffered mode syncs before `wait()` returns."""
         self._check(buffer, offset)
+        self.written_bytes += buffer.numel()
         finish = None if self.direct else self._sync
         return self.io.submit("write", self.fd, buffer, offset, self.path, finish)
 

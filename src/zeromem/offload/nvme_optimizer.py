@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from zeromem.flat import FlatParamGroup
+from zeromem.offload.backward_step import StepInBackward
 from zeromem.offload.grad_file import GradFile
 from zeromem.offload.nvme import (BufferPool, IOHandle, OffloadError, SwapSpace,
                                   piece_bytes, piece_view)
@@ -137,7 +138,9 @@ class SwappedOptimizer(torch.optim.Optimizer):
                  params: ParamPlacement, policy: OffloadPolicy,
                  staged: StagedMasters | None = None):
         """`staged`: where `initialize` wrote the masters as it built the groups (else they
-        are in memory), copied into this optimizer's file here."""
+        are in memory), copied into this optimizer's file here. The step may run in the
+        boundary backward (`step_in_backward`) when the policy allows it, the masters are
+        the shards and params.swp keeps two copies of them (`ParamsOnNvme.copies`)."""
         super().__init__([dict(g) for g in template.param_groups], template.defaults)
         self.update = _sgd_update if isinstance(template, torch.optim.SGD) else _adam_update
         self.states = _state_fields(template)
@@ -155,8 +158,17 @@ class SwappedOptimizer(torch.optim.Optimizer):
             policy.optimizer_buffers)
         self.size = self.layout.size
         self.sub_groups = self.layout.sub_groups
-        self.file = space.file("optimizer.swp", self.layout.file_bytes)
+        # two copies of every record: the step reads the current one and writes the other,
+        # which becomes current when the step is taken (`_commit`): a step begun in backward
+        # can still be skipped, the states as they were (module docstring)
+        self.two_copies = (policy.step_in_backward and not self.master_in_file
+                           and self.grad_file is not None
+                           and params.copies == 2)
+        self.copy = 0  # the current copy of the records (two copies: 0 or 1)
+        self.file = space.file("optimizer.swp", self.layout.file_bytes * (1 + self.two_copies))
         self.host_grads, self.params = host_grads, params
+        # the step begun in the boundary backward, where nothing needs the whole gradient first
+        self.in_backward = StepInBackward(self) if self.two_copies else None
         config = policy.optimizer_offload
         self.read_ahead, self.write_behind = config.pipeline_read, config.pipeline_write
         self.depth = self.size.depth
@@ -170,7 +182,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         # behind, read in backward (`read_before_step`), their gradients too
         # (`_read_grads_early`), still written after `step()` returned
         self.overlapped = {"read_ahead": 0, "write_behind": 0, "before_step": 0,
-                           "grads_before_step": 0, "after_step": 0}
+                           "grads_before_step": 0, "after_step": 0, "in_backward": 0}
         # sub-group index -> (the slot it was written from, the writes) until waited for
         self.writes: dict[int, tuple[Slot, list[IOHandle]]] = {}
         # sub-group index -> (slot, reads) started by `read_before_step`, taken by the step
@@ -181,6 +193,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.grads_early: set[int] = set()
         if self.grad_file is not None:
             self.grad_file.on_put = self._read_grads_early
+            self.grad_file.take = self._take
         self.state = SwappedState()
         if self.master_in_file:
             self._write_masters(groups, staged)
@@ -302,15 +315,20 @@ class SwappedOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(grads, self.grad_multiplier)
         return grads
 
-    def _write_fields(self, sg: SubGroup, slot: Slot) -> list[IOHandle]:
-        return [self.file.write(slot[name][:sg.field_bytes], sg.offset + k * sg.field_bytes)
+    def _record(self, sg: SubGroup, copy: int) -> int:
+        """File offset of `sg`'s record in copy `copy` (two copies: 0 or 1)."""
+        return sg.offset + copy * self.layout.file_bytes
+
+    def _write_fields(self, sg: SubGroup, slot: Slot, copy: int) -> list[IOHandle]:
+        at = self._record(sg, copy)
+        return [self.file.write(slot[name][:sg.field_bytes], at + k * sg.field_bytes)
                 for k, name in enumerate(self.file_fields)]
 
     def _start_writes(self, i: int, slot: Slot) -> None:
         """Write sub-group `i`'s fields and (fp32) its shard pieces from `slot`; recorded in
         `writes` until waited for (`_settle`), which may be after `step()` returns."""
         sg = self.sub_groups[i]
-        handles = self._write_fields(sg, slot)
+        handles = self._write_fields(sg, slot, 1 - self.copy if self.two_copies else self.copy)
         if not self.master_in_file:
             for p, at in zip(sg.pieces, self._grad_places(sg)):
                 handles += self.params.write_piece(p.group, p.start, p.numel,
@@ -336,21 +354,45 @@ class SwappedOptimizer(torch.optim.Optimizer):
         return max((i for i, (s, _) in self.writes.items() if s is slot), default=-1)
 
     # -- the pipeline -------------------------------------------------------------
+    def allow_step_in_backward(self, allowed: bool) -> None:
+        """`ZeroOptimizer`: whether nothing needs the whole gradient before the update (no
+        clipping, no loss scale, no model-parallel norm), so the boundary backward may step
+        sub-groups (offload/backward_step.py); only with two copies of the records."""
+        if self.in_backward is not None:
+            self.in_backward.allowed = allowed
+
     def read_before_step(self) -> None:
         """Start reading the first sub-groups' fields (fp32: and master pieces) now, in the
-        backward that ends the step, so that the step starts with its first buffers full.
+        backward that ends the step, so that the step starts with its first buffers full;
+        or, where allowed, begin the step itself in this backward (`StepInBackward`).
 
         Their gradients are read at the step, once backward has written them. Nothing
         read here changes before the step: only the step writes these records (and
         `all_in_memory`, which drops these reads first)."""
-        if self.early or not self.read_ahead or self.failed is not None:
+        if self.failed is not None:
             return
-        free = sorted(self.slots, key=self._last_write)
-        self.put_in_backward, self.grads_early = set(), set()
         try:
+            if self.in_backward is not None and self.in_backward.allowed:
+                self.in_backward.begin()
+                return
+            if self.early or not self.read_ahead:
+                return
+            free = sorted(self.slots, key=self._last_write)
+            self.put_in_backward, self.grads_early = set(), set()
             for i in range(min(self.depth, len(self.sub_groups))):
                 slot = free.pop(0)
                 self.early[i] = (slot, self._start_state_reads(i, slot))
+        except BaseException as e:
+            self.failed = e
+            raise
+
+    def _take(self, group: FlatParamGroup, shard: torch.Tensor) -> bool:
+        """`GradFile.put`: the boundary backward's reduced `shard` of `group`, stepped with its
+        sub-groups where the step runs in backward; True: it need not be stored."""
+        if self.in_backward is None or not self.in_backward.active or self.failed is not None:
+            return False
+        try:
+            return self.in_backward.take(group, shard)
         except BaseException as e:
             self.failed = e
             raise
@@ -378,28 +420,29 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closures
-        """One optimizer step over every sub-group: read ahead, step, write behind.
+        """One optimizer step over every sub-group not stepped in backward: read ahead, step,
+        write behind; then, with two copies, the copies written become current.
 
         The last sub-groups' writes are still in flight when it returns (with
         `pipeline_write`): waited for when their slot or record is next used, or by `settle`."""
         if self.failed is not None:
             raise OffloadError(f"NVMe offload failed earlier and the optimizer state on "
                                f"{self.file.path} is not trustworthy: {self.failed}")
-        reading, self.early = self.early, {}
-        taken = [s for s, _ in reading.values()]
-        free = sorted((s for s in self.slots if not any(s is t for t in taken)),
-                      key=self._last_write)
-        self.overlapped = {"read_ahead": 0, "write_behind": 0, "before_step": len(reading),
-                           "grads_before_step": len(self.grads_early),
-                           "after_step": 0}  # sub-groups whose I/O overlapped other work
-        if self.grad_file is not None:
-            self.grad_file.flush()  # the last gradients' writes, before their reads
+        reading: dict[int, tuple[Slot, list[IOHandle]]] = {}
         try:
-            for i, (slot, handles) in reading.items():
-                if i not in self.grads_early:  # else read in backward (`_read_grads_early`)
-                    handles += self._start_grad_reads(i, slot)
-            self.grads_early = set()
-            self._pipeline(free, reading)
+            if self.grad_file is not None:
+                self.grad_file.flush()  # the last gradients' writes, before their reads
+            if self.in_backward is not None and self.in_backward.active:
+                reading, stepped = self.in_backward.finish()
+                self._count(len(reading), 0, len(stepped))
+            else:
+                reading, stepped = self._reading_before_step(), set()
+            taken = [s for s, _ in reading.values()]
+            free = sorted((s for s in self.slots if not any(s is t for t in taken)),
+                          key=self._last_write)
+            todo = list(reading) + [i for i in range(len(self.sub_groups))
+                                    if i not in reading and i not in stepped]
+            self._pipeline(todo, free, reading)
         except BaseException as e:
             self.failed = e
             for handles in [h for _, h in reading.values()] + [h for _, h in self.writes.values()]:
@@ -411,48 +454,89 @@ class SwappedOptimizer(torch.optim.Optimizer):
                                             for _, hs in self.writes.values())
         for pg in {sg.param_group for sg in self.sub_groups}:
             self.steps[pg] += 1
+        self._commit()
 
-    def _pipeline(self, free: list[Slot], reading: dict[int, tuple[Slot, list[IOHandle]]]) -> None:
+    def _reading_before_step(self) -> dict[int, tuple[Slot, list[IOHandle]]]:
+        """The sub-groups `read_before_step` began, with their gradient reads started."""
+        reading, self.early = self.early, {}
+        self._count(len(reading), len(self.grads_early), 0)
+        for i, (slot, handles) in reading.items():
+            if i not in self.grads_early:  # else read in backward (`_read_grads_early`)
+                handles += self._start_grad_reads(i, slot)
+        self.grads_early = set()
+        return reading
+
+    def _count(self, before_step: int, grads_before_step: int, in_backward: int) -> None:
+        """Restart `overlapped`: sub-groups whose I/O (or update) overlapped other work."""
+        self.overlapped = {"read_ahead": 0, "write_behind": 0, "before_step": before_step,
+                           "grads_before_step": grads_before_step, "after_step": 0,
+                           "in_backward": in_backward}
+
+    def _commit(self) -> None:
+        """Two copies: the step is taken, the copies it wrote are the records now."""
+        if self.two_copies:
+            self.copy = 1 - self.copy
+            self.params.commit()
+
+    def discard(self) -> None:
+        """The step is skipped: what the boundary backward stepped was written to the copies
+        not current, which stay so (the next step writes them whole again)."""
+        if self.in_backward is not None:
+            self.in_backward.drop()
+        if self.two_copies:
+            self.params.discard()
+        try:  # the next step writes the same records, shared blocks maybe by other pieces:
+            for i in list(self.writes):  # no write of this one may land after those
+                self._settle(i)
+        except BaseException as e:
+            self.failed = e
+            raise
+
+    def _pipeline(self, todo: list[int], free: list[Slot],
+                  reading: dict[int, tuple[Slot, list[IOHandle]]]) -> None:
+        """Step the sub-groups `todo` in order; `reading` those whose reads have begun."""
         subs = self.sub_groups
-        next_read = max(reading, default=-1) + 1
+        queue = [i for i in todo if i not in reading]  # still to read, in order
+        position = {i: k for k, i in enumerate(todo)}
 
-        def read_ahead(i: int) -> None:
-            """Into slots whose writes are done, up to `depth` sub-groups ahead of `i`."""
-            nonlocal next_read
-            while next_read < len(subs) and next_read - i < self.depth:
-                at = next((k for k, s in enumerate(free) if self._written(s)), None)
+        def read_ahead(k: int) -> None:
+            """Into slots whose writes are done, up to `depth` sub-groups ahead of position k."""
+            while queue and position[queue[0]] - k < self.depth:
+                at = next((n for n, s in enumerate(free) if self._written(s)), None)
                 if at is None:
                     return
-                ready = free.pop(at)
-                reading[next_read] = (ready, self._start_reads(next_read, ready))
-                next_read += 1
+                j, ready = queue.pop(0), free.pop(at)
+                reading[j] = (ready, self._start_reads(j, ready))
                 self.overlapped["read_ahead"] += 1
 
-        for i, sg in enumerate(subs):
+        for k, i in enumerate(todo):
             if i not in reading:  # read-ahead off, or no slot's write had finished
+                queue.remove(i)
                 slot = free.pop(0)  # the slot written longest ago
                 reading[i] = (slot, self._start_reads(i, slot))
-                next_read = max(next_read, i + 1)
             slot, handles = reading.pop(i)
             for h in handles:
                 h.wait()
             if self.read_ahead:
-                read_ahead(i)
-            self._compute(sg, slot)
+                read_ahead(k)
+            self._compute(subs[i], slot)
             self._start_writes(i, slot)
             free.append(slot)
             if not self.write_behind:
                 self._settle(i)
             elif self.read_ahead:
-                read_ahead(i)  # a slot whose write finished while `i` stepped
-            if self.write_behind and i + 1 < len(subs):
-                self.overlapped["write_behind"] += 1  # stays in flight while i + 1 steps
+                read_ahead(k)  # a slot whose write finished while `i` stepped
+            if self.write_behind and k + 1 < len(todo):
+                self.overlapped["write_behind"] += 1  # stays in flight while the next steps
 
     def settle(self) -> None:
         """Wait for every read and write in flight; the reads `read_before_step` started are
-        dropped (the step reads again). Before the files are read or written whole."""
+        dropped (the step reads again), as is a step begun in backward (its step() never
+        comes: the engine closes). Before the files are read or written whole."""
         early, self.early, self.grads_early = self.early, {}, set()
         try:
+            if self.in_backward is not None:
+                self.in_backward.drop()
             for _, handles in early.values():
                 for h in handles:
                     h.wait()
@@ -468,13 +552,13 @@ class SwappedOptimizer(torch.optim.Optimizer):
             h.wait()
 
     def _read_fields_async(self, sg: SubGroup, slot: Slot) -> list[IOHandle]:
-        handles = []
+        handles, at = [], self._record(sg, self.copy)
         for k, name in enumerate(self.file_fields):
             buf = slot[name][:sg.field_bytes]
             if name != "master" and self.steps[sg.param_group] == 0:
                 buf.zero_()  # a fresh state is zeros: nothing to read
             else:
-                handles.append(self.file.read(buf, sg.offset + k * sg.field_bytes))
+                handles.append(self.file.read(buf, at + k * sg.field_bytes))
         return handles
 
     @contextlib.contextmanager
@@ -484,6 +568,10 @@ class SwappedOptimizer(torch.optim.Optimizer):
         On exit the (possibly replaced) tensors are written back to the file and the
         step counters taken from `state[master]["step"]`.
         """
+        if self.in_backward is not None and self.in_backward.began():
+            raise OffloadError("the optimizer states are read whole between a boundary backward "
+                               "that began the step and its step(); save or load after step(), "
+                               "or set zeromem.nvme_step_in_backward to false")
         self.settle()  # writes behind land, reads before the step are dropped: the file is whole
         slot = self.slots[0]
         self.state.in_memory = True
@@ -515,7 +603,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 for name in self.file_fields:
                     whole = p.group.master if name == "master" else self.state[p.group.master][name]
                     views[name][p.at:p.at + p.numel].copy_(whole[p.start:p.start + p.numel])
-            for h in self._write_fields(sg, slot):
+            for h in self._write_fields(sg, slot, self.copy):
                 h.wait()
         self.state = SwappedState()  # load_state_dict may have replaced the dict
         if self.master_in_file:

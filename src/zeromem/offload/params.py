@@ -72,6 +72,7 @@ class ParamPlacement(Protocol):
     """Where the parameter shards live; the verbs every parameter placement offers."""
 
     where: str  # "device" | "host" | "nvme"
+    copies: int  # 2: `write_piece` writes a second copy, the shards once `commit`ted
 
     def admit(self, group: FlatParamGroup) -> None:
         """Take over `group.param_shard` (the groups arrive in the order of the sizes given)."""
@@ -105,7 +106,13 @@ class ParamPlacement(Protocol):
     def write_piece(self, group: FlatParamGroup, start: int, numel: int,
                     buf: torch.Tensor) -> list[IOHandle]:
         """Store the piece at `piece_view(start, numel, buf)` as those shard elements (pieces
-        of a shard in increasing order within a step); the writes `buf` must outlive."""
+        of a shard in any order within a step); the writes `buf` must outlive."""
+
+    def commit(self) -> None:
+        """The step is taken: with two copies, the pieces written are the shards now."""
+
+    def discard(self) -> None:
+        """The step is skipped: with two copies, the pieces written are forgotten."""
 
     def flush(self) -> None:
         """Make stored values durable in the shard's place."""
@@ -141,6 +148,7 @@ class ParamsOnDevice:
     """Parameter shards stay in device memory (no `offload_param`)."""
 
     where = "device"
+    copies = 1
 
     def admit(self, group: FlatParamGroup) -> None:
         """Nothing to do: the shard stays in device memory."""
@@ -169,6 +177,12 @@ class ParamsOnDevice:
     read_piece = _load_piece  # in memory: a piece is a load / store through the buffer
     write_piece = _store_piece
 
+    def commit(self) -> None:
+        """One copy: the pieces went straight into the shard."""
+
+    def discard(self) -> None:
+        """One copy: nothing to forget."""
+
     def flush(self) -> None:
         """Stores went straight into the shard."""
 
@@ -189,6 +203,7 @@ class ParamsOnHost:
     """`offload_param.device: cpu`: shards in (pinned) host memory, copied to the device on use."""
 
     where = "host"
+    copies = 1
 
     def __init__(self, config: OffloadParamConfig, pin: bool, device: torch.device):
         self.groups: list[FlatParamGroup] = []
@@ -252,6 +267,12 @@ class ParamsOnHost:
 
     read_piece = _load_piece  # in memory: a piece is a load / store through the buffer
     write_piece = _store_piece
+
+    def commit(self) -> None:
+        """One copy: the pieces went straight into the host tensors."""
+
+    def discard(self) -> None:
+        """One copy: nothing to forget."""
 
     def flush(self) -> None:
         """Stores went straight into the host tensors."""

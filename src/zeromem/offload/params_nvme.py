@@ -17,8 +17,15 @@ its pieces of params.swp straight from its own buffers (`read_piece` /
 `write_piece`), so the step holds no pool buffer and waits on no eviction; the
 writes are left in flight and waited for before that record is next read or
 written (`piece_writes`). A block that two pieces of a shard share (sub-groups
-cut shards anywhere) is written once, by the later piece, which takes the
-earlier piece's bytes of it from `boundary` (pieces are stepped in order).
+cut shards anywhere) is written once, by the piece stepped last, which takes the
+other pieces' bytes of it from `boundary` (pieces may be stepped in any order).
+
+Two copies (`copies=2`, when the optimizer may step in the boundary backward: fp32, no
+clipping, offload/nvme_optimizer.py): params.swp holds every record twice; reads use
+the current copy, the optimizer's piece writes go to the other one, and `commit` (the
+step was taken) makes that one current. Until then every read, a re-gather in the
+same backward too, sees the shards as they were, and a skipped step (`discard`)
+leaves them as they were.
 """
 from __future__ import annotations
 
@@ -43,8 +50,9 @@ class ParamsOnNvme:
     where = "nvme"
 
     def __init__(self, shard_numels: Sequence[int], dtype: torch.dtype, device: torch.device,
-                 space: SwapSpace, config: OffloadParamConfig, pin: bool):
-        """params.swp laid out for shards of `shard_numels` elements (in `admit` order)."""
+                 space: SwapSpace, config: OffloadParamConfig, pin: bool, copies: int = 1):
+        """params.swp laid out for shards of `shard_numels` elements (in `admit` order), each
+        record `copies` times (2: the step writes the other copy, module docstring)."""
         self.groups: list[FlatParamGroup] = []
         self.host_is_device = device.type == "cpu"
         self.largest_unit_numel = 0  # the largest group admitted (whole, padded)
@@ -64,19 +72,20 @@ class ParamsOnNvme:
         # never more buffers than shards: one no unit can use is not held
         self.pool = BufferPool(max(1, min(config.buffer_count, len(self.planned))),
                                max(self.planned, default=1), pin)
-        self.file = space.file("params.swp", total)
+        self.copies, self.copy, self.stride = copies, 0, total  # the current copy at copy x stride
+        self.file = space.file("params.swp", total * copies)
         self.lookahead = max(1, config.buffer_count // 2)
         self.in_memory: OrderedDict[int, tuple[FlatParamGroup, torch.Tensor]] = OrderedDict()
         self.reading: dict[int, tuple[FlatParamGroup, torch.Tensor, IOHandle]] = {}
         self.writing: deque[tuple[torch.Tensor, IOHandle]] = deque()
         self.dirty: set[int] = set()
         self.readers: dict[int, Reader] = {}
-        # the optimizer's piece writes in flight, per group id, with their byte ranges: waited
+        # the optimizer's piece writes in flight, per group id, with their file ranges: waited
         # before that range is next read (the read would miss them) or the record written
         # whole (two writes land in either order); a step's pieces never overlap each other
         self.piece_writes: dict[int, list[tuple[int, int, IOHandle]]] = {}
-        # (group id, block offset) -> that block as the earlier of two pieces sharing it left it
-        self.boundary: dict[tuple[int, int], torch.Tensor] = {}
+        # (group id, block offset) -> (that block, bytes of it the pieces stepped so far gave)
+        self.boundary: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
         self._order_now: Sequence[Any] | None = None  # what `follow` was told last
         self._order: Sequence[Any] | None = None  # the order indexed below
         self._position: dict[int, int] = {}  # group id -> position in `_order`
@@ -103,7 +112,7 @@ class ParamsOnNvme:
         buf = self._acquire()
         try:
             self._view(g, buf).copy_(shard)
-            self.file.write(buf[:round_up(self.nbytes[id(g)])], self.offsets[id(g)]).wait()
+            self.file.write(buf[:round_up(self.nbytes[id(g)])], self._at(id(g))).wait()
         finally:
             self.pool.release(buf)
 
@@ -173,33 +182,76 @@ class ParamsOnNvme:
             buf[:length].copy_(self.in_memory[key][1][begin:begin + length])
             return None
         self._settle_pieces(key, begin, begin + length)
-        return self.file.read(buf[:length], self.offsets[key] + begin)
+        return self.file.read(buf[:length], self._at(key) + begin)
 
     def write_piece(self, group: FlatParamGroup, start: int, numel: int,
                     buf: torch.Tensor) -> list[IOHandle]:
-        """Write the piece's blocks from `buf`, but a last block the next piece shares: that one
-        is kept in `boundary` and written by the next piece, with its own bytes."""
+        """Write the piece's blocks from `buf` (two copies: to the other copy); a block another
+        piece shares is written by the last of them to be stepped, with all their bytes
+        (`_share`)."""
         key = id(group)
-        if key in self.in_memory:  # the copy in memory stays current: the next forward uses it
-            group.param_shard[start:start + numel].copy_(piece_view(start, numel, buf))
-        self._forget_read(key)  # a read in flight would bring the old values
+        if self.copies == 1:
+            if key in self.in_memory:  # the copy in memory stays current: the next forward uses it
+                group.param_shard[start:start + numel].copy_(piece_view(start, numel, buf))
+            self._forget_read(key)  # a read in flight would bring the old values
         begin, length = piece_range(start, numel)
-        head = start * 4 - begin
-        if head:  # the first block is shared with the piece before, stepped before this one
-            earlier = self.boundary.pop((key, begin), None)
-            if earlier is None:
-                raise OffloadError(f"{self.file.path}: a piece at element {start} is written "
-                                   "before the piece that shares its first block")
-            buf[:head].copy_(earlier[:head])
         end, stop = begin + length, (start + numel) * 4
-        if stop % ALIGN and stop < self.nbytes[key]:  # the last block is the next piece's too
-            end -= ALIGN
-            self.boundary[(key, end)] = buf[end - begin:end - begin + ALIGN].clone()
-        if end == begin:
+        first, last = begin, end - ALIGN  # the first and last blocks (the same for a small piece)
+        if start * 4 > begin or (stop % ALIGN and stop < self.nbytes[key] and last == first):
+            if not self._share(key, first, buf[:ALIGN], start * 4, stop):
+                begin += ALIGN
+        if last > first and stop % ALIGN and stop < self.nbytes[key]:
+            if not self._share(key, last, buf[last - first:length], start * 4, stop):
+                end -= ALIGN
+        if end <= begin:
             return []
-        handle = self.file.write(buf[:end - begin], self.offsets[key] + begin)
-        self.piece_writes.setdefault(key, []).append((begin, end, handle))
+        at = self._at(key, self.copies - 1)  # two copies: the one not current
+        handle = self.file.write(buf[begin - first:end - first], at + begin)
+        self.piece_writes.setdefault(key, []).append((at + begin, at + end, handle))
         return [handle]
+
+    def _share(self, key: int, block: int, data: torch.Tensor, lo: int, hi: int) -> bool:
+        """A block of `key`'s record that other pieces share: put this piece's bytes of it
+        ([lo, hi) of the shard) in `boundary`; True when all its bytes are in, the block
+        then in `data` (to be written now)."""
+        own = slice(max(lo, block) - block, min(hi, block + ALIGN) - block)
+        held, have = self.boundary.pop((key, block), (None, 0))
+        if held is None:
+            held = data.clone()
+        else:
+            held[own] = data[own]
+        have += own.stop - own.start
+        if have < min(ALIGN, self.nbytes[key] - block):
+            self.boundary[(key, block)] = (held, have)
+            return False
+        data.copy_(held)
+        return True
+
+    def commit(self) -> None:
+        """Two copies: the step was taken, the copy its pieces were written to is the shards
+        now; shards read from the other one (in memory, or still reading) are dropped."""
+        if self.copies == 1:
+            return
+        if self.boundary:
+            raise OffloadError(f"{self.file.path}: the step left {len(self.boundary)} shared "
+                               "blocks unwritten")
+        self.copy = 1 - self.copy
+        for key in list(self.reading):
+            self._forget_read(key)
+        for key in list(self.in_memory):
+            reader = self.readers.get(key)
+            if reader is not None and reader.pending is not None:
+                reader.wait()
+            self._evict(key)
+
+    def discard(self) -> None:
+        """The step was skipped: the copy being written is left as it is (the next step
+        writes it whole again); the blocks waiting for their other pieces are dropped."""
+        self.boundary.clear()
+
+    def _at(self, key: int, other: int = 0) -> int:
+        """File offset of `key`'s record in the current copy (`other`=1: the other copy)."""
+        return self.offsets[key] + ((self.copy + other) % self.copies) * self.stride
 
     def flush(self) -> None:
         """Write every changed shard back and wait; the shards stay in memory, clean."""
@@ -207,7 +259,7 @@ class ParamsOnNvme:
         for key in self.dirty:
             g, buf = self.in_memory[key]
             self._settle_pieces(key)
-            handles.append(self.file.write(buf[:round_up(self.nbytes[key])], self.offsets[key]))
+            handles.append(self.file.write(buf[:round_up(self.nbytes[key])], self._at(key)))
         self.dirty.clear()
         for h in handles:
             h.wait()
@@ -235,7 +287,7 @@ class ParamsOnNvme:
     def _launch_read(self, group: FlatParamGroup, buf: torch.Tensor) -> None:
         key = id(group)
         self._settle_pieces(key)
-        handle = self.file.read(buf[:round_up(self.nbytes[key])], self.offsets[key])
+        handle = self.file.read(buf[:round_up(self.nbytes[key])], self._at(key))
         self.reading[key] = (group, buf, handle)
 
     def _read_ahead(self, group: FlatParamGroup) -> None:
@@ -295,7 +347,7 @@ class ParamsOnNvme:
             self.dirty.discard(key)
             self._settle_pieces(key)
             self.writing.append((buf, self.file.write(buf[:round_up(self.nbytes[key])],
-                                                      self.offsets[key])))
+                                                      self._at(key))))
         else:
             self.pool.release(buf)
 
@@ -307,11 +359,15 @@ class ParamsOnNvme:
             self.pool.release(buf)
             block = False
 
-    def _settle_pieces(self, key: int, begin: int = 0, end: int | None = None) -> None:
-        """Wait for the optimizer's piece writes of one record that overlap bytes [begin, end)
-        (all by default); a failed write raises here."""
+    def _settle_pieces(self, key: int, begin: int = 0, end: int | None = None,
+                       every: bool = False) -> None:
+        """Wait for the optimizer's piece writes to the current copy of one record that overlap
+        bytes [begin, end) of it (the whole record by default; `every`: both copies too); a
+        failed write raises here."""
         writes = self.piece_writes.pop(key, [])
-        keep = [w for w in writes if end is not None and (w[1] <= begin or w[0] >= end)]
+        base = self._at(key)  # the ranges are file offsets: a write to the other copy stays
+        lo, hi = base + begin, base + (self.stride if end is None else end)
+        keep = [] if every else [w for w in writes if w[1] <= lo or w[0] >= hi]
         if keep:
             self.piece_writes[key] = keep
         for _, _, handle in (w for w in writes if not any(w is k for k in keep)):
@@ -329,7 +385,7 @@ class ParamsOnNvme:
     def _drain(self) -> None:
         """Finish all I/O and evict everything (clean)."""
         for key in list(self.piece_writes):
-            self._settle_pieces(key)
+            self._settle_pieces(key, every=True)
         self.flush()
         for key in list(self.reading):
             _, buf, handle = self.reading.pop(key)
@@ -345,7 +401,7 @@ class ParamsOnNvme:
         for g in self.groups:
             buf = self._acquire()
             try:
-                self.file.read(buf[:round_up(self.nbytes[id(g)])], self.offsets[id(g)]).wait()
+                self.file.read(buf[:round_up(self.nbytes[id(g)])], self._at(id(g))).wait()
                 g.set_shard_storage(self._view(g, buf).clone())
             finally:
                 self.pool.release(buf)

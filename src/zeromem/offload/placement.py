@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -96,6 +96,9 @@ class OffloadPolicy:
     optimizer_buffers: int | None = None
     host_budget_bytes: int = 64 * 2**20  # zeromem.offload_host_budget_bytes
     host_budget_set: bool = False  # the config names the budget (else its default is logged)
+    # masters and parameters on NVMe, no clipping, no fp16: the files keep two copies so that
+    # the step may begin in the boundary backward (offload/backward_step.py)
+    step_in_backward: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> OffloadPolicy:
@@ -106,9 +109,12 @@ class OffloadPolicy:
         buffers = opt.buffer_count if opt is not None and "buffer_count" in opt.model_fields_set \
             else None
         own = config.zeromem
+        in_backward = (zero.offload_optimizer_device == zero.offload_param_device == "nvme"
+                       and not config.gradient_clipping and not config.fp16.enabled
+                       and own.nvme_step_in_backward)
         return cls(WHERE[zero.offload_optimizer_device], WHERE[zero.offload_param_device],
                    _pin(opt), _pin(par), opt, par, sub, buffers, own.offload_host_budget_bytes,
-                   "offload_host_budget_bytes" in own.model_fields_set)
+                   "offload_host_budget_bytes" in own.model_fields_set, in_backward)
 
     @property
     def optimizer_offload(self) -> OffloadOptimizerConfig:
@@ -159,6 +165,9 @@ class Offload:
         self.depth = 0  # nested all_in_memory() blocks (full_state_dict inside a save)
         self.io_last_step = IOStats()  # swap I/O of the last optimizer step (`end_step`)
         self._io_mark = IOStats()
+        # file name -> [read, written] bytes of the last step (`end_step`), and since the start
+        self.files_last_step: dict[str, list[int]] = {}
+        self._files_mark: dict[str, list[int]] = {}
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -210,10 +219,26 @@ class Offload:
         """At each optimizer step's end: the I/O since the last one becomes `io_last_step`."""
         total = self.io_total()
         self.io_last_step, self._io_mark = total.minus(self._io_mark), total
+        files: dict[str, list[int]] = {}
+        for space in self.spaces:
+            for f in space.files:
+                moved = files.setdefault(f.path.name, [0, 0])
+                moved[0] += f.read_bytes
+                moved[1] += f.written_bytes
+        self.files_last_step = {name: [now - was for now, was in zip(
+            moved, self._files_mark.get(name, [0, 0]))] for name, moved in files.items()}
+        self._files_mark = files
 
-    def io_report(self) -> dict[str, dict[str, float]]:
-        """{"last_step": ..., "total": ...}: read_bytes, written_bytes, wait_s (NVMe swap I/O)."""
-        return {"last_step": vars(self.io_last_step).copy(), "total": vars(self.io_total())}
+    def io_report(self) -> dict[str, dict[str, Any]]:
+        """{"last_step": ..., "total": ...}: read_bytes, written_bytes, wait_s (NVMe swap I/O);
+        the last step's also by file ("files": name -> [read, written] bytes: grads.swp is
+        neither written nor read back where the step ran in backward) and, with the
+        optimizer on NVMe, its sub-groups stepped in the boundary backward ("in_backward")."""
+        last: dict[str, Any] = {**vars(self.io_last_step), "files": dict(self.files_last_step)}
+        overlapped = getattr(self.masters.optimizer, "overlapped", None)  # the NVMe optimizer's
+        if overlapped is not None:
+            last["in_backward"] = overlapped["in_backward"]
+        return {"last_step": last, "total": vars(self.io_total())}
 
     def close(self) -> None:
         """Wait for I/O in flight (the step's writes behind, too) and remove the swap files."""
@@ -264,8 +289,10 @@ def build_params(config: Config, shard_numels: list[int], dtype: torch.dtype, de
     if policy.params == "host":
         return ParamsOnHost(block, policy.params_pin, device)
     try:
+        # fp32: the optimizer's master is the shard, which the step in backward writes
+        copies = 2 if policy.step_in_backward and dtype == torch.float32 else 1
         return ParamsOnNvme(shard_numels, dtype, device, spaces.for_block(block), block,
-                            policy.params_pin)
+                            policy.params_pin, copies)
     except BaseException:
         spaces.close()
         raise

@@ -46,6 +46,8 @@ class OffloadBufferSizes:
     optimizer_buffer_count: int | None = None  # offload_optimizer.buffer_count, when set
     param_buffer_count: int = OffloadParamConfig.model_fields["buffer_count"].default
     host_budget_bytes: int = TimeoutsConfig.model_fields["offload_host_budget_bytes"].default
+    # the step may begin in backward (fp32 only): optimizer.swp and params.swp hold two copies
+    step_in_backward: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> OffloadBufferSizes:
@@ -54,7 +56,7 @@ class OffloadBufferSizes:
         params = policy.params_block
         return cls(policy.sub_group_size, policy.optimizer_buffers,
                    params.buffer_count if params is not None else cls.param_buffer_count,
-                   policy.host_budget_bytes)
+                   policy.host_budget_bytes, policy.step_in_backward)
 
 
 def _params_pool(numels: list[int], param: str, param_bytes: int, buffers: OffloadBufferSizes) -> int:
@@ -92,11 +94,14 @@ def offload_breakdown(shards: list[float], optimizer: str, param: str, param_byt
     host: dict[str, float] = {}
     nvme: dict[str, float] = {}
     params_pool = _params_pool(numels, param, param_bytes, buffers)
+    # offload/backward_step.py: fp32, both on NVMe, gradients through grads.swp
+    copies = 2 if (buffers.step_in_backward and fp32_params and grads_in_file
+                   and optimizer == param == "nvme") else 1
     if param == "cpu":
         host["param_shards"] = param_bytes * shard
     elif param == "nvme":
         host["param_swap_buffers"] = params_pool
-        nvme["param_shards"] = sum(round_up(param_bytes * n) for n in numels)  # one slot each
+        nvme["param_shards"] = copies * sum(round_up(param_bytes * n) for n in numels)  # a slot each
     if optimizer == "cpu":
         host["host_masters"] = FP32 * shard
         host["optimizer_states"] = state_bytes * shard + scalar_bytes
@@ -106,7 +111,7 @@ def offload_breakdown(shards: list[float], optimizer: str, param: str, param_byt
                                   not fp32_params, grads_in_file, buffers.host_budget_bytes,
                                   params_pool, buffers.sub_group_size, buffers.optimizer_buffer_count)
         host["optimizer_swap_buffers"] = layout.pool_nbytes
-        nvme["optimizer_states"] = swap_file_bytes(layout.file_bytes) - layout.master_nbytes
+        nvme["optimizer_states"] = swap_file_bytes(copies * layout.file_bytes) - layout.master_nbytes
         if layout.master_nbytes:
             nvme["masters"] = layout.master_nbytes
         if grads_in_file:
