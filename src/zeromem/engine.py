@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zeromem.activations import recompute as activations
 from zeromem.checkpoints import save_load as checkpoints
-from zeromem.comm import Comm, ReduceOrder
+from zeromem.comm import Comm
 from zeromem.config.schema import Config
 from zeromem.distributed import Runtime
 from zeromem.flat import FlatParamGroup, Sharding
@@ -39,7 +39,7 @@ from zeromem.precision import make_scaler
 from zeromem.optim.schedulers import build_scheduler
 from zeromem.stage3.fetch import FetchSchedule, build_stage3
 from zeromem.stage3.units import UnitCaps, UnitChoice, choose_units
-from zeromem.tensor_parallel import ModelParallelNorm
+from zeromem.tensor_parallel import model_parallel_norm
 from zeromem.monitoring.timers import PhaseTimers
 from zeromem.training_state import RngState, SchedulerArg, Stateful, StepCounters, TrainingState
 from zeromem.zero_optimizer import StepSettings, ZeroOptimizer
@@ -130,17 +130,18 @@ class Engine:
         # tensor parallelism: the clipping norm spans the model-parallel group too
         if mp_group is None:  # DeepSpeed's way: the group given to checkpointing.configure
             mp_group = self.activation_checkpointing.config.mp_group
-        self.mp_norm = ModelParallelNorm(module, mp_group)
+        self.mp_norm = model_parallel_norm(module, mp_group)  # None without tensor parallelism
         # the buckets' reductions, in bucket order on every rank, with at most `buckets_alive`
-        # full-size buckets alive: one object shared by whoever fills the buckets (comm.py)
-        self.reductions = ReduceOrder(self.plan.grads, len(self.groups), self.offload.buckets_alive,
-                                      config.zero_optimization.overlap_comm is not False)
+        # full-size buckets alive: scheduled by the shard group's Comm, which whoever fills
+        # the buckets holds (comm.py)
+        self.plan.shard.schedule_reductions(self.plan.grads, len(self.groups),
+                                            self.offload.buckets_alive,
+                                            config.zero_optimization.overlap_comm is not False)
         # one gradient's life: reduced in backward, stepped, all-gathered (zero_optimizer.py)
         self.zero = ZeroOptimizer(self.groups, self.plan, self.offload.masters, self.offload.params,
                                   self.optimizer, self.scaler, self.mp_norm, StepSettings(
                                       float(config.gradient_clipping or 0.0),
-                                      self.bucket_sizes["allgather_bucket_size"]),
-                                  self.reductions)
+                                      self.bucket_sizes["allgather_bucket_size"]))
         # gradient readiness: one hook per parameter (stages 0-2), or each unit's own (stage 3)
         self.stage3: FetchSchedule | None = None
         if self.unit_choice is None:
@@ -232,7 +233,7 @@ class Engine:
         """The fetch units and their schedule (stage3/fetch.py); records the prefetch window."""
         schedule = build_stage3(self.module, self.groups, choice, self.config, self.plan,
                                 self.offload.params, self.runtime.gather_timeout_s, self.comm,
-                                self.reductions, self.partitions)
+                                self.partitions)
         self.bucket_sizes["stage3_prefetch_bucket_size"] = schedule.limits.prefetch_numel
         return schedule
 

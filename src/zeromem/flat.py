@@ -32,7 +32,8 @@ Three gradient buffer kinds, chosen once from `Sharding` (llm.c style: data, not
   reduce-scattered, added into the shard and dropped.
 
 Their owners fill them (the ZeRO optimizer's hooks at stages 0-2, the stage-3 unit)
-and hand their `launch` to the shared `comm.ReduceOrder`.
+and hand their `launch` to the shard group's `Comm`, which launches them in order
+(`Comm.reduce_in_order`).
 """
 from __future__ import annotations
 
@@ -291,6 +292,16 @@ class FlatParamGroup:
         """The master is the parameter shard itself (fp32 compute). Identity, not address:
         offload empties both storages between steps, and empty tensors share address 0."""
         return self._master is self._param_shard
+
+    def unscale_into_master(self, multiplier: float) -> None:
+        """Step phase 3, the master beside the parameters: its gradient is the reduced
+        gradient x `multiplier`, in fp32 (the reduced shard itself when that is already it)."""
+        assert self._grads is not None  # attached when the engine built the group
+        grad = self._grads.reduced()
+        if grad.dtype == torch.float32 and multiplier == 1.0:
+            self._master.grad = grad  # no copy needed
+        else:
+            self._master.grad = grad.to(torch.float32).mul_(multiplier)
 
     def write_back(self) -> None:
         """Copy the updated master shard into this rank's parameter shard."""

@@ -13,8 +13,9 @@ calls back into this object.
                          hands its launch over itself (stage3/sharded_unit.py).
                          When a bucket (= flat group) is complete, its collective is
                          launched asynchronously while backward goes on, in bucket
-                         order on every rank (`comm.ReduceOrder`, shared by the
-                         bucket owners); `finish_backward()` hands in the buckets no
+                         order on every rank, through the shard group's `Comm` the
+                         bucket owners share (`Comm.reduce_in_order`);
+                         `finish_backward()` hands in the buckets no
                          hook completed (zeros where no gradient came) and waits.
                          alive: at most `max_buckets` full-size buckets, filling or
                          reducing (1 when reduced shards go to an NVMe file).
@@ -23,10 +24,13 @@ calls back into this object.
               2. skip    fp16 overflow on any rank: every rank skips, the scaler lowers
                          the scale (the engine zeroes the gradients).
               3. unscale fp32 master gradients = reduced gradients x (clip / loss scale),
-                         where the masters live (offload/placement.py);
+                         where the masters live: with nothing offloaded, each group's
+                         own transition (flat.py); offloaded, the placement's
+                         (offload/placement.py), composed in at construction;
                          alive: grads, masters, one fp32 gradient per master shard.
               4. update  the torch optimizer steps the master shards.
-              5. gather  masters are written into the parameter shards, which are
+              5. gather  masters are written into the parameter shards (the groups'
+                         own transition, or the placements' when offloaded), which are
                          all-gathered in buckets of `allgather_bucket_size` elements;
                          then whoever asked (`after_gather`: the stage-3 schedule) is told.
 
@@ -41,12 +45,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
-from zeromem.comm import ReduceOrder
 from zeromem.flat import FlatParamGroup
 from zeromem.layout import GATHER_IN_FLIGHT
 
@@ -72,23 +76,42 @@ class ZeroOptimizer:
     Built once by the engine from parts chosen at construction: the flat groups,
     the collectives (`plan`: which group shards), where masters and parameter
     shards live (`masters`, `params`: offload/placement.py), the torch optimizer
-    over the master shards, the loss scaler, the model-parallel norm, and the
-    `ReduceOrder` the gradient buckets launch through (comm.py).
+    over the master shards, the loss scaler and, with tensor parallelism only, the
+    model-parallel norm (`mp_norm`; None without). The gradient buckets launch through
+    the shard group's `Comm` (`plan.shard`), in bucket order.
+
+    What varies with the configuration is chosen here, once (STYLE: composition, no `if
+    offload` in the step): with masters and parameter shards on the device, phases 3 and
+    5 are each group's own transitions on its own tensors, and no placement is called;
+    offloaded, the placements' verbs. Without tensor parallelism the norm is each group's
+    own square.
     """
 
     def __init__(self, groups: list[FlatParamGroup], plan: CommPlan, masters: MastersPlacement,
                  params: ParamPlacement, optimizer: torch.optim.Optimizer,
-                 scaler: NoScaler | StaticScaler | DynamicScaler, mp_norm: ModelParallelNorm,
-                 settings: StepSettings, order: ReduceOrder):
+                 scaler: NoScaler | StaticScaler | DynamicScaler,
+                 mp_norm: ModelParallelNorm | None, settings: StepSettings):
         self.groups = groups
         self.plan = plan
-        self.masters = masters
-        self.params = params
         self.optimizer = optimizer
         self.scaler = scaler
-        self.mp_norm = mp_norm
         self.settings = settings
-        self.order = order  # launch order and in-flight bound, shared with stage-3 units
+        # the norm's square of a group, and its sum over the model-parallel group (TP only)
+        self.square: Callable[[FlatParamGroup], torch.Tensor] = \
+            _own_square if mp_norm is None else mp_norm.square
+        self.sum_over_model: Callable[[torch.Tensor], None] = \
+            _alone if mp_norm is None else mp_norm.all_reduce
+        # step phases 3 and 5, and what the placement hears at each backward's start
+        on_device = masters.where == "device" and params.where == "device"
+        self.start_placement: Callable[[bool], None] = \
+            _nothing_placed if on_device else masters.start_backward
+        self.unscale: Callable[[list[FlatParamGroup], float], None] = \
+            _unscale_on_device if on_device else masters.unscale_grads
+        self.write_back: Callable[[list[FlatParamGroup]], None] = \
+            _write_back_on_device if on_device else partial(masters.write_back, params=params)
+        # the shard group's collectives; its bucket order and in-flight bound are shared
+        # with the stage-3 units (comm.py `schedule_reductions`)
+        self.comm = plan.shard
         self.grad_norm: float | None = None  # pre-clip global norm of the last step
         self.missing: list[int] = [len(g.params) for g in groups]  # `hook_parameters` counts
         self.gathered_callbacks: list[Callable[[], None]] = []
@@ -111,17 +134,17 @@ class ZeroOptimizer:
     def _hook(self, gi: int, offset: int):
         def on_grad(param: nn.Parameter) -> None:
             group = self.groups[gi]
-            if self.order.launched(gi):
+            if self.comm.launched(gi):
                 name = next(s.name for s in group.slots if s.offset == offset)
                 raise RuntimeError(f"parameter {name!r} received a second gradient in one backward "
                                    "after its bucket was reduced; use zeromem.checkpoint")
             if self.missing[gi] == len(group.params):  # a bucket starts
-                self.order.bucket_starts()
+                self.comm.bucket_starts()
             group.grads.accumulate(offset, param.grad)
             param.grad = None
             self.missing[gi] -= 1
             if self.missing[gi] == 0:
-                self.order.ready(gi, group.grads.launch)
+                self.comm.reduce_in_order(gi, group.grads.launch)
         return on_grad
 
     def after_gather(self, callback: Callable[[], None]) -> None:
@@ -130,9 +153,9 @@ class ZeroOptimizer:
 
     def start_backward(self, boundary: bool) -> None:
         """Called before each backward; `boundary` marks the last micro-step of a step."""
-        self.masters.start_backward(boundary)  # host copies of reduced grads at the boundary
+        self.start_placement(boundary)  # offloaded: host copies of reduced grads at the boundary
         every_micro = bool(self.groups) and self.groups[0].grads.reduces_every_microstep
-        self.order.start(boundary or every_micro)
+        self.comm.start_reductions(boundary or every_micro)
         self.missing = [len(g.params) for g in self.groups]
 
     def finish_backward(self) -> None:
@@ -141,8 +164,8 @@ class ZeroOptimizer:
         if self.hooks:
             for gi, g in enumerate(self.groups):
                 if self.missing[gi]:
-                    self.order.ready(gi, g.grads.launch)
-        self.order.finish()
+                    self.comm.reduce_in_order(gi, g.grads.launch)
+        self.comm.finish_reductions()
 
     def remove(self) -> None:
         for h in self.hooks:
@@ -169,20 +192,20 @@ class ZeroOptimizer:
         """L2 norm of the averaged, unscaled gradient of the whole model (padding holds zeros)."""
         if not self.groups:
             return 0.0
-        sq = torch.stack([self.mp_norm.square(g) for g in self.groups]).sum()
+        sq = torch.stack([self.square(g) for g in self.groups]).sum()
         if self.groups[0].shard_world > 1:
             self.plan.shard.all_reduce(sq, kind="all_reduce_norm")
-        self.mp_norm.all_reduce(sq)
+        self.sum_over_model(sq)
         return float(sq.sqrt()) / self.scaler.scale
 
     def _unscale_into_masters(self, norm: float) -> None:
         clip = self.settings.gradient_clipping
         coef = min(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else 1.0
-        self.masters.unscale_grads(self.groups, coef / self.scaler.scale)
+        self.unscale(self.groups, coef / self.scaler.scale)
 
     def gather_params(self) -> None:
         """Masters into the parameter shards (wherever they live), then all-gather them."""
-        self.masters.write_back(self.groups, self.params)
+        self.write_back(self.groups)
         in_flight: deque = deque()
         for g in self.groups:
             for pending in g.launch_all_gather(self.settings.allgather_bucket_numel):
@@ -205,3 +228,27 @@ class ZeroOptimizer:
         """After a checkpoint load: compute-dtype parameters from the masters, no stale gradients."""
         self.gather_params()
         self.zero_grad()
+
+
+# -- the parts chosen when nothing is offloaded, or no tensor parallelism -------------------
+def _own_square(group: FlatParamGroup) -> torch.Tensor:
+    """No tensor parallelism: the group's own squared gradient norm is the model's share."""
+    return group.grads.square()
+
+
+def _alone(sq: torch.Tensor) -> None:
+    """No model-parallel group: nothing to sum over."""
+
+
+def _nothing_placed(boundary: bool) -> None:
+    """Nothing offloaded: no host copies to arm at the boundary."""
+
+
+def _unscale_on_device(groups: list[FlatParamGroup], multiplier: float) -> None:
+    for g in groups:
+        g.unscale_into_master(multiplier)
+
+
+def _write_back_on_device(groups: list[FlatParamGroup]) -> None:
+    for g in groups:
+        g.write_back()

@@ -76,7 +76,7 @@ class MastersPlacement(Protocol):
     """Where masters and optimizer states live and the step runs; one verb per step phase."""
 
     where: str  # "device" | "host" | "nvme"
-    buckets_alive: int  # full-size gradient buckets alive at once (comm.ReduceOrder)
+    buckets_alive: int  # full-size gradient buckets alive at once (Comm.schedule_reductions)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -115,7 +115,11 @@ class MastersPlacement(Protocol):
 
 
 class MastersOnDevice:
-    """No `offload_optimizer`: masters and states beside the parameters; torch's own step."""
+    """No `offload_optimizer`: masters and states beside the parameters; torch's own step.
+
+    With the parameter shards on the device too, the step calls none of this: its phases
+    are the groups' own transitions (zero_optimizer.py). Here for the optimizer, and for
+    stage 3 with `offload_param` (masters kept on the device, shards stored elsewhere)."""
 
     where = "device"
     buckets_alive = BUCKETS_ALIVE
@@ -149,11 +153,7 @@ class MastersOnDevice:
 
     def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
         for g in groups:
-            grad = g.grads.reduced()
-            if grad.dtype == torch.float32 and multiplier == 1.0:
-                g.master.grad = grad  # no copy needed
-            else:
-                g.master.grad = grad.to(torch.float32).mul_(multiplier)
+            g.unscale_into_master(multiplier)  # the group's own tensors
 
     def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         _store_masters(groups, params)
