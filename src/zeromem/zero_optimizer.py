@@ -109,6 +109,13 @@ class ZeroOptimizer:
             _unscale_on_device if on_device else masters.unscale_grads
         self.write_back: Callable[[list[FlatParamGroup]], None] = \
             _write_back_on_device if on_device else partial(masters.write_back, params=params)
+        # a skipped step undoes what the boundary backward began (the NVMe step, which may
+        # begin there when no phase before the update needs the whole gradient: no clip
+        # coefficient, no loss scale, no model-parallel norm reading gradients back)
+        self.skip: Callable[[], None] = _nothing_begun if on_device else masters.skip_step
+        if not on_device:
+            masters.allow_step_in_backward(not settings.gradient_clipping and mp_norm is None
+                                           and scaler.scale == 1.0 and not scaler.dynamic)
         # the shard group's collectives; its bucket order and in-flight bound are shared
         # with the stage-3 units (comm.py `schedule_reductions`)
         self.comm = plan.shard
@@ -116,12 +123,6 @@ class ZeroOptimizer:
         self.missing: list[int] = [len(g.params) for g in groups]  # `hook_parameters` counts
         self.gathered_callbacks: list[Callable[[], None]] = []
         self.hooks: list = []
-        # no phase before the update needs the whole gradient (no clip coefficient, no loss
-        # scale, no model-parallel norm reading gradients back): the NVMe step may begin in
-        # the boundary backward (offload/backward_step.py)
-        masters.allow_step_in_backward(
-            not settings.gradient_clipping and scaler.scale == 1.0 and not scaler.dynamic
-            and mp_norm.comm is None)
 
     # -- backward: reduce -------------------------------------------------------
     def hook_parameters(self) -> None:
@@ -184,7 +185,7 @@ class ZeroOptimizer:
                 g.master.grad = None
             self.gather_params()                                 # 5. gather
         else:
-            self.masters.skip_step()  # what the boundary backward began is undone
+            self.skip()  # what the boundary backward began (offload/backward_step.py)
         self.scaler.update(overflow)
         return overflow
 
@@ -242,6 +243,10 @@ def _alone(sq: torch.Tensor) -> None:
 
 def _nothing_placed(boundary: bool) -> None:
     """Nothing offloaded: no host copies to arm at the boundary."""
+
+
+def _nothing_begun() -> None:
+    """Nothing offloaded: no step begins before step()."""
 
 
 def _unscale_on_device(groups: list[FlatParamGroup], multiplier: float) -> None:

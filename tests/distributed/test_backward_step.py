@@ -10,9 +10,12 @@ checkpoint saved after a step and loaded, and gradients arriving out of order.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -68,7 +71,7 @@ def poison_last_put(engine, rank: int) -> list[bool]:
 
 def hold_back(engine) -> None:
     """Deliver each even group's reduced shard after the next group's: gradients out of
-    the order `ReduceOrder` gives them, so sub-groups wait half-filled for a slot."""
+    the order `Comm.reduce_in_order` gives them, so sub-groups wait half-filled for a slot."""
     grads, groups = engine.optimizer.grad_file, engine.groups
     put, held = grads.put, []
 
@@ -81,6 +84,25 @@ def hold_back(engine) -> None:
             put(*held.pop())
 
     grads.put = late_put
+
+
+@contextlib.contextmanager
+def slow_writes(delay_s: float = 0.01) -> Iterator[None]:
+    """Every swap write waits `delay_s` first: reads the step in backward starts into a slot
+    whose write is still running must wait for it (`SwapFile.read(after=)`)."""
+    import zeromem.offload.nvme as nvme
+    transfer = nvme._transfer
+
+    def slow(op, fd, view, offset, path):
+        if op == "write":
+            time.sleep(delay_s)
+        transfer(op, fd, view, offset, path)
+
+    nvme._transfer = slow
+    try:
+        yield
+    finally:
+        nvme._transfer = transfer
 
 
 def train(engine, step: int, rank: int, gas: int) -> dict:
@@ -173,6 +195,12 @@ def backward_step_run(rank: int, world_size: int, path: str) -> dict:
     for step in range(2):
         rows = [train(e, step, rank, 1) for e in (early, late)]
         out["out_of_order"].append({"early": rows[0], "same": same(snapshot(early), snapshot(late))})
+    # on a slow disk: the reads into slots just stepped start behind their writes
+    with slow_writes():
+        for step in range(2, 4):
+            for e in (early, late):
+                train(e, step, rank, 1)
+    out["slow_disk_same"] = same(snapshot(early), snapshot(late))
     for e in (early, late):
         e.close()
     return out
@@ -185,7 +213,7 @@ def test_step_in_backward_is_bitwise_the_step_in_step(tmp_path):
     ranks and leaves every state as it was; accumulation writes the first micro-step's
     gradient only; a checkpoint after a step loads exact; whole reads and new settings
     between backward and step() are refused; gradients out of order leave some
-    sub-groups to step(), through grads.swp, with the same results."""
+    sub-groups to step(), through grads.swp, with the same results; on a slow disk too."""
     for out in run_distributed(backward_step_run, 2, str(tmp_path)):
         n = out["sub_groups"]
         assert n >= 3 and out["eval_same"], out
@@ -210,6 +238,7 @@ def test_step_in_backward_is_bitwise_the_step_in_step(tmp_path):
             # the first micro-step's gradients written; the boundary's sum never read back
             assert row["early"]["grads_swp"][1] > 0, row
             assert row["early"]["grads_swp"][0] < row["late"]["grads_swp"][0], row
+        assert out["slow_disk_same"]
         for row in out["out_of_order"]:
             assert row["same"], row
             assert 0 < row["early"]["in_backward"] < n and row["early"]["grads_swp"][1] > 0, row

@@ -52,6 +52,12 @@ class Placement:
         for g in groups:
             g.write_back()
 
+    def allow_step_in_backward(self, allowed: bool) -> None:
+        """Told once, at construction: not a step verb."""
+
+    def skip_step(self) -> None:
+        self.calls.append("skip_step")
+
 
 def _optimizer(group: FlatParamGroup, masters: Placement, params: str) -> ZeroOptimizer:
     sgd = torch.optim.SGD([group.master], lr=LR)

@@ -36,7 +36,9 @@ The cost: twice the disk for optimizer states and parameter shards
 (`zeromem.nvme_step_in_backward: false` turns it off).
 
 Buffer lifetimes: the optimizer's pool only; a sub-group holds a slot from the
-start of its reads to its step (or to `finish`), as in `step()`.
+start of its reads to its step (or to `finish`), as in `step()`. A slot is read into
+again as soon as its sub-group is stepped: the reads wait for its writes in the I/O
+threads (`SwapFile.read(after=)`), so that they run while backward goes on.
 """
 from __future__ import annotations
 
@@ -60,8 +62,8 @@ class StepInBackward:
         self.opt = opt
         self.allowed = False  # `ZeroOptimizer`: nothing needs the whole gradient first
         self.active = False  # a boundary backward is running, or ended without its step
-        # the order gradients are expected to complete in: the groups' (`ReduceOrder` launches
-        # the reductions in group order), then as the last boundary backward completed them
+        # the order gradients are expected to complete in: the groups' (`Comm.reduce_in_order`
+        # launches the reductions in group order), then as the last boundary completed them
         self.order = list(range(len(opt.sub_groups)))
         self.pieces_of: dict[int, list[tuple[int, int]]] = {}  # group id -> (sub-group, piece)
         for i, sg in enumerate(opt.sub_groups):
@@ -85,7 +87,7 @@ class StepInBackward:
         self.drop()
         self.active = True
         self.settings = _settings(self.opt.param_groups)
-        self._read_expected(wait=True)
+        self._read_expected()
 
     def take(self, group: FlatParamGroup, shard: torch.Tensor) -> bool:
         """`group`'s reduced gradient `shard`: its pieces into their sub-groups' slots, each
@@ -96,7 +98,7 @@ class StepInBackward:
         taken = True
         for i, k in self.pieces_of.get(id(group), ()):
             taken = self._take_piece(i, k, shard) and taken
-        self._read_expected(wait=False)  # into slots whose writes have finished
+        self._read_expected()  # into the slots just stepped: the reads wait for their writes
         return taken
 
     def finish(self) -> tuple[Held, set[int]]:
@@ -140,11 +142,11 @@ class StepInBackward:
             if i in self.arrived:
                 raise OffloadError(f"sub-group {i} was stepped in backward before all of its "
                                    "gradient came")
-            slot = self._free_slot(written=False) or self._unexpect()
+            slot = self._free_slot() or self._unexpect()
             if slot is None:  # every slot waits for gradients still to come
                 self.late.add(i)
                 return False
-            self.held[i] = (slot, opt._start_state_reads(i, slot))
+            self.held[i] = (slot, opt._start_state_reads(i, slot, chained=True))
         slot = self.held[i][0]
         sg = opt.sub_groups[i]
         p, at = sg.pieces[k], opt._grad_places(sg)[k]
@@ -163,20 +165,23 @@ class StepInBackward:
             h.wait()
         opt._compute(opt.sub_groups[i], slot)
         opt._start_writes(i, slot)
+        if not opt.write_behind:  # offload_optimizer.pipeline_write off: waited here too
+            opt._settle(i)
         self.stepped.append(i)
 
-    def _read_expected(self, wait: bool) -> None:
-        """Start reading the next expected sub-groups into free slots (with `wait`, also into
-        slots whose last write is still running)."""
+    def _read_expected(self) -> None:
+        """Start reading the next expected sub-groups into the free slots; a read into a slot
+        whose write is still running waits for it in the I/O threads, not here (the
+        backward goes on)."""
         if not self.opt.read_ahead:
             return
         seen = set(self.held) | set(self.arrived) | self.late
         expected = (i for i in self.order if i not in seen)
-        while (slot := self._free_slot(written=not wait)) is not None:
+        while (slot := self._free_slot()) is not None:
             i = next(expected, None)
             if i is None:
                 return
-            self.held[i] = (slot, self.opt._start_state_reads(i, slot))
+            self.held[i] = (slot, self.opt._start_state_reads(i, slot, chained=True))
 
     def _unexpect(self) -> Slot | None:
         """The slot of the held sub-group expected last that no gradient reached yet (its
@@ -190,13 +195,11 @@ class StepInBackward:
             h.wait()
         return slot
 
-    def _free_slot(self, written: bool) -> Slot | None:
-        """A slot no sub-group holds, the one written longest ago (`written`: whose writes
-        have all finished), or None."""
+    def _free_slot(self) -> Slot | None:
+        """A slot no sub-group holds, the one written longest ago, or None."""
         opt = self.opt
         taken = [s for s, _ in self.held.values()]
-        free = [s for s in opt.slots if not any(s is t for t in taken)
-                and (not written or opt._written(s))]
+        free = [s for s in opt.slots if not any(s is t for t in taken)]
         return min(free, key=opt._last_write, default=None)
 
 

@@ -39,8 +39,9 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -213,6 +214,16 @@ def _transfer(op: str, fd: int, view: memoryview, offset: int, path: Path) -> No
         done += n
 
 
+def _transfer_after(after: list[Future], op: str, fd: int, view: memoryview, offset: int,
+                    path: Path) -> None:
+    """`_transfer` once the requests `after` have finished (their errors raise here). They
+    were submitted before to the same FIFO pool, or to another: running or done, so the
+    thread this waits in never holds up one of them."""
+    for f in after:
+        f.result()
+    _transfer(op, fd, view, offset, path)
+
+
 class AsyncIO:
     """A thread pool issuing block-sized positional reads and writes."""
 
@@ -228,11 +239,15 @@ class AsyncIO:
         return cls(aio.block_size, aio.intra_op_parallelism * aio.queue_depth)
 
     def submit(self, op: str, fd: int, buffer: torch.Tensor, offset: int, path: Path,
-               finish: Callable[[], None] | None = None) -> IOHandle:
-        """Start reading (`op` "read") or writing `buffer` (uint8, host) at `offset`."""
+               finish: Callable[[], None] | None = None,
+               after: Sequence[IOHandle] = ()) -> IOHandle:
+        """Start reading (`op` "read") or writing `buffer` (uint8, host) at `offset`, each
+        chunk once the requests `after` (submitted earlier) have finished."""
         view = memoryview(buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
         step = self.block_size
-        futures = [self.pool.submit(_transfer, op, fd, view[s:s + step], offset + s, path)
+        waits = [f for h in after for f in h.futures]
+        move = partial(_transfer_after, waits) if waits else _transfer
+        futures = [self.pool.submit(move, op, fd, view[s:s + step], offset + s, path)
                    for s in range(0, len(view), step)]
         if op == "read":
             self.stats.read_bytes += len(view)
@@ -298,11 +313,12 @@ class SwapFile:
             raise _failure("allocation", new, self.nbytes, self.path, e) from e
         self.nbytes = new
 
-    def read(self, buffer: torch.Tensor, offset: int) -> IOHandle:
-        """Start reading `buffer.numel()` bytes (an ALIGN multiple) from `offset`."""
+    def read(self, buffer: torch.Tensor, offset: int, after: Sequence[IOHandle] = ()) -> IOHandle:
+        """Start reading `buffer.numel()` bytes (an ALIGN multiple) from `offset`, once the
+        requests `after` have finished (writes still reading from `buffer`)."""
         self._check(buffer, offset)
         self.read_bytes += buffer.numel()
-        return self.io.submit("read", self.fd, buffer, offset, self.path)
+        return self.io.submit("read", self.fd, buffer, offset, self.path, after=after)
 
     def write(self, buffer: torch.Tensor, offset: int) -> IOHandle:
         """Start writing `buffer` at `offset`; buffered mode syncs before `wait()` returns."""

@@ -28,6 +28,12 @@ sub-groups' writes are left in flight when `step()` returns, waited for when the
 slot or record is next used, or by `settle()` (which `all_in_memory` and the engine's
 close call before the files are used whole).
 
+Where nothing needs the whole gradient first (fp32, parameters on NVMe, no clipping,
+no loss scale), the step itself begins in the boundary backward, each sub-group as
+its gradient is reduced (`StepInBackward`, offload/backward_step.py); the records then
+have two copies (`two_copies`: the step writes the other one, current once `step()`
+takes the step, `_commit`), so that a skipped step leaves them as they were.
+
 Buffer lifetimes: the pool lives as long as the optimizer; a sub-group holds its
 buffers from the launch of its read until its write has completed, and only then
 is the slot reused. Fresh states (step 0 of a param group) are zero-filled, not
@@ -246,16 +252,25 @@ class SwappedOptimizer(torch.optim.Optimizer):
         """Start reading sub-group `i` into `slot`: fields, fp32 master pieces and gradients."""
         return self._start_state_reads(i, slot) + self._start_grad_reads(i, slot)
 
-    def _start_state_reads(self, i: int, slot: Slot) -> list[IOHandle]:
+    def _start_state_reads(self, i: int, slot: Slot, chained: bool = False) -> list[IOHandle]:
         """Its fields and (fp32: the master is the parameter shard) its pieces of the shards,
-        once the writes still in flight from `slot` and to `i`'s records have finished."""
-        self._settle_slot(slot)  # a read into a buffer a write still reads would be stored
+        once the writes still in flight from `slot` and to `i`'s records have finished
+        (`chained`: the reads start at once, and wait for the slot's writes in the I/O
+        threads, not here)."""
+        # a read into a buffer a write still reads would be stored
+        after = [h for s, hs in self.writes.values() if s is slot for h in hs] if chained else []
+        if not chained:
+            self._settle_slot(slot)
         self._settle(i)  # a read before the record's last write lands would miss it
         sg = self.sub_groups[i]
-        handles = self._read_fields_async(sg, slot)
+        if after and self.steps[sg.param_group] == 0:  # fresh states are zero-filled here
+            self._settle_slot(slot)
+            after = []
+        handles = self._read_fields_async(sg, slot, after)
         if not self.master_in_file:
             for p, at in zip(sg.pieces, self._grad_places(sg)):
-                handle = self.params.read_piece(p.group, p.start, p.numel, slot["master"][at:])
+                handle = self.params.read_piece(p.group, p.start, p.numel, slot["master"][at:],
+                                                after)
                 if handle is not None:
                     handles.append(handle)
         return handles
@@ -481,12 +496,15 @@ class SwappedOptimizer(torch.optim.Optimizer):
     def discard(self) -> None:
         """The step is skipped: what the boundary backward stepped was written to the copies
         not current, which stay so (the next step writes them whole again)."""
-        if self.in_backward is not None:
-            self.in_backward.drop()
-        if self.two_copies:
-            self.params.discard()
-        try:  # the next step writes the same records, shared blocks maybe by other pieces:
-            for i in list(self.writes):  # no write of this one may land after those
+        self._count(0, 0, 0)  # nothing of it overlapped anything: it is not taken
+        try:
+            if self.in_backward is not None:
+                self.in_backward.drop()
+            if self.two_copies:
+                self.params.discard()
+            # the next step writes the same records, shared blocks maybe by other pieces: no
+            # write of this one may land after those
+            for i in list(self.writes):
                 self._settle(i)
         except BaseException as e:
             self.failed = e
@@ -551,14 +569,15 @@ class SwappedOptimizer(torch.optim.Optimizer):
         for h in self._read_fields_async(sg, slot):
             h.wait()
 
-    def _read_fields_async(self, sg: SubGroup, slot: Slot) -> list[IOHandle]:
+    def _read_fields_async(self, sg: SubGroup, slot: Slot,
+                           after: list[IOHandle] | None = None) -> list[IOHandle]:
         handles, at = [], self._record(sg, self.copy)
         for k, name in enumerate(self.file_fields):
             buf = slot[name][:sg.field_bytes]
             if name != "master" and self.steps[sg.param_group] == 0:
                 buf.zero_()  # a fresh state is zeros: nothing to read
             else:
-                handles.append(self.file.read(buf, at + k * sg.field_bytes))
+                handles.append(self.file.read(buf, at + k * sg.field_bytes, after or ()))
         return handles
 
     @contextlib.contextmanager

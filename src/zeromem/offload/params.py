@@ -98,8 +98,8 @@ class ParamPlacement(Protocol):
     def store(self, group: FlatParamGroup, start: int, values: torch.Tensor) -> None:
         """Write `values` (any dtype) into the shard at `start`, in the shard's dtype."""
 
-    def read_piece(self, group: FlatParamGroup, start: int, numel: int,
-                   buf: torch.Tensor) -> IOHandle | None:
+    def read_piece(self, group: FlatParamGroup, start: int, numel: int, buf: torch.Tensor,
+                   after: Sequence[IOHandle] = ()) -> IOHandle | None:
         """Start bringing fp32 shard elements [start, start + numel) to `piece_view(start, numel,
         buf)` (`buf`: aligned uint8, `piece_bytes(numel)` long); None when already there."""
 
@@ -131,8 +131,11 @@ class ParamPlacement(Protocol):
 
 
 def _load_piece(placement: ParamPlacement, group: FlatParamGroup, start: int, numel: int,
-                buf: torch.Tensor) -> IOHandle | None:
-    """`read_piece` of a placement in memory: its `load` into the piece's place in `buf`."""
+                buf: torch.Tensor, after: Sequence[IOHandle] = ()) -> IOHandle | None:
+    """`read_piece` of a placement in memory: its `load` into the piece's place in `buf`,
+    once the writes `after` (still reading from `buf`) have finished."""
+    for h in after:
+        h.wait()
     placement.load(group, start, piece_view(start, numel, buf))
     return None
 

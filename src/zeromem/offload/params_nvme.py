@@ -173,16 +173,19 @@ class ParamsOnNvme:
         group.param_shard[start:start + values.numel()].copy_(values)
         self.dirty.add(id(group))
 
-    def read_piece(self, group: FlatParamGroup, start: int, numel: int,
-                   buf: torch.Tensor) -> IOHandle | None:
-        """From the shard in memory if it is there (no I/O), else from params.swp."""
+    def read_piece(self, group: FlatParamGroup, start: int, numel: int, buf: torch.Tensor,
+                   after: Sequence[IOHandle] = ()) -> IOHandle | None:
+        """From the shard in memory if it is there (no I/O), else from params.swp; once the
+        writes `after` (still reading from `buf`) have finished."""
         key = id(group)
         begin, length = piece_range(start, numel)
         if key in self.in_memory:
+            for h in after:
+                h.wait()
             buf[:length].copy_(self.in_memory[key][1][begin:begin + length])
             return None
         self._settle_pieces(key, begin, begin + length)
-        return self.file.read(buf[:length], self._at(key) + begin)
+        return self.file.read(buf[:length], self._at(key) + begin, after)
 
     def write_piece(self, group: FlatParamGroup, start: int, numel: int,
                     buf: torch.Tensor) -> list[IOHandle]:
