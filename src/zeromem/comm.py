@@ -18,6 +18,12 @@ Reduce-scatter is chosen per backend. NCCL has a real one. gloo's
 `reduce_scatter_tensor` is an all-reduce underneath (it sends as many bytes as an
 all-reduce of the same input), so on gloo we run an all-to-all of the chunks
 followed by a local sum, which sends half as much.
+
+Gradient buckets are launched through the `Comm` their owners hold (the flat groups'
+shard group): in bucket order on every rank, with a bound on the full-size buckets
+alive (`schedule_reductions`, below). The order in which collectives are issued, and
+how many of their buffers are alive, are the communication schedule: they live
+beside the CB figure the same buffers are counted in.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from zeromem.hybrid.mesh import NodeLayout
+from zeromem.layout import BUCKETS_ALIVE
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
 if TYPE_CHECKING:
@@ -170,90 +177,6 @@ class Reduction(Protocol):
     def release_buffer(self, tensor: torch.Tensor) -> None: ...
 
 
-class ReduceOrder:
-    """The gradient reductions of one backward, launched in bucket order on every rank.
-
-    Ranks must issue collectives in the same order even when their graphs differ (a
-    parameter unused on one rank only), so buckets launch strictly in index order: a
-    ready bucket waits for the ones before it. At most `max_buckets` full-size buckets
-    are alive, filling or reducing: a bucket starts filling (`bucket_starts`) only when
-    fewer than `max_buckets` reductions are in flight, and a launch first waits for the
-    oldest until at most `max_buckets - 2` are (1: one bucket at a time, reduced shards
-    to an NVMe file, offload/grad_file.py).
-
-    One object shared by the owners of the buckets (the ZeRO optimizer's parameter hooks
-    at stages 0-2, each stage-3 unit), built by the engine and passed in. An owner hands
-    in its launch when its bucket is complete (`ready`); the order runs launches, with
-    `comm`, and calls nothing else: no call goes back up to the owners' owners.
-    """
-
-    def __init__(self, comm: Reduction, count: int, max_buckets: int, overlap: bool = True):
-        self.comm = comm  # what the buckets reduce with (hierarchy.CommPlan.grads)
-        self.count = count  # buckets (flat groups); every one is handed in when reducing
-        self.max_buckets = max_buckets
-        self.overlap = overlap  # overlap_comm: reductions run while backward goes on
-        self.reducing = False  # this backward reduces (a boundary, or every micro-step)
-        self.next_index = 0  # buckets before it were launched in this backward
-        self.waiting: dict[int, Callable[[Reduction], Pending]] = {}  # ready, not launched
-        self.in_flight: deque[Pending] = deque()
-        # most full-size buckets alive at once (one starting + reductions not yet waited for):
-        # the bound `max_buckets` keeps, observable (a reduction not waited for holds its buffers)
-        self.buckets_alive_peak = 0
-
-    @property
-    def one_bucket_at_a_time(self) -> bool:
-        """A single full-size bucket alive at once: no gradient may wait beside a reduction."""
-        return self.max_buckets == 1
-
-    def start(self, reducing: bool) -> None:
-        """A backward begins; `reducing`: its buckets are launched (else they accumulate)."""
-        self.reducing = reducing
-        self.next_index = 0
-        self.waiting.clear()
-
-    def bucket_starts(self) -> None:
-        """A full-size bucket is about to fill: at most `max_buckets` are alive."""
-        if self.reducing:
-            self._wait_in_flight(self.max_buckets - 1)
-            self.buckets_alive_peak = max(self.buckets_alive_peak, len(self.in_flight) + 1)
-
-    def ready(self, index: int, launch: Callable[[Reduction], Pending]) -> None:
-        """Bucket `index` is complete: `launch(comm)` runs once those before it have."""
-        if not self.reducing:
-            return
-        self.waiting[index] = launch
-        while self.next_index in self.waiting:
-            self._launch(self.waiting.pop(self.next_index))
-
-    def launched(self, index: int) -> bool:
-        """Was bucket `index`'s reduction launched in this backward?"""
-        return self.reducing and index < self.next_index
-
-    def finish(self) -> None:
-        """Backward ended: wait for every reduction. Each bucket must have been handed in."""
-        while self.in_flight:
-            self.in_flight.popleft().wait()
-        missed = self.reducing and self.next_index < self.count
-        self.reducing = False
-        if missed:  # its owner's gradients were never reduced: the step would read zeros
-            raise RuntimeError(f"gradient bucket {self.next_index} of {self.count} was never "
-                               "handed in for reduction in this backward")
-
-    def _launch(self, launch: Callable[[Reduction], Pending]) -> None:
-        self._wait_in_flight(self.max_buckets - 2)
-        pending = launch(self.comm)
-        self.next_index += 1
-        if self.overlap:
-            self.in_flight.append(pending)
-        else:
-            pending.wait()
-
-    def _wait_in_flight(self, most: int) -> None:
-        """Wait for the oldest reductions until at most `most` are in flight."""
-        while len(self.in_flight) > max(0, most):
-            self.in_flight.popleft().wait()
-
-
 class Comm:
     """Collectives over one data-parallel process group, with byte accounting."""
 
@@ -284,6 +207,18 @@ class Comm:
         self._closed = False
         self._log: CommLog | None = None  # `comms_logger`: each collective's size and latency
         self._parent: Comm | None = None  # set by `sub`: the parent's log records ours too
+        # gradient buckets (`schedule_reductions`): none until the engine schedules them
+        self._reduction: Reduction = self  # what the buckets reduce with (CommPlan.grads)
+        self._bucket_count = 0  # buckets (flat groups); every one is handed in when reducing
+        self.max_buckets = BUCKETS_ALIVE  # full-size buckets alive, filling or reducing
+        self._overlap = True  # overlap_comm: reductions run while backward goes on
+        self._reducing = False  # this backward reduces (a boundary, or every micro-step)
+        self._next_bucket = 0  # buckets before it were launched in this backward
+        self._waiting: dict[int, Callable[[Reduction], Pending]] = {}  # ready, not launched
+        self._reductions: deque[Pending] = deque()  # launched, not yet waited for
+        # most full-size buckets alive at once (one starting + reductions not yet waited for):
+        # the bound `max_buckets` keeps, observable (a reduction not waited for holds its buffers)
+        self.buckets_alive_peak = 0
 
     def sub(self, group: dist.ProcessGroup | None) -> Comm:
         """A Comm over `group` (a sub-group of this one's ranks) sharing this ledger."""
@@ -366,6 +301,82 @@ class Comm:
                     timedelta(seconds=barrier_timeout_s))
             except RuntimeError:
                 pass
+
+    # -- gradient buckets: launch order and buckets alive --------------------------
+    def schedule_reductions(self, reduction: Reduction, count: int, max_buckets: int,
+                            overlap: bool = True) -> None:
+        """Launch `count` gradient buckets per reducing backward, with `reduction`.
+
+        Ranks must issue collectives in the same order even when their graphs differ (a
+        parameter unused on one rank only), so buckets launch strictly in index order: a
+        ready bucket waits for the ones before it. At most `max_buckets` full-size buckets
+        are alive, filling or reducing: a bucket starts filling (`bucket_starts`) only when
+        fewer than `max_buckets` reductions are in flight, and a launch first waits for the
+        oldest until at most `max_buckets - 2` are (1: one bucket at a time, reduced shards
+        to an NVMe file, offload/grad_file.py).
+
+        The buckets' owners (the ZeRO optimizer's parameter hooks at stages 0-2, each
+        stage-3 unit) hand in their launch when their bucket is complete
+        (`reduce_in_order`); this runs launches, with `reduction`, and calls nothing else:
+        no call goes back up to the owners' owners. Set once, by the engine.
+        """
+        self._reduction = reduction  # Comm, or a two-level reduction (hybrid/hierarchy.py)
+        self._bucket_count = count
+        self.max_buckets = max_buckets
+        self._overlap = overlap
+
+    @property
+    def one_bucket_at_a_time(self) -> bool:
+        """A single full-size bucket alive at once: no gradient may wait beside a reduction."""
+        return self.max_buckets == 1
+
+    def start_reductions(self, reducing: bool) -> None:
+        """A backward begins; `reducing`: its buckets are launched (else they accumulate)."""
+        self._reducing = reducing
+        self._next_bucket = 0
+        self._waiting.clear()
+
+    def bucket_starts(self) -> None:
+        """A full-size bucket is about to fill: at most `max_buckets` are alive."""
+        if self._reducing:
+            self._wait_reductions(self.max_buckets - 1)
+            self.buckets_alive_peak = max(self.buckets_alive_peak, len(self._reductions) + 1)
+
+    def reduce_in_order(self, index: int, launch: Callable[[Reduction], Pending]) -> None:
+        """Bucket `index` is complete: `launch(reduction)` runs once those before it have."""
+        if not self._reducing:
+            return
+        self._waiting[index] = launch
+        while self._next_bucket in self._waiting:
+            self._launch_bucket(self._waiting.pop(self._next_bucket))
+
+    def launched(self, index: int) -> bool:
+        """Was bucket `index`'s reduction launched in this backward?"""
+        return self._reducing and index < self._next_bucket
+
+    def finish_reductions(self) -> None:
+        """Backward ended: wait for every reduction. Each bucket must have been handed in."""
+        while self._reductions:
+            self._reductions.popleft().wait()
+        missed = self._reducing and self._next_bucket < self._bucket_count
+        self._reducing = False
+        if missed:  # its owner's gradients were never reduced: the step would read zeros
+            raise RuntimeError(f"gradient bucket {self._next_bucket} of {self._bucket_count} "
+                               "was never handed in for reduction in this backward")
+
+    def _launch_bucket(self, launch: Callable[[Reduction], Pending]) -> None:
+        self._wait_reductions(self.max_buckets - 2)
+        pending = launch(self._reduction)
+        self._next_bucket += 1
+        if self._overlap:
+            self._reductions.append(pending)
+        else:
+            pending.wait()
+
+    def _wait_reductions(self, most: int) -> None:
+        """Wait for the oldest reductions until at most `most` are in flight."""
+        while len(self._reductions) > max(0, most):
+            self._reductions.popleft().wait()
 
     # -- comms_logger (monitoring/comm_log.py) ------------------------------------------
     def _logged(self, collective: str, kind: str, nbytes: int, issue: Callable[[], Pending],

@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zeromem.activations import recompute as activations
 from zeromem.checkpoints import save_load as checkpoints
-from zeromem.comm import Comm, ReduceOrder
+from zeromem.comm import Comm
 from zeromem.config.schema import Config
 from zeromem.distributed import Runtime
 from zeromem.flat import FlatParamGroup, Sharding
@@ -132,15 +132,16 @@ class Engine:
             mp_group = self.activation_checkpointing.config.mp_group
         self.mp_norm = ModelParallelNorm(module, mp_group)
         # the buckets' reductions, in bucket order on every rank, with at most `buckets_alive`
-        # full-size buckets alive: one object shared by whoever fills the buckets (comm.py)
-        self.reductions = ReduceOrder(self.plan.grads, len(self.groups), self.offload.buckets_alive,
-                                      config.zero_optimization.overlap_comm is not False)
+        # full-size buckets alive: scheduled by the shard group's Comm, which whoever fills
+        # the buckets holds (comm.py)
+        self.plan.shard.schedule_reductions(self.plan.grads, len(self.groups),
+                                            self.offload.buckets_alive,
+                                            config.zero_optimization.overlap_comm is not False)
         # one gradient's life: reduced in backward, stepped, all-gathered (zero_optimizer.py)
         self.zero = ZeroOptimizer(self.groups, self.plan, self.offload.masters, self.offload.params,
                                   self.optimizer, self.scaler, self.mp_norm, StepSettings(
                                       float(config.gradient_clipping or 0.0),
-                                      self.bucket_sizes["allgather_bucket_size"]),
-                                  self.reductions)
+                                      self.bucket_sizes["allgather_bucket_size"]))
         # gradient readiness: one hook per parameter (stages 0-2), or each unit's own (stage 3)
         self.stage3: FetchSchedule | None = None
         if self.unit_choice is None:
@@ -232,7 +233,7 @@ class Engine:
         """The fetch units and their schedule (stage3/fetch.py); records the prefetch window."""
         schedule = build_stage3(self.module, self.groups, choice, self.config, self.plan,
                                 self.offload.params, self.runtime.gather_timeout_s, self.comm,
-                                self.reductions, self.partitions)
+                                self.partitions)
         self.bucket_sizes["stage3_prefetch_bucket_size"] = schedule.limits.prefetch_numel
         return schedule
 

@@ -32,7 +32,8 @@ Three gradient buffer kinds, chosen once from `Sharding` (llm.c style: data, not
   reduce-scattered, added into the shard and dropped.
 
 Their owners fill them (the ZeRO optimizer's hooks at stages 0-2, the stage-3 unit)
-and hand their `launch` to the shared `comm.ReduceOrder`.
+and hand their `launch` to the shard group's `Comm`, which launches them in order
+(`Comm.reduce_in_order`).
 """
 from __future__ import annotations
 

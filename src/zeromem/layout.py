@@ -112,9 +112,9 @@ def derived_prefetch_numel(largest_unit_numel: int) -> int:
 
 # ---------------------------------------------------------------- communication buffers in flight
 
-REDUCE_IN_FLIGHT = 2  # gradient buckets reducing at once under overlap_comm (comm.ReduceOrder)
+REDUCE_IN_FLIGHT = 2  # gradient buckets reducing at once under overlap_comm (comm.Comm.schedule_reductions)
 # full-size gradient buckets alive at once by default: REDUCE_IN_FLIGHT reducing (one finishing
-# while the next overlaps backward) and one filling (comm.ReduceOrder.max_buckets)
+# while the next overlaps backward) and one filling (comm.Comm.max_buckets)
 BUCKETS_ALIVE = REDUCE_IN_FLIGHT + 1
 GATHER_IN_FLIGHT = 2  # updated-shard all-gathers left in flight after each issue (zero_optimizer.py)
 

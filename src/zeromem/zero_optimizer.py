@@ -13,8 +13,9 @@ calls back into this object.
                          hands its launch over itself (stage3/sharded_unit.py).
                          When a bucket (= flat group) is complete, its collective is
                          launched asynchronously while backward goes on, in bucket
-                         order on every rank (`comm.ReduceOrder`, shared by the
-                         bucket owners); `finish_backward()` hands in the buckets no
+                         order on every rank, through the shard group's `Comm` the
+                         bucket owners share (`Comm.reduce_in_order`);
+                         `finish_backward()` hands in the buckets no
                          hook completed (zeros where no gradient came) and waits.
                          alive: at most `max_buckets` full-size buckets, filling or
                          reducing (1 when reduced shards go to an NVMe file).
@@ -46,7 +47,6 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from zeromem.comm import ReduceOrder
 from zeromem.flat import FlatParamGroup
 from zeromem.layout import GATHER_IN_FLIGHT
 
@@ -72,14 +72,14 @@ class ZeroOptimizer:
     Built once by the engine from parts chosen at construction: the flat groups,
     the collectives (`plan`: which group shards), where masters and parameter
     shards live (`masters`, `params`: offload/placement.py), the torch optimizer
-    over the master shards, the loss scaler, the model-parallel norm, and the
-    `ReduceOrder` the gradient buckets launch through (comm.py).
+    over the master shards, the loss scaler and the model-parallel norm. The gradient
+    buckets launch through the shard group's `Comm` (`plan.shard`), in bucket order.
     """
 
     def __init__(self, groups: list[FlatParamGroup], plan: CommPlan, masters: MastersPlacement,
                  params: ParamPlacement, optimizer: torch.optim.Optimizer,
                  scaler: NoScaler | StaticScaler | DynamicScaler, mp_norm: ModelParallelNorm,
-                 settings: StepSettings, order: ReduceOrder):
+                 settings: StepSettings):
         self.groups = groups
         self.plan = plan
         self.masters = masters
@@ -88,7 +88,9 @@ class ZeroOptimizer:
         self.scaler = scaler
         self.mp_norm = mp_norm
         self.settings = settings
-        self.order = order  # launch order and in-flight bound, shared with stage-3 units
+        # the shard group's collectives; its bucket order and in-flight bound are shared
+        # with the stage-3 units (comm.py `schedule_reductions`)
+        self.comm = plan.shard
         self.grad_norm: float | None = None  # pre-clip global norm of the last step
         self.missing: list[int] = [len(g.params) for g in groups]  # `hook_parameters` counts
         self.gathered_callbacks: list[Callable[[], None]] = []
@@ -105,17 +107,17 @@ class ZeroOptimizer:
     def _hook(self, gi: int, offset: int):
         def on_grad(param: nn.Parameter) -> None:
             group = self.groups[gi]
-            if self.order.launched(gi):
+            if self.comm.launched(gi):
                 name = next(s.name for s in group.slots if s.offset == offset)
                 raise RuntimeError(f"parameter {name!r} received a second gradient in one backward "
                                    "after its bucket was reduced; use zeromem.checkpoint")
             if self.missing[gi] == len(group.params):  # a bucket starts
-                self.order.bucket_starts()
+                self.comm.bucket_starts()
             group.grads.accumulate(offset, param.grad)
             param.grad = None
             self.missing[gi] -= 1
             if self.missing[gi] == 0:
-                self.order.ready(gi, group.grads.launch)
+                self.comm.reduce_in_order(gi, group.grads.launch)
         return on_grad
 
     def after_gather(self, callback: Callable[[], None]) -> None:
@@ -126,7 +128,7 @@ class ZeroOptimizer:
         """Called before each backward; `boundary` marks the last micro-step of a step."""
         self.masters.start_backward(boundary)  # host copies of reduced grads at the boundary
         every_micro = bool(self.groups) and self.groups[0].grads.reduces_every_microstep
-        self.order.start(boundary or every_micro)
+        self.comm.start_reductions(boundary or every_micro)
         self.missing = [len(g.params) for g in self.groups]
 
     def finish_backward(self) -> None:
@@ -135,8 +137,8 @@ class ZeroOptimizer:
         if self.hooks:
             for gi, g in enumerate(self.groups):
                 if self.missing[gi]:
-                    self.order.ready(gi, g.grads.launch)
-        self.order.finish()
+                    self.comm.reduce_in_order(gi, g.grads.launch)
+        self.comm.finish_reductions()
 
     def remove(self) -> None:
         for h in self.hooks:

@@ -212,7 +212,7 @@ def resident_after_training(rank: int, world_size: int, path: str, depth: int) -
     out = {"steady": _vm("VmRSS"), "peak": _vm("VmHWM"), "states": 16 * engine.psi / world_size,
            "host": sum(places.get("host", 0) for places in held.values()),
            "build_peak": build_peak, "initialize_peak": initialize_peak,
-           "buckets": engine.reductions.buckets_alive_peak}
+           "buckets": engine.plan.shard.buckets_alive_peak}
     engine.close()
     return out
 

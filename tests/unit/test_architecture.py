@@ -157,13 +157,13 @@ OPTIMIZER_IMPORTERS = {
 def test_no_call_comes_back_to_the_optimizer():
     """The parts the optimizer steps over (flat groups and their gradient buffers, the
     reduction order, the stage-3 units and schedule, the offload placements) never reach
-    it: a stage-3 unit fills its bucket and hands its reduce-scatter to `comm.ReduceOrder`,
+    it: a stage-3 unit fills its bucket and hands its reduce-scatter to its `Comm`,
     and the step reads the reduced shard from the group (issue 11's walk)."""
     importers = {name for name, tree in modules().items()
                  if "zeromem.zero_optimizer" in imports_of(tree)}
     assert importers <= set(OPTIMIZER_IMPORTERS), (
         f"{sorted(importers - set(OPTIMIZER_IMPORTERS))} import zeromem.zero_optimizer: pass "
-        "what they need in (a ReduceOrder, a callback registered by the engine)")
+        "what they need in (a Comm, a callback registered by the engine)")
     stage3 = {name for name, tree in modules().items() if name.startswith("stage3/")
               and {"zeromem.engine", "zeromem.zero_optimizer"} & imports_of(tree)}
     assert not stage3, f"{sorted(stage3)} reach back up from stage 3"

@@ -1,9 +1,10 @@
 """A stage-3 unit's gradient life (stage3/sharded_unit.py): readiness counted once, in the unit,
-which fills its group's bucket and hands its own reduce-scatter to the shared `ReduceOrder`.
+which fills its group's bucket and hands its own reduce-scatter to the shard group's `Comm`,
+which launches the units' buckets in order.
 
-No process group: the unit's group is gathered by hand (world size 1), and the order reduces
-with `OneRank`, a reduction over one rank (a reduce-scatter over one rank is a copy), which
-records every bucket it is given.
+No process group: the unit's group is gathered by hand (world size 1), and the Comm (over one
+rank) reduces with `OneRank`, a reduction over one rank (a reduce-scatter over one rank is a
+copy), which records every bucket it is given.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from setups import OneRank
-from zeromem.comm import ReduceOrder
+from zeromem.comm import Comm
 from zeromem.flat import (ContiguousShards, FlatParamGroup, GroupState, ShardAccumulated,
                           Sharding)
 from zeromem.stage3.sharded_unit import LiveStats, Phase, ShardedUnit
@@ -31,9 +32,10 @@ def _unit(max_buckets: int = 3) -> tuple[ShardedUnit, OneRank, list[torch.Tensor
     group.attach_grads(ShardAccumulated(group, ContiguousShards([group.shard_numel],
                                                                 torch.float32, torch.device("cpu")), 0))
     reduction = OneRank()
-    order = ReduceOrder(reduction, 1, max_buckets)
-    order.start(reducing=True)
-    unit = ShardedUnit(group, 0, order, comm, False, LiveStats())  # type: ignore[arg-type]
+    order = Comm()  # one rank: schedules the unit's bucket, reduced by `reduction`
+    order.schedule_reductions(reduction, 1, max_buckets)
+    order.start_reductions(reducing=True)
+    unit = ShardedUnit(group, 0, order, False, LiveStats())
     full = group.begin_gather()  # world size 1: the shard is the whole buffer
     full.copy_(group.param_shard)
     group.finish_gather()
@@ -70,12 +72,12 @@ def test_the_last_gradient_fills_the_bucket_once_and_the_unit_launches_it():
     _loss(unit.group.params, x, True).backward()
     # gradients wait in param.grad until the last; then one bucket, launched at once
     assert seen == [(False, 0), (False, 0), (True, 1)]
-    assert unit.phase is Phase.REDUCED and unit.order.launched(0)
+    assert unit.phase is Phase.REDUCED and unit.comm.launched(0)
     assert all(p.grad is None for p in unit.group.params)  # the bucket held them
     (bucket,) = reduction.buckets
     assert bucket.numel() == unit.group.padded_numel
     assert torch.allclose(bucket[:unit.group.numel], _expected(values, x, True))
-    unit.order.finish()
+    unit.comm.finish_reductions()
     assert torch.allclose(unit.group.grads.reduced()[:unit.group.numel], _expected(values, x, True))
 
 
@@ -89,7 +91,7 @@ def test_a_unit_some_gradients_never_reach_hands_in_at_the_end():
     assert unit.phase is Phase.REDUCED and len(reduction.buckets) == 1
     assert torch.allclose(reduction.buckets[0][:unit.group.numel],
                           _expected(values, x, False))  # zeros for u
-    unit.order.finish()
+    unit.comm.finish_reductions()
 
 
 def test_a_unit_that_never_hands_in_is_an_error_at_the_end_of_backward():
@@ -97,7 +99,7 @@ def test_a_unit_that_never_hands_in_is_an_error_at_the_end_of_backward():
     unit.start_pass(Phase.BACKWARD)
     _loss(unit.group.params, torch.randn(5), False).backward()
     with pytest.raises(RuntimeError, match="bucket 0 of 1 was never handed in"):
-        unit.order.finish()  # finish_backward was not called: its gradients would be lost
+        unit.comm.finish_reductions()  # finish_backward was not called: its gradients would be lost
 
 
 def test_gradients_arrive_only_in_a_backward_and_not_after_the_reduction():
@@ -125,4 +127,4 @@ def test_with_one_bucket_at_a_time_each_gradient_goes_in_as_it_comes():
     assert seen == [(True, 0), (True, 0), (True, 1)]
     assert unit.phase is Phase.REDUCED
     assert torch.allclose(reduction.buckets[0][:unit.group.numel], _expected(values, x, True))
-    unit.order.finish()
+    unit.comm.finish_reductions()

@@ -76,7 +76,7 @@ class MastersPlacement(Protocol):
     """Where masters and optimizer states live and the step runs; one verb per step phase."""
 
     where: str  # "device" | "host" | "nvme"
-    buckets_alive: int  # full-size gradient buckets alive at once (comm.ReduceOrder)
+    buckets_alive: int  # full-size gradient buckets alive at once (Comm.schedule_reductions)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

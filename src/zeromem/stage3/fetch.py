@@ -46,7 +46,8 @@ DeepSpeed); use `zeromem.GatheredParameters` to read it whole.
 
 Built by `build_stage3` (torchtitan's `apply_*(model, config)` style: the config and
 the parts are passed in, nothing is read from the engine), once the flat groups, the
-parameter placement (offload/params.py) and the `ReduceOrder` (comm.py) exist: one
+parameter placement (offload/params.py) and the gradient buckets' launch order
+(`Comm.schedule_reductions`, comm.py) exist: one
 `ShardedUnit` per flat group, the prefetch window, and the schedule; `GatheredParameters`
 finds the units through `partitions`. The units were chosen before the groups were
 built (units.py `choose_units`).
@@ -62,7 +63,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from zeromem.comm import Comm, ReduceOrder
+from zeromem.comm import Comm
 from zeromem.config.schema import Config
 from zeromem.flat import FlatParamGroup, GroupState
 from zeromem.layout import derived_prefetch_numel
@@ -465,7 +466,7 @@ class FetchSchedule:
 
 def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitChoice,
                  config: Config, plan: CommPlan, placement: ParamPlacement,
-                 gather_timeout_s: float | None, comm: Comm, order: ReduceOrder,
+                 gather_timeout_s: float | None, comm: Comm,
                  partitions: Partitions) -> FetchSchedule:
     """One ShardedUnit per flat group (small ones stay whole: persistent), and their schedule."""
     settings = config.zero_optimization
@@ -476,7 +477,7 @@ def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitCh
         index = index_of[id(params[0])]
         group = groups[index]
         persistent = group.numel < settings.stage3_param_persistence_threshold
-        unit = ShardedUnit(group, index, order, plan.shard, persistent, live, placement,
+        unit = ShardedUnit(group, index, plan.shard, persistent, live, placement,
                            plan.gather)
         module_units += [(m, unit) for m in modules]
     explicit = "stage3_prefetch_bucket_size" in settings.model_fields_set

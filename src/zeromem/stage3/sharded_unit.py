@@ -10,8 +10,8 @@ tensors. The `ShardedUnit` owns everything done with them, each in one place:
     gradients                 readiness, counted once per backward: a hook per
                               parameter only counts; when the last gradient is in,
                               all of them go into the group's bucket in one copy and
-                              the unit hands its reduce-scatter to the `ReduceOrder`
-                              it shares with the other units (comm.py), which
+                              the unit hands its reduce-scatter to the shard group's
+                              `Comm` it shares with the other units (comm.py), which
                               launches it in group order on every rank (with one
                               bucket at a time, each gradient goes in as it comes).
                               Nothing here knows the optimizer: the step reads the
@@ -51,7 +51,7 @@ from typing import Callable
 import torch
 
 from zeromem.hybrid import quantize
-from zeromem.comm import Comm, Pending, ReduceOrder
+from zeromem.comm import Comm, Pending
 from zeromem.flat import FlatParamGroup, GroupState
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice
 
@@ -90,20 +90,20 @@ class Phase(enum.Enum):
 class ShardedUnit:
     """One stage-3 flat group's gather, release and gradient reduction, as one object.
 
-    `index` is the group's position in the launch order (`order`, shared by the units);
+    `index` is the group's position in the launch order of `comm` (the shard group's,
+    shared by the units: `Comm.reduce_in_order`);
     `persistent` units (under stage3_param_persistence_threshold) stay whole between
     optimizer steps.
     """
 
-    def __init__(self, group: FlatParamGroup, index: int, order: ReduceOrder, comm: Comm,
+    def __init__(self, group: FlatParamGroup, index: int, comm: Comm,
                  persistent: bool, stats: LiveStats, placement: ParamPlacement | None = None,
                  gather: GatherPolicy | None = None):
         self.group = group
         self.index = index
-        self.order = order  # launches the units' reductions in index order, bounds those alive
         self.gather = gather or GatherPolicy(comm)  # plain, hpZ or qwZ
         self.placement = placement or ParamsOnDevice()  # where the shard lives between uses
-        self.comm = comm
+        self.comm = comm  # launches the units' reductions in index order, bounds those alive
         self.persistent = persistent  # small units stay whole (stage3_param_persistence_threshold)
         self.stats = stats
         self.pending: Pending | None = None  # the all-gather while the group is GATHERING
@@ -115,7 +115,7 @@ class ShardedUnit:
         self._offsets = {id(p): slot.offset for p, slot in zip(group.params, group.slots)}
         # With one bucket at a time, gradients may not wait in param.grad beside a reduction
         # in flight (two units' gradients alive): each goes into the bucket as it comes.
-        self._eager = order.one_bucket_at_a_time
+        self._eager = comm.one_bucket_at_a_time
         self._on_reduced: Callable[[ShardedUnit], None] = lambda unit: None
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_in) for p in group.params]
 
@@ -235,15 +235,15 @@ class ShardedUnit:
             self._hand_in()
 
     def _hand_in(self) -> None:
-        """Fill the bucket, then give its reduce-scatter to the order (launched in turn)."""
+        """Fill the bucket, then hand its reduce-scatter to the comm (launched in turn)."""
         self._fill_bucket()
-        self.order.ready(self.index, self.group.grads.launch)
+        self.comm.reduce_in_order(self.index, self.group.grads.launch)
 
     def _fill_bucket(self) -> None:
         params = self.group.params
         grads = [p.grad for p in params]
         if any(g is not None for g in grads):
-            self.order.bucket_starts()
+            self.comm.bucket_starts()
             self.group.grads.fill(grads)
             for p in params:
                 p.grad = None  # the bucket holds them now
@@ -252,7 +252,7 @@ class ShardedUnit:
     def _late_grad(self, param: torch.Tensor) -> None:
         """A gradient after the unit was handed over (a parameter used again, as in
         reentrant activation checkpointing): into the bucket, unless it already left."""
-        if self.order.launched(self.index):
+        if self.comm.launched(self.index):
             raise RuntimeError(f"parameter of unit '{self.name}' received a second gradient "
                                "in one backward after its bucket was reduced; use "
                                "zeromem.checkpoint")
@@ -261,7 +261,7 @@ class ShardedUnit:
     def _add_to_bucket(self, param: torch.Tensor, first: bool) -> None:
         assert param.grad is not None  # called by the post-accumulate-grad hook
         if first:
-            self.order.bucket_starts()
+            self.comm.bucket_starts()
         self.group.grads.accumulate(self._offsets[id(param)], param.grad)
         param.grad = None
 
