@@ -39,7 +39,7 @@ from zeromem.precision import make_scaler
 from zeromem.optim.schedulers import build_scheduler
 from zeromem.stage3.fetch import FetchSchedule, build_stage3
 from zeromem.stage3.units import UnitCaps, UnitChoice, choose_units
-from zeromem.tensor_parallel import ModelParallelNorm
+from zeromem.tensor_parallel import model_parallel_norm
 from zeromem.monitoring.timers import PhaseTimers
 from zeromem.training_state import RngState, SchedulerArg, Stateful, StepCounters, TrainingState
 from zeromem.zero_optimizer import StepSettings, ZeroOptimizer
@@ -130,7 +130,7 @@ class Engine:
         # tensor parallelism: the clipping norm spans the model-parallel group too
         if mp_group is None:  # DeepSpeed's way: the group given to checkpointing.configure
             mp_group = self.activation_checkpointing.config.mp_group
-        self.mp_norm = ModelParallelNorm(module, mp_group)
+        self.mp_norm = model_parallel_norm(module, mp_group)  # None without tensor parallelism
         # the buckets' reductions, in bucket order on every rank, with at most `buckets_alive`
         # full-size buckets alive: scheduled by the shard group's Comm, which whoever fills
         # the buckets holds (comm.py)

@@ -293,6 +293,16 @@ class FlatParamGroup:
         offload empties both storages between steps, and empty tensors share address 0."""
         return self._master is self._param_shard
 
+    def unscale_into_master(self, multiplier: float) -> None:
+        """Step phase 3, the master beside the parameters: its gradient is the reduced
+        gradient x `multiplier`, in fp32 (the reduced shard itself when that is already it)."""
+        assert self._grads is not None  # attached when the engine built the group
+        grad = self._grads.reduced()
+        if grad.dtype == torch.float32 and multiplier == 1.0:
+            self._master.grad = grad  # no copy needed
+        else:
+            self._master.grad = grad.to(torch.float32).mul_(multiplier)
+
     def write_back(self) -> None:
         """Copy the updated master shard into this rank's parameter shard."""
         # GATHERED: a persistent stage-3 unit; the engine re-gathers it after the step

@@ -219,10 +219,13 @@ class ModelParallelNorm:
     rank, so each rank counts 1/N_mp of theirs: summed over the group, once. Every
     model-parallel rank then clips with the same coefficient, and replicated
     parameters stay identical.
+
+    Built only with tensor parallelism (`model_parallel_norm`): without it, the step takes
+    each group's own square and crosses nothing here.
     """
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
-        self.comm = model_parallel_comm(group)
+    def __init__(self, module: nn.Module, comm: Comm) -> None:
+        self.comm = comm  # the model-parallel group, of more than one rank
         sharded = {id(p) for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
                    for p in m.sharded_parameters()}
         self.replicated = {id(p) for p in module.parameters() if id(p) not in sharded}
@@ -230,8 +233,6 @@ class ModelParallelNorm:
     def square(self, group) -> torch.Tensor:
         """This rank's share of the squared norm of a flat group's reduced gradient."""
         sq = group.grads.square()  # this rank's shard (the whole buffer at stage 0)
-        if self.comm is None:
-            return sq
         spans = [(start, length) for p, slot in zip(group.params, group.slots)
                  for start, _, length in [group.owned_slice(slot)]
                  if length and id(p) in self.replicated]
@@ -245,8 +246,14 @@ class ModelParallelNorm:
 
     def all_reduce(self, sq: torch.Tensor) -> None:
         """Sum the squared norm over the model-parallel group (in place)."""
-        if self.comm is not None:
-            self.comm.all_reduce(sq, kind="all_reduce_norm")
+        self.comm.all_reduce(sq, kind="all_reduce_norm")
+
+
+def model_parallel_norm(module: nn.Module, group: dist.ProcessGroup | None) -> ModelParallelNorm | None:
+    """The norm over `group` when the model is split over more than one rank; None otherwise
+    (no tensor parallelism: each rank's square of its own gradients is the model's)."""
+    comm = model_parallel_comm(group)
+    return None if comm is None else ModelParallelNorm(module, comm)
 
 
 def make_2d_groups(dp_size: int, mp_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

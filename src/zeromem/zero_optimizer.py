@@ -24,10 +24,13 @@ calls back into this object.
               2. skip    fp16 overflow on any rank: every rank skips, the scaler lowers
                          the scale (the engine zeroes the gradients).
               3. unscale fp32 master gradients = reduced gradients x (clip / loss scale),
-                         where the masters live (offload/placement.py);
+                         where the masters live: with nothing offloaded, each group's
+                         own transition (flat.py); offloaded, the placement's
+                         (offload/placement.py), composed in at construction;
                          alive: grads, masters, one fp32 gradient per master shard.
               4. update  the torch optimizer steps the master shards.
-              5. gather  masters are written into the parameter shards, which are
+              5. gather  masters are written into the parameter shards (the groups'
+                         own transition, or the placements' when offloaded), which are
                          all-gathered in buckets of `allgather_bucket_size` elements;
                          then whoever asked (`after_gather`: the stage-3 schedule) is told.
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -72,22 +76,39 @@ class ZeroOptimizer:
     Built once by the engine from parts chosen at construction: the flat groups,
     the collectives (`plan`: which group shards), where masters and parameter
     shards live (`masters`, `params`: offload/placement.py), the torch optimizer
-    over the master shards, the loss scaler and the model-parallel norm. The gradient
-    buckets launch through the shard group's `Comm` (`plan.shard`), in bucket order.
+    over the master shards, the loss scaler and, with tensor parallelism only, the
+    model-parallel norm (`mp_norm`; None without). The gradient buckets launch through
+    the shard group's `Comm` (`plan.shard`), in bucket order.
+
+    What varies with the configuration is chosen here, once (STYLE: composition, no `if
+    offload` in the step): with masters and parameter shards on the device, phases 3 and
+    5 are each group's own transitions on its own tensors, and no placement is called;
+    offloaded, the placements' verbs. Without tensor parallelism the norm is each group's
+    own square.
     """
 
     def __init__(self, groups: list[FlatParamGroup], plan: CommPlan, masters: MastersPlacement,
                  params: ParamPlacement, optimizer: torch.optim.Optimizer,
-                 scaler: NoScaler | StaticScaler | DynamicScaler, mp_norm: ModelParallelNorm,
-                 settings: StepSettings):
+                 scaler: NoScaler | StaticScaler | DynamicScaler,
+                 mp_norm: ModelParallelNorm | None, settings: StepSettings):
         self.groups = groups
         self.plan = plan
-        self.masters = masters
-        self.params = params
         self.optimizer = optimizer
         self.scaler = scaler
-        self.mp_norm = mp_norm
         self.settings = settings
+        # the norm's square of a group, and its sum over the model-parallel group (TP only)
+        self.square: Callable[[FlatParamGroup], torch.Tensor] = \
+            _own_square if mp_norm is None else mp_norm.square
+        self.sum_over_model: Callable[[torch.Tensor], None] = \
+            _alone if mp_norm is None else mp_norm.all_reduce
+        # step phases 3 and 5, and what the placement hears at each backward's start
+        on_device = masters.where == "device" and params.where == "device"
+        self.start_placement: Callable[[bool], None] = \
+            _nothing_placed if on_device else masters.start_backward
+        self.unscale: Callable[[list[FlatParamGroup], float], None] = \
+            _unscale_on_device if on_device else masters.unscale_grads
+        self.write_back: Callable[[list[FlatParamGroup]], None] = \
+            _write_back_on_device if on_device else partial(masters.write_back, params=params)
         # the shard group's collectives; its bucket order and in-flight bound are shared
         # with the stage-3 units (comm.py `schedule_reductions`)
         self.comm = plan.shard
@@ -126,7 +147,7 @@ class ZeroOptimizer:
 
     def start_backward(self, boundary: bool) -> None:
         """Called before each backward; `boundary` marks the last micro-step of a step."""
-        self.masters.start_backward(boundary)  # host copies of reduced grads at the boundary
+        self.start_placement(boundary)  # offloaded: host copies of reduced grads at the boundary
         every_micro = bool(self.groups) and self.groups[0].grads.reduces_every_microstep
         self.comm.start_reductions(boundary or every_micro)
         self.missing = [len(g.params) for g in self.groups]
@@ -163,20 +184,20 @@ class ZeroOptimizer:
         """L2 norm of the averaged, unscaled gradient of the whole model (padding holds zeros)."""
         if not self.groups:
             return 0.0
-        sq = torch.stack([self.mp_norm.square(g) for g in self.groups]).sum()
+        sq = torch.stack([self.square(g) for g in self.groups]).sum()
         if self.groups[0].shard_world > 1:
             self.plan.shard.all_reduce(sq, kind="all_reduce_norm")
-        self.mp_norm.all_reduce(sq)
+        self.sum_over_model(sq)
         return float(sq.sqrt()) / self.scaler.scale
 
     def _unscale_into_masters(self, norm: float) -> None:
         clip = self.settings.gradient_clipping
         coef = min(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else 1.0
-        self.masters.unscale_grads(self.groups, coef / self.scaler.scale)
+        self.unscale(self.groups, coef / self.scaler.scale)
 
     def gather_params(self) -> None:
         """Masters into the parameter shards (wherever they live), then all-gather them."""
-        self.masters.write_back(self.groups, self.params)
+        self.write_back(self.groups)
         in_flight: deque = deque()
         for g in self.groups:
             for pending in g.launch_all_gather(self.settings.allgather_bucket_numel):
@@ -199,3 +220,27 @@ class ZeroOptimizer:
         """After a checkpoint load: compute-dtype parameters from the masters, no stale gradients."""
         self.gather_params()
         self.zero_grad()
+
+
+# -- the parts chosen when nothing is offloaded, or no tensor parallelism -------------------
+def _own_square(group: FlatParamGroup) -> torch.Tensor:
+    """No tensor parallelism: the group's own squared gradient norm is the model's share."""
+    return group.grads.square()
+
+
+def _alone(sq: torch.Tensor) -> None:
+    """No model-parallel group: nothing to sum over."""
+
+
+def _nothing_placed(boundary: bool) -> None:
+    """Nothing offloaded: no host copies to arm at the boundary."""
+
+
+def _unscale_on_device(groups: list[FlatParamGroup], multiplier: float) -> None:
+    for g in groups:
+        g.unscale_into_master(multiplier)
+
+
+def _write_back_on_device(groups: list[FlatParamGroup]) -> None:
+    for g in groups:
+        g.write_back()

@@ -108,7 +108,11 @@ class MastersPlacement(Protocol):
 
 
 class MastersOnDevice:
-    """No `offload_optimizer`: masters and states beside the parameters; torch's own step."""
+    """No `offload_optimizer`: masters and states beside the parameters; torch's own step.
+
+    With the parameter shards on the device too, the step calls none of this: its phases
+    are the groups' own transitions (zero_optimizer.py). Here for the optimizer, and for
+    stage 3 with `offload_param` (masters kept on the device, shards stored elsewhere)."""
 
     where = "device"
     buckets_alive = BUCKETS_ALIVE
@@ -136,11 +140,7 @@ class MastersOnDevice:
 
     def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
         for g in groups:
-            grad = g.grads.reduced()
-            if grad.dtype == torch.float32 and multiplier == 1.0:
-                g.master.grad = grad  # no copy needed
-            else:
-                g.master.grad = grad.to(torch.float32).mul_(multiplier)
+            g.unscale_into_master(multiplier)  # the group's own tensors
 
     def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         _store_masters(groups, params)
