@@ -8,7 +8,8 @@ Adam's two moments and the reduced gradients in swap files under `--nvme-path` (
 directory per rank), and the only host memory offload holds is two pools sized from
 one budget, `zeromem.offload_host_budget_bytes` (offload/budget.py):
 
-    parameter pool   offload_param.buffer_count x the largest parameter shard
+    parameter pool   offload_param.buffer_count buffers, shard i always in buffer
+                     i % buffer_count, each the largest shard it serves
     optimizer pool   what the budget leaves, cut into sub-groups read ahead / stepped /
                      written behind
 

@@ -11,11 +11,12 @@ reduced gradient shard on a CPU "device" is the host gradient itself). A first,
 unmeasured engine takes the process's one-time costs (gloo, autograd threads).
 Goal (issue 17): within 5 % (measured here: +0.6 % and +1.9 %; stages 1-3 without
 offload +0.6 % to +1.7 %).
-NVMe optimizer offload too: its swap pool holds no buffer a step cannot use (no
-more sub-groups in flight than the shard has, derived sub-groups of equal size), so
-the pages a step touches are the pool. Stage 3 with parameters on NVMe is left out:
-its parameter pool's buffers are the largest shard's size, and smaller shards touch
-only part of theirs (here -6.9 %).
+NVMe offload too: the optimizer's swap pool holds no buffer a step cannot use (no
+more sub-groups in flight than the shard has, derived sub-groups of equal size), and
+shard i of the parameters is always read into buffer i % buffer_count, the size of
+the largest shard it serves (`ShardBuffers`), so the pages a step touches are the
+pools (stage 3 opt + param:nvme measured +0.8 %; with buffers all the largest
+shard's size, which the smaller shards filled in part, -6.9 %).
 
 Communication buffers (CB) are temporary, so they are not in the footprint after a
 step. The planner sizes them as the engine allocates them on gloo (the temporary
@@ -40,7 +41,8 @@ from zeromem.planning.planner import predict_memory, shape_of
 WIDE = GPTConfig(n_layer=2, n_embd=512, block_size=16)  # ~6M parameters, cheap to step
 SETUPS = {"stage 2, opt:cpu": (2, "cpu", None), "stage 3, opt:cpu, param:cpu": (3, "cpu", "cpu"),
           "stage 1": (1, None, None), "stage 3": (3, None, None),
-          "stage 2, opt:nvme": (2, "nvme", None)}
+          "stage 2, opt:nvme": (2, "nvme", None),
+          "stage 3, opt:nvme, param:nvme": (3, "nvme", "nvme")}
 
 
 def _config(name: str, nvme_path: str) -> dict:

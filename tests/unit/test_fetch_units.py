@@ -130,7 +130,7 @@ def test_merged_units_stay_within_the_reduce_bucket():
 
 
 def test_nvme_parameter_pool_bounds_merging_whatever_the_depth():
-    """With parameters on NVMe the pool holds buffer_count shards of the largest unit: merging
+    """With parameters on NVMe the pool holds at most buffer_count shards of the largest unit: merging
     stops at the pool's share of the budget, so the pool is the same at 8 and 32 layers
     (issue 16); merging up to the largest unmerged unit (a block) costs the pool nothing."""
     budget, buffers, world = 8 << 20, 5, 2

@@ -1,4 +1,5 @@
-"""NVMe offload's I/O pieces and sub-group plan (offload/nvme.py, nvme_optimizer.py): no process group."""
+"""NVMe offload's I/O pieces, sub-group plan and parameter pool (offload/nvme.py,
+sub_groups.py, params_nvme.py): no process group."""
 from __future__ import annotations
 
 import errno
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from zeromem.offload.nvme import ALIGN, AsyncIO, BufferPool, SwapFile, aligned_empty
+from zeromem.offload.params_nvme import ShardBuffers
 from zeromem.offload.sub_groups import ShardSpec, layout_optimizer, plan_sub_groups
+from zeromem.planning.host_memory import OffloadBufferSizes, offload_breakdown
 
 
 def test_plan_sub_groups_covers_shards_within_param_groups():
@@ -38,6 +41,26 @@ def test_the_pool_holds_no_buffer_a_step_cannot_use():
     assert layout.size.depth <= len(layout.sub_groups), (layout.size, sizes)
     assert layout.pool_nbytes <= BufferPool.bytes_for(len(sizes) * layout.slot_fields,
                                                       layout.slot_bytes)
+
+
+def test_parameter_buffers_are_sized_by_the_shards_they_serve():
+    """Shard i is read into buffer i % buffer_count, the size of the largest shard it serves:
+    a large embedding's shard widens its buffer only (buffers all of the largest shard were
+    filled only in part by the rest); the planner counts the same arena."""
+    numels = [40_000, 3000, 3000, 3000, 3000, 10]  # bf16 elements, in admit order
+    shard_bytes = [2 * n for n in numels]
+    pool = ShardBuffers(shard_bytes, buffer_count=4, pin_memory=False)
+    assert [b.numel() for b in pool.buffers] == [80 * 1024, 2 * ALIGN, 2 * ALIGN, 2 * ALIGN]
+    assert [pool.slot(i) for i in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert all(b.data_ptr() % ALIGN == 0 for b in pool.buffers)
+    assert pool.nbytes == ShardBuffers.pool_nbytes(shard_bytes, 4) == (80 + 24 + 4) * 1024
+    assert pool.acquire(1) is not None and pool.acquire(1) is None  # lent out until released
+    pool.release(1)
+    assert pool.acquire(1) is not None
+    assert ShardBuffers.buffer_sizes(shard_bytes[:2], 4) == [80 * 1024, 2 * ALIGN]  # one a shard
+    host, _ = offload_breakdown([float(n) for n in numels], "none", "nvme", 2, 8, 0.0, False,
+                                OffloadBufferSizes(param_buffer_count=4))
+    assert host["param_swap_buffers"] == pool.nbytes
 
 
 def test_buffers_are_aligned_and_bounded():

@@ -3,14 +3,20 @@
 The third `ParamPlacement` (offload/params.py has the protocol and the two in memory).
 
 Buffer lifetimes: shards in the file params.swp (offsets aligned by `round_up`)
-and a pool of `offload_param.buffer_count` buffers, each the size of the
-largest shard. A shard is read when its unit is unsharded (and the shards of
-the next units in the followed order are read ahead); `group.param_shard` is
-then a view into a pool buffer. It stays until released (least recently
-used, never while its all-gather is in flight) and is written back only if
-the optimizer changed it; the buffer goes back to the pool when that write
-completes. Inside `all_in_memory()` each shard has its own memory, written
-back to the file after the block.
+and a pool of `offload_param.buffer_count` buffers (`ShardBuffers`). Shard i is
+always read into buffer i % count, which is the size of the largest shard it
+serves: every byte of the pool is filled by some shard each pass, so the pool
+holds no memory a pass cannot use (buffers all the size of the largest shard
+were filled only in part by the smaller shards), and its size is a pure
+function of the shard sizes that the planner computes too (`pool_nbytes`).
+A shard is read when its unit is unsharded (and the shards of the next units
+in the followed order are read ahead: they are consecutive in admit order, so
+in other buffers); `group.param_shard` is then a view into its buffer. It
+stays until another shard needs that buffer (after the all-gather in flight
+from it, if any) or until released, and is written back only if the
+optimizer changed it; the buffer is free again when that write completes.
+Inside `all_in_memory()` each shard has its own memory, written back to the
+file after the block.
 
 The NVMe optimizer's fp32 step (where the master is the shard) reads and writes
 its pieces of params.swp straight from its own buffers (`read_piece` /
@@ -30,18 +36,75 @@ leaves them as they were.
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict, deque
+from collections import deque
+from itertools import accumulate
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from zeromem.config.schema import OffloadParamConfig
 from zeromem.flat import FlatParamGroup
-from zeromem.offload.nvme import (ALIGN, BufferPool, IOHandle, OffloadError, SwapSpace,
-                                  piece_range, piece_view, round_up)
+from zeromem.offload.nvme import (ALIGN, IOHandle, OffloadError, SwapSpace, aligned_empty,
+                                  aligned_nbytes, piece_range, piece_view, round_up)
 from zeromem.offload.params import Reader
 
-__all__ = ["ParamsOnNvme"]
+__all__ = ["ParamsOnNvme", "ShardBuffers"]
+
+
+class ShardBuffers:
+    """The parameter pool: one arena cut into `count` buffers, shard i's always buffer i % count.
+
+    `count` is `buffer_count`, but never more than there are shards. Each buffer is
+    the largest of its shards (ALIGN-rounded, as their reads ask), so every byte is
+    filled by one of them each pass: what is allocated is what a pass uses.
+    """
+
+    def __init__(self, shard_bytes: Sequence[int], buffer_count: int, pin_memory: bool):
+        sizes = self.buffer_sizes(shard_bytes, buffer_count)
+        self.arena = aligned_empty(sum(sizes), pin_memory)
+        self.buffers = [self.arena[at:at + n] for at, n in zip(accumulate(sizes, initial=0), sizes)]
+        self.free = set(range(len(sizes)))
+
+    @staticmethod
+    def buffer_sizes(shard_bytes: Sequence[int], buffer_count: int) -> list[int]:
+        """Bytes of each buffer for shards of `shard_bytes` (in admit order)."""
+        sizes = [ALIGN] * max(1, min(buffer_count, len(shard_bytes)))
+        for i, nbytes in enumerate(shard_bytes):
+            sizes[i % len(sizes)] = max(sizes[i % len(sizes)], round_up(nbytes))
+        return sizes
+
+    @classmethod
+    def pool_nbytes(cls, shard_bytes: Sequence[int], buffer_count: int) -> int:
+        """Host bytes the pool holds for shards of `shard_bytes` (what `nbytes` reports)."""
+        return aligned_nbytes(sum(cls.buffer_sizes(shard_bytes, buffer_count)))
+
+    @property
+    def count(self) -> int:
+        return len(self.buffers)
+
+    @property
+    def widest(self) -> int:
+        """The largest buffer: any shard fits it."""
+        return max(range(self.count), key=lambda slot: self.buffers[slot].numel())
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the pool holds (the arena, alignment slack included)."""
+        return self.arena.untyped_storage().nbytes()
+
+    def slot(self, index: int) -> int:
+        """The buffer of the shard admitted `index`-th."""
+        return index % self.count
+
+    def acquire(self, slot: int) -> torch.Tensor | None:
+        """Buffer `slot`, or None while it is lent out."""
+        if slot not in self.free:
+            return None
+        self.free.remove(slot)
+        return self.buffers[slot]
+
+    def release(self, slot: int) -> None:
+        self.free.add(slot)
 
 
 class ParamsOnNvme:
@@ -69,15 +132,14 @@ class ParamsOnNvme:
                                f"{config.buffer_size}")
         self.nbytes: dict[int, int] = {}  # group id -> bytes of its shard
         self.offsets: dict[int, int] = {}  # group id -> its record in params.swp
-        # never more buffers than shards: one no unit can use is not held
-        self.pool = BufferPool(max(1, min(config.buffer_count, len(self.planned))),
-                               max(self.planned, default=1), pin)
+        self.slots: dict[int, int] = {}  # group id -> its buffer in the pool
+        self.pool = ShardBuffers(self.planned, config.buffer_count, pin)
         self.copies, self.copy, self.stride = copies, 0, total  # the current copy at copy x stride
         self.file = space.file("params.swp", total * copies)
         self.lookahead = max(1, config.buffer_count // 2)
-        self.in_memory: OrderedDict[int, tuple[FlatParamGroup, torch.Tensor]] = OrderedDict()
+        self.in_memory: dict[int, tuple[FlatParamGroup, torch.Tensor]] = {}
         self.reading: dict[int, tuple[FlatParamGroup, torch.Tensor, IOHandle]] = {}
-        self.writing: deque[tuple[torch.Tensor, IOHandle]] = deque()
+        self.writing: deque[tuple[int, IOHandle]] = deque()  # (slot, its write-back)
         self.dirty: set[int] = set()
         self.readers: dict[int, Reader] = {}
         # the optimizer's piece writes in flight, per group id, with their file ranges: waited
@@ -103,18 +165,22 @@ class ParamsOnNvme:
         self.groups.append(group)
         self.nbytes[id(group)] = nbytes
         self.offsets[id(group)] = self.planned_offsets[index]
+        self.slots[id(group)] = self.pool.slot(index)
         self.largest_unit_numel = max(self.largest_unit_numel, group.padded_numel)
-        self._write_now(group, group.param_shard)
+        # through one buffer, the widest: initialize fills no more of the pool than that
+        self._write_now(group, group.param_shard, self.pool.widest)
         group.drop_shard_storage()
 
-    def _write_now(self, g: FlatParamGroup, shard: torch.Tensor) -> None:
+    def _write_now(self, g: FlatParamGroup, shard: torch.Tensor, slot: int | None = None) -> None:
+        """Write `shard` to g's record through buffer `slot` (g's own by default) and wait."""
+        slot = self.slots[id(g)] if slot is None else slot
         self._settle_pieces(id(g))
-        buf = self._acquire()
+        buf = self._acquire(slot)
         try:
             self._view(g, buf).copy_(shard)
             self.file.write(buf[:round_up(self.nbytes[id(g)])], self._at(id(g))).wait()
         finally:
-            self.pool.release(buf)
+            self.pool.release(slot)
 
     def _view(self, g: FlatParamGroup, buf: torch.Tensor) -> torch.Tensor:
         return buf[:self.nbytes[id(g)]].view(self.dtype)
@@ -154,14 +220,15 @@ class ParamsOnNvme:
         if key in self.in_memory or key in self.reading:
             return
         self._reclaim(block=False)
-        buf = self.pool.acquire()
-        if buf is None:  # make room by dropping a clean shard already used (LRU), if any
-            victim = self._idle(clean=True, keep=keep)
-            if victim is None:
-                return
-            self._evict(victim)
-            buf = self.pool.acquire()
-            assert buf is not None  # the eviction freed one
+        buf = self.pool.acquire(self.slots[key])
+        if buf is None:  # its buffer holds another shard: dropped if clean and not in use
+            holder = self._holder(self.slots[key])
+            if holder is None or holder not in self.in_memory \
+                    or not self._idle(holder, clean=True, keep=keep):
+                return  # a read-ahead or write-back of it in flight, or a shard still needed
+            self._evict(holder)
+            buf = self.pool.acquire(self.slots[key])
+            assert buf is not None  # the eviction freed it
         self._launch_read(group, buf)
 
     def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:
@@ -272,17 +339,16 @@ class ParamsOnNvme:
     def _fetch(self, group: FlatParamGroup) -> None:
         key = id(group)
         if key in self.in_memory:
-            self.in_memory.move_to_end(key)
             self.counts["in_memory"] += 1
             return
         self.counts["read_ahead" if key in self.reading else "on_demand"] += 1
         if key not in self.reading:
-            self._launch_read(group, self._acquire())
+            self._launch_read(group, self._acquire(self.slots[key]))
         _, buf, handle = self.reading.pop(key)
         try:
             handle.wait()
         except BaseException:
-            self.pool.release(buf)
+            self.pool.release(self.slots[key])
             raise
         group.set_shard_storage(self._view(group, buf))
         self.in_memory[key] = (group, buf)
@@ -306,42 +372,36 @@ class ParamsOnNvme:
         for unit in order[pos + 1:pos + 1 + self.lookahead]:
             self.prefetch(unit.group, keep=id(group))
 
-    def _acquire(self) -> torch.Tensor:
-        """A free buffer: reclaim finished writes, evict the least recently used shard, or wait."""
+    def _acquire(self, slot: int) -> torch.Tensor:
+        """Buffer `slot`, freed of what it holds: the write-back in flight from it waited
+        for, the shard in it evicted (after its all-gather), a read-ahead into it dropped."""
         while True:
-            buf = self.pool.acquire()
+            buf = self.pool.acquire(slot)
             if buf is not None:
                 return buf
-            if self.writing:
-                self._reclaim(block=True)
-            elif self.in_memory:
-                self._evict(self._victim())
-            elif self.reading:  # only read-aheads hold buffers: drop the oldest
-                key = next(iter(self.reading))
-                _, buf, handle = self.reading.pop(key)
-                handle.wait()
-                self.pool.release(buf)
+            holder = self._holder(slot)
+            if holder in self.in_memory:
+                reader = self.readers.get(holder)
+                if reader is not None and reader.pending is not None:
+                    reader.wait()  # its all-gather reads the buffer: finish it first
+                self._evict(holder)
+            elif holder in self.reading:
+                self._forget_read(holder)
+            elif any(s == slot for s, _ in self.writing):
+                self._reclaim(block=True, slot=slot)
             else:
-                raise OffloadError(f"offload_param.buffer_count = {self.pool.count} buffers, all "
-                                   "in use")
+                raise OffloadError(f"{self.file.path}: parameter buffer {slot} is lent out "
+                                   "and no shard holds it")
 
-    def _idle(self, clean: bool, keep: int | None = None) -> int | None:
-        """The least recently used shard no all-gather is reading (and unchanged, if `clean`)."""
-        for key in self.in_memory:
-            reader = self.readers.get(key)
-            if (reader is None or reader.pending is None) and not (clean and key in self.dirty) \
-                    and key != keep:
-                return key
-        return None
+    def _holder(self, slot: int) -> int | None:
+        """The shard in buffer `slot` or being read into it, if any (at most one)."""
+        return next((k for k in (*self.in_memory, *self.reading) if self.slots[k] == slot), None)
 
-    def _victim(self) -> int:
-        """The shard to evict for a demand read: `_idle`, else wait for the oldest gather."""
-        key = self._idle(clean=False)
-        if key is not None:
-            return key
-        key = next(iter(self.in_memory))
-        self.readers[key].wait()  # all in use by gathers in flight: finish the oldest
-        return key
+    def _idle(self, key: int, clean: bool, keep: int | None = None) -> bool:
+        """No all-gather is reading shard `key` (and it is unchanged, if `clean`)."""
+        reader = self.readers.get(key)
+        return (reader is None or reader.pending is None) and not (clean and key in self.dirty) \
+            and key != keep
 
     def _evict(self, key: int) -> None:
         g, buf = self.in_memory.pop(key)
@@ -349,18 +409,19 @@ class ParamsOnNvme:
         if key in self.dirty:
             self.dirty.discard(key)
             self._settle_pieces(key)
-            self.writing.append((buf, self.file.write(buf[:round_up(self.nbytes[key])],
-                                                      self._at(key))))
+            self.writing.append((self.slots[key], self.file.write(
+                buf[:round_up(self.nbytes[key])], self._at(key))))
         else:
-            self.pool.release(buf)
+            self.pool.release(self.slots[key])
 
-    def _reclaim(self, block: bool, every: bool = False) -> None:
-        """Return the buffers of completed writes (waiting for the oldest if `block`)."""
+    def _reclaim(self, block: bool, every: bool = False, slot: int | None = None) -> None:
+        """Free the buffers of completed writes; if `block`, wait for the oldest write (or for
+        buffer `slot`'s, and those before it)."""
         while self.writing and (block or every or self.writing[0][1].done()):
-            buf, handle = self.writing.popleft()
+            done, handle = self.writing.popleft()
             handle.wait()
-            self.pool.release(buf)
-            block = False
+            self.pool.release(done)
+            block = block and slot is not None and done != slot
 
     def _settle_pieces(self, key: int, begin: int = 0, end: int | None = None,
                        every: bool = False) -> None:
@@ -379,11 +440,11 @@ class ParamsOnNvme:
     def _forget_read(self, key: int) -> None:
         """Drop a read of the record still in flight (its buffer back to the pool)."""
         if key in self.reading:
-            _, buf, handle = self.reading.pop(key)
+            _, _, handle = self.reading.pop(key)
             try:
                 handle.wait()
             finally:
-                self.pool.release(buf)
+                self.pool.release(self.slots[key])
 
     def _drain(self) -> None:
         """Finish all I/O and evict everything (clean)."""
@@ -391,9 +452,7 @@ class ParamsOnNvme:
             self._settle_pieces(key, every=True)
         self.flush()
         for key in list(self.reading):
-            _, buf, handle = self.reading.pop(key)
-            handle.wait()
-            self.pool.release(buf)
+            self._forget_read(key)
         for key in list(self.in_memory):
             self._evict(key)
 
@@ -402,12 +461,12 @@ class ParamsOnNvme:
         """All shards in their own memory inside the block, written back to the file after."""
         self._drain()
         for g in self.groups:
-            buf = self._acquire()
+            buf = self._acquire(self.slots[id(g)])
             try:
                 self.file.read(buf[:round_up(self.nbytes[id(g)])], self._at(id(g))).wait()
                 g.set_shard_storage(self._view(g, buf).clone())
             finally:
-                self.pool.release(buf)
+                self.pool.release(self.slots[id(g)])
         try:
             yield
         finally:

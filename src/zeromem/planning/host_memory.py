@@ -16,11 +16,12 @@ master weights and optimizer states off the device. Per element of the rank's sh
                               states, the master (unless it is the fp32 parameter
                               shard) and, at stage 2/3, the gradients
     offload_param: cpu        parameter shards (parameter width)
-    offload_param: nvme       a pool of buffer_count buffers of the largest
-                              parameter shard; the shards on NVMe, one aligned slot each
+    offload_param: nvme       a pool of buffer_count buffers, shard i read into
+                              buffer i % buffer_count, each the size of the largest
+                              shard it serves; the shards on NVMe, one aligned slot each
 
 Every size comes from the engine's own layout code (`offload/sub_groups.py`
-`layout_optimizer`, `offload/budget.py`, `offload/nvme.py` `BufferPool.bytes_for`,
+`layout_optimizer`, `offload/budget.py`, `offload/params_nvme.py` `ShardBuffers.pool_nbytes`,
 `offload/grad_file.py` `record_bytes`) applied to the planner's shard sizes, so the
 prediction cannot drift from what the engine allocates.
 """
@@ -31,7 +32,8 @@ from dataclasses import dataclass
 from zeromem.config.schema import Config, OffloadParamConfig, TimeoutsConfig
 from zeromem.offload.budget import DEPTH, MIN_SUB_GROUP
 from zeromem.offload.grad_file import record_bytes
-from zeromem.offload.nvme import BufferPool, round_up, swap_file_bytes
+from zeromem.offload.nvme import round_up, swap_file_bytes
+from zeromem.offload.params_nvme import ShardBuffers
 from zeromem.offload.sub_groups import ShardSpec, layout_optimizer
 from zeromem.offload.placement import OffloadPolicy
 
@@ -60,11 +62,11 @@ class OffloadBufferSizes:
 
 
 def _params_pool(numels: list[int], param: str, param_bytes: int, buffers: OffloadBufferSizes) -> int:
-    """Host bytes of the NVMe parameter pool (`ParamsOnNvme`): buffer_count largest shards."""
+    """Host bytes of the NVMe parameter pool (`ParamsOnNvme`), as its `ShardBuffers` sizes it
+    from the shards in admit order."""
     if param != "nvme":
         return 0
-    count = max(1, min(buffers.param_buffer_count, len(numels)))  # as ParamsOnNvme caps it
-    return BufferPool.bytes_for(count, param_bytes * max(numels, default=1))
+    return ShardBuffers.pool_nbytes([param_bytes * n for n in numels], buffers.param_buffer_count)
 
 
 def least_budget(shards: list[float], param: str, param_bytes: int, state_bytes: int,
