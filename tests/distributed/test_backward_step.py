@@ -226,7 +226,8 @@ def test_step_in_backward_is_bitwise_the_step_in_step(tmp_path):
                 assert row["unchanged"] and not math.isfinite(early["norm"]), row
                 continue
             assert not row["unchanged"] and math.isfinite(early["norm"]), row
-            assert early["in_backward"] == early["stepped_before_step"] == n, row
+            # all in backward: the last ones, whose reads ran on as backward ended, at step()
+            assert early["in_backward"] == n >= early["stepped_before_step"] > n // 2, row
             assert early["grads_swp"] == [0, 0], row  # no gradient written nor read back
             if step:  # each record read once (none read for a guess that came wrong), written once
                 assert early["optimizer_swp"] == [out["record_bytes"]] * 2, row

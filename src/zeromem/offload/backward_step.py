@@ -72,6 +72,8 @@ class StepInBackward:
         self.held: Held = {}
         self.arrived: dict[int, set[int]] = {}  # sub-group -> pieces whose gradient is in
         self.stepped: list[int] = []  # in the order they were stepped
+        # held sub-groups whose gradient is all in, stepped once their reads are (`_step_ready`)
+        self.ready: list[int] = []
         self.late: set[int] = set()  # left to `step()`: no slot when their first piece came
         self.settings: list[dict[str, Any]] = []  # the hyperparameters the update used
 
@@ -95,9 +97,11 @@ class StepInBackward:
         gradient need not be stored)."""
         if not self.active:
             return False
+        self._step_ready(wait=True)  # read while the last unit's backward ran
         taken = True
         for i, k in self.pieces_of.get(id(group), ()):
             taken = self._take_piece(i, k, shard) and taken
+        self._step_ready(wait=False)
         self._read_expected()  # into the slots just stepped: the reads wait for their writes
         return taken
 
@@ -110,6 +114,7 @@ class StepInBackward:
                                "boundary backward and step(), which had begun the update in "
                                "backward; change it before backward, or set "
                                "zeromem.nvme_step_in_backward to false")
+        self._step_ready(wait=True)
         held, stepped = self.held, set(self.stepped)
         for i, (slot, handles) in held.items():
             sg, got = opt.sub_groups[i], self.arrived.get(i, set())
@@ -128,7 +133,7 @@ class StepInBackward:
         """Forget this backward's share (a skipped step, or the files needed whole): reads in
         flight are waited for; what was stepped was written to the copies not current."""
         held, self.held, self.active = self.held, {}, False
-        self.arrived, self.stepped, self.late = {}, [], set()
+        self.arrived, self.stepped, self.late, self.ready = {}, [], set(), []
         for _, handles in held.values():
             for h in handles:
                 h.wait()
@@ -142,7 +147,7 @@ class StepInBackward:
             if i in self.arrived:
                 raise OffloadError(f"sub-group {i} was stepped in backward before all of its "
                                    "gradient came")
-            slot = self._free_slot() or self._unexpect()
+            slot = self._free_slot() or self._unexpect() or self._step_ready(wait=True, most=1)
             if slot is None:  # every slot waits for gradients still to come
                 self.late.add(i)
                 return False
@@ -154,10 +159,23 @@ class StepInBackward:
         got = self.arrived.setdefault(i, set())
         got.add(k)
         if len(got) == len(sg.pieces):
-            self._step(i)
+            self.ready.append(i)
         return True
 
-    def _step(self, i: int) -> None:
+    def _step_ready(self, wait: bool, most: int | None = None) -> Slot | None:
+        """Step the sub-groups whose gradient is all in, in order: those whose reads are done
+        (`wait`: all, up to `most`, waiting for their reads). A read still running when its
+        gradient comes (started just then, behind a write) thus runs on while backward
+        goes on, its sub-group held to the next `take`. Returns the slot freed last."""
+        slot = None
+        for i in list(self.ready if most is None else self.ready[:most]):
+            if not wait and not all(h.done() for h in self.held[i][1]):
+                continue
+            self.ready.remove(i)
+            slot = self._step(i)
+        return slot
+
+    def _step(self, i: int) -> Slot:
         """All of sub-group `i`'s gradient is in: step it, start its writes (other copy)."""
         opt = self.opt
         slot, handles = self.held.pop(i)
@@ -168,6 +186,7 @@ class StepInBackward:
         if not opt.write_behind:  # offload_optimizer.pipeline_write off: waited here too
             opt._settle(i)
         self.stepped.append(i)
+        return slot
 
     def _read_expected(self) -> None:
         """Start reading the next expected sub-groups into the free slots; a read into a slot
