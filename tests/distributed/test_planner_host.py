@@ -6,7 +6,8 @@ host gradients, swap buffers, parameter shards) and the bytes of its swap files;
 Both come from the engine's own sizing code (`offload/sub_groups.layout_optimizer`,
 `offload/budget.py`), so each named part is exact. Planned for this machine
 (device="cpu"): an fp32 reduced gradient is the host gradient there, filed once on the
-host (the whole gradient at stage 1), so the device's gradient bytes match the ledger too.
+host (the whole gradient at stage 1). The device's model states, by category, equal the
+ledger's too.
 """
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ SETUPS = {"stage 2, opt:cpu": (2, "cpu", None), "stage 3, opt:cpu, param:cpu": (
           "stage 3, opt:nvme, param:nvme, budget": (3, "nvme", "nvme"),
           # a deep thin model and a small budget: the parameter pool's share of it, not
           # psi / 8, bounds how far fetch units merge (stage3/units.py, issue 16)
-          "stage 3, opt:nvme, param:nvme, budget bounds units": (3, "nvme", "nvme")}
+          "stage 3, opt:nvme, param:nvme, budget bounds units": (3, "nvme", "nvme"),
+          # the optimizer on the device: in fp32 its master was the parameter shard, which
+          # leaves memory, so the engine keeps a device master (MastersOnDevice)
+          "stage 3, param:cpu": (3, "none", "cpu"), "stage 3, param:nvme": (3, "none", "nvme")}
 DEEP = GPTConfig(n_layer=32, n_embd=64, block_size=32)  # merged 4 blocks a unit uncapped
 SMALL_BUDGET = 2 << 20
 # host_memory's names -> the ledger's category of the same tensors
@@ -102,7 +106,9 @@ def test_host_and_nvme_bytes_equal_the_ledger(tmp_path):
             assert set(expected) == set(ledger), (dtype, name, place, expected, ledger)
             for category, nbytes in expected.items():
                 assert nbytes == ledger[category], (dtype, name, category)
-        assert predicted.device["grads"] == held.get("grads", {}).get("device", 0), (dtype, name)
+        for category in ("params", "grads", "master_params", "optimizer_states"):
+            assert predicted.device.get(category, 0) == held.get(category, {}).get("device", 0), (
+                dtype, name, category)
         assert predicted.host_bytes > 0 and (predicted.nvme_bytes > 0) == ("nvme" in name)
         if SETUPS[name][:2] in ((2, "nvme"), (3, "nvme")):  # reduced shards to grads.swp:
             # one gradient bucket alive at a time (MastersOnNvme.buckets_alive), so the

@@ -463,6 +463,11 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
         del device["master_params"], device["optimizer_states"]
     if param != "none":
         device["params"] -= widths.param * shard
+        if optimizer == "none" and widths.master == 0:
+            # fp32 with the optimizer on the device: the master was the parameter shard,
+            # which now leaves memory, so the engine keeps a device master of its own
+            # (offload/masters.py MastersOnDevice)
+            device["master_params"] = widths.param * shard
     if optimizer == "nvme" and stage >= 2:
         device["grads"] = 0.0  # each reduced shard goes to grads.swp (offload/grad_file.py)
     host, nvme = offload_breakdown([n / n_d for n in padded], optimizer, param, widths.param,
