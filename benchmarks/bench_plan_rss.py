@@ -19,11 +19,13 @@ census sees (gloo's buffers, the swap I/O threads, allocator slack). The
 communication buffers (temporary: not in RSS after the step) are printed planned,
 by part, beside the engine's own peak figure.
 
-Two differences are this machine's, not the planner's: with the CPU as the device,
-an fp32 reduced gradient shard on the "device" is already the host gradient, so
-the engine keeps it once where a GPU run holds it twice (the prediction is for the
-GPU); and NVMe swap pools are allocated uninitialised (unpinned without CUDA),
-so RSS counts only the pages the step has touched.
+Two predictions are printed: for GPUs (`predict_memory`'s default, device "cuda")
+and for this machine (device="cpu", what `zeromem plan --calibrate` plans here).
+They differ where the CPU is the device: an fp32 reduced gradient shard on the
+"device" is already the host gradient, so the engine keeps it once where a GPU run
+holds it twice. The error is this machine's plan against RSS. NVMe swap pools are
+allocated uninitialised (unpinned without CUDA), so RSS counts only the pages the
+step has touched.
 """
 from __future__ import annotations
 
@@ -110,15 +112,17 @@ def main() -> None:
     own = 4 * sum(shape.param_numels)  # the model's fp32 parameters, in the baseline
     print(f"demo GPT {shape.psi / 1e6:.1f}M parameters, fp32, 2 gloo ranks; MB per rank "
           "(rank 0 / rank 1 measured)")
-    print(f"{'setup':<32}{'predicted':>10}{'ledger':>14}{'RSS':>16}{'error vs RSS':>14}"
-          f"{'comm buffers planned':>22}{'engine':>8}")
+    print(f"{'setup':<32}{'for GPUs':>10}{'this CPU':>10}{'ledger':>14}{'RSS':>16}"
+          f"{'error vs RSS':>14}{'comm buffers planned':>22}{'engine':>8}")
     for name in SETUPS:
-        p = predict_memory(shape, config(name, args.nvme_path), 2, backend="gloo")
+        gpu = predict_memory(shape, config(name, args.nvme_path), 2, backend="gloo")
+        p = predict_memory(shape, config(name, args.nvme_path), 2, backend="gloo", device="cpu")
         predicted = p.model_state_bytes + p.host_bytes - own
         rss = [r[name]["rss"] for r in measured]
         ledger = [r[name]["ledger"] - own for r in measured]
         error = predicted / max(rss) - 1
-        print(f"{name:<32}{predicted / 1e6:>10.1f}"
+        print(f"{name:<32}{(gpu.model_state_bytes + gpu.host_bytes - own) / 1e6:>10.1f}"
+              f"{predicted / 1e6:>10.1f}"
               f"{ledger[0] / 1e6:>7.1f}/{ledger[1] / 1e6:<6.1f}"
               f"{rss[0] / 1e6:>8.1f}/{rss[1] / 1e6:<7.1f}{error:>+13.1%}"
               f"{p.comm_buffers / 1e6:>22.2f}{measured[0][name]['buffers'] / 1e6:>8.2f}  "

@@ -153,6 +153,7 @@ def test_calibration_is_positive_and_self_consistent(tmp_path):
     # gloo's threads spend CPU time on a gather: some per call, more for more bytes
     assert cal.beside is not None and cal.beside.latency >= 0 and cal.beside.bandwidth > 0
     hw = Hardware(2, 1e12, calibration=cal)
+    assert hw.device == "cpu"  # measured here: its memory is planned for this machine's CPU
     t = {s: evaluate(shape, s, hw, work).time
          for s in (Setup(0), Setup(2), Setup(3), Setup(2, "gpu"), Setup(2, "none", "nvme"))}
     for setup, time in t.items():

@@ -4,7 +4,10 @@ The ledger counts the tensors the engine really holds (host masters, optimizer s
 host gradients, swap buffers, parameter shards) and the bytes of its swap files;
 `predict_memory` computes them from shapes and the config (`planning/host_memory.py`).
 Both come from the engine's own sizing code (`offload/sub_groups.layout_optimizer`,
-`offload/budget.py`), so each named part is exact.
+`offload/budget.py`), so each named part is exact. Planned for this machine
+(device="cpu"): an fp32 reduced gradient is the host gradient there, filed once on the
+host (the whole gradient at stage 1). The device's model states, by category, equal the
+ledger's too.
 """
 from __future__ import annotations
 
@@ -25,7 +28,10 @@ SETUPS = {"stage 2, opt:cpu": (2, "cpu", None), "stage 3, opt:cpu, param:cpu": (
           "stage 3, opt:nvme, param:nvme, budget": (3, "nvme", "nvme"),
           # a deep thin model and a small budget: the parameter pool's share of it, not
           # psi / 8, bounds how far fetch units merge (stage3/units.py, issue 16)
-          "stage 3, opt:nvme, param:nvme, budget bounds units": (3, "nvme", "nvme")}
+          "stage 3, opt:nvme, param:nvme, budget bounds units": (3, "nvme", "nvme"),
+          # the optimizer on the device: in fp32 its master was the parameter shard, which
+          # leaves memory, so the engine keeps a device master (MastersOnDevice)
+          "stage 3, param:cpu": (3, "none", "cpu"), "stage 3, param:nvme": (3, "none", "nvme")}
 DEEP = GPTConfig(n_layer=32, n_embd=64, block_size=32)  # merged 4 blocks a unit uncapped
 SMALL_BUDGET = 2 << 20
 # host_memory's names -> the ledger's category of the same tensors
@@ -59,8 +65,6 @@ def _measure(rank, world_size, path):
     out = {}
     for dtype in ("fp32", "bf16"):
         for name in SETUPS:
-            if (dtype, SETUPS[name][0]) == ("fp32", 1):
-                continue  # on CPU its host gradient is a view of the whole device gradient
             torch.manual_seed(0)
             engine = zeromem.initialize(GPT(_model(name)), _config(name, dtype, path))
             out[dtype, name, "units"] = len(engine.stage3.units) if engine.stage3 else 0
@@ -86,7 +90,10 @@ def test_host_and_nvme_bytes_equal_the_ledger(tmp_path):
         shapes = {model: shape_of(GPT(model)) for model in (SMALL, DEEP)}
     for (dtype, name), held in ((k, v) for k, v in measured[0].items() if len(k) == 2):
         shape = shapes[_model(name)]
-        predicted = predict_memory(shape, _config(name, dtype, str(tmp_path)), 2, "gloo")
+        # planned for this machine: on a CPU device an fp32 reduced gradient is the host
+        # gradient (the whole gradient buffer at stage 1), held once and filed on the host
+        predicted = predict_memory(shape, _config(name, dtype, str(tmp_path)), 2, "gloo",
+                                   device="cpu")
         if name.endswith("bounds units"):  # fewer merges than uncapped, as many as the engine
             units = measured[0][dtype, name, "units"]
             capped = shape.with_unit_caps(layout_for(Config.load(
@@ -99,6 +106,9 @@ def test_host_and_nvme_bytes_equal_the_ledger(tmp_path):
             assert set(expected) == set(ledger), (dtype, name, place, expected, ledger)
             for category, nbytes in expected.items():
                 assert nbytes == ledger[category], (dtype, name, category)
+        for category in ("params", "grads", "master_params", "optimizer_states"):
+            assert predicted.device.get(category, 0) == held.get(category, {}).get("device", 0), (
+                dtype, name, category)
         assert predicted.host_bytes > 0 and (predicted.nvme_bytes > 0) == ("nvme" in name)
         if SETUPS[name][:2] in ((2, "nvme"), (3, "nvme")):  # reduced shards to grads.swp:
             # one gradient bucket alive at a time (MastersOnNvme.buckets_alive), so the

@@ -10,7 +10,9 @@ import torch
 from gpt import GPT, GPTConfig
 from zeromem.planning.step_model import (Calibration, Link, comm_seconds, offload_traffic,
                                           prefetched_gathers)
-from zeromem.planning.planner import (Hardware, Setup, Workload, evaluate, model_flops,
+from zeromem.planning.estimate import rank_shards
+from zeromem.planning.plan_json import plan_json
+from zeromem.planning.planner import (Hardware, Setup, Workload, evaluate, model_flops, plan,
                                       planned_layout, shape_of)
 
 WORK = Workload(2, 32, 2, "fp32")
@@ -196,3 +198,27 @@ def test_host_copies_on_a_cpu_device_are_only_those_the_engine_makes():
     # a calibration measured the CPU as the device; one for a GPU would count them all
     assert _time(_cal(), both).offload == pytest.approx(4 * shard / 1e10)
     assert _time(_cal(device="cuda"), both).offload == pytest.approx((8 + 2 * gas * 4) * shard / 1e10)
+
+
+def test_a_plan_for_a_cpu_device_holds_an_fp32_gradient_once():
+    """A calibration on this machine's CPU plans for it: the fp32 reduced gradient shard is
+    the host gradient (offload/masters.HostGrads), held once, where a GPU holds a device
+    and a host copy; a bf16 one is copied on either. The plan says which device it is for."""
+    shape, n = _shape(), 2
+    setup = Setup(2, "none", "cpu")
+    for dtype, shared in (("fp32", True), ("bf16", False)):
+        work = dataclasses.replace(WORK, dtype=dtype)
+        on_cpu = evaluate(shape, setup, Hardware(n, 1e12, calibration=_cal()), work)
+        on_gpu = evaluate(shape, setup, Hardware(n, 1e12), work)
+        grads = on_gpu.states.device["grads"]
+        assert on_cpu.host_bytes == on_gpu.host_bytes  # the host gradient, on either
+        assert on_cpu.states.model_state_bytes == on_gpu.states.model_state_bytes - grads * shared
+        if shared:
+            assert on_cpu.states.host["host_grads"] == grads == 4 * sum(rank_shards(
+                shape, n, on_cpu.layout))
+    cuda = evaluate(shape, setup, Hardware(n, 1e12, calibration=_cal(device="cuda")), WORK)
+    assert cuda.states.device["grads"] > 0  # a calibration on a GPU plans for the GPU
+    for hw, device in ((Hardware(n, 1e12), "cuda"), (Hardware(n, 1e12, calibration=_cal()), "cpu")):
+        p = plan(shape, hw, WORK)
+        assert plan_json(p)["memory_for"] == device
+        assert ("memory    planned for this machine's CPU" in str(p)) == (device == "cpu")

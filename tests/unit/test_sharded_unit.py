@@ -36,10 +36,16 @@ def _unit(max_buckets: int = 3) -> tuple[ShardedUnit, OneRank, list[torch.Tensor
     order.schedule_reductions(reduction, 1, max_buckets)
     order.start_reductions(reducing=True)
     unit = ShardedUnit(group, 0, order, False, LiveStats())
+    for param in params:  # as its owner (the fetch schedule) hooks it
+        param.register_post_accumulate_grad_hook(lambda p: _count(unit, p))
     full = group.begin_gather()  # world size 1: the shard is the whole buffer
     full.copy_(group.param_shard)
     group.finish_gather()
     return unit, reduction, values
+
+
+def _count(unit: ShardedUnit, param: torch.Tensor) -> None:
+    unit.grad_in(param)
 
 
 def _loss(params, x: torch.Tensor, use_u: bool) -> torch.Tensor:

@@ -34,6 +34,13 @@ log = logging.getLogger("zeromem")
 CPU_KERNEL = "fused"  # torch's fastest CPU optimizer kernel (benchmarks/bench_offload.py)
 
 
+def reduced_is_host_grad(device: torch.device, dtype: torch.dtype) -> bool:
+    """A reduced gradient of `dtype` on `device` already is an fp32 host tensor (the CPU is
+    the device, fp32 gradients): `HostGrads` reads it where it is, so host and device hold
+    it once. The planner asks the same (planning/host_memory.py `grads_shared`)."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
 class HostGrads:
     """fp32 host buffers the reduced gradient shards are copied into at the boundary.
 
@@ -53,7 +60,7 @@ class HostGrads:
     def buffer_for(self, group: FlatParamGroup, reduced: torch.Tensor) -> torch.Tensor | None:
         """`group`'s host buffer; None where `reduced` already is one (it is read as it is)."""
         self.cuda = self.cuda or group.param_shard.is_cuda
-        if reduced.device.type == "cpu" and reduced.dtype == torch.float32 \
+        if reduced_is_host_grad(reduced.device, reduced.dtype) \
                 and reduced.numel() == group.shard_numel:
             self.buffers[id(group)] = reduced
             return None

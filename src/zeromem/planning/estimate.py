@@ -38,7 +38,7 @@ from zeromem.memory import model_state_formula
 from zeromem.flat import (GradKind, ShardAccumulated, WholeAllReduced, WholeScattered,
                           launch_copies)
 from zeromem.offload.budget import pool_unit_numel
-from zeromem.planning.host_memory import OffloadBufferSizes, offload_breakdown
+from zeromem.planning.host_memory import OffloadBufferSizes, grads_shared, offload_breakdown
 from zeromem.stage3.units import UnitCaps, coalesce_target_numel, merge_runs, persistent_groups
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
@@ -371,6 +371,9 @@ class ZeroLayout:
     offload: OffloadBufferSizes = OffloadBufferSizes()  # swap-buffer sizes (sub_group_size, buffer_count)
     overlap_comm: bool | None = None  # None: as the config's default, on at stage 3 only
     backend: str = "nccl"  # the collectives' backend: gloo stages reduce-scatters in a copy
+    # where the ranks compute: "cuda" (a plan for GPUs), or "cpu" (this machine: host memory
+    # is the device's, so what the engine keeps once there is counted once)
+    device: str = "cuda"
 
     def unit_caps(self, param_bytes: int, n_d: int) -> UnitCaps:
         """What bounds a merged fetch unit, as the engine's `_unit_caps` reads it: the reduce
@@ -435,7 +438,9 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
 
     Stages 0-2: one flat group per reduce bucket. Stage 3: one flat group per fetch
     unit; units under `stage3_param_persistence_threshold` also stay gathered, and at
-    most the largest unit plus one prefetch bucket is gathered at a time.
+    most the largest unit plus one prefetch bucket is gathered at a time. Ranks computing
+    on the CPU (`layout.device`) hold an fp32 gradient once where a GPU run holds a
+    device and a host copy (optimizer on the host).
     """
     stage = layout.stage
     sizes = _group_numels(shape, layout)
@@ -458,11 +463,21 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
         del device["master_params"], device["optimizer_states"]
     if param != "none":
         device["params"] -= widths.param * shard
+        if optimizer == "none" and widths.master == 0:
+            # fp32 with the optimizer on the device: the master was the parameter shard,
+            # which now leaves memory, so the engine keeps a device master of its own
+            # (offload/masters.py MastersOnDevice)
+            device["master_params"] = widths.param * shard
     if optimizer == "nvme" and stage >= 2:
         device["grads"] = 0.0  # each reduced shard goes to grads.swp (offload/grad_file.py)
     host, nvme = offload_breakdown([n / n_d for n in padded], optimizer, param, widths.param,
                                    widths.states, per_group, widths.master == 0, layout.offload,
                                    grads_in_file=stage >= 2)
+    if "host_grads" in host and grads_shared(layout.device, widths.grad):
+        # the reduced gradient is the host gradient (HostGrads reads it where it is): its
+        # buffer (the whole gradient at stage 1, the shards at 2-3) held once, on the host,
+        # where the engine's ledger files it
+        host["host_grads"], device["grads"] = device["grads"], 0.0
     comm = comm_buffer_parts(padded, n_d, widths, layout)
     return ShapeMemory(device, sum(host.values()), sum(nvme.values()),
                        _gathered_bytes(sizes, n_d, widths, layout), sum(comm.values()),

@@ -15,7 +15,13 @@ master weights and optimizer states off the device. Per element of the rank's sh
                               2/3 the reduced shards go to grads.swp; on NVMe the
                               states, the master (unless it is the fp32 parameter
                               shard) and, at stage 2/3, the gradients
-    offload_param: cpu        parameter shards (parameter width)
+                              On a CPU device in fp32 the reduced gradient shard
+                              already is an fp32 host tensor: the engine reads it
+                              where it is (`offload/masters.py` `HostGrads`), so it is
+                              held once, and the planner files the device's gradient
+                              as the host gradient (`grads_shared`), as the ledger does
+    offload_param: cpu        parameter shards (parameter width; on a CPU device the
+                              shard itself, gathered from where it is: no copy)
     offload_param: nvme       a pool of buffer_count buffers, shard i read into
                               buffer i % buffer_count, each the size of the largest
                               shard it serves; the shards on NVMe, one aligned slot each
@@ -29,9 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from zeromem.config.schema import Config, OffloadParamConfig, TimeoutsConfig
 from zeromem.offload.budget import DEPTH, MIN_SUB_GROUP
 from zeromem.offload.grad_file import record_bytes
+from zeromem.offload.masters import reduced_is_host_grad
 from zeromem.offload.nvme import round_up, swap_file_bytes
 from zeromem.offload.params_nvme import ShardBuffers
 from zeromem.offload.sub_groups import ShardSpec, layout_optimizer
@@ -59,6 +68,14 @@ class OffloadBufferSizes:
         return cls(policy.sub_group_size, policy.optimizer_buffers,
                    params.buffer_count if params is not None else cls.param_buffer_count,
                    policy.host_budget_bytes, policy.step_in_backward)
+
+
+def grads_shared(device: str, grad_bytes: int) -> bool:
+    """The host gradient is the device's reduced gradient itself (no copy) for ranks that
+    compute on `device` ("cuda", "cpu") with `grad_bytes`-wide gradients: the engine's own
+    test (`HostGrads` asks `reduced_is_host_grad`); any 16-bit dtype answers as bf16."""
+    return reduced_is_host_grad(torch.device(device),
+                                torch.float32 if grad_bytes == FP32 else torch.bfloat16)
 
 
 def _params_pool(numels: list[int], param: str, param_bytes: int, buffers: OffloadBufferSizes) -> int:

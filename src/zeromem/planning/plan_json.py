@@ -4,14 +4,16 @@
                  "states_bytes", "activation_bytes", "buffer_bytes", "device_bytes",
                  "host_bytes_per_node", "nvme_bytes_per_node", "step_seconds": [best, worst],
                  "fits", ...}, ...],
-     "recommended": NAME}
+     "recommended": NAME, "memory_for": "cuda" | "cpu", ...}
 
 Bytes are per GPU unless the key says per node; `step_seconds` runs from full
 overlap of compute, communication and offload traffic to none (plus the optimizer
 step), from the speeds measured by `--calibrate` when given ("step_seconds_from"
 holds them), else from the assumed GPU cluster's. Each setup also
 carries its host, NVMe and buffer breakdowns by name and the call its checkpointing
-needs.
+needs. "memory_for" names the device the bytes are planned for: "cuda" (GPUs), or
+"cpu" when `--calibrate` measured ranks computing on this machine's CPU, where host
+memory is the device's and the engine holds an fp32 gradient once (`predict_memory`).
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def plan_json(p: Plan) -> dict:
     cal = p.hardware.calibration
     return {"setups": [setup_json(c, node) for c in p.candidates],
             "recommended": p.chosen.setup.label(), "reasons": list(p.reasons),
-            "config": p.config,
+            "config": p.config, "memory_for": p.hardware.device,
             # where step_seconds come from: this machine (`--calibrate`) or the assumed speeds
             "step_seconds_from": cal.to_dict() if cal is not None else "assumed"}
 

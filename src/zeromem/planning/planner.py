@@ -73,10 +73,11 @@ def widths_for(config: Config) -> Widths:
 
 
 def layout_for(config: Config, shape: ModelShape | None = None, n_d: int = 1,
-               backend: str = "nccl") -> ZeroLayout:
+               backend: str = "nccl", device: str = "cuda") -> ZeroLayout:
     """The grouping and partitioning knobs of a validated zeromem config; with `shape`, the
     bucket sizes the config leaves out are derived as the engine derives them (layout.py).
-    `backend`: the collectives' (gloo stages reduce-scatters in a receive buffer)."""
+    `backend`: the collectives' (gloo stages reduce-scatters in a receive buffer); `device`:
+    where the ranks compute ("cpu": host memory is the device's)."""
     z = config.zero_optimization
     buckets = {k: int(getattr(z, k)) for k in ("reduce_bucket_size", "allgather_bucket_size",
                                                 "stage3_prefetch_bucket_size")}
@@ -91,20 +92,22 @@ def layout_for(config: Config, shape: ModelShape | None = None, n_d: int = 1,
                       int(z.stage3_param_persistence_threshold),
                       buckets["stage3_prefetch_bucket_size"],
                       z.offload_optimizer_device, z.offload_param_device, buffers,
-                      bool(z.overlap_comm), backend)
+                      bool(z.overlap_comm), backend, device)
 
 
 def predict_memory(model: nn.Module | ModelShape, config: dict | str | Config,
-                   n_d: int, backend: str = "nccl") -> ShapeMemory:
+                   n_d: int, backend: str = "nccl", device: str = "cuda") -> ShapeMemory:
     """Per-rank bytes the engine will hold for `model` under `config` on N_d ranks of
-    `backend` (which sizes the communication buffers)."""
+    `backend` (which sizes the communication buffers) computing on `device`: "cuda" (GPUs),
+    or "cpu" (this machine, where the engine keeps an fp32 gradient once, not on the
+    device and again on the host)."""
     shape = model if isinstance(model, ModelShape) else shape_of(model)
     cfg = Config.load(config, world_size=n_d)
     widths = widths_for(cfg)
     # fetch units merged as the engine merges them under this config; then the prefetch
     # depth the engine derives from the largest of them
     shape = shape.with_unit_caps(layout_for(cfg, shape, n_d).unit_caps(widths.param, n_d))
-    return exact_model_states(shape, n_d, widths, layout_for(cfg, shape, n_d, backend))
+    return exact_model_states(shape, n_d, widths, layout_for(cfg, shape, n_d, backend, device))
 
 
 # ---------------------------------------------------------------- hardware, workload, setups
@@ -133,6 +136,12 @@ class Hardware:
     def backend(self) -> str:
         """The collectives' backend: the calibrated one, else NCCL (GPUs)."""
         return self.calibration.backend if self.calibration is not None else "nccl"
+
+    @property
+    def device(self) -> str:
+        """Where the ranks compute, which the memory plan is for: the calibrated ranks'
+        device (`calibrate` runs on this machine's CPU), else "cuda" (GPUs)."""
+        return self.calibration.device if self.calibration is not None else "cuda"
 
 
 @dataclass(frozen=True)
@@ -291,7 +300,8 @@ def step_time(shape: ModelShape, setup: Setup, states: ShapeMemory, acts: Activa
 def evaluate(shape: ModelShape, setup: Setup, hw: Hardware, work: Workload) -> Candidate:
     """Per-rank memory and step time of `setup`; fits = device and host memory suffice."""
     n_d = hw.gpus // work.mp
-    layout = dataclasses.replace(planned_layout(shape, setup), backend=hw.backend)
+    layout = dataclasses.replace(planned_layout(shape, setup), backend=hw.backend,
+                                 device=hw.device)
     p = DTYPE_BYTES[work.dtype]
     widths = Widths(p, p, 0 if p == 4 else 4, 8, 4)  # AdamW, as the written config says
     # fetch units merged as the engine will under the written config: within its reduce
@@ -531,6 +541,9 @@ def _describe(p: Plan) -> list[str]:
         f"{hw.interconnect / 1e9:g} GB/s, PCIe {hw.pcie / 1e9:g} GB/s, NVMe {hw.nvme / 1e9:g} "
         f"GB/s per node, {hw.tflops:g} TFLOPS per GPU assumed" + (
             "; step times from " + hw.calibration.describe() if hw.calibration else ""),
+        "memory    planned for " + ("this machine's CPU as the device (calibrated): host memory "
+                                    "is the device's, an fp32 gradient is held once"
+                                    if hw.device == "cpu" else "GPUs (cuda devices)"),
         f"workload  micro-batch {w.micro_batch} x seq {w.seq} x accumulation {w.gas}, {w.dtype}, "
         f"N_d = {n_d}{f', MP = {w.mp}' if w.mp > 1 else ''}: "
         f"{w.micro_batch * w.seq * w.gas * n_d:,} tokens per step",

@@ -55,6 +55,7 @@ built (units.py `choose_units`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -216,7 +217,8 @@ class FetchSchedule:
             if module is root or id(module) in self.unit_of_module:
                 self._hook_module(module)
         for unit in self.units:  # each unit counts its own gradients; released once reduced
-            unit.when_reduced(self._release_reduced)
+            self.handles += [p.register_post_accumulate_grad_hook(partial(self._grad_in, unit))
+                             for p in unit.group.params]
         self.refresh()
 
     def refresh(self) -> None:
@@ -447,9 +449,11 @@ class FetchSchedule:
     def before_backward(self, module_id: int) -> None:
         self._use(self._units_for_id(module_id))
 
-    def _release_reduced(self, unit: ShardedUnit) -> None:
-        """Every gradient of `unit` is in its reduce bucket: the whole buffer can go."""
-        self._release([unit])
+    def _grad_in(self, unit: ShardedUnit, param: torch.Tensor) -> None:
+        """`param`'s gradient was accumulated: the unit counts it; once every gradient
+        of the unit is in its reduce bucket, the whole buffer can go."""
+        if unit.grad_in(param):
+            self._release([unit])
 
     def finish_backward(self) -> None:
         """Units some gradients never reached hand in what they have (before the engine
@@ -460,8 +464,6 @@ class FetchSchedule:
     def remove(self) -> None:
         for h in self.handles + [h for hs in self.module_hooks.values() for h in hs]:
             h.remove()
-        for unit in self.units:
-            unit.remove()
 
 
 def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitChoice,

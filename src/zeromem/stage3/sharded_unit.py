@@ -7,8 +7,11 @@ tensors. The `ShardedUnit` owns everything done with them, each in one place:
 
     unshard / wait / reshard  the all-gather of the whole buffer (plain, hpZ or qwZ)
                               and its release, as the schedule (fetch.py) asks
-    gradients                 readiness, counted once per backward: a hook per
-                              parameter only counts; when the last gradient is in,
+    gradients                 readiness, counted once per backward: the schedule's
+                              hook per parameter calls `grad_in`, which only counts
+                              and says when the unit is complete (the schedule then
+                              releases it: nothing here calls back up); when the last
+                              gradient is in,
                               all of them go into the group's bucket in one copy and
                               the unit hands its reduce-scatter to the shard group's
                               `Comm` it shares with the other units (comm.py), which
@@ -116,8 +119,6 @@ class ShardedUnit:
         # With one bucket at a time, gradients may not wait in param.grad beside a reduction
         # in flight (two units' gradients alive): each goes into the bucket as it comes.
         self._eager = comm.one_bucket_at_a_time
-        self._on_reduced: Callable[[ShardedUnit], None] = lambda unit: None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_in) for p in group.params]
 
     @property
     def state(self) -> GroupState:
@@ -206,27 +207,22 @@ class ShardedUnit:
         self.group.adopt_whole()
 
     # -- gradients ------------------------------------------------------------
-    def when_reduced(self, callback: Callable[[ShardedUnit], None]) -> None:
-        """Call `callback(self)` once the gradients are handed over (the schedule releases)."""
-        self._on_reduced = callback
-
-    def _grad_in(self, param: torch.Tensor) -> None:
-        """A parameter's gradient was accumulated into `param.grad`: count it, nothing more
-        (O(1) per parameter); the last one moves them all into the bucket at once."""
+    def grad_in(self, param: torch.Tensor) -> bool:
+        """A parameter's gradient was accumulated into `param.grad` (its owner's
+        post-accumulate-grad hook): count it, nothing more (O(1) per parameter); the last
+        one moves them all into the bucket at once. True when this one completed the unit:
+        its gradients are handed over, so the whole buffer may go."""
         if self._phase is Phase.REDUCED:
             self._late_grad(param)
-            return
+            return False
         if self._eager:
             self._add_to_bucket(param, first=self._missing == len(self.group.params))
         self._missing -= 1
-        if self._missing == 0:
-            self._reduce()
-
-    def _reduce(self) -> None:
-        """BACKWARD -> REDUCED: every gradient into the bucket (one copy), then launched in turn."""
-        self._assert_phase(Phase.BACKWARD)
+        if self._missing:
+            return False
+        self._assert_phase(Phase.BACKWARD)  # BACKWARD -> REDUCED: into the bucket, launched in turn
         self._hand_in()
-        self._on_reduced(self)
+        return True
 
     def finish_backward(self) -> None:
         """Backward ended: a unit some gradients never reached (parameters unused on this
@@ -264,10 +260,6 @@ class ShardedUnit:
             self.comm.bucket_starts()
         self.group.grads.accumulate(self._offsets[id(param)], param.grad)
         param.grad = None
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
 
     # -- the collective -----------------------------------------------------
     def _launch(self, full: torch.Tensor) -> Pending:
