@@ -168,8 +168,10 @@ class StepInBackward:
         gradient comes (started just then, behind a write) thus runs on while backward
         goes on, its sub-group held to the next `take`. Returns the slot freed last."""
         slot = None
-        for i in list(self.ready if most is None else self.ready[:most]):
-            if not wait and not all(h.done() for h in self.held[i][1]):
+        done = [i for i in self.ready if all(h.done() for h in self.held[i][1])]
+        first = done + [i for i in self.ready if i not in done]  # those read already first
+        for i in first if most is None else first[:most]:
+            if not wait and i not in done:
                 continue
             self.ready.remove(i)
             slot = self._step(i)

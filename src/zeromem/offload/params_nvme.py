@@ -243,10 +243,12 @@ class ParamsOnNvme:
     def read_piece(self, group: FlatParamGroup, start: int, numel: int, buf: torch.Tensor,
                    after: Sequence[IOHandle] = ()) -> IOHandle | None:
         """From the shard in memory if it is there (no I/O), else from params.swp; once the
-        writes `after` (still reading from `buf`) have finished."""
+        writes `after` (still reading from `buf`) have finished. With those still running,
+        from params.swp, whose current copy the shard in memory is (two copies: nothing
+        stores into it), so that the read waits for them in the I/O threads, not here."""
         key = id(group)
         begin, length = piece_range(start, numel)
-        if key in self.in_memory:
+        if key in self.in_memory and (self.copies == 1 or all(h.done() for h in after)):
             for h in after:
                 h.wait()
             buf[:length].copy_(self.in_memory[key][1][begin:begin + length])
