@@ -10,15 +10,16 @@ The gradient then never goes to grads.swp nor is read back, and the update
 overlaps backward instead of following it.
 
     begin()            the boundary backward starts: the sub-groups expected first
-                       (backward's order: the last first, then the order the last
-                       boundary completed them in) are read into the free slots
+                       (group order, in which the reductions come; then the order
+                       the last boundary completed them in) are read into the free slots
     take(group, shard) a reduced shard: its pieces go to the slots of their sub-groups
                        (a sub-group with no slot free when its first piece comes is
                        left to `step()`, its gradient through grads.swp as before);
-                       a sub-group whose pieces are all in is stepped at once
-    finish()           `step()`: the sub-groups still held (their last gradients
-                       never came: zeros, or earlier micro-steps' sum in grads.swp)
-                       go to the step's pipeline with the ones left to it
+                       a sub-group whose pieces are all in is stepped at once, or,
+                       its reads still running, at the next `take` (`_step_ready`)
+    finish()           `step()`: the last ones are stepped; those still held (their
+                       last gradients never came: zeros, or earlier micro-steps' sum
+                       in grads.swp) go to the step's pipeline with the ones left to it
     drop()             the step is skipped, or the files are needed whole
 
 Bitwise the same update: the same sub-groups and pieces, the same kernel on the same
