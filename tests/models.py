@@ -1,6 +1,9 @@
 """Small models, a single-process reference trainer and gradient / storage probes shared by the tests."""
 from __future__ import annotations
 
+import gc
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -189,3 +192,16 @@ class StorageTracker(TorchDispatchMode):
         skip = {StorageWeakRef(t.untyped_storage()).cdata for t in exclude}
         alive = {r.cdata: n for r, n in self.refs if not r.expired() and r.cdata not in skip}
         return sum(alive.values())
+
+    def settled_held_bytes(self, exclude, tries: int = 50) -> int:
+        """`held_bytes` once two reads 10 ms apart agree: gloo's worker thread may still
+        hold a collective's tensor for a moment after `wait()` returned (seen under load)."""
+        held = -1
+        for _ in range(tries):
+            gc.collect()
+            now = self.held_bytes(exclude)
+            if now == held:
+                break
+            held = now
+            time.sleep(0.01)
+        return held
