@@ -1,9 +1,12 @@
 """Configs and training loops that several test files share (models are in models.py)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -237,3 +240,22 @@ class OneRank:
 
     def release_buffer(self, tensor: torch.Tensor) -> None:
         pass
+
+
+@contextlib.contextmanager
+def slow_writes(delay_s: Callable[[str], float]) -> Iterator[None]:
+    """Inside the block, every swap write request waits `delay_s(file name)` first: a slow
+    disk, so that what waits for writes (or should not) is seen waiting."""
+    import zeromem.offload.nvme as nvme
+    transfer = nvme._transfer
+
+    def slow(op, fd, view, offset, path):
+        if op == "write":
+            time.sleep(delay_s(Path(path).name))
+        transfer(op, fd, view, offset, path)
+
+    nvme._transfer = slow
+    try:
+        yield
+    finally:
+        nvme._transfer = transfer

@@ -10,12 +10,9 @@ checkpoint saved after a step and loaded, and gradients arriving out of order.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -23,7 +20,7 @@ import torch
 import zeromem
 from harness import run_distributed
 from models import TinyLM, micro_batch
-from setups import parity_config
+from setups import parity_config, slow_writes
 from zeromem.offload.nvme import OffloadError
 
 SCHEDULE = {"type": "WarmupLR",
@@ -84,25 +81,6 @@ def hold_back(engine) -> None:
             put(*held.pop())
 
     grads.put = late_put
-
-
-@contextlib.contextmanager
-def slow_writes(delay_s: float = 0.01) -> Iterator[None]:
-    """Every swap write waits `delay_s` first: reads the step in backward starts into a slot
-    whose write is still running must wait for it (`SwapFile.read(after=)`)."""
-    import zeromem.offload.nvme as nvme
-    transfer = nvme._transfer
-
-    def slow(op, fd, view, offset, path):
-        if op == "write":
-            time.sleep(delay_s)
-        transfer(op, fd, view, offset, path)
-
-    nvme._transfer = slow
-    try:
-        yield
-    finally:
-        nvme._transfer = transfer
 
 
 def train(engine, step: int, rank: int, gas: int) -> dict:
@@ -196,7 +174,8 @@ def backward_step_run(rank: int, world_size: int, path: str) -> dict:
         rows = [train(e, step, rank, 1) for e in (early, late)]
         out["out_of_order"].append({"early": rows[0], "same": same(snapshot(early), snapshot(late))})
     # on a slow disk: the reads into slots just stepped start behind their writes
-    with slow_writes():
+    # reads into a slot wait for its write (SwapFile.read(after=))
+    with slow_writes(lambda name: 0.01):
         for step in range(2, 4):
             for e in (early, late):
                 train(e, step, rank, 1)

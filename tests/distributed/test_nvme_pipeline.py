@@ -4,18 +4,15 @@ model, and the per-step I/O on the run report."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 import zeromem
 from harness import run_distributed
 from models import Deep, Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
-from setups import parity_config
+from setups import parity_config, slow_writes
 import train_nvme
 
 STEPS = 3
@@ -91,24 +88,6 @@ def test_defaults_overlap_io_reread_params_and_match_the_reference(tmp_path):
 WRITE_DELAY_S = {"optimizer.swp": 0.1, "params.swp": 0.04}
 
 
-@contextlib.contextmanager
-def slow_writes() -> Iterator[None]:
-    """Inside the block, every write request to a file of WRITE_DELAY_S waits its delay first."""
-    import zeromem.offload.nvme as nvme
-    transfer = nvme._transfer
-
-    def slow(op, fd, view, offset, path):
-        if op == "write":
-            time.sleep(WRITE_DELAY_S.get(Path(path).name, 0.0))
-        transfer(op, fd, view, offset, path)
-
-    nvme._transfer = slow
-    try:
-        yield
-    finally:
-        nvme._transfer = transfer
-
-
 def beyond_step_engine(model: torch.nn.Module, path: str, world_size: int,
                        write_behind: bool = True):
     cfg = parity_config(3, 1, 0.0, world_size)
@@ -136,7 +115,8 @@ def beyond_step_run(rank: int, world_size: int, path: str) -> dict:
     for step in range(2):
         ref.step(step, world_size, 1)
     out: dict = {"waited": [train_step(waited, step, rank) for step in range(2)]}
-    with slow_writes():  # back to back: a forward and the save right after step(), on a slow disk
+    # back to back: a forward and the save right after step(), on a slow disk
+    with slow_writes(lambda name: WRITE_DELAY_S.get(name, 0.0)):
         out["behind"] = [train_step(behind, step, rank) for step in range(2)]
         behind.save_checkpoint(Path(path) / "ckpt")
     out["diffs"] = []
