@@ -111,6 +111,7 @@ def test_host_and_nvme_bytes_equal_the_ledger(tmp_path):
                 dtype, name, category)
         assert predicted.host_bytes > 0 and (predicted.nvme_bytes > 0) == ("nvme" in name)
         if SETUPS[name][:2] in ((2, "nvme"), (3, "nvme")):  # reduced shards to grads.swp:
-            # one gradient bucket alive at a time (MastersOnNvme.buckets_alive), so the
-            # communication buffers' peak is one bucket and gloo's receive buffer
+            # one gradient bucket reducing at a time (MastersOnNvme.buckets_alive: the next
+            # fills meanwhile, its launch waits), so the communication buffers' peak is one
+            # bucket and gloo's receive buffer
             assert predicted.comm_buffers == held["comm_buffers"]["device"], (dtype, name)

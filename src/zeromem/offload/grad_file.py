@@ -25,11 +25,11 @@ the optimizer states (offload/nvme_optimizer.py).
                                    first; a shard it took whole is not written (nor read back)
 
 Buffer lifetimes: a bucket lives from the group's first gradient to the end of its
-reduce-scatter (as at stage 2/3 without offload), but only one bucket is alive at a
-time (`MastersOnNvme.buckets_alive`: the next group's first gradient waits for the
-reduction in flight; more would each hold a whole unit, gloo's receive buffer and a
-shard); a reduced shard lives until its write completes, at most `MAX_WRITES` of
-them at once.
+reduce-scatter (as at stage 2/3 without offload), but at most two buckets are alive
+at a time (`MastersOnNvme.buckets_alive`: one reducing while the next group's
+gradients fill the other; its launch waits for the reduction before it; more would
+each hold a whole unit, gloo's receive buffer and a shard); a reduced shard lives
+until its write completes, at most `MAX_WRITES` of them at once.
 """
 from __future__ import annotations
 

@@ -516,8 +516,9 @@ def comm_buffer_parts(padded: list[int], n_d: int, widths: Widths,
     """
     stage = layout.stage
     overlap = layout.overlap_comm if layout.overlap_comm is not None else stage >= 3
-    # reduced shards to grads.swp (optimizer on NVMe, stages 2-3): one bucket alive at a time
-    # (offload/placement.py MastersOnNvme.buckets_alive)
+    # reduced shards to grads.swp (optimizer on NVMe, stages 2-3): two buckets alive, one
+    # reducing and one filling (offload/masters.py MastersOnNvme.buckets_alive): a launch
+    # waits for the reduction before it, so one bucket's buffers are noted at a time
     to_file = layout.offload_optimizer == "nvme" and stage >= 2
     window = peak_in_flight(padded, REDUCE_IN_FLIGHT if overlap and not to_file else 1) \
         * widths.grad
