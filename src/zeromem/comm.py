@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -175,6 +175,14 @@ class Reduction(Protocol):
     def note_buffer(self, tensor: torch.Tensor) -> None: ...
 
     def release_buffer(self, tensor: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class AllReduction(Reduction, Protocol):
+    """A reduction that also all-reduces (stage 0's whole gradient): a `Comm`, or hpZ's
+    replicated reduction; qgZ's quantized one only reduce-scatters."""
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Pending: ...
 
 
 class Comm:

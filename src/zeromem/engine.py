@@ -391,7 +391,7 @@ class Engine:
         for p in self.module.parameters():
             ledger.add("params", "device", p)  # frozen parameters (flat ones already counted)
         for g in self.groups:
-            for t in g.grads.held():
+            for t in g.grad_held():
                 ledger.add("grads", "device", t)
             ledger.add("master_params", "device", g.master)
         for state in self.optimizer.state.values():

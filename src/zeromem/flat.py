@@ -31,9 +31,11 @@ Three gradient buffer kinds, chosen once from `Sharding` (llm.c style: data, not
   full bucket (`FullBucket`) is filled during each micro-step's backward,
   reduce-scattered, added into the shard and dropped.
 
-Their owners fill them (the ZeRO optimizer's hooks at stages 0-2, the stage-3 unit)
-and hand their `launch` to the shard group's `Comm`, which launches them in order
-(`Comm.reduce_in_order`).
+The kind is a private part of its group: the group's gradient transitions (`add_grad`,
+`fill_grads`, `launch_reduction`, `reduced_grad`, `grad_square`, `zero_grad`) are the
+only way in. Whoever sees the gradients come (the ZeRO optimizer's hooks at stages 0-2,
+the stage-3 unit) fills the group and hands its `launch_reduction` to the shard group's
+`Comm`, which launches them in order (`Comm.reduce_in_order`).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ import torch
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
-from zeromem.comm import Comm, Pending, Reduction, reduce_scatter_copies
+from zeromem.comm import AllReduction, Comm, Pending, Reduction, reduce_scatter_copies
 from zeromem.layout import ShardLayout, gather_chunks, padded_numel, slices_of
 
 
@@ -138,7 +140,7 @@ class FlatParamGroup:
             self._empty_params()
             self._state = GroupState.SHARDED
         self._master = self._param_shard if master is None else master  # fp32: no second copy
-        self._grads = None  # set once by `attach_grads` (offload/placement.py `build_grads`)
+        self._grads: GradBuffer | None = None  # set once by `attach_grads` (placement.build_grads)
 
     # -- read-only views of the owned state ---------------------------------
     @property
@@ -158,10 +160,6 @@ class FlatParamGroup:
         return self._master
 
     @property
-    def grads(self):
-        return self._grads
-
-    @property
     def full(self) -> torch.Tensor | None:
         """Stage 3: the whole buffer while GATHERING or GATHERED; None otherwise."""
         return self._full
@@ -172,13 +170,54 @@ class FlatParamGroup:
                                  f"{[s.name for s in states]}, got {self._state.name}")
 
     # -- transitions of the buffers other modules place -----------------------
-    def attach_grads(self, buffer) -> None:
+    def attach_grads(self, buffer: GradBuffer) -> None:
         """Hold gradients in `buffer` (a kind below, built knowing where its reduced gradient
         goes: offload/placement.py `build_grads`). Once: nothing wraps or replaces it later."""
         if self._grads is not None:
             raise AssertionError(f"flat group of {self.slots[0].name!r}...: its gradient buffer "
                                  "is set once, when it is built")
         self._grads = buffer
+
+    # -- the gradient: held and reduced by the part `attach_grads` chose -------
+    # Callers reach the gradient only through these (FSDP2's FSDPParam owns its sharded
+    # gradient): what varies by stage and offload is the part, chosen once.
+    @property
+    def _gradient(self) -> GradBuffer:
+        assert self._grads is not None, "placement.build_grads attaches every group's part"
+        return self._grads
+
+    @property
+    def reduces_every_microstep(self) -> bool:
+        """Whether each micro-step's gradient is reduced as it comes (stages 2, 3), or
+        accumulated whole and reduced at the boundary (stages 0, 1)."""
+        return self._gradient.reduces_every_microstep
+
+    def add_grad(self, offset: int, grad: torch.Tensor) -> None:
+        """Add one parameter's gradient (its slot starts at `offset`) into the bucket."""
+        self._gradient.accumulate(offset, grad)
+
+    def fill_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Every parameter's gradient at once, in slot order (None: none came)."""
+        self._gradient.fill(grads)
+
+    def launch_reduction(self, comm: Reduction) -> Pending:
+        """Reduce the bucket into this rank's gradient shard (async), as the part says."""
+        return self._gradient.launch(comm)
+
+    def reduced_grad(self) -> torch.Tensor:
+        """This rank's reduced gradient (the shard; stage 0: the whole buffer)."""
+        return self._gradient.reduced()
+
+    def grad_square(self) -> torch.Tensor:
+        """The squared L2 norm of `reduced_grad()` (fp32)."""
+        return self._gradient.square()
+
+    def zero_grad(self) -> None:
+        self._gradient.zero()
+
+    def grad_held(self) -> list[torch.Tensor]:
+        """The gradient tensors this group keeps between steps."""
+        return self._gradient.held()
 
     def place_master(self, master: torch.Tensor) -> None:
         """A new master tensor (offload: host memory, or a copy when params leave the device).
@@ -297,7 +336,7 @@ class FlatParamGroup:
         """Step phase 3, the master beside the parameters: its gradient is the reduced
         gradient x `multiplier`, in fp32 (the reduced shard itself when that is already it)."""
         assert self._grads is not None  # attached when the engine built the group
-        grad = self._grads.reduced()
+        grad = self._gradient.reduced()
         if grad.dtype == torch.float32 and multiplier == 1.0:
             self._master.grad = grad  # no copy needed
         else:
@@ -398,6 +437,20 @@ class GradKind(Protocol):
     scatters: bool
 
 
+class GradBuffer(GradKind, Protocol):
+    """A gradient kind's instance: the part of one group that holds and reduces its gradient."""
+
+    reduces_every_microstep: bool
+
+    def accumulate(self, offset: int, grad: torch.Tensor) -> None: ...
+    def fill(self, grads: list[torch.Tensor | None]) -> None: ...
+    def launch(self, comm: Reduction) -> Pending: ...
+    def reduced(self) -> torch.Tensor: ...
+    def square(self) -> torch.Tensor: ...
+    def zero(self) -> None: ...
+    def held(self) -> list[torch.Tensor]: ...
+
+
 def launch_copies(kind: GradKind, backend: str) -> int:
     """Full-size buffers (each as large as the group's bucket) that one launch of a group of
     gradient `kind` holds until it is waited on, all noted in Comm's CB figure: the bucket
@@ -422,7 +475,14 @@ class WholeAllReduced:
     def accumulate(self, offset: int, grad: torch.Tensor) -> None:
         self.whole[offset:offset + grad.numel()].add_(grad.reshape(-1))
 
-    def launch(self, comm: Comm) -> Pending:
+    def fill(self, grads: list[torch.Tensor | None]) -> None:
+        for slot, grad in zip(self.group.slots, grads):
+            if grad is not None:
+                self.accumulate(slot.offset, grad)
+
+    def launch(self, comm: Reduction) -> Pending:
+        if not isinstance(comm, AllReduction):
+            raise TypeError(f"stage 0 all-reduces its gradient; {type(comm).__name__} cannot")
         return copied_to_host(comm.all_reduce(self.whole, async_op=True), self.host,
                               self.host_buffer, self.reduced)
 
@@ -445,7 +505,7 @@ class WholeScattered(WholeAllReduced):
 
     scatters = True
 
-    def launch(self, comm: Reduction) -> Pending:  # type: ignore[override]  # stage 0's all-reduces
+    def launch(self, comm: Reduction) -> Pending:
         return copied_to_host(comm.reduce_scatter(self.reduced(), self.whole, async_op=True),
                               self.host, self.host_buffer, self.reduced)
 

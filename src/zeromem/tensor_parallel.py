@@ -232,13 +232,13 @@ class ModelParallelNorm:
 
     def square(self, group) -> torch.Tensor:
         """This rank's share of the squared norm of a flat group's reduced gradient."""
-        sq = group.grads.square()  # this rank's shard (the whole buffer at stage 0)
+        sq = group.grad_square()  # this rank's shard (the whole buffer at stage 0)
         spans = [(start, length) for p, slot in zip(group.params, group.slots)
                  for start, _, length in [group.owned_slice(slot)]
                  if length and id(p) in self.replicated]
         if not spans:
             return sq
-        grad = group.grads.reduced()  # read only here: a shard in grads.swp costs a read
+        grad = group.reduced_grad()  # read only here: a shard in grads.swp costs a read
         repeated = [grad[start:start + length] for start, length in spans]
         rep_sq = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32) ** 2
                               for x in repeated]).sum()

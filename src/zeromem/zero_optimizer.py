@@ -141,11 +141,12 @@ class ZeroOptimizer:
                                    "after its bucket was reduced; use zeromem.checkpoint")
             if self.missing[gi] == len(group.params):  # a bucket starts
                 self.comm.bucket_starts()
-            group.grads.accumulate(offset, param.grad)
+            assert param.grad is not None  # a post-accumulate-grad hook
+            group.add_grad(offset, param.grad)
             param.grad = None
             self.missing[gi] -= 1
             if self.missing[gi] == 0:
-                self.comm.reduce_in_order(gi, group.grads.launch)
+                self.comm.reduce_in_order(gi, group.launch_reduction)
         return on_grad
 
     def after_gather(self, callback: Callable[[], None]) -> None:
@@ -155,7 +156,7 @@ class ZeroOptimizer:
     def start_backward(self, boundary: bool) -> None:
         """Called before each backward; `boundary` marks the last micro-step of a step."""
         self.start_placement(boundary)  # offloaded: host copies of reduced grads at the boundary
-        every_micro = bool(self.groups) and self.groups[0].grads.reduces_every_microstep
+        every_micro = bool(self.groups) and self.groups[0].reduces_every_microstep
         self.comm.start_reductions(boundary or every_micro)
         self.missing = [len(g.params) for g in self.groups]
 
@@ -165,7 +166,7 @@ class ZeroOptimizer:
         if self.hooks:
             for gi, g in enumerate(self.groups):
                 if self.missing[gi]:
-                    self.comm.reduce_in_order(gi, g.grads.launch)
+                    self.comm.reduce_in_order(gi, g.launch_reduction)
         self.comm.finish_reductions()
 
     def remove(self) -> None:
@@ -221,7 +222,7 @@ class ZeroOptimizer:
     def zero_grad(self) -> None:
         """Empty every group's gradient buffer (after a step, or a skipped one)."""
         for g in self.groups:
-            g.grads.zero()
+            g.zero_grad()
             for p in g.params:
                 p.grad = None
 
@@ -234,7 +235,7 @@ class ZeroOptimizer:
 # -- the parts chosen when nothing is offloaded, or no tensor parallelism -------------------
 def _own_square(group: FlatParamGroup) -> torch.Tensor:
     """No tensor parallelism: the group's own squared gradient norm is the model's share."""
-    return group.grads.square()
+    return group.grad_square()
 
 
 def _alone(sq: torch.Tensor) -> None:

@@ -274,7 +274,7 @@ def test_gradients_reach_host_at_the_boundary_only(tmp_path):
     """The engine tells the placement which backward ends the step; the host copy waits for it.
     (bf16 gradients: fp32 ones on a CPU device are the host buffers themselves, no copy.)"""
     engine = placement_engine(tmp_path, 2, 2, {"offload_optimizer": {"device": "cpu"}})
-    assert all(engine.offload.masters.host_grads.buffers[id(g)] is g.grads.reduced()
+    assert all(engine.offload.masters.host_grads.buffers[id(g)] is g.reduced_grad()
                for g in engine.groups)  # fp32 on the CPU: held once
     engine.close()
     torch.manual_seed(0)
@@ -289,7 +289,7 @@ def test_gradients_reach_host_at_the_boundary_only(tmp_path):
         if micro == 0:  # accumulating: nothing copied yet
             assert all(not t.any() for t in host)
         else:
-            assert all(torch.equal(t, g.grads.reduced().float())
+            assert all(torch.equal(t, g.reduced_grad().float())
                        for t, g in zip(host, engine.groups))
             assert any(t.any() for t in host)
         engine.step()

@@ -9,7 +9,7 @@ from torch import nn
 
 from setups import OneRank
 from zeromem.flat import FlatParamGroup, GroupState, ShardAccumulated, ContiguousShards, Sharding
-from zeromem.flat import WholeScattered
+from zeromem.flat import WholeAllReduced, WholeScattered
 from zeromem.offload.masters import HostGrads
 
 SHAPES = [(3, 5), (7,), (2, 2, 2)]
@@ -70,9 +70,10 @@ def test_whole_groups_refuse_stage3_transitions():
 
 def test_owned_buffers_change_only_through_named_transitions():
     g = _group(2)
-    for field in ("grads", "master", "param_shard", "flat_param", "state", "full"):
+    for field in ("master", "param_shard", "flat_param", "state", "full"):
         with pytest.raises(AttributeError):
             setattr(g, field, None)
+    assert not hasattr(g, "grads")  # the gradient part is reached through the group's verbs
     with pytest.raises(AssertionError):
         g.place_master(torch.zeros(g.shard_numel + 1))  # not this group's shard
     master = torch.zeros(g.shard_numel)
@@ -120,3 +121,41 @@ def test_a_reduced_shard_already_in_fp32_host_memory_is_read_as_it_is():
     shards = ContiguousShards([group.shard_numel], torch.float32, torch.device("cpu"))
     kind = ShardAccumulated(group, shards, 0, host)
     assert kind.host_buffer is None and host.buffers[id(group)] is kind.reduced()
+
+
+def _kind(stage: int, group: FlatParamGroup):
+    if stage < 2:
+        return (WholeScattered if stage else WholeAllReduced)(group, torch.float32)
+    shards = ContiguousShards([group.shard_numel], torch.float32, torch.device("cpu"))
+    return ShardAccumulated(group, shards, 0)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_the_gradient_is_held_and_reduced_through_the_group(stage):
+    """Filled at once (a stage-3 unit) or one parameter at a time (the optimizer's hooks),
+    the group's reduced gradient is the sum; its square and zero act on that."""
+    group = _group(stage, world=1, rank=0)
+    group.attach_grads(_kind(stage, group))
+    grads = [torch.full(s, float(i + 1)) for i, s in enumerate(SHAPES)]
+    group.fill_grads([grads[0], None, grads[2]])
+    group.add_grad(group.slots[1].offset, grads[1])
+    group.launch_reduction(OneRank()).wait()
+    want = torch.cat([g.reshape(-1) for g in grads])
+    assert torch.equal(group.reduced_grad()[:group.numel], want)
+    assert torch.isclose(group.grad_square(), (want ** 2).sum())
+    assert group.reduces_every_microstep == (stage == 2)
+    group.zero_grad()
+    assert group.reduced_grad().abs().sum() == 0
+
+
+def test_stage0_refuses_a_reduction_that_cannot_all_reduce():
+    group = _group(0, world=1, rank=0)
+    group.attach_grads(_kind(0, group))
+
+    class ScatterOnly:  # as qgZ's quantized reduction
+        def reduce_scatter(self, output, input, async_op=False): ...
+        def note_buffer(self, tensor): ...
+        def release_buffer(self, tensor): ...
+
+    with pytest.raises(TypeError, match="all-reduces"):
+        group.launch_reduction(ScatterOnly())

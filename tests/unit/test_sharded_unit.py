@@ -84,7 +84,7 @@ def test_the_last_gradient_fills_the_bucket_once_and_the_unit_launches_it():
     assert bucket.numel() == unit.group.padded_numel
     assert torch.allclose(bucket[:unit.group.numel], _expected(values, x, True))
     unit.comm.finish_reductions()
-    assert torch.allclose(unit.group.grads.reduced()[:unit.group.numel], _expected(values, x, True))
+    assert torch.allclose(unit.group.reduced_grad()[:unit.group.numel], _expected(values, x, True))
 
 
 def test_a_unit_some_gradients_never_reach_hands_in_at_the_end():

@@ -28,7 +28,7 @@ def _group() -> FlatParamGroup:
     group = FlatParamGroup(params, ["w", "b"], comm, Sharding.for_stage(2), 0)  # type: ignore[arg-type]
     shards = ContiguousShards([group.shard_numel], torch.float32, torch.device("cpu"))
     group.attach_grads(ShardAccumulated(group, shards, 0))
-    group.grads.reduced().copy_(torch.arange(group.shard_numel, dtype=torch.float32))
+    group.reduced_grad().copy_(torch.arange(group.shard_numel, dtype=torch.float32))
     return group
 
 
@@ -74,7 +74,7 @@ def _optimizer(group: FlatParamGroup, masters: Placement, params: str) -> ZeroOp
 def test_the_step_calls_a_placement_only_where_something_is_offloaded(masters, params, called):
     group = _group()
     before = group.param_shard.clone()
-    grad = group.grads.reduced().clone()
+    grad = group.reduced_grad().clone()
     placement = Placement(masters)
     zero = _optimizer(group, placement, params)
     zero.start_backward(boundary=True)

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from zeromem.comm import Comm, Pending
+from zeromem.comm import Pending, Reduction
 from zeromem.flat import FlatParamGroup, FullBucket
 from zeromem.offload.nvme import (IOHandle, OffloadError, SwapSpace, aligned_empty, piece_bytes,
                                   piece_range, piece_view, round_up)
@@ -203,7 +203,7 @@ class ShardToFile:
     def fill(self, grads: list[torch.Tensor | None]) -> None:
         self.bucket.fill(grads, [slot.numel for slot in self.group.slots])
 
-    def launch(self, comm: Comm) -> Pending:
+    def launch(self, comm: Reduction) -> Pending:
         g = self.group
         bucket = self.bucket.take()
         comm.note_buffer(bucket)

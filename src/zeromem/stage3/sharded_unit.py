@@ -233,14 +233,14 @@ class ShardedUnit:
     def _hand_in(self) -> None:
         """Fill the bucket, then hand its reduce-scatter to the comm (launched in turn)."""
         self._fill_bucket()
-        self.comm.reduce_in_order(self.index, self.group.grads.launch)
+        self.comm.reduce_in_order(self.index, self.group.launch_reduction)
 
     def _fill_bucket(self) -> None:
         params = self.group.params
         grads = [p.grad for p in params]
         if any(g is not None for g in grads):
             self.comm.bucket_starts()
-            self.group.grads.fill(grads)
+            self.group.fill_grads(grads)
             for p in params:
                 p.grad = None  # the bucket holds them now
         self._phase = Phase.REDUCED
@@ -258,7 +258,7 @@ class ShardedUnit:
         assert param.grad is not None  # called by the post-accumulate-grad hook
         if first:
             self.comm.bucket_starts()
-        self.group.grads.accumulate(self._offsets[id(param)], param.grad)
+        self.group.add_grad(self._offsets[id(param)], param.grad)
         param.grad = None
 
     # -- the collective -----------------------------------------------------
