@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from zeromem.offload.budget import DEEP_DEPTH, MIN_DEEP_SUB_GROUP, PoolSize, size_optimizer_pool
 from zeromem.offload.nvme import ALIGN, AsyncIO, BufferPool, SwapFile, aligned_empty
 from zeromem.offload.params_nvme import ShardBuffers
 from zeromem.offload.sub_groups import ShardSpec, layout_optimizer, plan_sub_groups
@@ -41,6 +42,22 @@ def test_the_pool_holds_no_buffer_a_step_cannot_use():
     assert layout.size.depth <= len(layout.sub_groups), (layout.size, sizes)
     assert layout.pool_nbytes <= BufferPool.bytes_for(len(sizes) * layout.slot_fields,
                                                       layout.slot_bytes)
+
+
+def test_a_budget_with_room_keeps_six_sub_groups_in_flight_in_the_same_pool():
+    """One unit's gradient completes several sub-groups at once (the step in backward): a
+    budget with room cuts the pool into 6 sub-groups half as large rather than 3; a budget
+    too small for 6 of MIN_DEEP_SUB_GROUP, or a buffer_count the config sets, keeps its depth."""
+    def pool(budget: int, buffer_count: int | None = None) -> PoolSize:
+        return size_optimizer_pool(budget, fields=4, largest_shard_numel=32 << 20,
+                                   params_pool_bytes=16 << 20, sub_group_size=None,
+                                   buffer_count=buffer_count)
+    roomy, three = pool(64 << 20), pool(64 << 20, buffer_count=12)
+    assert (roomy.depth, three.depth) == (DEEP_DEPTH, 3)
+    assert roomy.sub_group_size >= MIN_DEEP_SUB_GROUP
+    assert abs(roomy.pool_bytes - three.pool_bytes) <= roomy.buffer_count * 4 * 1024
+    tight = pool((16 << 20) + 3 * 4 * 4 * MIN_DEEP_SUB_GROUP + (1 << 20))
+    assert tight.depth == 3 and not tight.over_budget
 
 
 def test_parameter_buffers_are_sized_by_the_shards_they_serve():

@@ -10,6 +10,7 @@ grows with the model's depth, so a fixed budget bounds them.
 `zeromem.offload_host_budget_bytes` on the optimizer pool:
 
     depth        = 3 sub-groups in flight (read i+1 / update i / write i-1),
+                   6 of half the size when each still keeps MIN_DEEP_SUB_GROUP,
                    or buffer_count // fields when the config sets buffer_count
     buffer_count = depth x fields   (fields = master + optimizer states)
     sub_group    = (budget - parameter pool) / (buffer_count x 4 bytes),
@@ -38,6 +39,12 @@ DEPTH = 3  # sub-groups in flight: one read ahead, one updating, one written beh
 # drive busy; below it a small budget is exceeded (`PoolSize.over_budget` says so)
 MIN_SUB_GROUP = 1 << 16
 FP32 = 4
+# with the step inside backward (offload/backward_step.py) one unit's gradient completes
+# several sub-groups at once: 3 slots then make the step wait on reads (measured at
+# W=2048, 16 layers, 2 ranks), so a budget with room cuts the same pool into 6 sub-groups
+# half as large, as long as each keeps requests of 512 KiB per field
+DEEP_DEPTH = 6
+MIN_DEEP_SUB_GROUP = 1 << 17
 # the parameter pool's share of the budget (1/PARAMS_SHARE) when it decides how far fetch
 # units merge: the optimizer pool keeps the rest, room for sub-groups well above MIN_SUB_GROUP
 PARAMS_SHARE = 4
@@ -102,10 +109,17 @@ def size_optimizer_pool(budget_bytes: int, fields: int, largest_shard_numel: int
     if sub_group_size is not None:
         return PoolSize(sub_group_size, depth, fields, budget_bytes, params_pool_bytes, False)
     left = budget_bytes - params_pool_bytes
-    per_element = depth * fields * FP32
-    size = max(MIN_SUB_GROUP, left // per_element // 1024 * 1024)
+    if buffer_count is None and _fitting_size(left, DEEP_DEPTH, fields) >= MIN_DEEP_SUB_GROUP:
+        depth = DEEP_DEPTH
+    size = max(MIN_SUB_GROUP, _fitting_size(left, depth, fields))
     size = max(1, min(size, largest_shard_numel))
     return PoolSize(size, depth, fields, budget_bytes, params_pool_bytes, True)
+
+
+def _fitting_size(room_bytes: int, depth: int, fields: int) -> int:
+    """The largest sub-group (a multiple of 1024 elements) whose `depth` x `fields` fp32
+    buffers fit in `room_bytes`."""
+    return room_bytes // (depth * fields * FP32) // 1024 * 1024
 
 
 def pool_unit_numel(budget_bytes: int, buffer_count: int, param_bytes: int,
