@@ -8,8 +8,10 @@ processes). Per rank: resident memory (VmRSS of /proc/self/status) right after `
 after the last step ("steady"), and its high-water mark (VmHWM), and the median step time.
 With MALLOC_MMAP_THRESHOLD_=65536 glibc returns freed blocks at once, so RSS is what is held.
 "peak" is training's high-water mark (reset after `initialize`), "init_peak" construction's;
-"io" is rank 0's swap I/O of the last step (`engine.offload.io_report()`: wait_s is the time
-it blocked on it), "io_ranks" both ranks' bytes together.
+"cpu" / "main_cpu" the median step's CPU time of the process (all its threads) and of its
+main thread (the larger rank's); "io" is rank 0's swap I/O of the last step
+(`engine.offload.io_report()`: wait_s is the time it blocked on it), "io_ranks" both
+ranks' bytes together.
 
 Item 2 of issue 16 (at the disk's pace), with `--disk-mb N`: the disk's best read and
 write rates under --nvme-path are measured first (bench_offload.raw_best: several
@@ -95,15 +97,18 @@ def worker(rank: int, world: int, port: int, mode: str, args, queue) -> None:
     engine = zeromem.initialize(model, cfg)
     after_init, init_peak = vm("VmRSS"), vm("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts: training's peak
-    times = []
+    times, cpu, main_cpu = [], [], []
     x = torch.randn(8, args.width)
     for _ in range(args.steps):
-        t = time.perf_counter()
+        t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
         engine.backward(engine(x))
         engine.step()
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+        main_cpu.append(time.thread_time() - m)
     out = {"rank": rank, "init": after_init, "init_peak": init_peak, "steady": vm("VmRSS"),
            "peak": vm("VmHWM"), "step": statistics.median(times[1:]),
+           "cpu": statistics.median(cpu[1:]), "main_cpu": statistics.median(main_cpu[1:]),
            "io": engine.offload.io_report()["last_step"]}
     queue.put(out)
     engine.close()
@@ -124,7 +129,8 @@ def run(mode: str, args) -> dict:
         p.join()
     states = 16 * sum(args.width * args.width + args.width for _ in range(args.depth)) / 2 / MB
     return {"mode": mode, "states_mb": states,
-            **{k: max(o[k] for o in outs) for k in ("init", "init_peak", "steady", "peak", "step")},
+            **{k: max(o[k] for o in outs)
+               for k in ("init", "init_peak", "steady", "peak", "step", "cpu", "main_cpu")},
             "io": next(o["io"] for o in outs if o["rank"] == 0),
             "io_ranks": {k: sum(o["io"][k] for o in outs) for k in ("read_bytes", "written_bytes")}}
 

@@ -60,6 +60,18 @@ def test_a_budget_with_room_keeps_six_sub_groups_in_flight_in_the_same_pool():
     assert tight.depth == 3 and not tight.over_budget
 
 
+def test_equal_sub_groups_are_cut_only_within_the_budget():
+    """The issue's W=2048 run (16 layer shards of 2,098,176 elements, a 42 MB parameter pool,
+    the 64 MiB default): equal sub-groups span more pieces, ALIGN more each, which took the
+    24-buffer pool 65 KB over the budget; the uneven cut that fits is kept instead."""
+    shards = [ShardSpec(0, (2048 * 2048 + 2048) // 2) for _ in range(16)]
+    layout = layout_optimizer(shards, states=2, master_in_file=False, grads_in_file=True,
+                              budget_bytes=64 << 20, params_pool_bytes=42_000_000,
+                              sub_group_size=None, buffer_count=None)
+    assert not layout.size.over_budget, layout.size.describe()
+    assert layout.pool_nbytes <= layout.size.room_bytes() + ALIGN
+
+
 def test_parameter_buffers_are_sized_by_the_shards_they_serve():
     """Shard i is read into buffer i % buffer_count, the size of the largest shard it serves:
     a large embedding's shard widens its buffer only (buffers all of the largest shard were

@@ -9,6 +9,7 @@ record in optimizer.swp is `[master] [state 1] [state 2] ...`, each field ALIGN-
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Sequence
 
 from zeromem.offload.budget import FP32 as FP32_BYTES
@@ -96,12 +97,12 @@ class OptimizerLayout:
         """Host bytes of the optimizer pool (`BufferPool.nbytes` of the arena it allocates)."""
         return BufferPool.bytes_for(self.size.depth * self.slot_fields, self.slot_bytes)
 
-    @property
+    @cached_property
     def master_nbytes(self) -> int:
         """Bytes of optimizer.swp holding masters (0 when the master is the parameter shard)."""
         return sum(sg.field_bytes for sg in self.sub_groups) if self.master_in_file else 0
 
-    @property
+    @cached_property  # read at every record's offset (`SwappedOptimizer._record`)
     def file_bytes(self) -> int:
         """The size optimizer.swp is created with."""
         return sum(sg.field_bytes for sg in self.sub_groups) * self.file_fields
@@ -143,7 +144,10 @@ def layout_optimizer(groups: Sequence[Any], states: int, master_in_file: bool,
         largest = _largest_param_group(groups)
         equal = max(MIN_SUB_GROUP, -(-largest // -(-largest // size.sub_group_size)))
         if equal < size.sub_group_size:
-            sub_groups, size = cut(replace(size, sub_group_size=equal))
+            # kept only within the budget: a sub-group of more pieces needs ALIGN more each
+            cut_equal = cut(replace(size, sub_group_size=equal))
+            if not cut_equal[1].over_budget or size.over_budget:
+                sub_groups, size = cut_equal
     # never more sub-groups in flight than the shard has: buffers no step can use are not held
     size = replace(size, depth=max(1, min(size.depth, len(sub_groups))))
     file_fields = int(master_in_file) + states
