@@ -239,7 +239,10 @@ def bf16_initialize_peak(path: str, depth: int, world_size: int) -> dict:
     """initialize's resident high-water mark, bf16, `depth` Linear(WIDTH) built under Init."""
     cfg = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "zeromem": {"offload_host_budget_bytes": 8 << 20},
+           # the parameter pool's half of it merges units of 2 layers at most: a unit's
+           # whole parameters are built at once, so a larger budget lets the 32-layer model's
+           # units (and the peak) outgrow the 8-layer model's, which never reach the cap
+           "zeromem": {"offload_host_budget_bytes": 4 << 20},
            "zero_optimization": {"stage": 3,
                                  "offload_optimizer": {"device": "nvme", "nvme_path": path},
                                  "offload_param": {"device": "nvme", "nvme_path": path}}}

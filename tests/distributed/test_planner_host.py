@@ -33,7 +33,7 @@ SETUPS = {"stage 2, opt:cpu": (2, "cpu", None), "stage 3, opt:cpu, param:cpu": (
           # leaves memory, so the engine keeps a device master (MastersOnDevice)
           "stage 3, param:cpu": (3, "none", "cpu"), "stage 3, param:nvme": (3, "none", "nvme")}
 DEEP = GPTConfig(n_layer=32, n_embd=64, block_size=32)  # merged 4 blocks a unit uncapped
-SMALL_BUDGET = 2 << 20
+SMALL_BUDGET = 1 << 20  # the parameter pool's half of it caps units as 2 MiB did at a quarter
 # host_memory's names -> the ledger's category of the same tensors
 LEDGER = {"host_masters": "master_params", "optimizer_states": "optimizer_states",
           "host_grads": "grads", "param_shards": "params",

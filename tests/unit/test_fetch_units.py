@@ -133,7 +133,7 @@ def test_nvme_parameter_pool_bounds_merging_whatever_the_depth():
     """With parameters on NVMe the pool holds at most buffer_count shards of the largest unit: merging
     stops at the pool's share of the budget, so the pool is the same at 8 and 32 layers
     (issue 16); merging up to the largest unmerged unit (a block) costs the pool nothing."""
-    budget, buffers, world = 8 << 20, 5, 2
+    budget, buffers, world = 4 << 20, 5, 2
     cap = pool_unit_numel(budget, buffers, 4, world)
     assert cap == budget // PARAMS_SHARE // buffers // 4 * world
     largest = {}
@@ -244,3 +244,17 @@ def test_planner_merges_persistent_units_as_the_engine_does():
         with torch.device("meta"):
             shape = shape_of(GPT())
         assert list(shape.with_unit_caps(caps).unit_numels) == engine
+
+
+def test_nvme_units_merge_layers_the_default_budget_can_hold():
+    """The issue-16 model at W=1024 (Linear(1024, 1024) layers, fp32, 2 ranks, the default
+    64 MiB budget and 5 parameter buffers): the pool's share lets units of several layers
+    form; a quarter of the budget kept every layer a unit of its own, 16 gathers, releases
+    and buckets where CPU offload has 8."""
+    layer = 1024 * 1024 + 1024
+    cap = pool_unit_numel(64 << 20, 5, 4, 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(16)))
+    units = plan_fetch_units(model, caps=UnitCaps(None, cap))
+    check_plan(model, units)
+    assert cap >= 2 * layer and len(units) <= 8, [u.numel for u in units]
