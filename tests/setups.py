@@ -259,3 +259,28 @@ def slow_writes(delay_s: Callable[[str], float]) -> Iterator[None]:
         yield
     finally:
         nvme._transfer = transfer
+
+
+@contextlib.contextmanager
+def submitted_writes(name: str) -> Iterator[list[tuple[int, int]]]:
+    """Inside the block, the [start, end) byte ranges of the writes of swap file `name`, in
+    the order they were submitted (whatever order they land in)."""
+    from zeromem.offload.nvme import SwapFile
+    write, ranges = SwapFile.write, []
+
+    def recorded(self, buffer, offset):
+        if self.path.name == name:
+            ranges.append((offset, offset + buffer.numel()))
+        return write(self, buffer, offset)
+
+    SwapFile.write = recorded  # type: ignore[method-assign]
+    try:
+        yield ranges
+    finally:
+        SwapFile.write = write  # type: ignore[method-assign]
+
+
+def written_twice(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte ranges two of `ranges` both write: their order of landing decides the bytes."""
+    ordered = sorted(ranges)
+    return [(b[0], min(a[1], b[1])) for a, b in zip(ordered, ordered[1:]) if b[0] < a[1]]

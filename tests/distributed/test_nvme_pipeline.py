@@ -12,7 +12,7 @@ import torch
 import zeromem
 from harness import run_distributed
 from models import Deep, Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
-from setups import parity_config, slow_writes
+from setups import parity_config, slow_writes, submitted_writes, written_twice
 import train_nvme
 
 STEPS = 3
@@ -35,13 +35,15 @@ def pipeline_run(rank: int, world_size: int, path: str) -> dict:
     cfg["zero_optimization"].update(defaults_case(path))
     engine = zeromem.initialize(model, cfg)
     opt, params = engine.optimizer, engine.offload.params
-    out = {"diffs": [], "reads": [], "overlapped": [], "io": []}
+    out = {"diffs": [], "reads": [], "overlapped": [], "io": [], "written_twice": []}
     for step in range(STEPS):
         before = params.counts["read_ahead"] + params.counts["on_demand"]
-        for micro in range(gas):
-            tokens, targets = micro_batch(step, rank, micro)
-            engine.backward(engine(tokens, targets, uses_sometimes(step, rank, micro, False)))
-            engine.step()
+        with submitted_writes("params.swp") as ranges:
+            for micro in range(gas):
+                tokens, targets = micro_batch(step, rank, micro)
+                engine.backward(engine(tokens, targets, uses_sometimes(step, rank, micro, False)))
+                engine.step()
+        out["written_twice"].append(written_twice(ranges))
         ref.step(step, world_size, gas)
         out["reads"].append(params.counts["read_ahead"] + params.counts["on_demand"] - before)
         out["overlapped"].append(dict(opt.overlapped))
@@ -66,6 +68,8 @@ def test_defaults_overlap_io_reread_params_and_match_the_reference(tmp_path):
         assert max(out["diffs"]) <= 1e-5, out["diffs"]
         assert out["flags"] == (True, True, True), out["flags"]
         assert out["sub_groups"] >= 3, out["sub_groups"]
+        # a block two pieces of a shard share is written once a step (in the backward here)
+        assert out["written_twice"] == [[]] * STEPS, out["written_twice"]
         for overlapped in out["overlapped"]:  # read(i+1) and write(i-1) beside update(i)
             assert overlapped["read_ahead"] > 0 and overlapped["write_behind"] > 0, overlapped
             # gradients read in the boundary backward: only once its puts (the accumulated
@@ -98,17 +102,21 @@ def beyond_step_engine(model: torch.nn.Module, path: str, world_size: int,
 
 
 def train_step(engine, step: int, rank: int) -> dict:
+    """One step; with its params.swp byte ranges that two writes both wrote (none: a block
+    the step's pieces share is written once, by the last of them, whatever order the
+    writes land in)."""
     tokens, targets = micro_batch(step, rank, 0)
-    engine.backward(engine(tokens, targets, uses_sometimes(step, rank, 0, False)))
-    engine.step()
-    return dict(engine.optimizer.overlapped)
+    with submitted_writes("params.swp") as ranges:
+        engine.backward(engine(tokens, targets, uses_sometimes(step, rank, 0, False)))
+        engine.step()
+    return dict(engine.optimizer.overlapped, written_twice=written_twice(ranges))
 
 
 def beyond_step_run(rank: int, world_size: int, path: str) -> dict:
     """Writes left in flight by step() (on a slow disk), a checkpoint saved right after one,
     and the same training with every write waited for inside the step."""
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(vocab=64, dim=48)  # the embedding's shard spans blocks: pieces share them
     ref = Reference(copy.deepcopy(model), per_rank=False)
     behind = beyond_step_engine(copy.deepcopy(model), path, world_size)
     waited = beyond_step_engine(copy.deepcopy(model), path, world_size, write_behind=False)
@@ -120,7 +128,7 @@ def beyond_step_run(rank: int, world_size: int, path: str) -> dict:
         out["behind"] = [train_step(behind, step, rank) for step in range(2)]
         behind.save_checkpoint(Path(path) / "ckpt")
     out["diffs"] = []
-    loaded = beyond_step_engine(TinyLM(), path, world_size)
+    loaded = beyond_step_engine(TinyLM(vocab=64, dim=48), path, world_size)
     loaded.load_checkpoint(Path(path) / "ckpt")
     out["diffs"].append(state_dict_diff(loaded.full_state_dict(), ref.model))
     for engine in (behind, waited, loaded):
@@ -155,6 +163,8 @@ def test_io_beyond_the_step_keeps_results_and_checkpoints_exact(tmp_path):
             assert overlapped["grads_before_step"] > 0, overlapped
         for overlapped in out["waited"]:
             assert overlapped["after_step"] == 0, overlapped
+        for overlapped in out["behind"] + out["waited"]:
+            assert overlapped["written_twice"] == [], overlapped
         assert out["in_flight_at_close"] > 0 and out["in_flight_after_close"] == 0, out
 
 
@@ -204,7 +214,7 @@ def test_host_memory_does_not_grow_with_the_model(tmp_path, monkeypatch):
     budget's buffers, the units gathered now and ahead, the runtime), and the host bytes in
     the ledger stay within the budget. MALLOC_MMAP_THRESHOLD_ makes freed blocks leave the
     process at once, so resident memory is what is held. On a CPU device the gathered
-    units are host memory: the prefetch window follows the parameter pool's read-ahead, and
+    units are host memory: the default prefetch window is two units, not the model, and
     forward's saved views of gathered weights hold nothing until backward regathers them."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     runs = [run_distributed(resident_after_training, 2, str(tmp_path), depth) for depth in (8, 32)]
