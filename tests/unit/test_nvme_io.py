@@ -72,6 +72,19 @@ def test_equal_sub_groups_are_cut_only_within_the_budget():
     assert layout.pool_nbytes <= layout.size.room_bytes() + ALIGN
 
 
+def test_sub_groups_of_many_small_pieces_shrink_until_the_pool_fits_the_budget():
+    """1000 shards of 2000 elements: a sub-group spans many pieces and each piece's gradient
+    read is ALIGN-rounded, so the size the budget allows for the fields alone takes the
+    pool over it; the derived size shrinks until the buffers the cut needs fit."""
+    shards = [ShardSpec(0, 2000) for _ in range(1000)]
+    layout = layout_optimizer(shards, states=2, master_in_file=False, grads_in_file=True,
+                              budget_bytes=16 << 20, params_pool_bytes=0,
+                              sub_group_size=None, buffer_count=None)
+    assert not layout.size.over_budget, layout.size.describe()
+    assert layout.pool_nbytes <= layout.size.room_bytes() + ALIGN
+    assert sum(sg.numel for sg in layout.sub_groups) == 1000 * 2000
+
+
 def test_parameter_buffers_are_sized_by_the_shards_they_serve():
     """Shard i is read into buffer i % buffer_count, the size of the largest shard it serves:
     a large embedding's shard widens its buffer only (buffers all of the largest shard were
