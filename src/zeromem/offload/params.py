@@ -89,6 +89,9 @@ class ParamPlacement(Protocol):
     def follow(self, order: Sequence[Any] | None) -> None:
         """The fetch units in the order the pass now running recorded (None: not recorded)."""
 
+    def prefetch_numel(self, configured: int, set_in_config: bool) -> int:
+        """Elements the stage-3 schedule may gather ahead (stage3_prefetch_bucket_size)."""
+
     def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:
         """Copy shard elements [start, start + out.numel()) into `out`."""
 
@@ -164,6 +167,9 @@ class ParamsOnDevice:
 
     def follow(self, order: Sequence[Any] | None) -> None:
         """Nothing is read ahead."""
+
+    def prefetch_numel(self, configured: int, set_in_config: bool) -> int:
+        return configured
 
     def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:
         out.copy_(group.param_shard[start:start + out.numel()])
@@ -250,6 +256,9 @@ class ParamsOnHost:
 
     def follow(self, order: Sequence[Any] | None) -> None:
         """Nothing is read ahead."""
+
+    def prefetch_numel(self, configured: int, set_in_config: bool) -> int:
+        return configured
 
     def load(self, group: FlatParamGroup, start: int, out: torch.Tensor) -> None:
         out.copy_(self.host[id(group)][start:start + out.numel()])

@@ -112,11 +112,13 @@ class ParamsOnNvme:
 
     where = "nvme"
 
-    def __init__(self, shard_numels: Sequence[int], dtype: torch.dtype, space: SwapSpace,
-                 config: OffloadParamConfig, pin: bool, copies: int = 1):
+    def __init__(self, shard_numels: Sequence[int], dtype: torch.dtype, device: torch.device,
+                 space: SwapSpace, config: OffloadParamConfig, pin: bool, copies: int = 1):
         """params.swp laid out for shards of `shard_numels` elements (in `admit` order), each
         record `copies` times (2: the step writes the other copy, module docstring)."""
         self.groups: list[FlatParamGroup] = []
+        self.host_is_device = device.type == "cpu"
+        self.largest_unit_numel = 0  # the largest group admitted (whole, padded)
         self.dtype = dtype
         self.planned = [n * dtype.itemsize for n in shard_numels]  # bytes, in admit order
         self.planned_offsets, total = [], 0
@@ -164,6 +166,7 @@ class ParamsOnNvme:
         self.nbytes[id(group)] = nbytes
         self.offsets[id(group)] = self.planned_offsets[index]
         self.slots[id(group)] = self.pool.slot(index)
+        self.largest_unit_numel = max(self.largest_unit_numel, group.padded_numel)
         # through one buffer, the widest: initialize fills no more of the pool than that
         self._write_now(group, group.param_shard, self.pool.widest)
         group.drop_shard_storage()
@@ -198,6 +201,19 @@ class ParamsOnNvme:
     def follow(self, order: Sequence[Any] | None) -> None:
         """Read ahead along `order` (fetch units, recorded by the stage-3 runner) from now on."""
         self._order_now = order
+
+    def prefetch_numel(self, configured: int, set_in_config: bool) -> int:
+        """On a CPU device, one unit gathered ahead (its gather overlaps this unit's compute;
+        the shards of the units after it are read ahead into the pool meanwhile).
+
+        There the gathered units are host memory: DeepSpeed's default window (5e7
+        elements) would hold as much of the model gathered as fits in it, i.e. host
+        memory growing with the model, which NVMe offload exists to avoid. A value the
+        config sets is kept; on a GPU the gathered units are device memory.
+        """
+        if set_in_config or not self.host_is_device:
+            return configured
+        return min(configured, self.largest_unit_numel)
 
     def prefetch(self, group: FlatParamGroup, keep: int | None = None) -> None:
         key = id(group)

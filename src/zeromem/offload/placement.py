@@ -291,7 +291,7 @@ def build_params(config: Config, shard_numels: list[int], dtype: torch.dtype, de
     try:
         # fp32: the optimizer's master is the shard, which the step in backward writes
         copies = 2 if policy.step_in_backward and dtype == torch.float32 else 1
-        return ParamsOnNvme(shard_numels, dtype, spaces.for_block(block), block,
+        return ParamsOnNvme(shard_numels, dtype, device, spaces.for_block(block), block,
                             policy.params_pin, copies)
     except BaseException:
         spaces.close()

@@ -485,7 +485,7 @@ def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitCh
     explicit = "stage3_prefetch_bucket_size" in settings.model_fields_set
     prefetch = int(settings.stage3_prefetch_bucket_size) if explicit else derived_prefetch_numel(
         max((g.numel for g in groups), default=0))
-    limits = Stage3Limits(prefetch,
+    limits = Stage3Limits(placement.prefetch_numel(prefetch, explicit),
                           settings.stage3_max_live_parameters,
                           settings.stage3_max_reuse_distance, gather_timeout_s)
     schedule = FetchSchedule(module, module_units, limits, live, comm, comm.store, placement)
