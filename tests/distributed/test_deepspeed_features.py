@@ -120,6 +120,12 @@ def reporting(rank: int, world_size: int, out: str, stage: int) -> dict:
                            flops_profiler={"enabled": True, "profile_step": 2, "top_modules": 3,
                                            "output_file": f"{out}/flops.txt"},
                            memory_breakdown=True, dump_state=True)
+    # an older engine, still open and logging: log_summary reports the newest one's
+    older = zeromem.initialize(build_tiny_lm(False), parity_config(
+        stage, 1, 0.0, world_size, comms_logger={"enabled": True}))
+    tokens, targets = micro_batch(0, rank, 0)
+    older.backward(older(tokens, targets))
+    older.step()
     engine = zeromem.initialize(build_tiny_lm(False), config)
     before = dict(engine.comm_report().total)  # the log starts here (not the init's broadcasts)
     per_step = []
@@ -136,6 +142,7 @@ def reporting(rank: int, world_size: int, out: str, stage: int) -> dict:
     totals = {k: v - before.get(k, 0) for k, v in engine.comm_report().total.items()}
     flops = engine.observers.flops.result
     engine.close()
+    older.close()
     logging.getLogger("zeromem").removeHandler(handler)
     return {"steps": per_step, "wandb": calls, "table": table, "records": records,
             "ledger": totals, "flops": flops, "messages": messages}
