@@ -2,6 +2,7 @@
 
     MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/bench_nvme_memory.py --width 1024 \
         --modes none,cpu,nvme,nvme_small [--init] [--steps 6] [--extra '{"zeromem": {...}}']
+        [--disk-mb 256 --rounds 5]
 
 16 `Linear(W, W)` layers, stage 3, fp32 AdamW, 2 gloo ranks (each mode in a fresh pair of
 processes). Per rank: resident memory (VmRSS of /proc/self/status) right after `initialize`,
@@ -20,7 +21,8 @@ threads, deep queue, O_DIRECT, no fsync), and each NVMe row also gets
 (they share the one disk), `compute_s` =
 the "cpu" mode's step (the same work with nothing on disk), and `vs_bound` = step /
 max(compute_s, io_s) (goal <= 1.2). Modes run one after another: timings on a shared
-machine are noisy, so compare medians of several runs.
+machine are noisy, so `--rounds N` runs the modes N times in turn (each ratio against
+the "cpu" run just before it) and ends with one summary line per mode: medians and ranges.
 """
 from __future__ import annotations
 
@@ -145,6 +147,8 @@ def main() -> None:
     ap.add_argument("--init", action="store_true", help="build the model under zeromem.Init")
     ap.add_argument("--extra", default="{}", help="JSON merged into the config")
     ap.add_argument("--disk-mb", type=int, default=0, help="measure the disk first (MiB)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the modes this many times in turn; then print medians")
     args = ap.parse_args()
     disk = None
     if args.disk_mb:
@@ -152,7 +156,18 @@ def main() -> None:
         disk = raw_best(Path(args.nvme_path), args.disk_mb << 20)
         print(json.dumps({"disk_read_MBps": round(disk["read"] / MB), "disk_write_MBps":
                           round(disk["write"] / MB), "direct": disk["direct"]}), flush=True)
-    compute_s = None
+    rows: list[dict] = []
+    for _ in range(args.rounds):
+        rows += one_round(args, disk)
+    if args.rounds > 1:
+        for mode in args.modes.split(","):
+            print(json.dumps(summary(mode, [r for r in rows if r["mode"] == mode])), flush=True)
+
+
+def one_round(args, disk: dict | None) -> list[dict]:
+    """Each mode once, in order. An NVMe row's bound uses this round's "cpu" step: the
+    machine's speed drifts between runs, so each ratio compares runs made side by side."""
+    compute_s, rows = None, []
     for mode in args.modes.split(","):
         r = run(mode, args)
         if mode == "cpu":
@@ -165,7 +180,19 @@ def main() -> None:
                 r["vs_bound"] = r["step"] / max(compute_s, r["io_s"])
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}),
               flush=True)
+        rows.append(r)
+    return rows
 
+
+def summary(mode: str, rows: list[dict]) -> dict:
+    """Median (and range) over the rounds of each figure a mode's rows share."""
+    out: dict = {"summary": mode, "rounds": len(rows)}
+    for key in ("steady", "peak", "step", "cpu", "io_s", "compute_s", "vs_bound"):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            out[key] = round(statistics.median(values), 3)
+            out[key + "_range"] = [round(min(values), 3), round(max(values), 3)]
+    return out
 
 if __name__ == "__main__":
     main()
