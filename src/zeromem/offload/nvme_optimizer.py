@@ -47,7 +47,6 @@ optimizer refuses every later step rather than train on inconsistent state.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -59,51 +58,13 @@ from zeromem.offload.nvme import (BufferPool, IOHandle, OffloadError, SwapSpace,
                                   piece_bytes, piece_view)
 from zeromem.offload.staged_masters import StagedMasters
 from zeromem.offload.sub_groups import SubGroup, layout_optimizer
+from zeromem.offload.updates import state_fields, update_for
 
 if TYPE_CHECKING:  # placement.py builds this optimizer
     from zeromem.offload.params import ParamPlacement
     from zeromem.offload.placement import OffloadPolicy
 
 Slot = dict[str, torch.Tensor]  # field name -> one pool buffer (aligned uint8), a sub-group's while in flight
-
-_adam = importlib.import_module("torch.optim.adam")  # the functional kernels behind torch.optim
-_sgd = importlib.import_module("torch.optim.sgd")
-
-
-def _state_fields(template: torch.optim.Optimizer) -> tuple[str, ...]:
-    groups = template.param_groups
-    if isinstance(template, (torch.optim.Adam, torch.optim.AdamW)):
-        return ("exp_avg", "exp_avg_sq") + (
-            ("max_exp_avg_sq",) if any(g["amsgrad"] for g in groups) else ())
-    if isinstance(template, torch.optim.SGD):
-        return ("momentum_buffer",) if any(g["momentum"] for g in groups) else ()
-    raise OffloadError(f"NVMe optimizer offload steps Adam, AdamW or SGD, not "
-                       f"{type(template).__name__}")
-
-
-def _adam_update(group: dict, params: list, grads: list, states: dict, step: int) -> None:
-    """torch's functional Adam/AdamW (fused CPU kernel) on views; `step` = steps taken so far."""
-    _adam.adam(params, grads, states["exp_avg"], states["exp_avg_sq"],
-               states["max_exp_avg_sq"] if group["amsgrad"] else [],
-               [torch.tensor(float(step)) for _ in params], fused=True,
-               amsgrad=group["amsgrad"], beta1=group["betas"][0], beta2=group["betas"][1],
-               lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-               maximize=group["maximize"],
-               decoupled_weight_decay=group.get("decoupled_weight_decay", False))
-
-
-def _sgd_update(group: dict, params: list, grads: list, states: dict, step: int) -> None:
-    """torch's functional SGD (fused CPU kernel); its first step creates the momentum buffers."""
-    bufs = states.get("momentum_buffer", [])
-    momentum = list(bufs) if bufs and step > 0 and group["momentum"] else [None] * len(params)
-    _sgd.sgd(params, grads, momentum, fused=True, weight_decay=group["weight_decay"],
-             momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
-             nesterov=group["nesterov"], maximize=group["maximize"])
-    if bufs and step == 0:
-        for mine, made in zip(bufs, momentum):
-            if made is not None:
-                mine.copy_(made)
-
 
 class SwappedState(dict):
     """`SwappedOptimizer.state`: filled only inside `all_in_memory()`; a lookup outside raises.
@@ -148,8 +109,8 @@ class SwappedOptimizer(torch.optim.Optimizer):
         boundary backward (`step_in_backward`) when the policy allows it, the masters are
         the shards and params.swp keeps two copies of them (`ParamsOnNvme.copies`)."""
         super().__init__([dict(g) for g in template.param_groups], template.defaults)
-        self.update = _sgd_update if isinstance(template, torch.optim.SGD) else _adam_update
-        self.states = _state_fields(template)
+        self.update = update_for(template)
+        self.states = state_fields(template)
         self.master_in_file = not all(g.master_aliases_params() for g in groups)
         self.file_fields = (("master",) if self.master_in_file else ()) + self.states
         # gradients come from a file (stage 2/3) into a slot of their own, else from host memory
