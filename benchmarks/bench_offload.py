@@ -60,7 +60,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 from zeromem.offload.nvme import AsyncIO, BufferPool, SwapSpace, aligned_empty  # noqa: E402
-from zeromem.offload.nvme_optimizer import _adam_update  # noqa: E402
+from zeromem.offload.updates import adam_update  # noqa: E402
 
 MB = 1 << 20
 
@@ -210,8 +210,8 @@ def subgroup_adamw(numel: int, reps: int, sub_group: int) -> float:
     def step() -> None:
         for a in range(0, numel, sub_group):
             s = slice(a, min(a + sub_group, numel))
-            _adam_update(group, [p[s]], [g[s]], {"exp_avg": [m[s]], "exp_avg_sq": [v[s]]},
-                         count[0])
+            adam_update(group, [p[s]], [g[s]], {"exp_avg": [m[s]], "exp_avg_sq": [v[s]]},
+                        count[0])
         count[0] += 1
 
     return numel / time_steps(step, reps)
