@@ -15,6 +15,8 @@ Why an explicit call and not an import side effect: HF decides at import time
 A late call, or a real DeepSpeed already imported, would let HF wrap zeromem's
 engine without recognising it, and `save_model` would write `module.`-prefixed
 keys that `from_pretrained` ignores (random weights): both are refused here.
+A real DeepSpeed merely installed (DeepSpeed users have it) is shadowed: the module
+and the distribution's metadata HF reads both answer as zeromem's surface.
 """
 from __future__ import annotations
 
@@ -124,22 +126,30 @@ def install_as_deepspeed() -> None:
 
     if is_installed():
         return
-    if NAME in sys.modules:
-        raise RuntimeError(f"install_as_deepspeed: a 'deepspeed' module is already imported "
-                           f"({getattr(sys.modules[NAME], '__file__', '?')}); call it before "
-                           "anything imports deepspeed")
-    late = [m for m in _DECIDED_AT_IMPORT if m in sys.modules]
-    if late:
-        raise RuntimeError(f"install_as_deepspeed: {', '.join(late)} already imported without "
-                           "DeepSpeed; call zeromem.deepspeed.install_as_deepspeed() before "
-                           "importing transformers or accelerate")
+    _refuse_if_too_late()
     for dotted, attributes in _submodules().items():
         _register(surface, dotted, attributes)
     for alias in ("accelerator", "comm", "zero", "checkpointing", "moe"):  # real modules
         sys.modules[f"{NAME}.{alias}"] = getattr(surface, alias)
     sys.modules[f"{NAME}.moe.utils"] = importlib.import_module(f"{surface.__name__}.moe.utils")
     sys.modules[NAME] = surface
-    sys.meta_path.append(_MetadataFinder(surface.__version__))
+    # first, so that a real DeepSpeed installed beside zeromem does not answer for the
+    # surface: HF would read its version while running zeromem
+    sys.meta_path.insert(0, _MetadataFinder(surface.__version__))
+
+
+def _refuse_if_too_late() -> None:
+    """Raise, naming everything imported too early: a real `deepspeed` module (which HF
+    imports itself when DeepSpeed is installed), or HF modules that decided without it."""
+    early = [f"a 'deepspeed' module ({getattr(sys.modules[NAME], '__file__', '?')})"] \
+        if NAME in sys.modules else []
+    late = [m for m in _DECIDED_AT_IMPORT if m in sys.modules]
+    if late:
+        early.append(", ".join(late))
+    if early:
+        raise RuntimeError(f"install_as_deepspeed: {' and '.join(early)} already imported; call "
+                           "zeromem.deepspeed.install_as_deepspeed() first, before importing "
+                           "transformers, accelerate or deepspeed")
 
 
 def _register(surface: types.ModuleType, dotted: str, attributes: dict[str, object]) -> None:

@@ -1,0 +1,64 @@
+"""`install_as_deepspeed()` beside a real DeepSpeed installation (users coming from DeepSpeed
+have one): HF must see zeromem's surface, its module and its version, not the real package's.
+
+Each case runs in a fresh interpreter (the switch changes `sys.modules` and
+`sys.meta_path` for the whole process). The "installed DeepSpeed" is a real package
+folder with its `.dist-info` on `sys.path`, as pip leaves them.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import zeromem.deepspeed
+
+INSTALLED_VERSION = "0.19.8"
+
+
+def installed_deepspeed(root: Path) -> Path:
+    """A site folder holding a `deepspeed` package and its distribution metadata."""
+    (root / "deepspeed").mkdir(parents=True)
+    (root / "deepspeed" / "__init__.py").write_text("REAL = True\n")
+    info = root / f"deepspeed-{INSTALLED_VERSION}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: deepspeed\n"
+                                   f"Version: {INSTALLED_VERSION}\n")
+    return root
+
+
+def run(site: Path, code: str) -> str:
+    path = os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(site)])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=path), timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_the_installed_deepspeed_neither_imports_nor_answers_for_the_surface(tmp_path):
+    site = installed_deepspeed(tmp_path)
+    assert run(site, "import importlib.metadata as m; print(m.version('deepspeed'))") \
+        == INSTALLED_VERSION  # the folder is seen: without the switch, HF would find it
+    seen = run(site, """
+import importlib.metadata, importlib.util
+import zeromem.deepspeed
+zeromem.deepspeed.install_as_deepspeed()
+import deepspeed
+print(importlib.metadata.version("deepspeed"), hasattr(deepspeed, "REAL"),
+      deepspeed is zeromem.deepspeed, importlib.util.find_spec("deepspeed") is not None)
+""")
+    assert seen == f"{zeromem.deepspeed.__version__} False True True"
+
+
+def test_a_real_deepspeed_imported_first_is_named_in_the_refusal(tmp_path):
+    site = installed_deepspeed(tmp_path)
+    message = run(site, """
+import deepspeed
+import zeromem.deepspeed
+try:
+    zeromem.deepspeed.install_as_deepspeed()
+except RuntimeError as e:
+    print(e)
+""")
+    assert "a 'deepspeed' module" in message and str(site / "deepspeed") in message, message
