@@ -10,9 +10,10 @@ after the last step ("steady"), and its high-water mark (VmHWM), and the median 
 With MALLOC_MMAP_THRESHOLD_=65536 glibc returns freed blocks at once, so RSS is what is held.
 "peak" is training's high-water mark (reset after `initialize`), "init_peak" construction's;
 "cpu" / "main_cpu" the median step's CPU time of the process (all its threads) and of its
-main thread (the larger rank's); "io" is rank 0's swap I/O of the last step
-(`engine.offload.io_report()`: wait_s is the time it blocked on it), "io_ranks" both
-ranks' bytes together.
+main thread (the larger rank's), "faults" / "switches" its minor page faults and context
+switches (fresh pages and I/O threads cost CPU on a box this small); "io" is rank 0's
+swap I/O of the last step (`engine.offload.io_report()`: wait_s is the time it blocked
+on it), "io_ranks" both ranks' bytes together.
 
 Item 2 of issue 16 (at the disk's pace), with `--disk-mb N`: the disk's best read and
 write rates under --nvme-path are measured first (bench_offload.raw_best: several
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -99,18 +101,23 @@ def worker(rank: int, world: int, port: int, mode: str, args, queue) -> None:
     engine = zeromem.initialize(model, cfg)
     after_init, init_peak = vm("VmRSS"), vm("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts: training's peak
-    times, cpu, main_cpu = [], [], []
+    times, cpu, main_cpu, faults, switches = [], [], [], [], []
     x = torch.randn(8, args.width)
     for _ in range(args.steps):
         t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
+        r = resource.getrusage(resource.RUSAGE_SELF)
         engine.backward(engine(x))
         engine.step()
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
         main_cpu.append(time.thread_time() - m)
+        r2 = resource.getrusage(resource.RUSAGE_SELF)
+        faults.append(r2.ru_minflt - r.ru_minflt)
+        switches.append(r2.ru_nivcsw - r.ru_nivcsw + r2.ru_nvcsw - r.ru_nvcsw)
     out = {"rank": rank, "init": after_init, "init_peak": init_peak, "steady": vm("VmRSS"),
            "peak": vm("VmHWM"), "step": statistics.median(times[1:]),
            "cpu": statistics.median(cpu[1:]), "main_cpu": statistics.median(main_cpu[1:]),
+           "faults": statistics.median(faults[1:]), "switches": statistics.median(switches[1:]),
            "io": engine.offload.io_report()["last_step"]}
     queue.put(out)
     engine.close()
@@ -132,7 +139,8 @@ def run(mode: str, args) -> dict:
     states = 16 * sum(args.width * args.width + args.width for _ in range(args.depth)) / 2 / MB
     return {"mode": mode, "states_mb": states,
             **{k: max(o[k] for o in outs)
-               for k in ("init", "init_peak", "steady", "peak", "step", "cpu", "main_cpu")},
+               for k in ("init", "init_peak", "steady", "peak", "step", "cpu", "main_cpu",
+                                           "faults", "switches")},
             "io": next(o["io"] for o in outs if o["rank"] == 0),
             "io_ranks": {k: sum(o["io"][k] for o in outs) for k in ("read_bytes", "written_bytes")}}
 

@@ -159,9 +159,15 @@ class IOHandle:
         self.futures = futures
         self.finish = finish
         self.stats = stats
+        self._done = not futures  # every chunk finished: the answer cannot change after
 
     def done(self) -> bool:
-        return all(f.done() for f in self.futures)
+        """Every chunk has finished (with or without an error; `wait()` raises it). Polled
+        often by the step's pipeline, so the last chunk (the likeliest still running, the
+        pool being FIFO) is asked first and a True is kept."""
+        if not self._done:
+            self._done = all(f.done() for f in reversed(self.futures))
+        return self._done
 
     @property
     def settled(self) -> bool:

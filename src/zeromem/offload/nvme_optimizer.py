@@ -218,8 +218,10 @@ class SwappedOptimizer(torch.optim.Optimizer):
         once the writes still in flight from `slot` and to `i`'s records have finished
         (`chained`: the reads start at once, and wait for the slot's writes in the I/O
         threads, not here)."""
-        # a read into a buffer a write still reads would be stored
-        after = [h for s, hs in self.writes.values() if s is slot for h in hs] if chained else []
+        # a read into a buffer a write still reads would be stored (those finished are not
+        # waited for: each piece's read asks whether all of `after` are done)
+        after = [h for s, hs in self.writes.values() if s is slot for h in hs
+                 if not h.done()] if chained else []
         if not chained:
             self._settle_slot(slot)
         self._settle(i)  # a read before the record's last write lands would miss it
