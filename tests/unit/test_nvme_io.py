@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from zeromem.offload.budget import DEEP_DEPTH, MIN_DEEP_SUB_GROUP, PoolSize, size_optimizer_pool
-from zeromem.offload.nvme import ALIGN, AsyncIO, BufferPool, SwapFile, aligned_empty
+from zeromem.offload.nvme import ALIGN, AsyncIO, BufferPool, IOHandle, SwapFile, aligned_empty
 from zeromem.offload.params_nvme import ShardBuffers
 from zeromem.offload.sub_groups import ShardSpec, layout_optimizer, plan_sub_groups
 from zeromem.planning.host_memory import OffloadBufferSizes, offload_breakdown
@@ -111,6 +112,21 @@ def test_buffers_are_aligned_and_bounded():
     bufs = [pool.acquire() for _ in range(3)]
     assert pool.acquire() is None and all(b.data_ptr() % ALIGN == 0 for b in bufs)
     assert aligned_empty(100).data_ptr() % ALIGN == 0
+
+
+def test_a_handle_is_done_only_when_every_chunk_is():
+    """The step polls `done()` and starts a read into a buffer only once the writes from it
+    are done: a chunk still running must keep it False, whichever chunk finishes first."""
+    first, last = Future(), Future()
+    handle = IOHandle([first, last])
+    assert not handle.done()
+    last.set_result(None)  # the pool is FIFO, but chunks finish in any order
+    assert not handle.done()
+    first.set_result(None)
+    assert handle.done() and handle.done()  # kept once True
+    handle.wait()
+    assert handle.settled and handle.done()
+    assert IOHandle([]).done()
 
 
 @pytest.mark.parametrize("direct", [True, False])
