@@ -140,7 +140,7 @@ def run(mode: str, args) -> dict:
     return {"mode": mode, "states_mb": states,
             **{k: max(o[k] for o in outs)
                for k in ("init", "init_peak", "steady", "peak", "step", "cpu", "main_cpu",
-                                           "faults", "switches")},
+                         "faults", "switches")},
             "io": next(o["io"] for o in outs if o["rank"] == 0),
             "io_ranks": {k: sum(o["io"][k] for o in outs) for k in ("read_bytes", "written_bytes")}}
 
@@ -201,6 +201,7 @@ def summary(mode: str, rows: list[dict]) -> dict:
             out[key] = round(statistics.median(values), 3)
             out[key + "_range"] = [round(min(values), 3), round(max(values), 3)]
     return out
+
 
 if __name__ == "__main__":
     main()
