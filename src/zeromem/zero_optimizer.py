@@ -23,7 +23,9 @@ calls back into this object.
                          scalar when gradients are sharded); non-finite means overflow.
               2. skip    fp16 overflow on any rank: every rank skips, the scaler lowers
                          the scale (the engine zeroes the gradients).
-              3. unscale fp32 master gradients = reduced gradients x (clip / loss scale),
+              3. unscale fp32 master gradients = reduced gradients x (clip / loss scale)
+                         (a clip below 1 first undoes what the boundary backward began
+                         assuming 1: NVMe, offload/backward_step.py),
                          where the masters live: with nothing offloaded, each group's
                          own transition (flat.py); offloaded, the placement's
                          (offload/placement.py), composed in at construction;
@@ -113,9 +115,12 @@ class ZeroOptimizer:
         # begin there when no phase before the update needs the whole gradient: no clip
         # coefficient, no loss scale, no model-parallel norm reading gradients back)
         self.skip: Callable[[], None] = _nothing_begun if on_device else masters.skip_step
-        if not on_device:
-            masters.allow_step_in_backward(not settings.gradient_clipping and mp_norm is None
-                                           and scaler.scale == 1.0 and not scaler.dynamic)
+        # with clipping, the step begun in backward assumes the clip coefficient is 1 (while
+        # the last step's was) and keeps the gradients to redo it when not (`_predict`)
+        self.allow_step_in_backward: Callable[[bool, bool], None] = \
+            _nothing_begins if on_device or mp_norm is not None or scaler.scale != 1.0 \
+            or scaler.dynamic else masters.allow_step_in_backward
+        self._predict(clipped=False)
         # the shard group's collectives; its bucket order and in-flight bound are shared
         # with the stage-3 units (comm.py `schedule_reductions`)
         self.comm = plan.shard
@@ -180,15 +185,26 @@ class ZeroOptimizer:
         overflow = not math.isfinite(norm)
         self.grad_norm = norm
         if not overflow:                                         # 2. skip on overflow
-            self._unscale_into_masters(norm)                     # 3. unscale
+            coef = self._clip_coef(norm)
+            if coef < 1.0:  # the step begun in backward assumed 1: redone from the gradients
+                self.skip()
+            self.unscale(self.groups, coef / self.scaler.scale)  # 3. unscale
             self.optimizer.step()                                # 4. update
             for g in self.groups:
                 g.master.grad = None
             self.gather_params()                                 # 5. gather
+            self._predict(clipped=coef < 1.0)
         else:
             self.skip()  # what the boundary backward began (offload/backward_step.py)
         self.scaler.update(overflow)
         return overflow
+
+    def _predict(self, clipped: bool) -> None:
+        """Let the next boundary backward begin the step (NVMe) unless the clip coefficient,
+        known only after it, is expected below 1: as the last step's was. With clipping,
+        what it steps is a guess: its gradients are kept, and `step` redoes it when wrong."""
+        clipping = bool(self.settings.gradient_clipping and self.settings.gradient_clipping > 0)
+        self.allow_step_in_backward(not clipped, clipping)
 
     def _global_grad_norm(self) -> float:
         """L2 norm of the averaged, unscaled gradient of the whole model (padding holds zeros)."""
@@ -200,10 +216,9 @@ class ZeroOptimizer:
         self.sum_over_model(sq)
         return float(sq.sqrt()) / self.scaler.scale
 
-    def _unscale_into_masters(self, norm: float) -> None:
+    def _clip_coef(self, norm: float) -> float:
         clip = self.settings.gradient_clipping
-        coef = min(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else 1.0
-        self.unscale(self.groups, coef / self.scaler.scale)
+        return min(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else 1.0
 
     def gather_params(self) -> None:
         """Masters into the parameter shards (wherever they live), then all-gather them."""
@@ -248,6 +263,11 @@ def _nothing_placed(boundary: bool) -> None:
 
 def _nothing_begun() -> None:
     """Nothing offloaded: no step begins before step()."""
+
+
+def _nothing_begins(allowed: bool, keep_gradients: bool) -> None:
+    """Nothing offloaded, or the update needs the loss scale's verdict or the model-parallel
+    norm first: no step begins before step()."""
 
 
 def _unscale_on_device(groups: list[FlatParamGroup], multiplier: float) -> None:

@@ -1,7 +1,8 @@
 """The NVMe optimizer's step begun in the boundary backward (offload/backward_step.py).
 
-fp32, stage 3, optimizer and parameters on NVMe, no clipping: each sub-group is stepped
-as soon as its gradient is reduced. Every check compares it, bitwise, with the same
+fp32, stage 3, optimizer and parameters on NVMe: each sub-group is stepped as soon as
+its gradient is reduced (with clipping, a guess that the step is not clipped, redone
+from the kept gradients when it is). Every check compares it, bitwise, with the same
 engine stepping in step() (`zeromem.nvme_step_in_backward: false`): parameters,
 optimizer states and the global norm, through a learning-rate schedule, an evaluation
 before the first step, a non-finite gradient on one rank (the step skipped on both,
@@ -23,15 +24,17 @@ from models import TinyLM, micro_batch
 from setups import parity_config, slow_writes
 from zeromem.offload.nvme import OffloadError
 
+CLIP = 50.0  # between the gradient norms of the loss as it is and scaled by 1e4
+CLIP_SCALES = (1.0, 1e4, 1.0, 1.0)  # step 1 is clipped
 SCHEDULE = {"type": "WarmupLR",
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4}}
 
 
 def build(model: torch.nn.Module, path: str, world_size: int, gas: int, in_backward: bool,
-          buffers: int = 12):
+          buffers: int = 12, clip: float = 0.0):
     """`buffers`: offload_optimizer.buffer_count, 4 buffers a sub-group (master, 2 states,
     gradient): 12 keep 3 sub-groups in flight."""
-    cfg = parity_config(3, gas, 0.0, world_size, scheduler=SCHEDULE,
+    cfg = parity_config(3, gas, clip, world_size, scheduler=SCHEDULE,
                         zeromem={"nvme_step_in_backward": in_backward})
     cfg["zero_optimization"].update(
         {"sub_group_size": 37,  # sub-groups cut shards inside a block: shared blocks
@@ -83,15 +86,15 @@ def hold_back(engine) -> None:
     grads.put = late_put
 
 
-def train(engine, step: int, rank: int, gas: int) -> dict:
-    """One step; what the run report says of it (grads.swp: the snapshots between steps
-    read no gradient) and the bytes of optimizer.swp moved in it."""
+def train(engine, step: int, rank: int, gas: int, scale: float = 1.0) -> dict:
+    """One step (the loss times `scale`); what the run report says of it (grads.swp: the
+    snapshots between steps read no gradient) and the bytes of optimizer.swp moved in it."""
     states = next(f for s in engine.offload.spaces for f in s.files
                   if f.path.name == "optimizer.swp")
     moved = states.read_bytes, states.written_bytes
     for micro in range(gas):
         tokens, targets = micro_batch(step, rank, micro)
-        engine.backward(engine(tokens, targets, (step + micro) % 3 != 0))
+        engine.backward(engine(tokens, targets, (step + micro) % 3 != 0) * scale)
         if micro == gas - 1:
             stepped = list(engine.optimizer.in_backward.stepped) \
                 if engine.optimizer.in_backward is not None else []
@@ -165,6 +168,18 @@ def backward_step_run(rank: int, world_size: int, path: str) -> dict:
                                    "norm_same": rows[0]["norm"] == rows[1]["norm"]})
     for e in (early, late):
         e.close()
+    # gradient clipping: stepped in backward while the last step was not clipped, its
+    # gradients kept; a clipped step (the loss scaled up at step 1) is redone from them
+    early = build(copy.deepcopy(model), path, world_size, 1, True, clip=CLIP)
+    late = build(copy.deepcopy(model), path, world_size, 1, False, clip=CLIP)
+    out["clipping"] = []
+    for step, scale in enumerate(CLIP_SCALES):
+        rows = [train(e, step, rank, 1, scale) for e in (early, late)]
+        out["clipping"].append({"early": rows[0], "late": rows[1],
+                                "same": same(snapshot(early), snapshot(late)),
+                                "norm_same": rows[0]["norm"] == rows[1]["norm"]})
+    for e in (early, late):
+        e.close()
     # out of order, one sub-group in flight: those with no slot free go through grads.swp
     early = build(copy.deepcopy(model), path, world_size, 1, True, buffers=4)
     late = build(copy.deepcopy(model), path, world_size, 1, False, buffers=4)
@@ -192,7 +207,8 @@ def test_step_in_backward_is_bitwise_the_step_in_step(tmp_path):
     ranks and leaves every state as it was; accumulation writes the first micro-step's
     gradient only; a checkpoint after a step loads exact; whole reads and new settings
     between backward and step() are refused; gradients out of order leave some
-    sub-groups to step(), through grads.swp, with the same results; on a slow disk too."""
+    sub-groups to step(), through grads.swp, with the same results; on a slow disk too;
+    with clipping, a clipped step's guess is redone and the next one not guessed."""
     for out in run_distributed(backward_step_run, 2, str(tmp_path)):
         n = out["sub_groups"]
         assert n >= 3 and out["eval_same"], out
@@ -219,6 +235,16 @@ def test_step_in_backward_is_bitwise_the_step_in_step(tmp_path):
             assert row["early"]["grads_swp"][1] > 0, row
             assert row["early"]["grads_swp"][0] < row["late"]["grads_swp"][0], row
         assert out["slow_disk_same"]
+        for step, row in enumerate(out["clipping"]):
+            early, clipped = row["early"], CLIP_SCALES[step] > 1
+            assert row["same"] and row["norm_same"], (step, row)
+            assert (early["norm"] > CLIP) == clipped, (step, row)  # the case meant
+            # a guess each step but the one after the clipped step
+            assert (early["stepped_before_step"] > 0) == (step != 2), (step, row)
+            # a right guess steps all in backward; a wrong one none (redone in step())
+            assert early["in_backward"] == (0 if clipped or step == 2 else n), (step, row)
+            assert early["grads_swp"][1] > 0, (step, row)  # kept, to redo a wrong guess
+            assert (early["grads_swp"][0] > 0) == (clipped or step == 2), (step, row)
         for row in out["out_of_order"]:
             assert row["same"], row
             assert 0 < row["early"]["in_backward"] < n and row["early"]["grads_swp"][1] > 0, row

@@ -52,8 +52,8 @@ class Placement:
         for g in groups:
             g.write_back()
 
-    def allow_step_in_backward(self, allowed: bool) -> None:
-        """Told once, at construction: not a step verb."""
+    def allow_step_in_backward(self, allowed: bool, keep_gradients: bool) -> None:
+        """Told whether the next boundary backward may begin the step: not a step verb."""
 
     def skip_step(self) -> None:
         self.calls.append("skip_step")

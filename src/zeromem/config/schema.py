@@ -240,8 +240,9 @@ class TimeoutsConfig(_Block):
     # host bytes per rank for NVMe offload's buffers (optimizer and parameter pools); sizes
     # sub_group_size and offload_optimizer.buffer_count unless those are set (offload/budget.py)
     offload_host_budget_bytes: Int = Field(64 * 2**20, ge=1)
-    # fp32 stage 3 with optimizer and parameters on NVMe, no clipping: the step begins in the
-    # boundary backward (offload/backward_step.py), at twice the disk for states and shards
+    # fp32 stage 3 with optimizer and parameters on NVMe: the step begins in the boundary
+    # backward (offload/backward_step.py; with clipping, while the last step was not clipped),
+    # at twice the disk for states and shards
     nvme_step_in_backward: Bool = True
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # nodes, ZeRO++ quantization
     ignore_unknown_keys: Bool = False  # drop top-level keys neither DeepSpeed's nor ours (warned)

@@ -1,13 +1,21 @@
 """The NVMe optimizer's step, run in the boundary backward sub-group by sub-group (issue 16).
 
-When nothing needs the whole gradient before the update (gradient_clipping off, no
-fp16 loss scale, no model-parallel norm: `ZeroOptimizer` says so), a sub-group can
-be stepped as soon as the boundary backward has reduced every piece of its
-gradient: its states and master pieces are read while backward goes on, the
+When nothing needs the whole gradient before the update (no fp16 loss scale, no
+model-parallel norm, and a clip coefficient of 1 expected: `ZeroOptimizer` says so),
+a sub-group can be stepped as soon as the boundary backward has reduced every piece
+of its gradient: its states and master pieces are read while backward goes on, the
 reduced shards' pieces are copied into its gradient buffer as `GradFile.put`
 hands them over (`take`), and once all are in, Adam steps it and its writes start.
 The gradient then never goes to grads.swp nor is read back, and the update
 overlaps backward instead of following it.
+
+With gradient_clipping the coefficient is known only once the whole gradient is
+(the global norm, at `step()`), so what backward steps is a guess that it is 1,
+made while the last step's was (`ZeroOptimizer._predict`): the gradients also go to
+grads.swp (`keep_gradients`), and a coefficient below 1 drops what backward stepped,
+as a skipped step does (`drop`, below), and redoes the step from them in `step()`.
+Either way the update is the one `step()` alone would make: a coefficient of 1
+multiplies nothing.
 
     begin()            the boundary backward starts: the sub-groups expected first
                        (group order, in which the reductions come; then the order
@@ -20,7 +28,8 @@ overlaps backward instead of following it.
     finish()           `step()`: the last ones are stepped; those still held (their
                        last gradients never came: zeros, or earlier micro-steps' sum
                        in grads.swp) go to the step's pipeline with the ones left to it
-    drop()             the step is skipped, or the files are needed whole
+    drop()             the step is skipped, redone (a clip below 1), or the files are
+                       needed whole
 
 Bitwise the same update: the same sub-groups and pieces, the same kernel on the same
 values (the shard that would have gone through grads.swp, which stores it exactly).
@@ -62,6 +71,8 @@ class StepInBackward:
     def __init__(self, opt: SwappedOptimizer):
         self.opt = opt
         self.allowed = False  # `ZeroOptimizer`: nothing needs the whole gradient first
+        # the gradients are stored too (clipping: the step is a guess that `step()` may redo)
+        self.keep_gradients = False
         self.active = False  # a boundary backward is running, or ended without its step
         # the order gradients are expected to complete in: the groups' (`Comm.reduce_in_order`
         # launches the reductions in group order), then as the last boundary completed them
@@ -104,7 +115,7 @@ class StepInBackward:
             taken = self._take_piece(i, k, shard) and taken
         self._step_ready(wait=False)
         self._read_expected()  # into the slots just stepped: the reads wait for their writes
-        return taken
+        return taken and not self.keep_gradients
 
     def finish(self) -> tuple[Held, set[int]]:
         """`step()` begins: (the sub-groups still held, with reads of their missing gradient

@@ -92,9 +92,10 @@ class MastersPlacement(Protocol):
     def start_backward(self, boundary: bool) -> None:
         """The backward about to run ends a step (`boundary`) or accumulates."""
 
-    def allow_step_in_backward(self, allowed: bool) -> None:
-        """Nothing needs the whole gradient before the update (no clipping, no loss scale):
-        the step may begin in the boundary backward where the placement can (NVMe)."""
+    def allow_step_in_backward(self, allowed: bool, keep_gradients: bool) -> None:
+        """Nothing needs the whole gradient before the update (no loss scale, and a clip
+        coefficient of 1 expected): the step may begin in the boundary backward where the
+        placement can (NVMe); `keep_gradients`: it is a guess, redone from them if wrong."""
 
     def skip_step(self) -> None:
         """The step is skipped (a non-finite norm): whatever it began is undone."""
@@ -146,7 +147,7 @@ class MastersOnDevice:
     def start_backward(self, boundary: bool) -> None:
         """Nothing to do: the step reads the device gradients."""
 
-    def allow_step_in_backward(self, allowed: bool) -> None:
+    def allow_step_in_backward(self, allowed: bool, keep_gradients: bool) -> None:
         """The step needs the optimizer's own."""
 
     def skip_step(self) -> None:
@@ -197,7 +198,7 @@ class MastersOnHost:
     def start_backward(self, boundary: bool) -> None:
         self.host_grads.boundary = boundary
 
-    def allow_step_in_backward(self, allowed: bool) -> None:
+    def allow_step_in_backward(self, allowed: bool, keep_gradients: bool) -> None:
         """The step needs the optimizer's own."""
 
     def skip_step(self) -> None:
@@ -277,9 +278,9 @@ class MastersOnNvme:
         if boundary and self.optimizer is not None:
             self.optimizer.read_before_step()  # or the step begins, where allowed
 
-    def allow_step_in_backward(self, allowed: bool) -> None:
+    def allow_step_in_backward(self, allowed: bool, keep_gradients: bool) -> None:
         if self.optimizer is not None:
-            self.optimizer.allow_step_in_backward(allowed)
+            self.optimizer.allow_step_in_backward(allowed, keep_gradients)
 
     def skip_step(self) -> None:
         self._built().discard()

@@ -28,8 +28,8 @@ sub-groups' writes are left in flight when `step()` returns, waited for when the
 slot or record is next used, or by `settle()` (which `all_in_memory` and the engine's
 close call before the files are used whole).
 
-Where nothing needs the whole gradient first (fp32, parameters on NVMe, no clipping,
-no loss scale), the step itself begins in the boundary backward, each sub-group as
+Where nothing needs the whole gradient first (fp32, parameters on NVMe, no loss scale,
+and no clipping expected), the step itself begins in the boundary backward, each sub-group as
 its gradient is reduced (`StepInBackward`, offload/backward_step.py); the records then
 have two copies (`two_copies`: the step writes the other one, current once `step()`
 takes the step, `_commit`), so that a skipped step leaves them as they were.
@@ -332,12 +332,14 @@ class SwappedOptimizer(torch.optim.Optimizer):
         return max((i for i, (s, _) in self.writes.items() if s is slot), default=-1)
 
     # -- the pipeline -------------------------------------------------------------
-    def allow_step_in_backward(self, allowed: bool) -> None:
+    def allow_step_in_backward(self, allowed: bool, keep_gradients: bool) -> None:
         """`ZeroOptimizer`: whether nothing needs the whole gradient before the update (no
-        clipping, no loss scale, no model-parallel norm), so the boundary backward may step
-        sub-groups (offload/backward_step.py); only with two copies of the records."""
+        loss scale, no model-parallel norm, a clip coefficient of 1 expected), so the
+        boundary backward may step sub-groups (offload/backward_step.py); only with two
+        copies of the records. `keep_gradients` (clipping): they go to grads.swp as well,
+        for `step()` to redo the step from when the coefficient is below 1."""
         if self.in_backward is not None:
-            self.in_backward.allowed = allowed
+            self.in_backward.allowed, self.in_backward.keep_gradients = allowed, keep_gradients
 
     def read_before_step(self) -> None:
         """Start reading the first sub-groups' fields (fp32: and master pieces) now, in the
@@ -351,6 +353,8 @@ class SwappedOptimizer(torch.optim.Optimizer):
             return
         try:
             if self.in_backward is not None and self.in_backward.allowed:
+                # unscaled and unclipped: a guess follows a step not clipped (`ZeroOptimizer`)
+                assert self.grad_multiplier == 1.0, self.grad_multiplier
                 self.in_backward.begin()
                 return
             if self.early or not self.read_ahead:

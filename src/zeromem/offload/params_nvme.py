@@ -26,8 +26,8 @@ written (`piece_writes`). A block that two pieces of a shard share (sub-groups
 cut shards anywhere) is written once, by the piece stepped last, which takes the
 other pieces' bytes of it from `boundary` (pieces may be stepped in any order).
 
-Two copies (`copies=2`, when the optimizer may step in the boundary backward: fp32, no
-clipping, offload/nvme_optimizer.py): params.swp holds every record twice; reads use
+Two copies (`copies=2`, when the optimizer may step in the boundary backward: fp32,
+offload/nvme_optimizer.py): params.swp holds every record twice; reads use
 the current copy, the optimizer's piece writes go to the other one, and `commit` (the
 step was taken) makes that one current. Until then every read, a re-gather in the
 same backward too, sees the shards as they were, and a skipped step (`discard`)

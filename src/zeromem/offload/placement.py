@@ -96,8 +96,8 @@ class OffloadPolicy:
     optimizer_buffers: int | None = None
     host_budget_bytes: int = 64 * 2**20  # zeromem.offload_host_budget_bytes
     host_budget_set: bool = False  # the config names the budget (else its default is logged)
-    # masters and parameters on NVMe, no clipping, no fp16: the files keep two copies so that
-    # the step may begin in the boundary backward (offload/backward_step.py)
+    # masters and parameters on NVMe, no fp16: the files keep two copies so that the step
+    # may begin in the boundary backward (offload/backward_step.py)
     step_in_backward: bool = False
 
     @classmethod
@@ -110,8 +110,7 @@ class OffloadPolicy:
             else None
         own = config.zeromem
         in_backward = (zero.offload_optimizer_device == zero.offload_param_device == "nvme"
-                       and not config.gradient_clipping and not config.fp16.enabled
-                       and own.nvme_step_in_backward)
+                       and not config.fp16.enabled and own.nvme_step_in_backward)
         return cls(WHERE[zero.offload_optimizer_device], WHERE[zero.offload_param_device],
                    _pin(opt), _pin(par), opt, par, sub, buffers, own.offload_host_budget_bytes,
                    "offload_host_budget_bytes" in own.model_fields_set, in_backward)
