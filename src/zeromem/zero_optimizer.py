@@ -111,12 +111,11 @@ class ZeroOptimizer:
             _unscale_on_device if on_device else masters.unscale_grads
         self.write_back: Callable[[list[FlatParamGroup]], None] = \
             _write_back_on_device if on_device else partial(masters.write_back, params=params)
-        # a skipped step undoes what the boundary backward began (the NVMe step, which may
-        # begin there when no phase before the update needs the whole gradient: no clip
-        # coefficient, no loss scale, no model-parallel norm reading gradients back)
+        # a skipped (or clipped) step undoes what the boundary backward began (the NVMe step,
+        # which may begin there when no phase before the update needs the whole gradient: no
+        # loss scale, no model-parallel norm reading gradients back, and with clipping a
+        # coefficient of 1 expected, as the last step's was: `_predict`)
         self.skip: Callable[[], None] = _nothing_begun if on_device else masters.skip_step
-        # with clipping, the step begun in backward assumes the clip coefficient is 1 (while
-        # the last step's was) and keeps the gradients to redo it when not (`_predict`)
         self.allow_step_in_backward: Callable[[bool, bool], None] = \
             _nothing_begins if on_device or mp_norm is not None or scaler.scale != 1.0 \
             or scaler.dynamic else masters.allow_step_in_backward

@@ -29,8 +29,8 @@ slot or record is next used, or by `settle()` (which `all_in_memory` and the eng
 close call before the files are used whole).
 
 Where nothing needs the whole gradient first (fp32, parameters on NVMe, no loss scale,
-and no clipping expected), the step itself begins in the boundary backward, each sub-group as
-its gradient is reduced (`StepInBackward`, offload/backward_step.py); the records then
+no clipping expected), the step itself begins in the boundary backward, each sub-group
+as its gradient is reduced (`StepInBackward`, offload/backward_step.py); the records then
 have two copies (`two_copies`: the step writes the other one, current once `step()`
 takes the step, `_commit`), so that a skipped step leaves them as they were.
 
