@@ -242,16 +242,21 @@ class OneRank:
         pass
 
 
-@contextlib.contextmanager
-def slow_writes(delay_s: Callable[[str], float]) -> Iterator[None]:
+def slow_writes(delay_s: Callable[[str], float]) -> contextlib.AbstractContextManager[None]:
     """Inside the block, every swap write request waits `delay_s(file name)` first: a slow
     disk, so that what waits for writes (or should not) is seen waiting."""
+    return slow_disk(lambda op, name: delay_s(name) if op == "write" else 0.0)
+
+
+@contextlib.contextmanager
+def slow_disk(delay_s: Callable[[str, str], float]) -> Iterator[None]:
+    """Inside the block, every swap request waits `delay_s("read" or "write", file name)`
+    first."""
     import zeromem.offload.nvme as nvme
     transfer = nvme._transfer
 
     def slow(op, fd, view, offset, path):
-        if op == "write":
-            time.sleep(delay_s(Path(path).name))
+        time.sleep(delay_s(op, Path(path).name))
         transfer(op, fd, view, offset, path)
 
     nvme._transfer = slow

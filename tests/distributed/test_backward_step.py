@@ -12,7 +12,9 @@ checkpoint saved after a step and loaded, and gradients arriving out of order.
 from __future__ import annotations
 
 import copy
+import errno
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ import torch
 import zeromem
 from harness import run_distributed
 from models import TinyLM, micro_batch
-from setups import parity_config, slow_writes
+from setups import parity_config, slow_disk, slow_writes
 from zeromem.offload.nvme import OffloadError
 
 CLIP = 50.0  # between the gradient norms of the loss as it is and scaled by 1e4
@@ -194,6 +196,11 @@ def backward_step_run(rank: int, world_size: int, path: str) -> dict:
         for step in range(2, 4):
             for e in (early, late):
                 train(e, step, rank, 1)
+    # slow reads: a sub-group whose gradient is in waits for its reads to be stepped
+    with slow_disk(lambda op, name: 0.005 * (name == "optimizer.swp")):
+        for step in range(4, 6):
+            for e in (early, late):
+                train(e, step, rank, 1)
     out["slow_disk_same"] = same(snapshot(early), snapshot(late))
     for e in (early, late):
         e.close()
@@ -248,3 +255,26 @@ def test_step_in_backward_is_bitwise_the_step_in_step(tmp_path):
         for row in out["out_of_order"]:
             assert row["same"], row
             assert 0 < row["early"]["in_backward"] < n and row["early"]["grads_swp"][1] > 0, row
+
+
+def test_a_failed_read_in_backward_fails_the_step_and_every_later_one(tmp_path, monkeypatch):
+    """A read of optimizer.swp that fails in the backward that began the step is raised
+    there, naming the file; no later step runs on the half-written states."""
+    torch.manual_seed(0)
+    engine = build(TinyLM(), str(tmp_path), 1, 1, True)
+    train(engine, 0, 0, 1)
+    preadv = os.preadv
+
+    def failing(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("optimizer.swp"):
+            raise OSError(errno.EIO, "Input/output error")
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(OffloadError, match="EIO") as info:
+        train(engine, 1, 0, 1)
+    assert "optimizer.swp" in str(info.value)
+    monkeypatch.undo()
+    with pytest.raises(OffloadError, match="failed earlier"):
+        train(engine, 2, 0, 1)
+    engine.close()
