@@ -111,6 +111,8 @@ class ZeroOptimizer:
             _unscale_on_device if on_device else masters.unscale_grads
         self.write_back: Callable[[list[FlatParamGroup]], None] = \
             _write_back_on_device if on_device else partial(masters.write_back, params=params)
+        self.refresh: Callable[[list[FlatParamGroup]], None] = \
+            _write_back_on_device if on_device else partial(masters.refresh, params=params)
         # a skipped (or clipped) step undoes what the boundary backward began (the NVMe step,
         # which may begin there when no phase before the update needs the whole gradient: no
         # loss scale, no model-parallel norm reading gradients back, and with clipping a
@@ -222,6 +224,9 @@ class ZeroOptimizer:
     def gather_params(self) -> None:
         """Masters into the parameter shards (wherever they live), then all-gather them."""
         self.write_back(self.groups)
+        self._all_gather()
+
+    def _all_gather(self) -> None:
         in_flight: deque = deque()
         for g in self.groups:
             for pending in g.launch_all_gather(self.settings.allgather_bucket_numel):
@@ -242,7 +247,8 @@ class ZeroOptimizer:
 
     def refresh_params(self) -> None:
         """After a checkpoint load: compute-dtype parameters from the masters, no stale gradients."""
-        self.gather_params()
+        self.refresh(self.groups)
+        self._all_gather()
         self.zero_grad()
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 import zeromem
 from harness import run_distributed
-from models import BufferedLM, Reference
+from models import BufferedLM, Reference, micro_batch
 from setups import G, PARTITION_ALL, SAVE_BUCKET, checkpoint_config, train_global_batch
 from zeromem.checkpoints import save_load as ckpt
 from zeromem.checkpoints.save_load import CheckpointError
@@ -466,6 +466,34 @@ def test_offloaded_optimizer_states_round_trip(tmp_path, device):
     train_global_batch(plain, 0, 1, range(2, 4))
     assert max((p - q).abs().max().item()
                for p, q in zip(params_of(engine), params_of(plain))) <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_weights_are_rebuilt_from_masters_loaded_into_nvme(tmp_path, stage):
+    """bf16 with the optimizer (stage 3: and the parameters) on NVMe: the masters live in
+    optimizer.swp, apart from the bf16 weights, and no step has rebuilt those when a
+    checkpoint is loaded. An engine built from other weights evaluates, right after the
+    load, as the one that saved; a step later too."""
+    (tmp_path / "swap").mkdir()
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path / "swap")}
+    zero = {"stage": stage, "reduce_bucket_size": SAVE_BUCKET, **PARTITION_ALL,
+            "offload_optimizer": nvme, **({"offload_param": nvme} if stage == 3 else {})}
+    config = checkpoint_config(stage, 1, bf16={"enabled": True}, zero_optimization=zero)
+    torch.manual_seed(0)
+    engine = zeromem.initialize(BufferedLM(), config)
+    train_global_batch(engine, 0, 1, range(2))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    torch.manual_seed(1)
+    loaded = zeromem.initialize(BufferedLM(), config)
+    loaded.load_checkpoint(tmp_path / "ckpt")
+    tokens, targets = micro_batch(9, 0, 0)
+    for step in (2, 3):
+        with torch.no_grad():
+            assert loaded(tokens, targets).item() == engine(tokens, targets).item(), step
+        for e in (engine, loaded):
+            train_global_batch(e, 0, 1, [step])
+    engine.close()
+    loaded.close()
 
 
 # ---------------------------------------------------------------- consolidate's memory

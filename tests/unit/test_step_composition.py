@@ -52,6 +52,9 @@ class Placement:
         for g in groups:
             g.write_back()
 
+    def refresh(self, groups: list[FlatParamGroup], params: object) -> None:
+        """After a checkpoint load: not a step verb."""
+
     def allow_step_in_backward(self, allowed: bool, keep_gradients: bool) -> None:
         """Told whether the next boundary backward may begin the step: not a step verb."""
 

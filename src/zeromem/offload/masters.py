@@ -112,6 +112,10 @@ class MastersPlacement(Protocol):
     def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         """Step phase 5: updated masters into the parameter shards, wherever those live."""
 
+    def refresh(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
+        """The masters changed outside a step (a checkpoint loaded): all of them into the
+        parameter shards."""
+
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         """Every master and optimizer state in memory inside the block."""
 
@@ -165,6 +169,8 @@ class MastersOnDevice:
 
     def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         _store_masters(groups, params)
+
+    refresh = write_back
 
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -222,6 +228,8 @@ class MastersOnHost:
 
     def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         _store_masters(groups, params)
+
+    refresh = write_back
 
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # host memory is memory
@@ -317,6 +325,12 @@ class MastersOnNvme:
 
     def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         params.flush()  # the step stored every sub-group's new values already
+
+    def refresh(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
+        """16-bit: the masters live in optimizer.swp, apart from the shards, and no step
+        stored these; read whole (as the load just did) and stored."""
+        with self.all_in_memory():
+            _store_masters(groups, params)
 
     def all_in_memory(self) -> contextlib.AbstractContextManager:
         return self._built().all_in_memory(self.groups)
