@@ -1,9 +1,9 @@
 """The NVMe optimizer's step begun in the boundary backward (offload/backward_step.py).
 
-fp32, stage 3, optimizer and parameters on NVMe: each sub-group is stepped as soon as
-its gradient is reduced (with clipping, a guess that the step is not clipped, redone
-from the kept gradients when it is). Every check compares it, bitwise, with the same
-engine stepping in step() (`zeromem.nvme_step_in_backward: false`): parameters,
+fp32 or bf16, stage 3, optimizer and parameters on NVMe: each sub-group is stepped as
+soon as its gradient is reduced (with clipping, a guess that the step is not clipped,
+redone from the kept gradients when it is). Every check compares it, bitwise, with the
+same engine stepping in step() (`zeromem.nvme_step_in_backward: false`): parameters,
 optimizer states and the global norm, through a learning-rate schedule, an evaluation
 before the first step, a non-finite gradient on one rank (the step skipped on both,
 as DeepSpeed 0.19 skips it for fp32 and bf16), gradient accumulation, a
@@ -33,10 +33,10 @@ SCHEDULE = {"type": "WarmupLR",
 
 
 def build(model: torch.nn.Module, path: str, world_size: int, gas: int, in_backward: bool,
-          buffers: int = 12, clip: float = 0.0):
+          buffers: int = 12, clip: float = 0.0, bf16: bool = False):
     """`buffers`: offload_optimizer.buffer_count, 4 buffers a sub-group (master, 2 states,
     gradient): 12 keep 3 sub-groups in flight."""
-    cfg = parity_config(3, gas, clip, world_size, scheduler=SCHEDULE,
+    cfg = parity_config(3, gas, clip, world_size, scheduler=SCHEDULE, bf16={"enabled": bf16},
                         zeromem={"nvme_step_in_backward": in_backward})
     cfg["zero_optimization"].update(
         {"sub_group_size": 37,  # sub-groups cut shards inside a block: shared blocks
@@ -170,6 +170,29 @@ def backward_step_run(rank: int, world_size: int, path: str) -> dict:
                                    "norm_same": rows[0]["norm"] == rows[1]["norm"]})
     for e in (early, late):
         e.close()
+    # bf16: the fp32 masters in optimizer.swp, the new 16-bit values written to params.swp's
+    # other copy; a NaN on rank 1 at step 1 skips the step, both files as they were; a
+    # checkpoint saved after a step loads exact
+    early = build(copy.deepcopy(model), path, world_size, 1, True, bf16=True)
+    late = build(copy.deepcopy(model), path, world_size, 1, False, bf16=True)
+    flags = [poison_last_put(e, rank) for e in (early, late)]
+    out["bf16"] = []
+    for step in range(3):
+        for flag in flags:
+            flag[0] = step == 1
+        rows = [train(e, step, rank, 1) for e in (early, late)]
+        out["bf16"].append({"early": rows[0], "same": same(snapshot(early), snapshot(late)),
+                            "norm_same": same_norm(rows[0]["norm"], rows[1]["norm"])})
+    out["bf16_skipped"] = early.skipped_steps
+    early.save_checkpoint(Path(path) / "ckpt16")  # and loaded: the next step stays the same
+    loaded = build(TinyLM(), path, world_size, 1, True, bf16=True)
+    loaded.load_checkpoint(Path(path) / "ckpt16")
+    for e in (early, late, loaded):
+        train(e, 3, rank, 1)
+    out["bf16_loaded_same"] = same(snapshot(loaded), snapshot(late)) and \
+        same(snapshot(early), snapshot(late))
+    for e in (early, late, loaded):
+        e.close()
     # gradient clipping: stepped in backward while the last step was not clipped, its
     # gradients kept; a clipped step (the loss scaled up at step 1) is redone from them
     early = build(copy.deepcopy(model), path, world_size, 1, True, clip=CLIP)
@@ -215,7 +238,8 @@ def test_step_in_backward_is_bitwise_the_step_in_step(tmp_path):
     gradient only; a checkpoint after a step loads exact; whole reads and new settings
     between backward and step() are refused; gradients out of order leave some
     sub-groups to step(), through grads.swp, with the same results; on a slow disk too;
-    with clipping, a clipped step's guess is redone and the next one not guessed."""
+    with clipping, a clipped step's guess is redone and the next one not guessed; in
+    bf16, all in backward too, a skip and a checkpoint included."""
     for out in run_distributed(backward_step_run, 2, str(tmp_path)):
         n = out["sub_groups"]
         assert n >= 3 and out["eval_same"], out
@@ -252,6 +276,11 @@ def test_step_in_backward_is_bitwise_the_step_in_step(tmp_path):
             assert early["in_backward"] == (0 if clipped or step == 2 else n), (step, row)
             assert early["grads_swp"][1] > 0, (step, row)  # kept, to redo a wrong guess
             assert (early["grads_swp"][0] > 0) == (clipped or step == 2), (step, row)
+        for step, row in enumerate(out["bf16"]):
+            assert row["same"] and row["norm_same"], (step, row)
+            if step != 1:  # step 1 skipped
+                assert row["early"]["in_backward"] == n and row["early"]["grads_swp"] == [0, 0], row
+        assert out["bf16_skipped"] == 1 and out["bf16_loaded_same"]
         for row in out["out_of_order"]:
             assert row["same"], row
             assert 0 < row["early"]["in_backward"] < n and row["early"]["grads_swp"][1] > 0, row

@@ -2,10 +2,11 @@
 
 When nothing needs the whole gradient before the update (no fp16 loss scale, no
 model-parallel norm, and a clip coefficient of 1 expected: `ZeroOptimizer` says so),
-a sub-group can be stepped as soon as the boundary backward has reduced every piece
-of its gradient: its states and master pieces are read while backward goes on, the
-reduced shards' pieces are copied into its gradient buffer as `GradFile.put`
-hands them over (`take`), and once all are in, Adam steps it and its writes start.
+a sub-group can be stepped (fp32 or bf16) as soon as the boundary backward has
+reduced every piece of its gradient: its states and master pieces are read while
+backward goes on, the reduced shards' pieces are copied into its gradient buffer as
+`GradFile.put` hands them over (`take`), and once all are in, Adam steps it and its
+writes start.
 The gradient then never goes to grads.swp nor is read back, and the update
 overlaps backward instead of following it.
 

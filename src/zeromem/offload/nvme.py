@@ -68,22 +68,25 @@ def swap_file_bytes(nbytes: int) -> int:
     return round_up(max(1, nbytes))
 
 
-def piece_range(start: int, numel: int) -> tuple[int, int]:
-    """(first byte, length) of the ALIGN blocks holding fp32 elements [start, start + numel)
-    of a record that starts on a block: the request that reads or writes that piece."""
-    begin = start * 4 // ALIGN * ALIGN
-    return begin, round_up(start * 4 - begin + numel * 4)
+def piece_range(start: int, numel: int, itemsize: int = 4) -> tuple[int, int]:
+    """(first byte, length) of the ALIGN blocks holding elements [start, start + numel)
+    (fp32, or `itemsize` bytes each) of a record that starts on a block: the request that
+    reads or writes that piece."""
+    begin = start * itemsize // ALIGN * ALIGN
+    return begin, round_up(start * itemsize - begin + numel * itemsize)
 
 
-def piece_view(start: int, numel: int, buf: torch.Tensor) -> torch.Tensor:
+def piece_view(start: int, numel: int, buf: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Where a `piece_range` request puts elements [start, start + numel) in the aligned
     uint8 `buf`: past the bytes of the first block that precede the piece."""
-    skip = start * 4 % ALIGN
-    return buf[skip:skip + numel * 4].view(torch.float32)
+    skip = start * dtype.itemsize % ALIGN
+    return buf[skip:skip + numel * dtype.itemsize].view(dtype)
 
 
 def piece_bytes(numel: int) -> int:
-    """Buffer bytes a `piece_range` request of `numel` elements needs, wherever it starts."""
+    """Buffer bytes a `piece_range` request of `numel` elements needs, wherever it starts
+    (fp32; a 16-bit piece's request fits in as many)."""
     return round_up(numel * 4) + ALIGN
 
 

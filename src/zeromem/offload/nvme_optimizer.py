@@ -28,11 +28,14 @@ sub-groups' writes are left in flight when `step()` returns, waited for when the
 slot or record is next used, or by `settle()` (which `all_in_memory` and the engine's
 close call before the files are used whole).
 
-Where nothing needs the whole gradient first (fp32, parameters on NVMe, no loss scale,
-no clipping expected), the step itself begins in the boundary backward, each sub-group
-as its gradient is reduced (`StepInBackward`, offload/backward_step.py); the records then
-have two copies (`two_copies`: the step writes the other one, current once `step()`
-takes the step, `_commit`), so that a skipped step leaves them as they were.
+Where nothing needs the whole gradient first (fp32 or bf16, parameters on NVMe, no
+loss scale, no clipping expected), the step itself begins in the boundary backward, each
+sub-group as its gradient is reduced (`StepInBackward`, offload/backward_step.py); the
+records then have two copies (`two_copies`: the step writes the other one, current once
+`step()` takes the step, `_commit`), so that a skipped step leaves them as they were.
+In bf16 the new 16-bit values then go to params.swp's other copy as pieces too
+(`write_piece`, from the slot's gradient buffer, used up by then), not into the shards
+in memory, which are the current copy.
 
 Buffer lifetimes: the pool lives as long as the optimizer; a sub-group holds its
 buffers from the launch of its read until its write has completed, and only then
@@ -128,8 +131,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         # two copies of every record: the step reads the current one and writes the other,
         # which becomes current when the step is taken (`_commit`): a step begun in backward
         # can still be skipped, the states as they were (module docstring)
-        self.two_copies = (policy.step_in_backward and not self.master_in_file
-                           and self.grad_file is not None
+        self.two_copies = (policy.step_in_backward and self.grad_file is not None
                            and params.copies == 2)
         self.copy = 0  # the current copy of the records (two copies: 0 or 1)
         self.file = space.file("optimizer.swp", self.layout.file_bytes * (1 + self.two_copies))
@@ -258,7 +260,9 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 for p, at in zip(sg.pieces, self._grad_places(sg))]
 
     def _compute(self, sg: SubGroup, slot: Slot) -> None:
-        """Step the sub-group on its views (16-bit: then store the new values into the shards)."""
+        """Step the sub-group on its views (16-bit: then the new values, rounded, into the
+        shards; with two copies, into the gradient buffer for `_start_writes`: the
+        gradient is used up, and the shards in memory are the current copy)."""
         views = self._views(sg, slot)
 
         def cut(t: torch.Tensor) -> list[torch.Tensor]:
@@ -269,8 +273,12 @@ class SwappedOptimizer(torch.optim.Optimizer):
         states = {name: cut(views[name]) for name in self.states}
         self.update(self.param_groups[sg.param_group], masters, grads, states,
                     self.steps[sg.param_group])
-        if self.master_in_file:  # fp32 masters reach their shards in `_start_writes`
-            for p, m in zip(sg.pieces, masters):
+        if not self.master_in_file:
+            return  # fp32: the masters are the shards' pieces, written in `_start_writes`
+        for p, at, m in zip(sg.pieces, self._grad_places(sg), masters):
+            if self.two_copies:
+                piece_view(p.start, p.numel, slot["grad"][at:], p.group.param_shard.dtype).copy_(m)
+            else:
                 self.params.store(p.group, p.start, m)
 
     @staticmethod
@@ -303,14 +311,15 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 for k, name in enumerate(self.file_fields)]
 
     def _start_writes(self, i: int, slot: Slot) -> None:
-        """Write sub-group `i`'s fields and (fp32) its shard pieces from `slot`; recorded in
-        `writes` until waited for (`_settle`), which may be after `step()` returns."""
+        """Write sub-group `i`'s fields and (fp32, or two copies) its shard pieces from `slot`;
+        recorded in `writes` until waited for (`_settle`), which may be after `step()`
+        returns."""
         sg = self.sub_groups[i]
         handles = self._write_fields(sg, slot, 1 - self.copy if self.two_copies else self.copy)
-        if not self.master_in_file:
+        if not self.master_in_file or self.two_copies:
+            pieces = slot["grad" if self.master_in_file else "master"]  # `_compute` put them there
             for p, at in zip(sg.pieces, self._grad_places(sg)):
-                handles += self.params.write_piece(p.group, p.start, p.numel,
-                                                   slot["master"][at:])
+                handles += self.params.write_piece(p.group, p.start, p.numel, pieces[at:])
         self.writes[i] = (slot, handles)
 
     def _settle(self, i: int) -> None:

@@ -105,8 +105,9 @@ class ParamPlacement(Protocol):
 
     def write_piece(self, group: FlatParamGroup, start: int, numel: int,
                     buf: torch.Tensor) -> list[IOHandle]:
-        """Store the piece at `piece_view(start, numel, buf)` as those shard elements (pieces
-        of a shard in any order within a step); the writes `buf` must outlive."""
+        """Store the piece at `piece_view(start, numel, buf, the shard's dtype)` as those shard
+        elements (pieces of a shard in any order within a step); the writes `buf` must
+        outlive."""
 
     def commit(self) -> None:
         """The step is taken: with two copies, the pieces written are the shards now."""
@@ -143,7 +144,7 @@ def _load_piece(placement: ParamPlacement, group: FlatParamGroup, start: int, nu
 def _store_piece(placement: ParamPlacement, group: FlatParamGroup, start: int, numel: int,
                  buf: torch.Tensor) -> list[IOHandle]:
     """`write_piece` of a placement in memory: its `store`, done when it returns."""
-    placement.store(group, start, piece_view(start, numel, buf))
+    placement.store(group, start, piece_view(start, numel, buf, group.param_shard.dtype))
     return []
 
 

@@ -20,14 +20,15 @@ file after the block.
 
 The NVMe optimizer's fp32 step (where the master is the shard) reads and writes
 its pieces of params.swp straight from its own buffers (`read_piece` /
-`write_piece`), so the step holds no pool buffer and waits on no eviction; the
+`write_piece`; with two copies a 16-bit step writes its new values so too), so the
+step holds no pool buffer and waits on no eviction; the
 writes are left in flight and waited for before that record is next read or
 written (`piece_writes`). A block that two pieces of a shard share (sub-groups
 cut shards anywhere) is written once, by the piece stepped last, which takes the
 other pieces' bytes of it from `boundary` (pieces may be stepped in any order).
 
-Two copies (`copies=2`, when the optimizer may step in the boundary backward: fp32,
-offload/nvme_optimizer.py): params.swp holds every record twice; reads use
+Two copies (`copies=2`, when the optimizer may step in the boundary backward: fp32
+or bf16, offload/nvme_optimizer.py): params.swp holds every record twice; reads use
 the current copy, the optimizer's piece writes go to the other one, and `commit` (the
 step was taken) makes that one current. Until then every read, a re-gather in the
 same backward too, sees the shards as they were, and a skipped step (`discard`)
@@ -258,22 +259,23 @@ class ParamsOnNvme:
 
     def write_piece(self, group: FlatParamGroup, start: int, numel: int,
                     buf: torch.Tensor) -> list[IOHandle]:
-        """Write the piece's blocks from `buf` (two copies: to the other copy); a block another
-        piece shares is written by the last of them to be stepped, with all their bytes
-        (`_share`)."""
-        key = id(group)
+        """Write the piece's blocks from `buf` (in the shard's dtype; two copies: to the other
+        copy); a block another piece shares is written by the last of them to be stepped,
+        with all their bytes (`_share`)."""
+        key, size = id(group), self.dtype.itemsize
         if self.copies == 1:
             if key in self.in_memory:  # the copy in memory stays current: the next forward uses it
-                group.param_shard[start:start + numel].copy_(piece_view(start, numel, buf))
+                group.param_shard[start:start + numel].copy_(
+                    piece_view(start, numel, buf, self.dtype))
             self._forget_read(key)  # a read in flight would bring the old values
-        begin, length = piece_range(start, numel)
-        end, stop = begin + length, (start + numel) * 4
+        begin, length = piece_range(start, numel, size)
+        end, stop = begin + length, (start + numel) * size
         first, last = begin, end - ALIGN  # the first and last blocks (the same for a small piece)
-        if start * 4 > begin or (stop % ALIGN and stop < self.nbytes[key] and last == first):
-            if not self._share(key, first, buf[:ALIGN], start * 4, stop):
+        if start * size > begin or (stop % ALIGN and stop < self.nbytes[key] and last == first):
+            if not self._share(key, first, buf[:ALIGN], start * size, stop):
                 begin += ALIGN
         if last > first and stop % ALIGN and stop < self.nbytes[key]:
-            if not self._share(key, last, buf[last - first:length], start * 4, stop):
+            if not self._share(key, last, buf[last - first:length], start * size, stop):
                 end -= ALIGN
         if end <= begin:
             return []

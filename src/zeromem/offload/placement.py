@@ -288,8 +288,8 @@ def build_params(config: Config, shard_numels: list[int], dtype: torch.dtype, de
     if policy.params == "host":
         return ParamsOnHost(block, policy.params_pin, device)
     try:
-        # fp32: the optimizer's master is the shard, which the step in backward writes
-        copies = 2 if policy.step_in_backward and dtype == torch.float32 else 1
+        # the step in backward writes the shards' other copy (offload/params_nvme.py)
+        copies = 2 if policy.step_in_backward else 1
         return ParamsOnNvme(shard_numels, dtype, device, spaces.for_block(block), block,
                             policy.params_pin, copies)
     except BaseException:

@@ -57,7 +57,7 @@ class OffloadBufferSizes:
     optimizer_buffer_count: int | None = None  # offload_optimizer.buffer_count, when set
     param_buffer_count: int = OffloadParamConfig.model_fields["buffer_count"].default
     host_budget_bytes: int = TimeoutsConfig.model_fields["offload_host_budget_bytes"].default
-    # the step may begin in backward (fp32 only): optimizer.swp and params.swp hold two copies
+    # the step may begin in backward (not fp16): optimizer.swp and params.swp hold two copies
     step_in_backward: bool = False
 
     @classmethod
@@ -113,8 +113,8 @@ def offload_breakdown(shards: list[float], optimizer: str, param: str, param_byt
     host: dict[str, float] = {}
     nvme: dict[str, float] = {}
     params_pool = _params_pool(numels, param, param_bytes, buffers)
-    # offload/backward_step.py: fp32, both on NVMe, gradients through grads.swp
-    copies = 2 if (buffers.step_in_backward and fp32_params and grads_in_file
+    # offload/backward_step.py: both on NVMe, gradients through grads.swp (no fp16: the policy)
+    copies = 2 if (buffers.step_in_backward and grads_in_file
                    and optimizer == param == "nvme") else 1
     if param == "cpu":
         host["param_shards"] = param_bytes * shard
