@@ -102,7 +102,8 @@ def worker(rank: int, world: int, port: int, mode: str, args, queue) -> None:
     after_init, init_peak = vm("VmRSS"), vm("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts: training's peak
     times, cpu, main_cpu, faults, switches = [], [], [], [], []
-    x = torch.randn(8, args.width)
+    bf16 = cfg.get("bf16", {}).get("enabled", False)  # the input in the parameters' dtype
+    x = torch.randn(8, args.width, dtype=torch.bfloat16 if bf16 else torch.float32)
     for _ in range(args.steps):
         t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
         r = resource.getrusage(resource.RUSAGE_SELF)
