@@ -293,3 +293,52 @@ def test_gradients_reach_host_at_the_boundary_only(tmp_path):
                        for t, g in zip(host, engine.groups))
             assert any(t.any() for t in host)
         engine.step()
+
+
+@pytest.mark.parametrize("where, persistence", [("cpu", 0), ("nvme", 0), ("nvme", 10**9)])
+def test_an_edit_under_gathered_parameters_reaches_the_offloaded_shard(tmp_path, where,
+                                                                       persistence):
+    """Stage 3 with the parameters offloaded: an edit inside GatheredParameters(modifier_rank=0)
+    reaches the shard's own place (params.swp: fp32's master too) at once, so it is what the
+    next read and the training see: not lost when the shard leaves memory, nor written
+    over the step's new copy when a persistent unit's shard leaves it only then."""
+    torch.manual_seed(0)
+    cfg = parity_config(3, 1, 0.0, 1)
+    place = {"device": where, "nvme_path": str(tmp_path)}
+    cfg["zero_optimization"].update({"offload_optimizer": place, "offload_param": place,
+                                     "stage3_param_persistence_threshold": persistence})
+    engine = zeromem.initialize(TinyLM(), cfg)
+    weight = engine.module.fc1.weight
+    with zeromem.GatheredParameters(weight, modifier_rank=0):
+        with torch.no_grad():
+            weight[0, 0] = 0.5
+    if not persistence:  # released: read back from its place (a whole read writes changed shards)
+        assert engine.full_state_dict()["fc1.weight"][0, 0] == 0.5
+    tokens, targets = micro_batch(0, 0, 0)
+    engine.backward(engine(tokens, targets))
+    engine.step()
+    trained = engine.full_state_dict()["fc1.weight"][0, 0]
+    assert trained != 0.5 and abs(trained - 0.5) < 0.02  # one step of lr 1e-2 from 0.5
+    engine.close()
+
+
+def test_an_edit_is_refused_where_the_master_is_in_optimizer_swp(tmp_path):
+    """bf16 with the optimizer on NVMe: the fp32 master lives in optimizer.swp, which an edit
+    under GatheredParameters cannot reach; refused on entry, before anything changes, and
+    the engine trains on."""
+    torch.manual_seed(0)
+    cfg = parity_config(3, 1, 0.0, 1, bf16={"enabled": True})
+    place = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg["zero_optimization"].update({"offload_optimizer": place, "offload_param": place})
+    engine = zeromem.initialize(TinyLM(), cfg)
+    before = engine.full_state_dict()
+    with pytest.raises(NotImplementedError, match="fc1.weight: its fp32 master lives in optimizer"):
+        with zeromem.GatheredParameters(engine.module.fc1.weight, modifier_rank=0):
+            pass
+    assert all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+    with zeromem.GatheredParameters(engine.module.fc1.weight):  # reading stays possible
+        assert engine.module.fc1.weight.shape == (7, 10)
+    tokens, targets = micro_batch(0, 0, 0)
+    engine.backward(engine(tokens, targets))
+    engine.step()
+    engine.close()

@@ -425,6 +425,9 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
+        if self.modifier_rank is not None:
+            for unit in self.units:
+                unit.group.check_editable()
         for unit in self.units:
             unit.pin()
         for p in self.loose:

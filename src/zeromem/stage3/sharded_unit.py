@@ -203,8 +203,11 @@ class ShardedUnit:
             self.reshard()
 
     def adopt_whole(self) -> None:
-        """Make the (edited) whole buffer the truth (flat.py)."""
+        """Make the (edited) whole buffer the truth (flat.py), in the shard's own place too:
+        host memory, or params.swp, written now (a shard changed outside a step)."""
         self.group.adopt_whole()
+        self.placement.store(self.group, 0, self.group.param_shard)
+        self.placement.flush()
 
     # -- gradients ------------------------------------------------------------
     def grad_in(self, param: torch.Tensor) -> bool:
