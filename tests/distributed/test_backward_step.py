@@ -193,6 +193,17 @@ def backward_step_run(rank: int, world_size: int, path: str) -> dict:
         same(snapshot(early), snapshot(late))
     for e in (early, late, loaded):
         e.close()
+    # bf16 with accumulation 2 and clipping: the boundary's sum stepped in backward, the
+    # clipped step's guess redone (its 16-bit values written again, from step())
+    early = build(copy.deepcopy(model), path, world_size, 2, True, clip=CLIP, bf16=True)
+    late = build(copy.deepcopy(model), path, world_size, 2, False, clip=CLIP, bf16=True)
+    out["bf16_clipped"] = []
+    for step, scale in enumerate(CLIP_SCALES[:3]):
+        rows = [train(e, step, rank, 2, scale) for e in (early, late)]
+        out["bf16_clipped"].append({"early": rows[0], "same": same(snapshot(early), snapshot(late)),
+                                    "norm_same": rows[0]["norm"] == rows[1]["norm"]})
+    for e in (early, late):
+        e.close()
     # gradient clipping: stepped in backward while the last step was not clipped, its
     # gradients kept; a clipped step (the loss scaled up at step 1) is redone from them
     early = build(copy.deepcopy(model), path, world_size, 1, True, clip=CLIP)
@@ -281,6 +292,10 @@ def test_step_in_backward_is_bitwise_the_step_in_step(tmp_path):
             if step != 1:  # step 1 skipped
                 assert row["early"]["in_backward"] == n and row["early"]["grads_swp"] == [0, 0], row
         assert out["bf16_skipped"] == 1 and out["bf16_loaded_same"]
+        for step, row in enumerate(out["bf16_clipped"]):
+            assert row["same"] and row["norm_same"], (step, row)
+            assert (row["early"]["norm"] > CLIP) == (step == 1), (step, row)  # the case meant
+            assert row["early"]["in_backward"] == (n if step == 0 else 0), (step, row)
         for row in out["out_of_order"]:
             assert row["same"], row
             assert 0 < row["early"]["in_backward"] < n and row["early"]["grads_swp"][1] > 0, row
