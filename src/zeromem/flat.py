@@ -291,17 +291,6 @@ class FlatParamGroup:
         self._full = None
         self._state = GroupState.SHARDED
 
-    def check_editable(self) -> None:
-        """An edit of the whole buffer can reach the master: refused before it is made where
-        the master lives in a swap file (NVMe, 16-bit compute), which `adopt_whole` cannot
-        write."""
-        if not self.master_aliases_params() and self._master.numel() != self.shard_numel:
-            raise NotImplementedError(
-                f"GatheredParameters(modifier_rank=...) on {self.slots[0].name}: its fp32 master "
-                "lives in optimizer.swp (bf16/fp16 with offload_optimizer nvme), which the edit "
-                "cannot reach; edit before initialize (under zeromem.Init), or load the "
-                "weights with load_checkpoint")
-
     def adopt_whole(self) -> None:
         """Make the (edited) whole buffer the truth: copy this rank's part into shard and master."""
         self._assert_in_states(GroupState.GATHERED)

@@ -468,32 +468,42 @@ def test_offloaded_optimizer_states_round_trip(tmp_path, device):
                for p, q in zip(params_of(engine), params_of(plain))) <= 1e-6
 
 
+def rebuilt_after_load(rank: int, world_size: int, root: str, stage: int) -> list[tuple]:
+    """(saver's loss, loaded engine's loss) on this rank's batch, right after the load and
+    after one step more; every engine built from a seed of its own on each rank."""
+    (Path(root) / "swap").mkdir(exist_ok=True)
+    nvme = {"device": "nvme", "nvme_path": str(Path(root) / "swap")}
+    zero = {"stage": stage, "reduce_bucket_size": SAVE_BUCKET, **PARTITION_ALL,
+            "offload_optimizer": nvme, **({"offload_param": nvme} if stage == 3 else {})}
+    config = checkpoint_config(stage, world_size, bf16={"enabled": True}, zero_optimization=zero)
+    torch.manual_seed(10 + rank)
+    engine = zeromem.initialize(BufferedLM(), config)
+    train_global_batch(engine, rank, world_size, range(2))
+    engine.save_checkpoint(Path(root) / "ckpt")
+    torch.manual_seed(20 + rank)
+    loaded = zeromem.initialize(BufferedLM(), config)
+    loaded.load_checkpoint(Path(root) / "ckpt")
+    tokens, targets = micro_batch(9, rank, 0)
+    losses = []
+    for step in (2, 3):
+        with torch.no_grad():
+            losses.append((engine(tokens, targets).item(), loaded(tokens, targets).item()))
+        for e in (engine, loaded):
+            train_global_batch(e, rank, world_size, [step])
+    engine.close()
+    loaded.close()
+    return losses
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bf16_weights_are_rebuilt_from_masters_loaded_into_nvme(tmp_path, stage):
     """bf16 with the optimizer (stage 3: and the parameters) on NVMe: the masters live in
     optimizer.swp, apart from the bf16 weights, and no step has rebuilt those when a
     checkpoint is loaded. An engine built from other weights evaluates, right after the
-    load, as the one that saved; a step later too."""
-    (tmp_path / "swap").mkdir()
-    nvme = {"device": "nvme", "nvme_path": str(tmp_path / "swap")}
-    zero = {"stage": stage, "reduce_bucket_size": SAVE_BUCKET, **PARTITION_ALL,
-            "offload_optimizer": nvme, **({"offload_param": nvme} if stage == 3 else {})}
-    config = checkpoint_config(stage, 1, bf16={"enabled": True}, zero_optimization=zero)
-    torch.manual_seed(0)
-    engine = zeromem.initialize(BufferedLM(), config)
-    train_global_batch(engine, 0, 1, range(2))
-    engine.save_checkpoint(tmp_path / "ckpt")
-    torch.manual_seed(1)
-    loaded = zeromem.initialize(BufferedLM(), config)
-    loaded.load_checkpoint(tmp_path / "ckpt")
-    tokens, targets = micro_batch(9, 0, 0)
-    for step in (2, 3):
-        with torch.no_grad():
-            assert loaded(tokens, targets).item() == engine(tokens, targets).item(), step
-        for e in (engine, loaded):
-            train_global_batch(e, 0, 1, [step])
-    engine.close()
-    loaded.close()
+    load and a step later, exactly as the one that saved, on every rank."""
+    for rank, losses in enumerate(run_distributed(rebuilt_after_load, 2, str(tmp_path), stage)):
+        for saver, loaded in losses:
+            assert saver == loaded, (rank, losses)
 
 
 # ---------------------------------------------------------------- consolidate's memory

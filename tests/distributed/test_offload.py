@@ -295,31 +295,50 @@ def test_gradients_reach_host_at_the_boundary_only(tmp_path):
         engine.step()
 
 
-@pytest.mark.parametrize("where, persistence", [("cpu", 0), ("nvme", 0), ("nvme", 10**9)])
-def test_an_edit_under_gathered_parameters_reaches_the_offloaded_shard(tmp_path, where,
-                                                                       persistence):
-    """Stage 3 with the parameters offloaded: an edit inside GatheredParameters(modifier_rank=0)
-    reaches the shard's own place (params.swp: fp32's master too) at once, so it is what the
-    next read and the training see: not lost when the shard leaves memory, nor written
-    over the step's new copy when a persistent unit's shard leaves it only then."""
-    torch.manual_seed(0)
-    cfg = parity_config(3, 1, 0.0, 1)
-    place = {"device": where, "nvme_path": str(tmp_path)}
+def edit_and_train(rank: int, world_size: int, path: str, where: str, persistence: int) -> dict:
+    """Rank 0 edits one element of each rank's shard of fc1.weight, then one step; what rank 0
+    reads back whole (from the shards' places) and what each rank sees gathered."""
+    torch.manual_seed(rank)  # ranks seeded differently: initialize gives them rank 0's weights
+    cfg = parity_config(3, 1, 0.0, world_size)
+    place = {"device": where, "nvme_path": path}
     cfg["zero_optimization"].update({"offload_optimizer": place, "offload_param": place,
                                      "stage3_param_persistence_threshold": persistence})
     engine = zeromem.initialize(TinyLM(), cfg)
     weight = engine.module.fc1.weight
     with zeromem.GatheredParameters(weight, modifier_rank=0):
-        with torch.no_grad():
-            weight[0, 0] = 0.5
+        if rank == 0:
+            with torch.no_grad():
+                weight[0, 0], weight[-1, -1] = 0.5, -0.5
+    out: dict = {}
     if not persistence:  # released: read back from its place (a whole read writes changed shards)
-        assert engine.full_state_dict()["fc1.weight"][0, 0] == 0.5
-    tokens, targets = micro_batch(0, 0, 0)
+        out["edited"] = engine.full_state_dict().get("fc1.weight")
+    tokens, targets = micro_batch(0, rank, 0)
     engine.backward(engine(tokens, targets))
     engine.step()
-    trained = engine.full_state_dict()["fc1.weight"][0, 0]
-    assert trained != 0.5 and abs(trained - 0.5) < 0.02  # one step of lr 1e-2 from 0.5
+    out["trained"] = engine.full_state_dict().get("fc1.weight")
+    with zeromem.GatheredParameters(weight):
+        out["seen"] = weight.detach().clone()
     engine.close()
+    return {k: v.numpy() if v is not None else None for k, v in out.items()}
+
+
+@pytest.mark.parametrize("where, persistence", [("cpu", 0), ("nvme", 0), ("nvme", 10**9)])
+def test_an_edit_under_gathered_parameters_reaches_the_offloaded_shard(tmp_path, where,
+                                                                       persistence):
+    """Stage 3 with the parameters offloaded: an edit inside GatheredParameters(modifier_rank=0)
+    reaches every rank's shard in its own place (params.swp: fp32's master too) at once, so
+    it is what the next read and the training see: not lost when the shard leaves memory,
+    nor written over the step's new copy when a persistent unit's shard leaves it only
+    then. Every rank sees the same trained weights."""
+    ranks = run_distributed(edit_and_train, 2, str(tmp_path), where, persistence)
+    if not persistence:
+        edited = ranks[0]["edited"]
+        assert edited[0, 0] == 0.5 and edited[-1, -1] == -0.5
+    trained = torch.from_numpy(ranks[0]["trained"])
+    for corner, value in (((0, 0), 0.5), ((-1, -1), -0.5)):  # one step of lr 1e-2 from each
+        assert trained[corner] != value and abs(trained[corner] - value) < 0.02, trained
+    for rank, out in enumerate(ranks):
+        assert torch.equal(torch.from_numpy(out["seen"]), trained), rank
 
 
 def test_an_edit_is_refused_where_the_master_is_in_optimizer_swp(tmp_path):

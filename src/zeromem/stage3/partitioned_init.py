@@ -427,7 +427,7 @@ class GatheredParameters:
             return self
         if self.modifier_rank is not None:
             for unit in self.units:
-                unit.group.check_editable()
+                unit.check_editable()
         for unit in self.units:
             unit.pin()
         for p in self.loose:
