@@ -271,6 +271,11 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.counters.at_boundary()
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Whether the next backward ends an accumulation, said by the training loop
+        (Accelerate, before every backward); it decides from then on, not the count."""
+        self.counters.announce_boundary(is_boundary)
+
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Called every micro-step; updates the model at the accumulation boundary.
 

@@ -41,7 +41,8 @@ class StepCounters:
     """Global, micro and skipped step counts; the engine advances them, checkpoints restore them.
 
     Owns `gradient_accumulation_steps` because where the accumulation boundary
-    falls is a question about the micro-step count.
+    falls is a question about the micro-step count, unless the training loop
+    announces it (`announce_boundary`).
     """
 
     def __init__(self, gradient_accumulation_steps: int) -> None:
@@ -49,13 +50,26 @@ class StepCounters:
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        # Accelerate (under HF's Trainer too) says before each backward whether it ends an
+        # accumulation, and calls step() only when it does: the micro-step count then no
+        # longer tells. Once announced, the announcement decides, as in DeepSpeed.
+        self.announced: bool | None = None
+
+    def announce_boundary(self, is_boundary: bool) -> None:
+        """The training loop's word on the micro-step about to run (DeepSpeed's
+        `set_gradient_accumulation_boundary`); it holds until the next announcement."""
+        self.announced = is_boundary
 
     def at_boundary(self) -> bool:
         """Whether the micro-step now running ends a gradient accumulation."""
+        if self.announced is not None:
+            return self.announced
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def mid_accumulation(self) -> bool:
         """Whether some micro-steps of an unfinished accumulation have run."""
+        if self.announced is not None:
+            return not self.announced
         return self.micro_steps % self.gradient_accumulation_steps != 0
 
     def advance_micro(self) -> None:

@@ -8,6 +8,10 @@ test_hf_trainer.py, which compares what each mode writes to OUT):
 runs HF's own ds_config_zero2.json (losses, save_model, resume_from_checkpoint)
 and ds_config_zero3.json (the model loaded by `from_pretrained` under `zero.Init`),
 and an Accelerate loop with a DeepSpeed plugin. Rank 0 writes JSON results.
+
+The Trainer accumulates GAS micro-batches per step, as its users mostly do: an epoch
+of 16 micro-batches a rank ends in a window of one (Accelerate announces each boundary
+and calls `step()` only there; the Trainer scales the short window's loss itself).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from torch.utils.data import Dataset  # noqa: E402
 
 CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 2, 6, 1e-2
+GAS, SAMPLES = 3, 64  # 2 ranks x BATCH: 16 micro-batches a rank, 6 steps (5 x 3, then 1)
 RANK = int(os.environ.get("RANK", 0))
 
 
@@ -75,7 +80,8 @@ def training_args(name: str, deepspeed: str | None, **extra) -> transformers.Tra
         extra = {**cpu_deepspeed_state(), **extra}
     options = dict(output_dir=str(OUT / name), per_device_train_batch_size=BATCH,
                    max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant",
-                   warmup_steps=0, weight_decay=0.0, logging_steps=1, save_strategy="no",
+                   gradient_accumulation_steps=GAS, warmup_steps=0, weight_decay=0.0,
+                   logging_steps=1, save_strategy="no",
                    report_to=[], seed=0, use_cpu=deepspeed is None, dataloader_drop_last=True,
                    deepspeed=deepspeed, disable_tqdm=True)
     return transformers.TrainingArguments(**{**options, **extra})
@@ -87,7 +93,7 @@ def train(name: str, deepspeed: str | None, resume: str | None = None, **extra) 
     args = training_args(name, deepspeed, **extra)  # before from_pretrained: zero3 uses Init
     model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
     held = sum(p.numel() for p in model.parameters())
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(64),
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(SAMPLES),
                                    optimizers=(None, None) if deepspeed else ddp_optimizers(model))
     trainer.train(resume_from_checkpoint=resume)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
@@ -102,46 +108,58 @@ def save(name: str, trainer: transformers.Trainer) -> None:
         torch.save(trained, OUT / f"{name}_trained.pt")
 
 
+ACCELERATE_GAS = 2
+
+
 def accelerate_losses() -> list[float]:
-    """A plain Accelerate loop with a DeepSpeed plugin (stage 2, optimizer from the config)."""
+    """A plain Accelerate loop with a DeepSpeed plugin (stage 2, optimizer from the config)
+    accumulating ACCELERATE_GAS micro-batches under `accelerator.accumulate`: one mean
+    loss over the ranks per micro-batch."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DummyOptim
 
     cpu_deepspeed_state()
-    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": BATCH,
+              "gradient_accumulation_steps": ACCELERATE_GAS,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
               "zero_optimization": {"stage": 2}}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
-    loader = torch.utils.data.DataLoader(Tokens(4 * STEPS), batch_size=BATCH)
-    engine, _, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
+    samples = 2 * ACCELERATE_GAS * BATCH * STEPS
+    loader = torch.utils.data.DataLoader(Tokens(samples), batch_size=BATCH)
+    engine, optimizer, loader = accelerator.prepare(model, DummyOptim(model.parameters()),
+                                                    loader)
     losses = []
     for batch in loader:
-        loss = engine(**batch).loss
-        accelerator.backward(loss)
+        with accelerator.accumulate(engine):
+            loss = engine(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()  # Accelerate's: the engine stepped in backward at the boundary
+            optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
     keys = list(accelerator.get_state_dict(engine))
     assert accelerator.unwrap_model(engine) is model and keys and \
         not any(k.startswith("module.") for k in keys), keys
-    try:  # a boundary zeromem's micro-step count does not have must not pass silently
-        engine.set_gradient_accumulation_boundary(is_boundary=False)
-    except NotImplementedError:
-        return losses
-    raise AssertionError("set_gradient_accumulation_boundary(False) at a boundary was accepted")
+    assert engine.global_steps == STEPS, engine.global_steps
+    return losses
 
 
 def single_process_losses() -> list[float]:
-    """The Accelerate loop's reference: one process, both ranks' batches at once."""
+    """The Accelerate loop's reference: one process, a step on the 2 x ACCELERATE_GAS
+    micro-batches the ranks ran (rank r's micro-step k is batch 2k + r), each micro-step's
+    loss the mean of its two batches'."""
     model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    ids, losses = Tokens(4 * STEPS).ids, []
+    ids, losses = Tokens(2 * ACCELERATE_GAS * BATCH * STEPS).ids, []
+    batches = ids.split(BATCH)
+    per_step = 2 * ACCELERATE_GAS
     for step in range(STEPS):
-        batch = ids[2 * BATCH * step: 2 * BATCH * (step + 1)]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
+        window = [model(input_ids=b, labels=b).loss
+                  for b in batches[per_step * step: per_step * (step + 1)]]
+        (sum(window) / per_step).backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+        losses += [(a.item() + b.item()) / 2 for a, b in zip(window[::2], window[1::2])]
     return losses
 
 

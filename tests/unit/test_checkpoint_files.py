@@ -101,6 +101,18 @@ def test_checkpointed_pieces_are_stateful_and_round_trip():
     other.load_state_dict(counters.state_dict())
     assert same.micro_steps == 7 and other.micro_steps == 3 * 4  # boundaries kept under 4
 
+    # Accelerate's way: a boundary announced before each backward, step() at boundaries only
+    announced = StepCounters(gradient_accumulation_steps=3)
+    for is_boundary in (False, False, True, False, True):  # a short window last
+        announced.announce_boundary(is_boundary)
+        assert announced.at_boundary() is is_boundary
+        assert announced.mid_accumulation() is not is_boundary  # a save here would warn
+        if is_boundary:
+            announced.advance_micro()
+            announced.advance_global(skipped=False)
+    assert (announced.global_steps, announced.micro_steps) == (2, 2)
+    assert not announced.mid_accumulation()
+
     rng = RngState()
     saved = rng.state_dict()
     first = (torch.rand(3), random.random())

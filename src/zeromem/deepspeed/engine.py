@@ -94,16 +94,11 @@ class DeepSpeedEngine(nn.Module):
         yield
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Accelerate announces each micro-step's boundary; zeromem counts micro-steps itself
-        (`gradient_accumulation_steps`), so the two must agree: a boundary Accelerate forces
-        early (a last, short accumulation window) would silently step with part of the
-        gradient, and is refused instead."""
-        if is_boundary != self.engine.is_gradient_accumulation_boundary():
-            raise NotImplementedError(
-                f"set_gradient_accumulation_boundary({is_boundary}) at micro-step "
-                f"{self.engine.micro_steps}: zeromem steps every gradient_accumulation_steps="
-                f"{self.gradient_accumulation_steps()} micro-steps; make the number of batches "
-                "per epoch a multiple of it")
+        """Accelerate announces each micro-step's boundary before its backward and calls
+        `step()` at boundaries only; as in DeepSpeed, the announcement then decides where
+        accumulations end (a short last window of an epoch included: HF's Trainer scales
+        its loss by the window's length itself)."""
+        self.engine.set_gradient_accumulation_boundary(is_boundary)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are freed after each step anyway; `set_to_none` is accepted as torch's."""
