@@ -6,8 +6,8 @@ test_hf_trainer.py, which compares what each mode writes to OUT):
 
 `zeromem` mode calls `install_as_deepspeed()` before importing transformers, then
 runs HF's own ds_config_zero2.json (losses, save_model, resume_from_checkpoint)
-and ds_config_zero3.json (the model loaded by `from_pretrained` under `zero.Init`),
-and an Accelerate loop with a DeepSpeed plugin. Rank 0 writes JSON results.
+and ds_config_zero3.json (the model loaded by `from_pretrained` under `zero.Init`;
+then again with both offloads on NVMe), and an Accelerate loop with a DeepSpeed plugin. Rank 0 writes JSON results.
 
 The Trainer accumulates GAS micro-batches per step, as its users mostly do: an epoch
 of 16 micro-batches a rank ends in a window of one (Accelerate announces each boundary
@@ -171,6 +171,20 @@ def ddp_optimizers(model: torch.nn.Module) -> tuple:
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step > 1))
 
 
+def nvme_config(path: Path) -> str:
+    """HF's config with its optimizer and parameter offload moved to NVMe (a directory
+    under OUT), every other key as HF wrote it (`sub_group_size` 1e14 included)."""
+    config = json.loads(path.read_text())
+    for key in ("offload_optimizer", "offload_param"):
+        config["zero_optimization"][key] = {"device": "nvme", "nvme_path": str(OUT / "nvme")}
+    out = OUT / f"nvme_{path.name}"
+    if RANK == 0:
+        (OUT / "nvme").mkdir(exist_ok=True)
+        out.write_text(json.dumps(config))
+    torch.distributed.barrier()
+    return str(out)
+
+
 def late_install() -> str:
     """The switch after transformers chose its DeepSpeed glue must refuse: HF would wrap
     zeromem's engine without recognising it (and save `module.` keys, loaded as random weights)."""
@@ -212,9 +226,11 @@ def main() -> None:
     resumed = train("zero2", zero2, resume=str(OUT / "zero2" / "checkpoint-3"))
     zero3 = train("zero3", str(CONFIGS / "ds_config_zero3.json"))
     save("zero3", zero3["trainer"])
+    zero3_nvme = train("zero3_nvme", nvme_config(CONFIGS / "ds_config_zero3.json"))
     write("zeromem", {"deepspeed": deepspeed_as_hf_sees_it(),
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
+                      "zero3_nvme": zero3_nvme["losses"],
                       "zero2_held": run["held"], "accelerate": accelerate_losses(),
                       "single_process": single_process_losses()})
 

@@ -2,9 +2,11 @@
 
 Two torchrun worlds of 2 gloo ranks run `hf_trainer_script.py`: a plain DDP Trainer
 (the reference) and the same Trainer with HF's own ds_config_zero2.json /
-ds_config_zero3.json (their "auto" values filled by HF), `resume_from_checkpoint`,
-`save_model`, stage 3's `from_pretrained` under `zero.Init`, and an Accelerate
-loop with a DeepSpeed plugin. Tiny GPT-2 from a config; nothing is downloaded.
+ds_config_zero3.json (their "auto" values filled by HF; zero3 also with both offloads
+on NVMe), `resume_from_checkpoint`, `save_model`, stage 3's `from_pretrained` under
+`zero.Init`, and an Accelerate loop with a DeepSpeed plugin. Every run accumulates
+gradients over several micro-batches, as Trainer users do. Tiny GPT-2 from a config;
+nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def _max_difference(a: dict, b: dict) -> float:
     return max(abs(a[k] - b[k]) for k in a)
 
 
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+@pytest.mark.parametrize("stage", ["zero2", "zero3", "zero3_nvme"])
 def test_trainer_losses_equal_ddp_trainer(runs, stage):
     ddp, zero = runs[1]["losses"], runs[2]
     assert len(ddp) == 6
