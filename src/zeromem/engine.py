@@ -127,6 +127,9 @@ class Engine:
                                      self.runtime.global_rank, staged, grads)
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer,
                                                       self.device)
+        # Given no optimizer, the engine evaluates only, as DeepSpeed's does (ZeRO-3 inference:
+        # HF's Trainer.evaluate() before any training, DeepSpeed-Chat's reference models)
+        self.trains = optimizer is not None or config.optimizer is not None
         # tensor parallelism: the clipping norm spans the model-parallel group too
         if mp_group is None:  # DeepSpeed's way: the group given to checkpointing.configure
             mp_group = self.activation_checkpointing.config.mp_group
@@ -255,6 +258,7 @@ class Engine:
 
         Scaling the loss divides every gradient by N_d before the reduction sums them:
         DeepSpeed's `"prescale_gradients": true`, always (its default, false, divides after)."""
+        self._check_trains("backward")
         scale = self.scaler.scale / (self.config.batch()[2] * self.dp_world_size)
         with self.timers("backward"), self.activation_checkpointing.active(), \
                 self.observers.backward(loss):
@@ -280,6 +284,7 @@ class Engine:
         """Called every micro-step; updates the model at the accumulation boundary.
 
         `lr_kwargs` go to the scheduler's `step()` (DeepSpeed's `step(lr_kwargs=)`)."""
+        self._check_trains("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.counters.advance_micro()
         if not boundary:
@@ -301,6 +306,12 @@ class Engine:
             log.info("step %d: lr %s, grad norm %.4g, loss scale %g, skipped %d%s%s",
                      self.global_steps, facts.lr, self.grad_norm, self.loss_scale,
                      self.skipped_steps, self.timers.summary(), self.observers.log_line_extras(facts))
+
+    def _check_trains(self, call: str) -> None:
+        if not self.trains:
+            raise RuntimeError(f"{call}(): this engine was given no optimizer (no 'optimizer' "
+                               "block in the config, none passed to initialize), so it evaluates "
+                               "only, as DeepSpeed's does; give it one to train")
 
     def zero_grad(self) -> None:
         self.zero.zero_grad()

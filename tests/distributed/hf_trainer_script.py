@@ -7,7 +7,9 @@ test_hf_trainer.py, which compares what each mode writes to OUT):
 `zeromem` mode calls `install_as_deepspeed()` before importing transformers, then
 runs HF's own ds_config_zero2.json (losses, save_model, resume_from_checkpoint)
 and ds_config_zero3.json (the model loaded by `from_pretrained` under `zero.Init`;
-then again with both offloads on NVMe), and an Accelerate loop with a DeepSpeed plugin. Rank 0 writes JSON results.
+then again with both offloads on NVMe; then `evaluate()` alone, which builds the
+engine with no optimizer), and an Accelerate loop with a DeepSpeed plugin. Rank 0
+writes JSON results.
 
 The Trainer accumulates GAS micro-batches per step, as its users mostly do: an epoch
 of 16 micro-batches a rank ends in a window of one (Accelerate announces each boundary
@@ -98,6 +100,16 @@ def train(name: str, deepspeed: str | None, resume: str | None = None, **extra) 
     trainer.train(resume_from_checkpoint=resume)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     return {"losses": losses, "held": held, "trainer": trainer}
+
+
+def evaluate(name: str, deepspeed: str | None) -> float:
+    """`Trainer.evaluate()` with no training before: under DeepSpeed, HF builds the engine
+    with the config's optimizer and scheduler removed (ZeRO-3 inference)."""
+    args = training_args(name, deepspeed, per_device_eval_batch_size=BATCH)
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    trainer = transformers.Trainer(model=model, args=args, eval_dataset=Tokens(4 * BATCH),
+                                   optimizers=(None, None) if deepspeed else ddp_optimizers(model))
+    return trainer.evaluate()["eval_loss"]
 
 
 def save(name: str, trainer: transformers.Trainer) -> None:
@@ -218,7 +230,8 @@ def write(name: str, data) -> None:
 def main() -> None:
     torch.distributed.init_process_group("gloo")
     if MODE == "ddp":
-        write("ddp", {"losses": train("ddp", None)["losses"], "late_install": late_install()})
+        write("ddp", {"losses": train("ddp", None)["losses"], "late_install": late_install(),
+                      "eval_loss": evaluate("ddp_eval", None)})
         return
     zero2 = str(CONFIGS / "ds_config_zero2.json")
     run = train("zero2", zero2, save_strategy="steps", save_steps=3)
@@ -231,6 +244,7 @@ def main() -> None:
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
                       "zero3_nvme": zero3_nvme["losses"],
+                      "zero3_eval_loss": evaluate("zero3_eval", str(CONFIGS / "ds_config_zero3.json")),
                       "zero2_held": run["held"], "accelerate": accelerate_losses(),
                       "single_process": single_process_losses()})
 

@@ -89,6 +89,12 @@ def test_stage3_from_pretrained_builds_under_init(runs):
     assert abs(zero["zero3"]["1"] - ddp["1"]) < TOLERANCE  # the first loss: loaded weights
 
 
+def test_evaluate_before_any_training_runs_zero3_without_an_optimizer(runs):
+    """HF's `Trainer.evaluate()` with no training before builds the engine with the config's
+    optimizer removed; it evaluates the loaded weights as the DDP Trainer does."""
+    assert abs(runs[2]["zero3_eval_loss"] - runs[1]["eval_loss"]) < TOLERANCE
+
+
 def test_accelerate_deepspeed_plugin_matches_one_process(runs):
     zero = runs[2]
     assert len(zero["accelerate"]) == 12  # 6 steps of 2 micro-batches

@@ -177,8 +177,44 @@ def drift_from_fp32(rank: int) -> dict:
     return out
 
 
+SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+
+
+def evaluation_engines(rank: int) -> dict:
+    """An engine given no optimizer (DeepSpeed's ZeRO-3 inference: HF's Trainer.evaluate()
+    before training, DeepSpeed-Chat's reference model), beside a training engine in the same
+    process, their calls interleaved; ranks seeded differently."""
+    out = {}
+    for precision in ("fp32", "bf16"):
+        cfg = config(3, precision)
+        del cfg["optimizer"]
+        evaluator = zeromem.initialize(build(seed=1 + rank), cfg)
+        # SGD: Adam would blow up fc1.bias's rounding noise (BatchNorm makes its gradient ~0)
+        trainer = zeromem.initialize(build(seed=1 + rank), {**config(3, "fp32"), "optimizer": SGD})
+        evaluator.module.eval()
+        evaluated, held = [], []
+        for step in range(2):
+            with torch.no_grad():
+                evaluated.append(evaluator(batch(50 + step, 0).to(evaluator.compute_dtype)).float())
+            held.append(sum(p.numel() for p in evaluator.module.parameters()))
+            train_step(trainer, step, rank)
+        refused = []
+        x = batch(0, rank).to(evaluator.compute_dtype)
+        for call in (lambda: evaluator.backward(evaluator(x).float().sum()),
+                     evaluator.step):
+            try:
+                call()
+                refused.append("accepted")
+            except RuntimeError as error:
+                refused.append(str(error))
+        out[precision] = {"evaluated": evaluated, "held": held, "refused": refused,
+                          "trained": whole_state(trainer)}
+    return out
+
+
 CASES = {"seeded": seeded_differently, "storages": storages_after_initialize,
-         "loads": loads_into_module, "modifier": gathered_modifier, "drift": drift_from_fp32}
+         "loads": loads_into_module, "modifier": gathered_modifier, "drift": drift_from_fp32,
+         "evaluators": evaluation_engines}
 
 
 def run_cases(rank: int, world_size: int) -> dict:
@@ -255,6 +291,35 @@ def test_stage3_holds_only_shards_right_after_initialize(ranks):
         assert held["param_elements"] == 0, f"rank {r}: {held['param_elements']} elements"
         # this rank's shards (1/N_d plus padding) are all that is held
         assert held["all_elements"] == held["shard_elements"] <= held["numel"] // WORLD + 16
+
+
+# ---------------------------------------------------------------- an engine given no optimizer
+
+def test_an_engine_given_no_optimizer_evaluates_sharded_beside_a_training_engine(ranks):
+    reference = build(seed=1)  # rank 0's model, which initialize gives every rank
+    opt = torch.optim.SGD(reference.parameters(), **SGD["params"])
+    for step in range(2):
+        for rank in range(WORLD):
+            (reference(batch(step, rank)).pow(2).mean() / WORLD).backward()
+        opt.step()
+        opt.zero_grad()
+    trained = {k: v.detach() for k, v in reference.named_parameters()}
+    expected = rounded(build(seed=1).state_dict(), "fp32")
+    for r, result in enumerate(case(ranks, "evaluators")):
+        for precision, got in result.items():
+            dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+            model = build(seed=1).eval().to(dtype)
+            for step, output in enumerate(got["evaluated"]):
+                with torch.no_grad():
+                    want = model(batch(50 + step, 0).to(dtype)).float()
+                assert torch.allclose(output, want, atol=1e-6 if precision == "fp32" else 2e-2), \
+                    f"{precision}: rank {r} evaluates another model at step {step}"
+            assert got["held"] == [0, 0], f"{precision}: rank {r} keeps whole parameters"
+            for message in got["refused"]:
+                assert "given no optimizer" in message and "evaluates only" in message, message
+            assert max_diff(got["trained"], trained, list(trained)) < 1e-5, \
+                f"{precision}: rank {r}'s training engine is off its reference"
+        assert max_diff(result["fp32"]["trained"], expected, list(trained)) > 1e-3  # it trained
 
 
 # ---------------------------------------------------------------- items 4 and 7: masters

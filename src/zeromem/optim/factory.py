@@ -13,7 +13,6 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from zeromem.config.schema import ConfigError
 from zeromem.optim.optimizers import Lamb
 
 log = logging.getLogger("zeromem")
@@ -49,7 +48,8 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
 def build_optimizer(config, flat_groups: list, param_groups: list[dict],
                     factory: Callable[[list[dict]], torch.optim.Optimizer] | None,
                     device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer over master shards: from `factory` or from the config's `optimizer` block.
+    """The optimizer over master shards: from `factory` or from the config's `optimizer` block;
+    with neither, one that keeps no state, for an engine that evaluates only.
 
     `device`: the engine's (`Runtime.device`); Lamb's per-parameter sums cross the ranks there.
     """
@@ -60,9 +60,8 @@ def build_optimizer(config, flat_groups: list, param_groups: list[dict],
         groups.append({"params": masters, **options})
     if factory is not None:
         optimizer = factory(groups)
-    elif config is None:
-        raise ConfigError("no optimizer: give an 'optimizer' block in the config or an optimizer "
-                          "factory to zeromem.initialize")
+    elif config is None:  # the engine then evaluates only (Engine.trains)
+        optimizer = torch.optim.SGD(groups, lr=0.0)  # no state; never stepped
     else:
         cls = config.torch_class
         optimizer = cls(groups, **kernel_options(cls, dict(config.params)))
