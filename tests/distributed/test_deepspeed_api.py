@@ -136,6 +136,13 @@ def _keywords(deepspeed, rank, world_size, tmp) -> None:
     if rank == 0:
         assert sorted(torch.load(os.path.join(tmp, "m16.bin"))) == sorted(net.state_dict())
 
+    # no optimizer anywhere: an engine that evaluates only (ZeRO-3 inference), and no optimizer
+    config = {"train_batch_size": 2 * world_size, "zero_optimization": {"stage": 3}}
+    e, opt, *_ = deepspeed.initialize(model=_net(), config=config)
+    assert opt is None
+    with torch.no_grad():
+        e(torch.ones(2, 4))
+
 
 def _submodules(deepspeed, rank, world_size, tmp) -> None:
     from zeromem.deepspeed.accelerator import get_accelerator

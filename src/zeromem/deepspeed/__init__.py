@@ -121,4 +121,5 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     engine = DeepSpeedEngine(native, resolved if isinstance(resolved, dict) else None)
     loader = (_training_dataloader(engine, training_data, collate_fn)
               if training_data is not None else None)
-    return engine, native.optimizer, loader, native.lr_scheduler
+    # no optimizer given, none returned (the engine evaluates only), as DeepSpeed's
+    return engine, native.optimizer if native.trains else None, loader, native.lr_scheduler
