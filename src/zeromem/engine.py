@@ -365,7 +365,10 @@ class Engine:
         """Load a checkpoint saved under any world size / stage; returns (path, client_state).
 
         `trust_client_state=True` unpickles arbitrary objects in client_state.pt
-        (only for checkpoints you trust; see `checkpoints.load_checkpoint`)."""
+        (only for checkpoints you trust; see `checkpoints.load_checkpoint`). An engine
+        given no optimizer loads the weights only: it has nothing to put the rest in."""
+        if not self.trains:
+            load_optimizer_states = load_lr_scheduler_states = False
         return checkpoints.load_checkpoint(self.training_state(), load_dir, tag,
                                            load_optimizer_states,
                                            load_lr_scheduler_states, trust_client_state)

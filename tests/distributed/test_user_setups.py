@@ -13,6 +13,7 @@ what it sees, and the tests compare all ranks, not rank 0 only.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import traceback
 
 import numpy as np
@@ -198,6 +199,15 @@ def evaluation_engines(rank: int) -> dict:
                 evaluated.append(evaluator(batch(50 + step, 0).to(evaluator.compute_dtype)).float())
             held.append(sum(p.numel() for p in evaluator.module.parameters()))
             train_step(trainer, step, rank)
+        # the trainer's checkpoint loads into the evaluator as it is (weights only)
+        path = [tempfile.mkdtemp() if rank == 0 else None]
+        torch.distributed.broadcast_object_list(path)
+        trainer.save_checkpoint(path[0])
+        evaluator.load_checkpoint(path[0])
+        trainer.module.eval()
+        with torch.no_grad():
+            x = batch(60, 0)
+            loaded = [evaluator(x.to(evaluator.compute_dtype)).float(), trainer(x).float()]
         refused = []
         x = batch(0, rank).to(evaluator.compute_dtype)
         for call in (lambda: evaluator.backward(evaluator(x).float().sum()),
@@ -207,7 +217,7 @@ def evaluation_engines(rank: int) -> dict:
                 refused.append("accepted")
             except RuntimeError as error:
                 refused.append(str(error))
-        out[precision] = {"evaluated": evaluated, "held": held, "refused": refused,
+        out[precision] = {"evaluated": evaluated, "held": held, "refused": refused, "loaded": loaded,
                           "trained": whole_state(trainer)}
     return out
 
@@ -315,6 +325,10 @@ def test_an_engine_given_no_optimizer_evaluates_sharded_beside_a_training_engine
                 assert torch.allclose(output, want, atol=1e-6 if precision == "fp32" else 2e-2), \
                     f"{precision}: rank {r} evaluates another model at step {step}"
             assert got["held"] == [0, 0], f"{precision}: rank {r} keeps whole parameters"
+            # rank 0's trainer: its BatchNorm statistics are the ones checkpointed
+            trainer_sees = case(ranks, "evaluators")[0][precision]["loaded"][1]
+            assert torch.allclose(got["loaded"][0], trainer_sees, atol=1e-6 if precision == "fp32"
+                                  else 2e-2), f"{precision}: rank {r} did not load the weights"
             for message in got["refused"]:
                 assert "given no optimizer" in message and "evaluates only" in message, message
             assert max_diff(got["trained"], trained, list(trained)) < 1e-5, \
