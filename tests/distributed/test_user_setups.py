@@ -199,15 +199,17 @@ def evaluation_engines(rank: int) -> dict:
                 evaluated.append(evaluator(batch(50 + step, 0).to(evaluator.compute_dtype)).float())
             held.append(sum(p.numel() for p in evaluator.module.parameters()))
             train_step(trainer, step, rank)
-        # the trainer's checkpoint loads into the evaluator as it is (weights only)
+        # an AdamW trainer's checkpoint loads into the evaluator as it is (weights only)
+        adam = zeromem.initialize(build(seed=1 + rank), config(3, "fp32"))
+        train_step(adam, 0, rank)
         path = [tempfile.mkdtemp() if rank == 0 else None]
         torch.distributed.broadcast_object_list(path)
-        trainer.save_checkpoint(path[0])
+        adam.save_checkpoint(path[0])
         evaluator.load_checkpoint(path[0])
-        trainer.module.eval()
+        adam.module.eval()
         with torch.no_grad():
             x = batch(60, 0)
-            loaded = [evaluator(x.to(evaluator.compute_dtype)).float(), trainer(x).float()]
+            loaded = [evaluator(x.to(evaluator.compute_dtype)).float(), adam(x).float()]
         refused = []
         x = batch(0, rank).to(evaluator.compute_dtype)
         for call in (lambda: evaluator.backward(evaluator(x).float().sum()),
@@ -325,7 +327,7 @@ def test_an_engine_given_no_optimizer_evaluates_sharded_beside_a_training_engine
                 assert torch.allclose(output, want, atol=1e-6 if precision == "fp32" else 2e-2), \
                     f"{precision}: rank {r} evaluates another model at step {step}"
             assert got["held"] == [0, 0], f"{precision}: rank {r} keeps whole parameters"
-            # rank 0's trainer: its BatchNorm statistics are the ones checkpointed
+            # rank 0's AdamW trainer: its BatchNorm statistics are the ones checkpointed
             trainer_sees = case(ranks, "evaluators")[0][precision]["loaded"][1]
             assert torch.allclose(got["loaded"][0], trainer_sees, atol=1e-6 if precision == "fp32"
                                   else 2e-2), f"{precision}: rank {r} did not load the weights"
