@@ -99,7 +99,8 @@ def train(name: str, deepspeed: str | None, resume: str | None = None, **extra) 
                                    optimizers=(None, None) if deepspeed else ddp_optimizers(model))
     trainer.train(resume_from_checkpoint=resume)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
-    return {"losses": losses, "held": held, "trainer": trainer}
+    norms = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
+    return {"losses": losses, "grad_norms": norms, "held": held, "trainer": trainer}
 
 
 def evaluate(name: str, deepspeed: str | None) -> float:
@@ -230,7 +231,9 @@ def write(name: str, data) -> None:
 def main() -> None:
     torch.distributed.init_process_group("gloo")
     if MODE == "ddp":
-        write("ddp", {"losses": train("ddp", None)["losses"], "late_install": late_install(),
+        ddp = train("ddp", None)
+        write("ddp", {"losses": ddp["losses"], "grad_norms": ddp["grad_norms"],
+                      "late_install": late_install(),
                       "eval_loss": evaluate("ddp_eval", None)})
         return
     zero2 = str(CONFIGS / "ds_config_zero2.json")
@@ -244,6 +247,8 @@ def main() -> None:
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
                       "zero3_nvme": zero3_nvme["losses"],
+                      "grad_norms": {name: r["grad_norms"] for name, r in
+                                     (("zero2", run), ("zero3", zero3), ("zero3_nvme", zero3_nvme))},
                       "zero3_eval_loss": evaluate("zero3_eval", str(CONFIGS / "ds_config_zero3.json")),
                       "zero2_held": run["held"], "accelerate": accelerate_losses(),
                       "single_process": single_process_losses()})

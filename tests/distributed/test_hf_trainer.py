@@ -57,6 +57,8 @@ def test_trainer_losses_equal_ddp_trainer(runs, stage):
     ddp, zero = runs[1]["losses"], runs[2]
     assert len(ddp) == 6
     assert _max_difference(zero[stage], ddp) < TOLERANCE
+    # the pre-clip norm the Trainer logs (gradient_clipping "auto": max_grad_norm 1.0)
+    assert _max_difference(zero["grad_norms"][stage], runs[1]["grad_norms"]) < TOLERANCE
 
 
 def test_resume_from_checkpoint_continues_the_run(runs):
