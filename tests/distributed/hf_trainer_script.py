@@ -21,6 +21,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 if MODE == "zeromem":
@@ -35,6 +36,9 @@ from torch.utils.data import Dataset  # noqa: E402
 CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 2, 6, 1e-2
 GAS, SAMPLES = 3, 64  # 2 ranks x BATCH: 16 micro-batches a rank, 6 steps (5 x 3, then 1)
+# HF's own optimizer and schedule (a config without them): warmup then linear decay, and
+# weight decay, which HF's AdamW leaves off biases and LayerNorms (two param groups)
+HF_SCHEDULE = {"lr_scheduler_type": "linear", "warmup_steps": 2, "weight_decay": 0.1}
 RANK = int(os.environ.get("RANK", 0))
 
 
@@ -89,18 +93,22 @@ def training_args(name: str, deepspeed: str | None, **extra) -> transformers.Tra
     return transformers.TrainingArguments(**{**options, **extra})
 
 
-def train(name: str, deepspeed: str | None, resume: str | None = None, **extra) -> dict:
-    """One Trainer run: per-step losses, parameter elements this rank holds after
-    `from_pretrained`, and the trainer (for saving)."""
+def train(name: str, deepspeed: str | None, resume: str | None = None,
+          hf_optimizer: bool = False, **extra) -> dict:
+    """One Trainer run: per-step losses, gradient norms and lr, parameter elements this rank
+    holds after `from_pretrained`, and the trainer (for saving). `hf_optimizer`: the DDP
+    Trainer builds its own optimizer and schedule, as HF does for a config without them."""
     args = training_args(name, deepspeed, **extra)  # before from_pretrained: zero3 uses Init
     model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
     held = sum(p.numel() for p in model.parameters())
+    own = deepspeed is not None or hf_optimizer
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(SAMPLES),
-                                   optimizers=(None, None) if deepspeed else ddp_optimizers(model))
+                                   optimizers=(None, None) if own else ddp_optimizers(model))
     trainer.train(resume_from_checkpoint=resume)
-    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
-    norms = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
-    return {"losses": losses, "grad_norms": norms, "held": held, "trainer": trainer}
+    logged = {key: {h["step"]: h[key] for h in trainer.state.log_history if key in h}
+              for key in ("loss", "grad_norm", "learning_rate")}
+    return {"losses": logged["loss"], "grad_norms": logged["grad_norm"],
+            "lrs": logged["learning_rate"], "held": held, "trainer": trainer}
 
 
 def evaluate(name: str, deepspeed: str | None) -> float:
@@ -187,12 +195,29 @@ def ddp_optimizers(model: torch.nn.Module) -> tuple:
 def nvme_config(path: Path) -> str:
     """HF's config with its optimizer and parameter offload moved to NVMe (a directory
     under OUT), every other key as HF wrote it (`sub_group_size` 1e14 included)."""
-    config = json.loads(path.read_text())
-    for key in ("offload_optimizer", "offload_param"):
-        config["zero_optimization"][key] = {"device": "nvme", "nvme_path": str(OUT / "nvme")}
-    out = OUT / f"nvme_{path.name}"
+    def to_nvme(config: dict) -> None:
+        for key in ("offload_optimizer", "offload_param"):
+            config["zero_optimization"][key] = {"device": "nvme", "nvme_path": str(OUT / "nvme")}
     if RANK == 0:
         (OUT / "nvme").mkdir(exist_ok=True)
+    return edited_config(path, "nvme", to_nvme)
+
+
+def without_optimizer(path: Path) -> str:
+    """HF's config without its optimizer and scheduler blocks: HF's Trainer then builds its
+    own AdamW (decay and no-decay groups) and schedule before `initialize`, and Accelerate
+    swaps the AdamW for DeepSpeedCPUAdam since the optimizer is offloaded."""
+    def drop(config: dict) -> None:
+        del config["optimizer"], config["scheduler"]
+    return edited_config(path, "no_optimizer", drop)
+
+
+def edited_config(path: Path, name: str, edit: Callable[[dict], None]) -> str:
+    """A copy of the config at `path`, changed by `edit`, written under OUT by rank 0."""
+    config = json.loads(path.read_text())
+    edit(config)
+    out = OUT / f"{name}_{path.name}"
+    if RANK == 0:
         out.write_text(json.dumps(config))
     torch.distributed.barrier()
     return str(out)
@@ -232,7 +257,9 @@ def main() -> None:
     torch.distributed.init_process_group("gloo")
     if MODE == "ddp":
         ddp = train("ddp", None)
+        own = train("ddp_hf_optimizer", None, hf_optimizer=True, **HF_SCHEDULE)
         write("ddp", {"losses": ddp["losses"], "grad_norms": ddp["grad_norms"],
+                      "hf_optimizer": {k: own[k] for k in ("losses", "grad_norms", "lrs")},
                       "late_install": late_install(),
                       "eval_loss": evaluate("ddp_eval", None)})
         return
@@ -243,10 +270,13 @@ def main() -> None:
     zero3 = train("zero3", str(CONFIGS / "ds_config_zero3.json"))
     save("zero3", zero3["trainer"])
     zero3_nvme = train("zero3_nvme", nvme_config(CONFIGS / "ds_config_zero3.json"))
+    own = train("zero3_hf_optimizer", without_optimizer(CONFIGS / "ds_config_zero3.json"),
+                **HF_SCHEDULE)
     write("zeromem", {"deepspeed": deepspeed_as_hf_sees_it(),
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
                       "zero3_nvme": zero3_nvme["losses"],
+                      "hf_optimizer": {k: own[k] for k in ("losses", "grad_norms", "lrs")},
                       "grad_norms": {name: r["grad_norms"] for name, r in
                                      (("zero2", run), ("zero3", zero3), ("zero3_nvme", zero3_nvme))},
                       "zero3_eval_loss": evaluate("zero3_eval", str(CONFIGS / "ds_config_zero3.json")),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -178,8 +179,49 @@ def _submodules(deepspeed, rank, world_size, tmp) -> None:
     assert len(groups) == 1
 
 
+def _client_optimizers(deepspeed, rank, world_size, tmp) -> None:
+    """Optimizers built before `initialize`, as DeepSpeed-Chat and HF's Trainer build them:
+    two param groups (decay and none), a scheduler made over the optimizer first. At stage 3
+    (every parameter sharded) the engine steps them over its masters, the scheduler still
+    sets their lr, and every rank ends as one process does with the same objects."""
+    from zeromem.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    for make in (lambda g: torch.optim.AdamW(g, lr=0.1), lambda g: FusedAdam(g, lr=0.1),
+                 lambda g: DeepSpeedCPUAdam(g, lr=0.1, adamw_mode=False)):
+        trained = []
+        for engine_steps in (False, True):
+            net = _net()
+            groups = [{"params": [p for p in net.parameters() if p.dim() > 1], "weight_decay": 0.1},
+                      {"params": [p for p in net.parameters() if p.dim() == 1], "weight_decay": 0.0}]
+            opt = make(groups)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+            if engine_steps:
+                engine, returned, _, _ = deepspeed.initialize(model=net, optimizer=opt,
+                                                              lr_scheduler=sched, config=config)
+                with warnings.catch_warnings():  # torch's "scheduler before optimizer" check
+                    warnings.simplefilter("error")
+                    _train(engine, 3)  # the engine steps the scheduler after each update
+                assert type(returned) is type(opt) and engine.get_lr() == [0.1 * 0.5 ** 3] * 2
+                masters = [p for g in returned.param_groups for p in g["params"]]
+                assert masters and all(returned.state[p] for p in masters)  # checkpointed
+                with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                    trained.append([p.detach().clone() for p in engine.module.parameters()])
+            else:
+                for i in range(3):  # `_train`'s batches: the same on every rank
+                    torch.manual_seed(100 + i)
+                    net(torch.randn(2, 4)).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    sched.step()
+                trained.append([p.detach().clone() for p in net.parameters()])
+        for got, want in zip(trained[1], trained[0]):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
 def _cases(rank: int, world_size: int, tmp: str) -> None:
     import zeromem.deepspeed as deepspeed
+    _client_optimizers(deepspeed, rank, world_size, tmp)
     _getters_and_module(deepspeed, rank, world_size, tmp)
     _keywords(deepspeed, rank, world_size, tmp)
     _submodules(deepspeed, rank, world_size, tmp)

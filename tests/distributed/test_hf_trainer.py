@@ -61,6 +61,17 @@ def test_trainer_losses_equal_ddp_trainer(runs, stage):
     assert _max_difference(zero["grad_norms"][stage], runs[1]["grad_norms"]) < TOLERANCE
 
 
+def test_hf_optimizer_and_schedule_built_before_initialize(runs):
+    """A config without optimizer and scheduler: HF's AdamW (two param groups) and linear
+    schedule, made before `initialize` and swapped by Accelerate for DeepSpeedCPUAdam,
+    train as the DDP Trainer with the same: losses, gradient norms, and the lr of every step."""
+    ddp, zero = runs[1]["hf_optimizer"], runs[2]["hf_optimizer"]
+    assert sorted(set(ddp["lrs"].values())) == [0.0, 0.0025, 0.005, 0.0075, 0.01]  # it moved
+    assert zero["lrs"] == ddp["lrs"]
+    for key in ("losses", "grad_norms"):
+        assert _max_difference(zero[key], ddp[key]) < TOLERANCE, key
+
+
 def test_resume_from_checkpoint_continues_the_run(runs):
     ddp, zero = runs[1]["losses"], runs[2]
     resumed = {k: v for k, v in zero["zero2_resumed"].items() if int(k) > 3}  # steps 4-6 re-run

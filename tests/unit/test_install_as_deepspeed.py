@@ -62,3 +62,22 @@ except RuntimeError as e:
     print(e)
 """)
     assert "a 'deepspeed' module" in message and str(site / "deepspeed") in message, message
+
+
+def test_the_submodules_scripts_import_are_zeromems_own(tmp_path):
+    """`from deepspeed.ops.adam import DeepSpeedCPUAdam` (Accelerate, for an offloaded
+    optimizer) and the rest give zeromem's module objects, not second copies of them."""
+    seen = run(tmp_path, """
+import zeromem.deepspeed
+zeromem.deepspeed.install_as_deepspeed()
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+from deepspeed.ops.lion import DeepSpeedCPULion
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+import sys
+own = {name: sys.modules[f"zeromem.deepspeed.ops.{name}"] for name in ("adam", "adagrad", "lion")}
+print(DeepSpeedCPUAdam is own["adam"].DeepSpeedCPUAdam, FusedAdam is own["adam"].FusedAdam,
+      DeepSpeedCPUAdagrad is own["adagrad"].DeepSpeedCPUAdagrad,
+      DeepSpeedCPULion is own["lion"].DeepSpeedCPULion)
+""")
+    assert seen == "True True True True"

@@ -206,6 +206,28 @@ def test_bias_correction_false_runs_deepspeeds_adam():
         optimizer_of({"bias_correction": "no"})
 
 
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_deepspeeds_ops_adams_are_torchs_adam_and_adamw(adam_w_mode):
+    """`deepspeed.ops.adam` as scripts build it: AdamW, or Adam with L2 decay when told."""
+    from zeromem.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    want_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    for make in (lambda ps: FusedAdam(ps, lr=0.01, weight_decay=0.1, adam_w_mode=adam_w_mode),
+                 lambda ps: DeepSpeedCPUAdam(ps, lr=0.01, weight_decay=0.1, adamw_mode=adam_w_mode)):
+        params, twins = tensors(4), tensors(4)
+        ours, torchs = make(params), want_cls(twins, lr=0.01, weight_decay=0.1)
+        for t in range(3):
+            for group in (params, twins):
+                for p, g in zip(group, grads(group, t)):
+                    p.grad = g
+            ours.step()
+            torchs.step()
+        for p, q in zip(params, twins):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    with pytest.raises(NotImplementedError, match="bias_correction"):
+        FusedAdam(tensors(1), bias_correction=False)
+
+
 def test_deepspeeds_own_optimizers_load_with_their_keywords():
     lamb = optimizer_of({"lr": 4e-3, "weight_decay": 0.01, "bias_correction": False,
                          "max_coeff": 0.3, "min_coeff": 0.01}, "lamb")

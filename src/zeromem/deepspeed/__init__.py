@@ -11,8 +11,9 @@ A DeepSpeed training script runs unchanged but for its import lines:
 
 Layout as in DeepSpeed: `accelerator.get_accelerator`, `comm`, `zero.Init`,
 `zero.GatheredParameters`, `checkpointing` (activation checkpointing),
-`moe.utils`. The native `zeromem.initialize` is unchanged; this package only
-translates arguments and wraps its engine in `DeepSpeedEngine`.
+`moe.utils`, `ops.adam` / `ops.adagrad` / `ops.lion` (the optimizers scripts build).
+The native `zeromem.initialize` is unchanged; this package only translates arguments
+and wraps its engine in `DeepSpeedEngine`.
 
 Hugging Face Trainer and Accelerate import `deepspeed` themselves: call
 `zeromem.deepspeed.install_as_deepspeed()` before importing them (`install.py`).
@@ -20,8 +21,11 @@ Hugging Face Trainer and Accelerate import `deepspeed` themselves: call
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
+from collections import defaultdict
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -30,14 +34,15 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import checkpointing
 from .. import initialize as _native_initialize
-from . import accelerator, comm, moe, zero
+from ..optim.factory import trainable_groups
+from . import accelerator, comm, moe, ops, zero
 from .engine import DeepSpeedEngine
 from .init import init_distributed
 from .install import install_as_deepspeed
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
            "install_as_deepspeed",
-           "accelerator", "comm", "zero", "checkpointing", "moe", "__version__"]
+           "accelerator", "comm", "zero", "checkpointing", "moe", "ops", "__version__"]
 __version__ = "0.16.0+zeromem"  # the DeepSpeed API level this surface follows
 
 log = logging.getLogger("zeromem")
@@ -73,15 +78,30 @@ def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
 def _optimizer_factory(optimizer: Any, model_parameters: Any) -> tuple[Callable | None, Any]:
     """zeromem builds the optimizer over its own master shards: turn a client one into a factory.
 
-    A ready `torch.optim.Optimizer` gives its class and defaults (and, when no
-    `model_parameters` were passed, its param groups); a callable is already one.
+    A ready `torch.optim.Optimizer` is stepped over the masters (`_over_masters`) with its
+    own param groups, `model_parameters` aside, as DeepSpeed does; a callable is already
+    a factory.
     """
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer, model_parameters
-    if model_parameters is None:
-        model_parameters = [dict(g) for g in optimizer.param_groups]
-    cls, defaults = type(optimizer), dict(optimizer.defaults)
-    return (lambda groups: cls(groups, **defaults)), model_parameters
+    return partial(_over_masters, optimizer), optimizer.param_groups
+
+
+def _over_masters(client: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """The client's optimizer over zeromem's master shards (`groups`, one per client group
+    that trains something, in order): a copy of it whose param groups are the client's own
+    group dicts, their parameters replaced by the masters (DeepSpeed puts its fp32
+    partitions there too). A scheduler built over the client before `initialize` (HF's
+    Trainer and DeepSpeed-Chat do so) then keeps setting the lr this optimizer reads."""
+    optimizer = copy.copy(client)  # its class and defaults (torch's Optimizer copies as
+    optimizer.param_groups, optimizer.state = [], defaultdict(dict)  # those, groups, state)
+    sources = [group for group, _ in trainable_groups(client.param_groups)]
+    for source, group in zip(sources, groups, strict=True):
+        source["params"] = group["params"]
+        optimizer.add_param_group(source)
+    # The client never steps: its schedulers would warn at their first step that it had not
+    client._opt_called = True  # type: ignore[attr-defined]  # torch's LRScheduler check
+    return optimizer
 
 
 def _training_dataloader(engine: DeepSpeedEngine, training_data: Any,
@@ -102,10 +122,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                ) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, DataLoader | None, Any]:
     """DeepSpeed's `initialize`: (engine, optimizer, training_dataloader, lr_scheduler).
 
-    `optimizer` may be a torch optimizer (rebuilt over zeromem's master shards with
-    its class and hyperparameters) or a factory `params -> optimizer`;
-    `lr_scheduler` a factory `optimizer -> scheduler` (a ready scheduler must be
-    built over the returned optimizer). `training_data` gives a DataLoader with a
+    `optimizer` may be a torch optimizer (stepped over zeromem's master shards with its
+    own param groups, whose lr a scheduler built over it keeps setting) or a factory
+    `params -> optimizer`; `lr_scheduler` a scheduler, or a factory `optimizer ->
+    scheduler`. `training_data` gives a DataLoader with a
     `DistributedSampler` over the data-parallel ranks. `mpu` and `mesh_param`
     (model parallelism) are not supported.
     """

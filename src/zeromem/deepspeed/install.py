@@ -129,9 +129,10 @@ def install_as_deepspeed() -> None:
     _refuse_if_too_late()
     for dotted, attributes in _submodules().items():
         _register(surface, dotted, attributes)
-    for alias in ("accelerator", "comm", "zero", "checkpointing", "moe"):  # real modules
+    for alias in ("accelerator", "comm", "zero", "checkpointing", "moe", "ops"):  # real modules
         sys.modules[f"{NAME}.{alias}"] = getattr(surface, alias)
-    sys.modules[f"{NAME}.moe.utils"] = importlib.import_module(f"{surface.__name__}.moe.utils")
+    for alias in ("moe.utils", "ops.adam", "ops.adagrad", "ops.lion"):
+        sys.modules[f"{NAME}.{alias}"] = importlib.import_module(f"{surface.__name__}.{alias}")
     sys.modules[NAME] = surface
     # first, so that a real DeepSpeed installed beside zeromem does not answer for the
     # surface: HF would read its version while running zeromem

@@ -28,21 +28,26 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
     """
     given: list = list(model_parameters) if model_parameters is not None else list(module.parameters())
     raw: list[dict] = given if given and isinstance(given[0], dict) else [{"params": given}]
-    seen: set[int] = set()
-    groups = []
-    for group in raw:
-        params = []
-        for p in group["params"]:
-            if id(p) in seen or not p.requires_grad:
-                continue  # a tied weight listed twice is one parameter
-            seen.add(id(p))
-            params.append(p)
-        groups.append({**group, "params": params})
+    groups = [{**group, "params": params} for group, params in trainable_groups(raw)]
+    seen = {id(p) for g in groups for p in g["params"]}
     for name, p in module.named_parameters():
         if p.requires_grad and id(p) not in seen:
             log.info("parameter %s is in no param group: treated as frozen", name)
             p.requires_grad_(False)
-    return [g for g in groups if g["params"]]
+    return groups
+
+
+def trainable_groups(groups: list[dict]) -> list[tuple[dict, list]]:
+    """The groups that train something, each with the parameters it trains: those that
+    require grad and no earlier group named (a tied weight listed twice is one parameter)."""
+    seen: set[int] = set()
+    out = []
+    for group in groups:
+        params = [p for p in group["params"] if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if params:
+            out.append((group, params))
+    return out
 
 
 def build_optimizer(config, flat_groups: list, param_groups: list[dict],
