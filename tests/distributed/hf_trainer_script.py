@@ -286,3 +286,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # as HF's examples end: a gloo group left to interpreter exit sometimes aborts the
+    # process ("terminate called without an active exception", seen with the DDP Trainer too)
+    torch.distributed.destroy_process_group()
