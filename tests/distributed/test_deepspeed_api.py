@@ -183,12 +183,20 @@ def _client_optimizers(deepspeed, rank, world_size, tmp) -> None:
     """Optimizers built before `initialize`, as DeepSpeed-Chat and HF's Trainer build them:
     two param groups (decay and none), a scheduler made over the optimizer first. At stage 3
     (every parameter sharded) the engine steps them over its masters, the scheduler still
-    sets their lr, and every rank ends as one process does with the same objects."""
+    sets their lr, and every rank ends as one process does with the same objects; also
+    with the optimizer and parameters on NVMe (its optimizer reads the groups' lr there)."""
     from zeromem.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
     config = {"train_micro_batch_size_per_gpu": 2,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    for make in (lambda g: torch.optim.AdamW(g, lr=0.1), lambda g: FusedAdam(g, lr=0.1),
-                 lambda g: DeepSpeedCPUAdam(g, lr=0.1, adamw_mode=False)):
+    nvme = {"device": "nvme", "nvme_path": os.path.join(tmp, "nvme")}
+    os.makedirs(nvme["nvme_path"], exist_ok=True)
+    offloaded = json.loads(json.dumps(config))
+    offloaded["zero_optimization"].update(offload_optimizer=nvme, offload_param=nvme)
+    for make, config in (
+            (lambda g: torch.optim.AdamW(g, lr=0.1), config),
+            (lambda g: FusedAdam(g, lr=0.1), config),
+            (lambda g: DeepSpeedCPUAdam(g, lr=0.1, adamw_mode=False), config),
+            (lambda g: DeepSpeedCPUAdam(g, lr=0.1), offloaded)):
         trained = []
         for engine_steps in (False, True):
             net = _net()
@@ -202,9 +210,11 @@ def _client_optimizers(deepspeed, rank, world_size, tmp) -> None:
                 with warnings.catch_warnings():  # torch's "scheduler before optimizer" check
                     warnings.simplefilter("error")
                     _train(engine, 3)  # the engine steps the scheduler after each update
-                assert type(returned) is type(opt) and engine.get_lr() == [0.1 * 0.5 ** 3] * 2
-                masters = [p for g in returned.param_groups for p in g["params"]]
-                assert masters and all(returned.state[p] for p in masters)  # checkpointed
+                assert engine.get_lr() == [0.1 * 0.5 ** 3] * 2
+                if config is not offloaded:  # there, an optimizer whose states live on disk
+                    assert type(returned) is type(opt)
+                    masters = [p for g in returned.param_groups for p in g["params"]]
+                    assert masters and all(returned.state[p] for p in masters)  # checkpointed
                 with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
                     trained.append([p.detach().clone() for p in engine.module.parameters()])
             else:

@@ -96,7 +96,7 @@ class SwappedState(dict):
 class SwappedOptimizer(torch.optim.Optimizer):
     """Adam, AdamW or SGD whose states (and master shard) live in a swap file.
 
-    `param_groups` mirror the optimizer it replaces (LR schedulers work as usual);
+    `param_groups` are those of the optimizer it replaces (LR schedulers work as usual);
     `state` is empty except inside `all_in_memory()`. `step()` runs the sub-group
     pipeline described in the module docstring.
     """
@@ -111,7 +111,9 @@ class SwappedOptimizer(torch.optim.Optimizer):
         are in memory), copied into this optimizer's file here. The step may run in the
         boundary backward (`step_in_backward`) when the policy allows it, the masters are
         the shards and params.swp keeps two copies of them (`ParamsOnNvme.copies`)."""
-        super().__init__([dict(g) for g in template.param_groups], template.defaults)
+        # the template's own group dicts: a scheduler built over it (a client's optimizer,
+        # zeromem.deepspeed) sets the lr this optimizer steps with
+        super().__init__(template.param_groups, template.defaults)
         self.update = update_for(template)
         self.states = state_fields(template)
         self.master_in_file = not all(g.master_aliases_params() for g in groups)
