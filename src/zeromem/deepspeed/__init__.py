@@ -119,7 +119,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                distributed_port: int = 29500, mpu: Any = None,
                dist_init_required: bool | None = None, collate_fn: Callable | None = None,
                config: Any = None, mesh_param: Any = None, config_params: Any = None
-               ) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, DataLoader | None, Any]:
+               ) -> tuple[DeepSpeedEngine, torch.optim.Optimizer | None, DataLoader | None, Any]:
     """DeepSpeed's `initialize`: (engine, optimizer, training_dataloader, lr_scheduler).
 
     `optimizer` may be a torch optimizer (stepped over zeromem's master shards with its
