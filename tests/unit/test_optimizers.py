@@ -157,17 +157,25 @@ def test_adam_is_fused_adams_math(adam_w_mode, bias_correction):
 
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_corrected_adam_equals_torchs(adam_w_mode):
+    torchs = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    ours, theirs = step_side_by_side(
+        lambda ps: Adam(ps, lr=0.01, weight_decay=0.1, adam_w_mode=adam_w_mode),
+        lambda ps: torchs(ps, lr=0.01, weight_decay=0.1), steps=4)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def step_side_by_side(make, make_twin, steps: int) -> tuple[list, list]:
+    """Two optimizers over equal parameters, stepped on the same gradients; the parameters."""
     params, twins = tensors(4), tensors(4)
-    ours = Adam(params, lr=0.01, weight_decay=0.1, adam_w_mode=adam_w_mode)
-    torchs = (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(twins, lr=0.01, weight_decay=0.1)
-    for t in range(4):
+    ours, theirs = make(params), make_twin(twins)
+    for t in range(steps):
         for group in (params, twins):
             for p, g in zip(group, grads(group, t)):
                 p.grad = g
         ours.step()
-        torchs.step()
-    for p, q in zip(params, twins):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+        theirs.step()
+    return params, twins
 
 
 def test_lion_is_fused_lions_math():
@@ -214,15 +222,9 @@ def test_deepspeeds_ops_adams_are_torchs_adam_and_adamw(adam_w_mode):
     want_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     for make in (lambda ps: FusedAdam(ps, lr=0.01, weight_decay=0.1, adam_w_mode=adam_w_mode),
                  lambda ps: DeepSpeedCPUAdam(ps, lr=0.01, weight_decay=0.1, adamw_mode=adam_w_mode)):
-        params, twins = tensors(4), tensors(4)
-        ours, torchs = make(params), want_cls(twins, lr=0.01, weight_decay=0.1)
-        for t in range(3):
-            for group in (params, twins):
-                for p, g in zip(group, grads(group, t)):
-                    p.grad = g
-            ours.step()
-            torchs.step()
-        for p, q in zip(params, twins):
+        ours, theirs = step_side_by_side(make, lambda ps: want_cls(ps, lr=0.01, weight_decay=0.1),
+                                         steps=3)
+        for p, q in zip(ours, theirs):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
     with pytest.raises(NotImplementedError, match="bias_correction"):
         FusedAdam(tensors(1), bias_correction=False)
