@@ -17,6 +17,7 @@ and calls `step()` only there; the Trainer scales the short window's loss itself
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -286,6 +287,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # as HF's examples end: a gloo group left to interpreter exit sometimes aborts the
-    # process ("terminate called without an active exception", seen with the DDP Trainer too)
+    # as HF's examples end, and with every object that holds the group collected first:
+    # destroy_process_group only drops torch's own references, and a gloo group that lives
+    # on into interpreter exit sometimes aborts the process (test_hf_trainer.GLOO_EXIT_ABORT)
+    gc.collect()
     torch.distributed.destroy_process_group()
