@@ -74,6 +74,17 @@ class ParamSlot:
     shape: torch.Size
 
 
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's word for a stage-3 parameter's state, kept on each one as `ds_status`
+    beside `ds_id`, `ds_shape` and `ds_numel`: code written for DeepSpeed (DeepSpeed-Chat's
+    and OpenRLHF's model savers) gathers the parameters that carry `ds_id` and treats the
+    others as whole, so without them it saved stage 3's empty parameters as they were."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
 class GroupState(enum.Enum):
     """What a group's parameters hold now; assigned in this file only (FSDP2's TrainingState).
 
@@ -137,6 +148,8 @@ class FlatParamGroup:
             # SHARDED state from `initialize` on (issue 10, item 3).
             self._param_shard = self._param_shard.clone()
             self._flat_param = None
+            for p, slot in zip(params, self.slots):  # DeepSpeed's names (ZeroParamStatus)
+                p.ds_id, p.ds_shape, p.ds_numel = id(p), slot.shape, slot.numel  # type: ignore[attr-defined]
             self._empty_params()
             self._state = GroupState.SHARDED
         self._master = self._param_shard if master is None else master  # fp32: no second copy
@@ -280,6 +293,7 @@ class FlatParamGroup:
                                                               self._shapes))
         for p, view in zip(self.params, self._whole_views):
             p.data = view
+            p.ds_status = ZeroParamStatus.AVAILABLE  # type: ignore[attr-defined]
         self._state = GroupState.GATHERED
 
     def reshard(self) -> None:
@@ -316,6 +330,7 @@ class FlatParamGroup:
         empty = self._param_shard.new_empty(0)
         for p in self.params:
             p.data = empty
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
 
     def _own_fp32_values(self, params: list[nn.Parameter]) -> torch.Tensor:
         """This rank's master shard from the parameters' own values, in fp32 (padding zero)."""

@@ -173,6 +173,21 @@ def _submodules(deepspeed, rank, world_size, tmp) -> None:
                 engine.module[2].weight.fill_(0.5)
     with deepspeed.zero.GatheredParameters(engine.module[2].weight):
         assert bool((engine.module[2].weight == 0.5).all())
+    # DeepSpeed-Chat's and OpenRLHF's savers gather the parameters that carry `ds_id` and
+    # copy the rest as they are: every stage-3 parameter must say it is partitioned
+    status = deepspeed.zero.ZeroParamStatus
+    engine, *_ = deepspeed.initialize(model=_net(), config=_cfg(3, zero_optimization={
+        "stage": 3, "stage3_param_persistence_threshold": 0}))  # every parameter sharded
+    saved, full = {}, engine.engine.full_state_dict()
+    for name, p in engine.module.named_parameters():
+        assert hasattr(p, "ds_id") and p.ds_status == status.NOT_AVAILABLE and p.numel() == 0
+        with deepspeed.zero.GatheredParameters([p]):
+            assert p.ds_status == status.AVAILABLE and p.shape == p.ds_shape
+            saved[name] = p.data.clone()
+    assert len(saved) == 4 and all(v.numel() == p.ds_numel for v, p in
+                                   zip(saved.values(), engine.module.parameters()))
+    for name, value in full.items():  # rank 0's full state dict, from the masters
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
     assert deepspeed.checkpointing.checkpoint is not None
     groups = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(
         {"params": list(net.parameters())})

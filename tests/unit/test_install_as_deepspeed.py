@@ -74,10 +74,12 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
 from deepspeed.ops.lion import DeepSpeedCPULion
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+import zeromem.flat
 import sys
 own = {name: sys.modules[f"zeromem.deepspeed.ops.{name}"] for name in ("adam", "adagrad", "lion")}
 print(DeepSpeedCPUAdam is own["adam"].DeepSpeedCPUAdam, FusedAdam is own["adam"].FusedAdam,
       DeepSpeedCPUAdagrad is own["adagrad"].DeepSpeedCPUAdagrad,
-      DeepSpeedCPULion is own["lion"].DeepSpeedCPULion)
+      DeepSpeedCPULion is own["lion"].DeepSpeedCPULion, ZeroParamStatus is zeromem.flat.ZeroParamStatus)
 """)
-    assert seen == "True True True True"
+    assert seen == "True True True True True"

@@ -71,6 +71,7 @@ def _submodules() -> dict[str, dict[str, object]]:
         "runtime.zero": {"Init": zero.Init, "GatheredParameters": zero.GatheredParameters},
         "runtime.zero.partition_parameters": {
             "Init": zero.Init, "GatheredParameters": zero.GatheredParameters,
+            "ZeroParamStatus": zero.ZeroParamStatus,
             "zero_wrapper_for_fp_tensor_constructor": _identity_constructor_wrapper,
             "_orig_torch_arange": torch.arange},
         "checkpoint": {},

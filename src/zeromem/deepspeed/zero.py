@@ -2,11 +2,13 @@
 
 Both delegate to `zeromem.stage3.partitioned_init`; this module only maps DeepSpeed's keyword
 names (`config_dict_or_path`, `data_parallel_group`, `fwd_module`) onto zeromem's.
+`ZeroParamStatus` is the enum of the `ds_status` a stage-3 parameter carries (flat.py).
 """
 from __future__ import annotations
 
 import logging
 
+from ..flat import ZeroParamStatus
 from ..stage3 import partitioned_init as partition
 
 log = logging.getLogger("zeromem")
@@ -49,4 +51,4 @@ class GatheredParameters(partition.GatheredParameters):
         super().__init__(params, modifier_rank=modifier_rank, enabled=enabled)
 
 
-__all__ = ["Init", "GatheredParameters"]
+__all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
