@@ -146,10 +146,10 @@ class FlatParamGroup:
             # Stage 3: only the shard persists; `begin_gather` brings the whole on demand.
             # The parameters let go of the whole buffer now, so that memory matches the
             # SHARDED state from `initialize` on (issue 10, item 3).
-            self._param_shard = self._param_shard.clone()
-            self._flat_param = None
             for p, slot in zip(params, self.slots):  # DeepSpeed's names (ZeroParamStatus)
                 p.ds_id, p.ds_shape, p.ds_numel = id(p), slot.shape, slot.numel  # type: ignore[attr-defined]
+            self._param_shard = self._param_shard.clone()
+            self._flat_param = None
             self._empty_params()
             self._state = GroupState.SHARDED
         self._master = self._param_shard if master is None else master  # fp32: no second copy
