@@ -30,6 +30,7 @@ from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitoring.monitors import Observers, StepFacts, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
 from zeromem.offload.params import ParamPlacement
+from zeromem.param_states import ParamStates
 from zeromem.offload.staged_masters import StagedMasters
 from zeromem.offload.placement import (OffloadPolicy, SwapSpaces, build_grads, build_offload,
                                        build_params, stage_masters)
@@ -153,6 +154,11 @@ class Engine:
             self.stage3 = self._build_stage3(self.unit_choice)
             self.zero.after_gather(self.stage3.refresh)  # persistent units re-gather the new weights
         self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
+        # one parameter's master, optimizer states and gradient, whole or this rank's part
+        self.param_states = ParamStates(self.groups, self.optimizer, self.offload.masters,
+                                        self.scaler, self.device,
+                                        lambda: self.zero.gradient_complete,
+                                        self.zero.masters_changed)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         # monitors, comms_logger, flops_profiler, throughput, dump_state (monitoring/monitors.py)
         self.observers = Observers(config, comm, self.device, self.psi, self.counters)

@@ -126,6 +126,10 @@ class ZeroOptimizer:
         # with the stage-3 units (comm.py `schedule_reductions`)
         self.comm = plan.shard
         self.grad_norm: float | None = None  # pre-clip global norm of the last step
+        # the reduced gradients are a whole window's: from the boundary backward's end to
+        # zero_grad (what param_states.py reads; mid-window they are a partial sum)
+        self.gradient_complete = False
+        self._boundary = False
         self.missing: list[int] = [len(g.params) for g in groups]  # `hook_parameters` counts
         self.gathered_callbacks: list[Callable[[], None]] = []
         self.hooks: list = []
@@ -162,6 +166,8 @@ class ZeroOptimizer:
     def start_backward(self, boundary: bool) -> None:
         """Called before each backward; `boundary` marks the last micro-step of a step."""
         self.start_placement(boundary)  # offloaded: host copies of reduced grads at the boundary
+        self._boundary = boundary
+        self.gradient_complete = False
         every_micro = bool(self.groups) and self.groups[0].reduces_every_microstep
         self.comm.start_reductions(boundary or every_micro)
         self.missing = [len(g.params) for g in self.groups]
@@ -174,6 +180,7 @@ class ZeroOptimizer:
                 if self.missing[gi]:
                     self.comm.reduce_in_order(gi, g.launch_reduction)
         self.comm.finish_reductions()
+        self.gradient_complete = self._boundary
 
     def remove(self) -> None:
         for h in self.hooks:
@@ -240,15 +247,20 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         """Empty every group's gradient buffer (after a step, or a skipped one)."""
+        self.gradient_complete = False
         for g in self.groups:
             g.zero_grad()
             for p in g.params:
                 p.grad = None
 
-    def refresh_params(self) -> None:
-        """After a checkpoint load: compute-dtype parameters from the masters, no stale gradients."""
+    def masters_changed(self) -> None:
+        """Masters were written outside a step: the compute-dtype parameters follow them."""
         self.refresh(self.groups)
         self._all_gather()
+
+    def refresh_params(self) -> None:
+        """After a checkpoint load: compute-dtype parameters from the masters, no stale gradients."""
+        self.masters_changed()
         self.zero_grad()
 
 

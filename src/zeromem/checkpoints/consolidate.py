@@ -372,6 +372,25 @@ def consolidate(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike,
     return str(out_path)
 
 
+def read_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """`consolidate`'s state dict in memory (tensors on the CPU; tied keys share one tensor)."""
+    with checkpoint_tensors(ckpt_dir, tag) as (_, manifest, spec_of):
+        aliases = manifest["aliases"]
+        whole = {key: _read_whole(spec_of(key))
+                 for key in manifest["state_dict_keys"] if key not in aliases}
+    return {key: whole[aliases.get(key, key)] for key in manifest["state_dict_keys"]}
+
+
+def _read_whole(spec: TensorSpec) -> torch.Tensor:
+    out = torch.empty(shape_numel(spec.shape), dtype=spec.dtype)
+    at = 0
+    for chunk in spec.chunks():  # views of one scratch buffer: copied before the next
+        out[at:at + chunk.numel()].copy_(chunk.reshape(-1))
+        at += chunk.numel()
+    return out.view(spec.shape)
+
+
 @contextmanager
 def checkpoint_tensors(ckpt_dir: str | os.PathLike, tag: str | None = None
                        ) -> Iterator[tuple[Path, dict, Callable[[str], TensorSpec]]]:

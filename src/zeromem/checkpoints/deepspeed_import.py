@@ -45,10 +45,12 @@ import os
 import pickle
 import re
 import shutil
+import tempfile
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -339,6 +341,20 @@ def import_deepspeed(src: str | os.PathLike, dst: str | os.PathLike,
     log.info("imported DeepSpeed stage-%d checkpoint %s (%d ranks) into %s", ds.stage, ds.path,
              ds.world_size, root / out_tag)
     return str(root / out_tag)
+
+
+@contextmanager
+def readable(ckpt_dir: str | os.PathLike, tag: str | None = None
+             ) -> Iterator[tuple[str | os.PathLike, str | None]]:
+    """(directory, tag) of a zeromem checkpoint holding what `ckpt_dir` holds: as given,
+    or, for a DeepSpeed ZeRO checkpoint, imported into a temporary directory for the block."""
+    where = deepspeed_location(ckpt_dir, tag)
+    if where is None:
+        yield ckpt_dir, tag
+        return
+    with tempfile.TemporaryDirectory(prefix="zeromem-deepspeed-") as tmp:
+        import_deepspeed(where[0], tmp, where[1])
+        yield tmp, where[1]
 
 
 def _manifest(ds: DeepSpeedState, tag: str) -> dict:

@@ -44,7 +44,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,6 @@ from typing import Any
 import torch
 
 from zeromem.checkpoints.consolidate import checkpoint_tensors, fsync_dir
-from zeromem.checkpoints.formats import deepspeed_location
 from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec, write_safetensors
 from zeromem.leftovers import OWNER, reclaim_stale, write_owner
 
@@ -286,14 +284,10 @@ def export_hf(ckpt_dir: str | os.PathLike, config_dir: str | os.PathLike,
                               "output directory")
     max_bytes = parse_shard_size(max_shard_size)
     model = read_hf_model(config_dir)
-    where = deepspeed_location(ckpt_dir, tag)
-    if where is None:
-        return _export(ckpt_dir, tag, model, config_dir, out, dtype, max_bytes)
-    from zeromem.checkpoints.deepspeed_import import import_deepspeed
+    from zeromem.checkpoints.deepspeed_import import readable
 
-    with tempfile.TemporaryDirectory(prefix="zeromem-deepspeed-") as tmp:
-        import_deepspeed(where[0], tmp, where[1])
-        return _export(tmp, where[1], model, config_dir, out, dtype, max_bytes)
+    with readable(ckpt_dir, tag) as (source, source_tag):
+        return _export(source, source_tag, model, config_dir, out, dtype, max_bytes)
 
 
 def _export(ckpt_dir: str | os.PathLike, tag: str | None, model: HfModel,

@@ -11,7 +11,9 @@ A DeepSpeed training script runs unchanged but for its import lines:
 
 Layout as in DeepSpeed: `accelerator.get_accelerator`, `comm`, `zero.Init`,
 `zero.GatheredParameters`, `checkpointing` (activation checkpointing),
-`moe.utils`, `ops.adam` / `ops.adagrad` / `ops.lion` (the optimizers scripts build).
+`moe.utils`, `ops.adam` / `ops.adagrad` / `ops.lion` (the optimizers scripts build),
+`utils` (`safe_get_full_grad` and the other partitioned-state accessors) and
+`utils.zero_to_fp32` (a checkpoint as one fp32 state dict).
 The native `zeromem.initialize` is unchanged; this package only translates arguments
 and wraps its engine in `DeepSpeedEngine`.
 
@@ -35,14 +37,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .. import checkpointing
 from .. import initialize as _native_initialize
 from ..optim.factory import trainable_groups
-from . import accelerator, comm, moe, ops, zero
+from . import accelerator, comm, moe, ops, utils, zero
 from .engine import DeepSpeedEngine
 from .init import init_distributed
 from .install import install_as_deepspeed
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
            "install_as_deepspeed",
-           "accelerator", "comm", "zero", "checkpointing", "moe", "ops", "__version__"]
+           "accelerator", "comm", "zero", "checkpointing", "moe", "ops", "utils", "__version__"]
 __version__ = "0.16.0+zeromem"  # the DeepSpeed API level this surface follows
 
 log = logging.getLogger("zeromem")

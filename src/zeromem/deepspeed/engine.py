@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..engine import Engine
+from . import utils
 from .comm import broadcast_object
 
 log = logging.getLogger("zeromem")
@@ -41,6 +42,7 @@ class DeepSpeedEngine(nn.Module):
         self.device = engine.device
         self._step_applied = False
         self._loss_log = os.environ.get("ZEROMEM_LOSS_LOG") or None
+        utils.attach(engine.param_states, engine.module)  # safe_get_full_grad(p) finds it
 
     def __getattr__(self, name: str) -> Any:
         """Registered parameters, buffers and modules first; then the wrapped model's attributes."""

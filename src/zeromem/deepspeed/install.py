@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.metadata
-import logging
 import sys
 import types
 from typing import Iterable
@@ -64,7 +63,6 @@ def _submodules() -> dict[str, dict[str, object]]:
     from .engine import DeepSpeedEngine
 
     return {
-        "utils": {"logger": logging.getLogger("zeromem.deepspeed")},
         "runtime": {},
         "runtime.engine": {"DeepSpeedEngine": DeepSpeedEngine},
         "runtime.lr_schedules": {"VALID_LR_SCHEDULES": list(_LR_SCHEDULES)},
@@ -130,9 +128,9 @@ def install_as_deepspeed() -> None:
     _refuse_if_too_late()
     for dotted, attributes in _submodules().items():
         _register(surface, dotted, attributes)
-    for alias in ("accelerator", "comm", "zero", "checkpointing", "moe", "ops"):  # real modules
+    for alias in ("accelerator", "comm", "zero", "checkpointing", "moe", "ops", "utils"):  # real modules
         sys.modules[f"{NAME}.{alias}"] = getattr(surface, alias)
-    for alias in ("moe.utils", "ops.adam", "ops.adagrad", "ops.lion"):
+    for alias in ("moe.utils", "ops.adam", "ops.adagrad", "ops.lion", "utils.zero_to_fp32"):
         sys.modules[f"{NAME}.{alias}"] = importlib.import_module(f"{surface.__name__}.{alias}")
     sys.modules[NAME] = surface
     # first, so that a real DeepSpeed installed beside zeromem does not answer for the

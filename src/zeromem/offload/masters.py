@@ -22,7 +22,7 @@ from zeromem.optim.factory import OPTIMIZERS, build_optimizer, has_fused_kernel
 from zeromem.optim.optimizers import Lamb
 from zeromem.offload.params import ParamPlacement, host_empty
 from zeromem.offload.grad_file import GradFile
-from zeromem.offload.nvme import SwapSpace
+from zeromem.offload.nvme import OffloadError, SwapSpace
 from zeromem.offload.nvme_optimizer import SwappedOptimizer
 from zeromem.offload.staged_masters import StagedMasters
 
@@ -112,6 +112,10 @@ class MastersPlacement(Protocol):
     def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         """Step phase 5: updated masters into the parameter shards, wherever those live."""
 
+    def gradient(self, group: FlatParamGroup) -> torch.Tensor:
+        """The group's reduced gradient shard, loss-scaled, where the step will read it
+        (param_states.py reads and writes it between the boundary backward and the step)."""
+
     def refresh(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         """The masters changed outside a step (a checkpoint loaded): all of them into the
         parameter shards."""
@@ -166,6 +170,9 @@ class MastersOnDevice:
     def unscale_grads(self, groups: list[FlatParamGroup], multiplier: float) -> None:
         for g in groups:
             g.unscale_into_master(multiplier)  # the group's own tensors
+
+    def gradient(self, group: FlatParamGroup) -> torch.Tensor:
+        return group.reduced_grad()
 
     def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         _store_masters(groups, params)
@@ -225,6 +232,11 @@ class MastersOnHost:
             if multiplier != 1.0:
                 grad.mul_(multiplier)
             g.master.grad = grad
+
+    def gradient(self, group: FlatParamGroup) -> torch.Tensor:
+        """The host copy: the step reads it, not the device shard it was copied from."""
+        self.host_grads.sync()
+        return self.host_grads.buffers[id(group)]
 
     def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         _store_masters(groups, params)
@@ -325,6 +337,11 @@ class MastersOnNvme:
 
     def write_back(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         params.flush()  # the step stored every sub-group's new values already
+
+    def gradient(self, group: FlatParamGroup) -> torch.Tensor:
+        raise OffloadError("with offload_optimizer nvme the reduced gradients go to grads.swp "
+                           "as they are reduced (or the step takes them in backward), so no "
+                           "whole gradient shard is held to read; offload to \"cpu\" to read it")
 
     def refresh(self, groups: list[FlatParamGroup], params: ParamPlacement) -> None:
         """16-bit: the masters live in optimizer.swp, apart from the shards, and no step

@@ -1,0 +1,139 @@
+"""DeepSpeed's `deepspeed.utils`: its logger, and one parameter's partitioned state.
+
+`safe_get_full_grad(p)`, `safe_get_full_fp32_param(p)`, `safe_get_full_optimizer_state(p,
+"exp_avg")` and their `safe_set_full_*` / `safe_get_local_*` / `safe_set_local_*`
+counterparts read and write what ZeRO partitions, for a parameter of a model that
+`deepspeed.initialize` wrapped (zeromem/param_states.py does the work; it says what
+each kind holds). The `get_full` calls are collective, as DeepSpeed's are: every rank
+calls them for the same parameters in the same order.
+
+Differences from DeepSpeed, chosen so that a reading is what the step uses:
+- the gradient is fp32, averaged over ranks and the accumulation window, with the
+  fp16 loss scale removed (DeepSpeed's stage-3 reading keeps the scale), readable
+  from the backward that ends a window until `step()`; mid-window, or after the step,
+  reading it raises (DeepSpeed returns a partial sum, or zeros);
+- `safe_set_full_fp32_param` updates the model's (16-bit) weights at once, where
+  DeepSpeed's waits for the next step;
+- the local calls work at every stage (this rank's piece of the parameter, 1-D).
+Parameters no engine trains (frozen ones) give None, as in DeepSpeed.
+`deepspeed.utils.zero_to_fp32` reads checkpoints (its own module).
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+from torch import nn
+
+from ...param_states import GRAD, MASTER, ParamStates
+
+logger = logging.getLogger("zeromem.deepspeed")
+
+_ATTRIBUTE = "_zeromem_param_states"  # on each trained parameter: a weak reference
+
+
+def attach(states: ParamStates, module: nn.Module) -> None:
+    """Let the functions below find `states` from the parameters it answers for (as
+    DeepSpeed's own find their optimizer through attributes on the parameter)."""
+    ref = weakref.ref(states)
+    for p in module.parameters():
+        if states.owns(p):
+            setattr(p, _ATTRIBUTE, ref)
+
+
+def _states(param: nn.Parameter) -> ParamStates | None:
+    ref = getattr(param, _ATTRIBUTE, None)
+    return ref() if ref is not None else None
+
+
+def _full(param: nn.Parameter, kind: str) -> torch.Tensor | None:
+    states = _states(param)
+    return states.full(param, kind) if states is not None else None
+
+
+def _set_full(param: nn.Parameter, kind: str, value: torch.Tensor) -> None:
+    states = _states(param)
+    if states is not None:
+        states.set_full(param, kind, value)
+
+
+def _local(param: nn.Parameter, kind: str) -> torch.Tensor | None:
+    states = _states(param)
+    return states.local(param, kind) if states is not None else None
+
+
+def _set_local(param: nn.Parameter, kind: str, value: torch.Tensor) -> None:
+    states = _states(param)
+    if states is not None:
+        states.set_local(param, kind, value)
+
+
+def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
+    """The whole fp32 master of `param`; collective."""
+    return _full(param, MASTER)
+
+
+def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Set the fp32 master of `param` (and its model weights) from the whole `value`."""
+    _set_full(param, MASTER, value)
+
+
+def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str
+                                  ) -> torch.Tensor | None:
+    """The whole optimizer state `optim_state_key` ("exp_avg", ...) of `param`; collective."""
+    return _full(param, optim_state_key)
+
+
+def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor,
+                                  optim_state_key: str) -> None:
+    _set_full(param, optim_state_key, value)
+
+
+def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """The whole gradient the step will use for `param` (module docstring); collective.
+    A parameter no engine trains gives its own `.grad`, as in DeepSpeed."""
+    if _states(param) is None:
+        return param.grad
+    return _full(param, GRAD)
+
+
+def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Make the step use `value` (whole, averaged, unscaled) as `param`'s gradient."""
+    if _states(param) is None and param.grad is not None:
+        param.grad.copy_(value)
+        return
+    _set_full(param, GRAD, value)
+
+
+def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
+    return _local(param, GRAD)
+
+
+def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    _set_local(param, GRAD, value)
+
+
+def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
+    return _local(param, MASTER)
+
+
+def safe_set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
+    _set_local(param, MASTER, value)
+
+
+def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str
+                                   ) -> torch.Tensor | None:
+    return _local(param, optim_state_key)
+
+
+def safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor,
+                                   optim_state_key: str) -> None:
+    _set_local(param, optim_state_key, value)
+
+
+__all__ = ["logger", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
+           "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
+           "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_grad",
+           "safe_set_local_grad", "safe_get_local_fp32_param", "safe_set_local_fp32_param",
+           "safe_get_local_optimizer_state", "safe_set_local_optimizer_state"]

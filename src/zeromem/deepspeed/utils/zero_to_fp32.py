@@ -1,0 +1,96 @@
+"""DeepSpeed's `deepspeed.utils.zero_to_fp32`: a ZeRO checkpoint as one fp32 state dict.
+
+Reads zeromem checkpoints and DeepSpeed's own (stages 1-3: imported into a temporary
+directory first, checkpoints/deepspeed_import.py), with no process group and no GPU;
+keys are the trained module's `state_dict()` keys, trained parameters from the fp32
+masters, tied keys one tensor. `checkpoint_dir` is the directory saved into (holding
+`latest` and the tag directories); `tag` defaults to what `latest` names.
+
+Not supported, refused by name: `exclude_frozen_parameters=True` (a zeromem checkpoint
+does not tell frozen parameters from buffers; save with
+`exclude_frozen_parameters=True` instead) and `lazy_mode=True`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...checkpoints.consolidate import checkpoint_tensors, read_state_dict
+from ...checkpoints.deepspeed_import import readable
+from ...checkpoints.hf_export import parse_shard_size, plan_shards
+from ...checkpoints.tensor_files import write_output
+
+
+def _refuse(exclude_frozen_parameters: bool, lazy_mode: bool = False) -> None:
+    given = ["exclude_frozen_parameters=True"] * bool(exclude_frozen_parameters) + \
+        ["lazy_mode=True"] * bool(lazy_mode)
+    if given:
+        raise NotImplementedError(f"zero_to_fp32: {', '.join(given)} not supported; "
+                                  "exclude frozen parameters when saving the checkpoint")
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike,
+                                             tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+    """The checkpoint's full fp32 state dict, in memory on the CPU."""
+    _refuse(exclude_frozen_parameters, lazy_mode)
+    with readable(checkpoint_dir, tag) as (source, source_tag):
+        return read_state_dict(source, source_tag)
+
+
+def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike,
+                                         tag: str | None = None) -> nn.Module:
+    """Move `model` to the CPU and load the checkpoint's fp32 weights into it (not strict,
+    as DeepSpeed's); returns `model`."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike,
+                                               output_dir: str | os.PathLike,
+                                               max_shard_size: str | int = "5GB",
+                                               safe_serialization: bool = False,
+                                               tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False) -> None:
+    """Write the fp32 state dict into `output_dir` as `save_pretrained` names it:
+    `pytorch_model.bin` (`model.safetensors` with `safe_serialization`), or past
+    `max_shard_size` numbered shards and their `.index.json`. Tensors stream a chunk at
+    a time, so memory stays bounded whatever the model's size."""
+    _refuse(exclude_frozen_parameters)
+    max_bytes = parse_shard_size(max_shard_size)
+    name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    out = Path(output_dir)
+    with readable(checkpoint_dir, tag) as (source, source_tag), \
+            checkpoint_tensors(source, source_tag) as (_, manifest, spec_of):
+        aliases = manifest["aliases"]
+        specs = {key: spec_of(key) for key in manifest["state_dict_keys"] if key not in aliases}
+        shards = plan_shards([(key, s.nbytes) for key, s in specs.items()], max_bytes)
+        files = _shard_names(name, len(shards))
+        weight_map = {}
+        for file, keys in zip(files, shards):
+            tied = {k: v for k, v in aliases.items() if v in keys}
+            write_output(out / file, [specs[k] for k in keys], keys + list(tied), tied)
+            weight_map.update({k: file for k in keys + list(tied)})
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(s.nbytes for s in specs.values())},
+                 "weight_map": weight_map}
+        (out / f"{name}.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _shard_names(name: str, count: int) -> list[str]:
+    """HF's names: `pytorch_model.bin`, or `pytorch_model-00001-of-00003.bin`, ..."""
+    if count == 1:
+        return [name]
+    stem, dot, suffix = name.partition(".")
+    return [f"{stem}-{i:05d}-of-{count:05d}{dot}{suffix}" for i in range(1, count + 1)]
+
+
+__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
+           "convert_zero_checkpoint_to_fp32_state_dict"]

@@ -1,0 +1,66 @@
+"""`deepspeed.utils.zero_to_fp32` on DeepSpeed's own checkpoints (no process group).
+
+Users switching from DeepSpeed keep calling these on the checkpoints DeepSpeed wrote:
+the masters must be the ones DeepSpeed's API reported when the checkpoint was made
+(expected.json's fingerprints), tied weights one tensor, and the files
+`convert_zero_checkpoint_to_fp32_state_dict` writes loadable as HF names them.
+The same calls on a zeromem checkpoint: tests/distributed/test_param_states.py.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from models import TinyLM
+from setups import deepspeed_case
+from zeromem.deepspeed.utils import zero_to_fp32
+
+
+def fingerprint(t: torch.Tensor) -> dict:
+    t = t.float().flatten()
+    return {"sum": t.sum().item(), "sumsq": (t * t).sum().item(), "head": t[:4].tolist()}
+
+
+@pytest.mark.parametrize("name", ["stage3_ws2_bf16", "stage2_ws2_fp16", "stage1_ws2_bf16"])
+def test_deepspeed_checkpoints_read_whole(name, tmp_path):
+    src, expected = deepspeed_case(name)
+    state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(src)
+    assert state.keys() == TinyLM().state_dict().keys()
+    for param, states in expected["states"].items():
+        if param == "__step__":
+            continue
+        got, want = fingerprint(state[param]), states["master"]
+        assert state[param].dtype == torch.float32
+        assert got["sum"] == pytest.approx(want["sum"], rel=1e-6, abs=1e-9), param
+        assert got["head"] == pytest.approx(want["head"], rel=1e-6, abs=1e-9), param
+    assert state["head.weight"] is state["embed.weight"]  # tied: one tensor, as DeepSpeed's
+    model = zero_to_fp32.load_state_dict_from_zero_checkpoint(TinyLM(), src)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[key].to(value.dtype), rtol=0, atol=0, msg=key)
+
+    out = tmp_path / "out"
+    zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(src, out, max_shard_size=2000,
+                                                           safe_serialization=True)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0].startswith("model-00001-of-")
+    assert index["weight_map"].keys() == state.keys()
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * 4 for k, t in state.items() if k != "head.weight")  # the tie stored once
+    read = {}
+    for file in files:
+        with safe_open(out / file, framework="pt") as f:
+            read.update({k: f.get_tensor(k) for k in f.keys()})
+    assert index["weight_map"]["head.weight"] == index["weight_map"]["embed.weight"]
+    for key, value in read.items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)
+    assert read.keys() == state.keys() - {"head.weight"}  # its source's file holds the tie
+
+
+def test_unsupported_flags_are_refused_by_name():
+    src, _ = deepspeed_case("stage2_ws2_fp16")
+    with pytest.raises(NotImplementedError, match="lazy_mode"):
+        zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(src, lazy_mode=True)
