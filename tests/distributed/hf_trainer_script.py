@@ -8,8 +8,8 @@ test_hf_trainer.py, which compares what each mode writes to OUT):
 runs HF's own ds_config_zero2.json (losses, save_model, resume_from_checkpoint)
 and ds_config_zero3.json (the model loaded by `from_pretrained` under `zero.Init`;
 then again with both offloads on NVMe; then `evaluate()` alone, which builds the
-engine with no optimizer), and an Accelerate loop with a DeepSpeed plugin. Rank 0
-writes JSON results.
+engine with no optimizer; then PEFT LoRA on the model loaded under Init), and an
+Accelerate loop with a DeepSpeed plugin. Rank 0 writes JSON results.
 
 The Trainer accumulates GAS micro-batches per step, as its users mostly do: an epoch
 of 16 micro-batches a rank ends in a window of one (Accelerate announces each boundary
@@ -110,6 +110,27 @@ def train(name: str, deepspeed: str | None, resume: str | None = None,
               for key in ("loss", "grad_norm", "learning_rate")}
     return {"losses": logged["loss"], "grad_norms": logged["grad_norm"],
             "lrs": logged["learning_rate"], "held": held, "trainer": trainer}
+
+
+def lora(name: str, deepspeed: str | None) -> dict:
+    """PEFT LoRA on the attention's Conv1D layers with gradient checkpointing, the base model
+    frozen (what most fine-tunes with ZeRO-3 run): losses and gradient norms, and the
+    adapter `save_model` writes (OUT/<name>_adapter)."""
+    from peft import LoraConfig, get_peft_model
+
+    args = training_args(name, deepspeed, gradient_checkpointing=True)
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    model.enable_input_require_grads()
+    torch.manual_seed(1)  # the adapters' A matrices: the same in both modes
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                             target_modules=["c_attn", "c_proj"],
+                                             fan_in_fan_out=True))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(SAMPLES),
+                                   optimizers=(None, None) if deepspeed else ddp_optimizers(model))
+    trainer.train()
+    trainer.save_model(str(OUT / f"{name}_adapter"))
+    return {key: {h["step"]: h[key] for h in trainer.state.log_history if key in h}
+            for key in ("loss", "grad_norm")}
 
 
 def evaluate(name: str, deepspeed: str | None) -> float:
@@ -261,7 +282,7 @@ def main() -> None:
         own = train("ddp_hf_optimizer", None, hf_optimizer=True, **HF_SCHEDULE)
         write("ddp", {"losses": ddp["losses"], "grad_norms": ddp["grad_norms"],
                       "hf_optimizer": {k: own[k] for k in ("losses", "grad_norms", "lrs")},
-                      "late_install": late_install(),
+                      "late_install": late_install(), "lora": lora("ddp_lora", None),
                       "eval_loss": evaluate("ddp_eval", None)})
         return
     zero2 = str(CONFIGS / "ds_config_zero2.json")
@@ -273,6 +294,9 @@ def main() -> None:
     zero3_nvme = train("zero3_nvme", nvme_config(CONFIGS / "ds_config_zero3.json"))
     own = train("zero3_hf_optimizer", without_optimizer(CONFIGS / "ds_config_zero3.json"),
                 **HF_SCHEDULE)
+    # before the zero2 Accelerate run: HF's global DeepSpeed config that run leaves lets the
+    # single-process reference build its model whole
+    adapted = lora("zero3_lora", str(CONFIGS / "ds_config_zero3.json"))
     write("zeromem", {"deepspeed": deepspeed_as_hf_sees_it(),
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
@@ -282,6 +306,7 @@ def main() -> None:
                                      (("zero2", run), ("zero3", zero3), ("zero3_nvme", zero3_nvme))},
                       "zero3_eval_loss": evaluate("zero3_eval", str(CONFIGS / "ds_config_zero3.json")),
                       "zero2_held": run["held"], "accelerate": accelerate_losses(),
+                      "lora": adapted,
                       "single_process": single_process_losses()})
 
 

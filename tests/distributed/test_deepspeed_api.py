@@ -164,8 +164,12 @@ def _submodules(deepspeed, rank, world_size, tmp) -> None:
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         net = _net()
     assert net[0].weight.numel() == 0  # partitioned at construction
+    status = deepspeed.zero.ZeroParamStatus
+    w = net[0].weight  # DeepSpeed's names from Init on (PEFT sizes its adapters by ds_shape)
+    assert (w.ds_shape, w.ds_numel, w.ds_status) == ((8, 4), 32, status.NOT_AVAILABLE)
     with deepspeed.zero.GatheredParameters(net[0].weight):
-        assert net[0].weight.shape == (8, 4)
+        assert net[0].weight.shape == (8, 4) and w.ds_status == status.AVAILABLE
+    assert w.ds_status == status.NOT_AVAILABLE and w.numel() == 0
     engine, *_ = deepspeed.initialize(model=net, config=cfg)
     with deepspeed.zero.GatheredParameters(engine.module[2].weight, modifier_rank=0):
         if rank == 0:
@@ -175,7 +179,6 @@ def _submodules(deepspeed, rank, world_size, tmp) -> None:
         assert bool((engine.module[2].weight == 0.5).all())
     # DeepSpeed-Chat's and OpenRLHF's savers gather the parameters that carry `ds_id` and
     # copy the rest as they are: every stage-3 parameter must say it is partitioned
-    status = deepspeed.zero.ZeroParamStatus
     engine, *_ = deepspeed.initialize(model=_net(), config=_cfg(3, zero_optimization={
         "stage": 3, "stage3_param_persistence_threshold": 0}))  # every parameter sharded
     saved, full = {}, engine.engine.full_state_dict()

@@ -22,6 +22,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+pytest.importorskip("peft")
+from safetensors.torch import load_file  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "hf_trainer_script.py"
 TOLERANCE = 1e-5  # fp32; the step order differs (flat shards vs per-parameter tensors)
@@ -117,6 +119,20 @@ def test_evaluate_before_any_training_runs_zero3_without_an_optimizer(runs):
     """HF's `Trainer.evaluate()` with no training before builds the engine with the config's
     optimizer removed; it evaluates the loaded weights as the DDP Trainer does."""
     assert abs(runs[2]["zero3_eval_loss"] - runs[1]["eval_loss"]) < TOLERANCE
+
+
+def test_peft_lora_on_a_model_built_under_init(runs):
+    """PEFT sizes its adapters from `ds_shape` on a partitioned parameter: zeromem's Init
+    gave none until stop 34, and `get_peft_model` failed on GPT-2's Conv1D layers."""
+    out, ddp, zero = runs
+    for key in ("loss", "grad_norm"):
+        assert len(ddp["lora"][key]) == 6
+        assert _max_difference(zero["lora"][key], ddp["lora"][key]) < TOLERANCE, key
+    want = load_file(out / "ddp_lora_adapter" / "adapter_model.safetensors")
+    got = load_file(out / "zero3_lora_adapter" / "adapter_model.safetensors")
+    assert got.keys() == want.keys() and len(got) == 12  # A and B of 6 layers
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=key)
 
 
 def test_accelerate_deepspeed_plugin_matches_one_process(runs):

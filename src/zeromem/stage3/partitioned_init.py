@@ -12,9 +12,10 @@ attached, and parameter-registration hooks list the parameters built inside.
 
 Who holds a partitioned parameter is a `Partitions` table, passed to whoever needs
 it: `Init` writes the shards it makes into one, the engine reads them (and files its
-stage-3 fetch units there), `GatheredParameters` looks parameters up in it. We keep
-no attributes on `nn.Parameter`, and DeepSpeed's `GatheredParameters(params)`
-hands over bare parameters, so the public entry points (`Init()`,
+stage-3 fetch units there), `GatheredParameters` looks parameters up in it. The only
+attributes kept on an `nn.Parameter` are DeepSpeed's names for what libraries read
+(`ds_shape`, `ds_numel`, `ds_id`, `ds_status`: PEFT, RLHF savers); none is read here.
+DeepSpeed's `GatheredParameters(params)` hands over bare parameters, so the public entry points (`Init()`,
 `GatheredParameters()`, `zeromem.initialize`) fall back to one table, `DEFAULT`,
 when given none: a default at the edge only, as `checkpointing.configure` keeps;
 nothing beneath them reads it.
@@ -35,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 from zeromem.comm import Comm
 from zeromem.distributed import Runtime, ensure_process_group
 from zeromem.config.schema import Config, ConfigError
+from zeromem.flat import ZeroParamStatus
 from zeromem.layout import ShardLayout
 from zeromem.offload.init_shards import ShardFile, ShardRecord
 
@@ -130,7 +132,16 @@ class Partitions:
         mine = flat[start:start + layout.shard_numel]
         home = disk.put(mine) if disk is not None else KeptShard(mine.clone())
         self.shards[p] = ParamShard(home, p.shape, p.numel())
+        # DeepSpeed's names, which libraries read on a partitioned parameter (PEFT sizes its
+        # adapters from `ds_shape` when a model was built under Init; savers gather by `ds_id`)
+        p.ds_id, p.ds_shape, p.ds_numel = id(p), p.shape, p.numel()  # type: ignore[attr-defined]
         p.data = p.data.new_empty(0)
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
+
+    def unshard(self, p: nn.Parameter, comm: Comm) -> None:
+        """Make `p` whole (collective) until `reshard`."""
+        p.data = self.gather_whole(p, comm)
+        p.ds_status = ZeroParamStatus.AVAILABLE  # type: ignore[attr-defined]
 
     def gather_whole(self, p: nn.Parameter, comm: Comm,
                      flat: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,12 +165,13 @@ class Partitions:
             comm.broadcast(flat, src_rank)
         entry.home.write(flat[layout.shard_offset:layout.shard_offset + layout.shard_numel])
         p.data = p.data.new_empty(0)
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
 
     def materialize(self, params: Iterable[nn.Parameter], comm: Comm) -> None:
         """Give parameters built under `Init` their whole values again (collective)."""
         for p in params:
             if p in self.shards:
-                p.data = self.gather_whole(p, comm)
+                self.unshard(p, comm)
                 del self.shards[p]
 
     def full_numel(self, p: nn.Parameter) -> int:
@@ -431,7 +443,7 @@ class GatheredParameters:
         for unit in self.units:
             unit.pin()
         for p in self.loose:
-            p.data = self.partitions.gather_whole(p, self.comm)
+            self.partitions.unshard(p, self.comm)
         return self
 
     def __exit__(self, *exc) -> None:
