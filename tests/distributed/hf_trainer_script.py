@@ -8,8 +8,9 @@ test_hf_trainer.py, which compares what each mode writes to OUT):
 runs HF's own ds_config_zero2.json (losses, save_model, resume_from_checkpoint)
 and ds_config_zero3.json (the model loaded by `from_pretrained` under `zero.Init`;
 then again with both offloads on NVMe; then `evaluate()` alone, which builds the
-engine with no optimizer; then PEFT LoRA on the model loaded under Init), and an
-Accelerate loop with a DeepSpeed plugin. Rank 0 writes JSON results.
+engine with no optimizer; then PEFT LoRA on the model loaded under Init), an
+Accelerate loop with a DeepSpeed plugin, and TRL's generation under ZeRO-3 between
+training steps. Rank 0 writes JSON results.
 
 The Trainer accumulates GAS micro-batches per step, as its users mostly do: an epoch
 of 16 micro-batches a rank ends in a window of one (Accelerate announces each boundary
@@ -187,6 +188,59 @@ def accelerate_losses() -> list[float]:
     return losses
 
 
+TRL_STEPS, PROMPT, NEW_TOKENS = 3, 3, 4
+
+
+def trl_generation() -> list:
+    """TRL's online trainers (GRPO, online DPO): each step generates with
+    `unwrap_model_for_generation` (on ZeRO-3 it gathers the model whole and takes
+    DeepSpeed's hooks off through its internals), then trains on what it generated. Rank r
+    prompts with sequence r: (generated ids per rank, mean loss over the ranks) per step."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+    from trl.models.utils import unwrap_model_for_generation
+
+    cpu_deepspeed_state()
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    engine, optimizer = accelerator.prepare(model, DummyOptim(model.parameters()))
+    prompt = Tokens(2).ids[RANK:RANK + 1, :PROMPT]
+    steps = []
+    for _ in range(TRL_STEPS):
+        with unwrap_model_for_generation(engine, accelerator) as unwrapped:
+            ids = unwrapped.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                     pad_token_id=0, synced_gpus=True)
+        loss = engine(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        everyone: list = [None, None]
+        torch.distributed.all_gather_object(everyone, ids.tolist())
+        steps.append([everyone, accelerator.reduce(loss.detach(), "mean").item()])
+    return steps
+
+
+def trl_reference() -> list:
+    """`trl_generation` in one process: both prompts generated, the mean loss stepped."""
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    prompts = Tokens(2).ids[:, :PROMPT]
+    steps = []
+    for _ in range(TRL_STEPS):
+        with torch.no_grad():
+            ids = [model.generate(p[None], max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  pad_token_id=0) for p in prompts]
+        losses = [model(input_ids=i, labels=i).loss for i in ids]
+        (sum(losses) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps.append([[i.tolist() for i in ids], sum(v.item() for v in losses) / 2])
+    return steps
+
+
 def single_process_losses() -> list[float]:
     """The Accelerate loop's reference: one process, a step on the 2 x ACCELERATE_GAS
     micro-batches the ranks ran (rank r's micro-step k is batch 2k + r), each micro-step's
@@ -294,9 +348,10 @@ def main() -> None:
     zero3_nvme = train("zero3_nvme", nvme_config(CONFIGS / "ds_config_zero3.json"))
     own = train("zero3_hf_optimizer", without_optimizer(CONFIGS / "ds_config_zero3.json"),
                 **HF_SCHEDULE)
-    # before the zero2 Accelerate run: HF's global DeepSpeed config that run leaves lets the
-    # single-process reference build its model whole
+    # ZeRO-3 runs before the zero2 Accelerate run: HF's global DeepSpeed config that run
+    # leaves lets the single-process references build their models whole
     adapted = lora("zero3_lora", str(CONFIGS / "ds_config_zero3.json"))
+    generated = trl_generation()
     write("zeromem", {"deepspeed": deepspeed_as_hf_sees_it(),
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
@@ -306,8 +361,9 @@ def main() -> None:
                                      (("zero2", run), ("zero3", zero3), ("zero3_nvme", zero3_nvme))},
                       "zero3_eval_loss": evaluate("zero3_eval", str(CONFIGS / "ds_config_zero3.json")),
                       "zero2_held": run["held"], "accelerate": accelerate_losses(),
-                      "lora": adapted,
-                      "single_process": single_process_losses()})
+                      "lora": adapted, "trl": generated,
+                      "single_process": single_process_losses(),
+                      "trl_reference": trl_reference()})
 
 
 if __name__ == "__main__":

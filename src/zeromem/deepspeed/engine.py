@@ -22,6 +22,7 @@ from torch import nn
 
 from ..engine import Engine
 from . import utils
+from .parameter_offload import ParameterOffload
 from .comm import broadcast_object
 
 log = logging.getLogger("zeromem")
@@ -43,6 +44,8 @@ class DeepSpeedEngine(nn.Module):
         self._step_applied = False
         self._loss_log = os.environ.get("ZEROMEM_LOSS_LOG") or None
         utils.attach(engine.param_states, engine.module)  # safe_get_full_grad(p) finds it
+        if engine.stage3 is not None and engine.trains:  # TRL's generation reaches for it
+            engine.optimizer.parameter_offload = ParameterOffload(engine.module)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:
         """Registered parameters, buffers and modules first; then the wrapped model's attributes."""
