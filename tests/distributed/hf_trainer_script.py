@@ -194,11 +194,12 @@ TRL_STEPS, PROMPT, NEW_TOKENS = 3, 3, 4
 def trl_generation() -> list:
     """TRL's online trainers (GRPO, online DPO): each step generates with
     `unwrap_model_for_generation` (on ZeRO-3 it gathers the model whole and takes
-    DeepSpeed's hooks off through its internals), then trains on what it generated. Rank r
-    prompts with sequence r: (generated ids per rank, mean loss over the ranks) per step."""
+    DeepSpeed's hooks off through its internals), then trains on what it generated, and a
+    frozen reference model scores it. Rank r prompts with sequence r: (generated ids per
+    rank, mean loss over the ranks, the reference model's mean loss) per step."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DummyOptim
-    from trl.models.utils import unwrap_model_for_generation
+    from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
 
     cpu_deepspeed_state()
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -207,6 +208,10 @@ def trl_generation() -> list:
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
     engine, optimizer = accelerator.prepare(model, DummyOptim(model.parameters()))
+    # the frozen reference model of DPO / GRPO, built by TRL's own helper (its config carries
+    # dotted top-level keys, which DeepSpeed ignores)
+    reference = prepare_deepspeed(transformers.GPT2LMHeadModel.from_pretrained(init_model_dir()),
+                                  accelerator)
     prompt = Tokens(2).ids[RANK:RANK + 1, :PROMPT]
     steps = []
     for _ in range(TRL_STEPS):
@@ -219,13 +224,18 @@ def trl_generation() -> list:
         optimizer.zero_grad()
         everyone: list = [None, None]
         torch.distributed.all_gather_object(everyone, ids.tolist())
-        steps.append([everyone, accelerator.reduce(loss.detach(), "mean").item()])
+        with torch.no_grad():
+            reference_loss = reference(input_ids=ids, labels=ids).loss
+        steps.append([everyone, accelerator.reduce(loss.detach(), "mean").item(),
+                      accelerator.reduce(reference_loss, "mean").item()])
     return steps
 
 
 def trl_reference() -> list:
-    """`trl_generation` in one process: both prompts generated, the mean loss stepped."""
+    """`trl_generation` in one process: both prompts generated, the mean loss stepped, the
+    reference model's loss on what was generated."""
     model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    reference = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     prompts = Tokens(2).ids[:, :PROMPT]
     steps = []
@@ -237,7 +247,10 @@ def trl_reference() -> list:
         (sum(losses) / 2).backward()
         optimizer.step()
         optimizer.zero_grad()
-        steps.append([[i.tolist() for i in ids], sum(v.item() for v in losses) / 2])
+        with torch.no_grad():
+            reference_loss = sum(reference(input_ids=i, labels=i).loss.item() for i in ids) / 2
+        steps.append([[i.tolist() for i in ids], sum(v.item() for v in losses) / 2,
+                      reference_loss])
     return steps
 
 

@@ -138,14 +138,17 @@ def test_peft_lora_on_a_model_built_under_init(runs):
 def test_trl_generation_under_zero3_matches_one_process(runs):
     """TRL's `unwrap_model_for_generation` reaches DeepSpeed's hook owner through
     `engine.optimizer.parameter_offload`; without it (before stop 34) it raised
-    AttributeError. Each step's generated ids (greedy, both ranks) and the mean loss
-    trained on them equal one process's."""
+    AttributeError. TRL's `prepare_deepspeed` builds the frozen reference model from a config
+    with dotted top-level keys, which zeromem refused until stop 34 (DeepSpeed ignores
+    them). Each step's generated ids (greedy, both ranks), the mean loss trained on them
+    and the reference model's loss equal one process's."""
     pytest.importorskip("trl")
     zero = runs[2]
     assert len(zero["trl"]) == 3
-    for (ids, loss), (want_ids, want_loss) in zip(zero["trl"], zero["trl_reference"]):
-        assert ids == want_ids
-        assert abs(loss - want_loss) < TOLERANCE
+    for got, want in zip(zero["trl"], zero["trl_reference"]):
+        assert got[0] == want[0]  # generated ids
+        assert abs(got[1] - want[1]) < TOLERANCE  # the trained model's loss
+        assert abs(got[2] - want[2]) < TOLERANCE  # the frozen reference model's
 
 
 def test_accelerate_deepspeed_plugin_matches_one_process(runs):

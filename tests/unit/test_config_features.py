@@ -137,6 +137,22 @@ def test_the_opt_out_drops_unknown_top_level_keys_with_a_warning(caplog):
         Config.load({**data, "progressive_layer_drop": {"enabled": True}})
 
 
+def test_dotted_top_level_keys_are_ignored_as_deepspeed_ignores_them(caplog):
+    """TRL's prepare_deepspeed writes "zero_optimization.reduce_bucket_size" (and a fractional
+    prefetch size) at the top level for its reference model; DeepSpeed ignores such keys,
+    so its runs of those recipes used the block as it was: so do ours, with a warning."""
+    data = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "reduce_bucket_size": 100},
+            "zero_optimization.reduce_bucket_size": 64,
+            "zero_optimization.stage3_prefetch_bucket_size": 0.9 * 64}
+    with caplog.at_level(logging.WARNING, logger="zeromem"):
+        config = Config.load(data)
+    assert config.zero_optimization.reduce_bucket_size == 100
+    assert config.zero_optimization.stage3_prefetch_bucket_size == 50_000_000  # the default
+    assert "'zero_optimization.reduce_bucket_size' = 64 ignored" in caplog.text
+    with pytest.raises(ConfigError, match="zero_optimisation.stage"):  # no block of that name
+        Config.load({"train_batch_size": 8, "zero_optimisation.stage": 3})
+
+
 def test_refusals_keep_their_kind_through_files_and_pickles(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}))

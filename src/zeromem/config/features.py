@@ -212,7 +212,8 @@ def take_features(data: dict, known: Iterable[str]) -> tuple[dict, dict[str, Any
     zeromem decides itself. `known` are the schema's top-level keys (unknown others are
     errors later, or dropped here when the config opts out).
     """
-    data = copy.copy(data)
+    known = set(known)
+    data = _drop_dotted(copy.copy(data), known)
     inert: dict[str, Any] = {}
     for feature in FEATURES:
         *parents, leaf = feature.key.split(".")
@@ -230,6 +231,17 @@ def take_features(data: dict, known: Iterable[str]) -> tuple[dict, dict[str, Any
         inert[feature.key] = value
         _without(data, parents, leaf)
     return _drop_unknown(data, set(known)), inert
+
+
+def _drop_dotted(data: dict, known: set[str]) -> dict:
+    """Top-level keys written as a dotted path into a known block ("zero_optimization.
+    reduce_bucket_size" = 0.9 * hidden_size**2: TRL's reference-model configs) are dropped
+    with a warning: DeepSpeed ignores every unknown top-level key, so its runs of those
+    recipes never applied them, and a run here is then configured as it was there."""
+    for key in [k for k in data if "." in k and k.split(".")[0] in known]:
+        log.warning("config key %r = %r ignored, as DeepSpeed ignores it: a nested key is "
+                    "set inside its block", key, data.pop(key))
+    return data
 
 
 def _without(data: dict, parents: list[str], leaf: str) -> None:
