@@ -56,16 +56,27 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     `GatheredParameters` will find the engine's; by default the one both use by default.
     """
     partitions = partitioned_init.DEFAULT if partitions is None else partitions
-    first = Config.load(config)
+    hidden = _hidden_size(model)  # resolves the hidden-size "auto" values, as HF does
+    first = Config.load(config, hidden_size=hidden)
     ensure_process_group(first.zeromem.timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
     runtime = Runtime.from_env(dp_group, first.zeromem.gather_timeout_s)  # env read here only
     layout = node_layout(first, world, runtime.ranks_per_node)  # nodes split the ledger
     comm = Comm(dp_group, default_store(), layout)
-    cfg = Config.load(config, world_size=comm.world_size)
+    cfg = Config.load(config, world_size=comm.world_size, hidden_size=hidden)
     check_supported_keys(cfg)
     check_ranks_agree(cfg, model, comm, partitions)  # before any collective that a mismatch would hang
     engine = Engine(model, cfg, comm, model_parameters, optimizer, lr_scheduler, tuple(fetch_units),
                     mp_group, partitions, runtime)
     LIFECYCLE.register(engine)  # closed at exit / SIGTERM unless closed before
     return engine
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    """A Hugging Face model's hidden size (the largest of `hidden_sizes` where it has
+    several), which HF's Trainer fills the config's hidden-size "auto" values from; None
+    for other models, whose "auto" values are refused by name."""
+    config = getattr(model, "config", None)
+    sizes = getattr(config, "hidden_sizes", None)
+    size = max(sizes) if sizes else getattr(config, "hidden_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None

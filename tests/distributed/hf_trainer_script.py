@@ -9,8 +9,8 @@ runs HF's own ds_config_zero2.json (losses, save_model, resume_from_checkpoint)
 and ds_config_zero3.json (the model loaded by `from_pretrained` under `zero.Init`;
 then again with both offloads on NVMe; then `evaluate()` alone, which builds the
 engine with no optimizer; then PEFT LoRA on the model loaded under Init), an
-Accelerate loop with a DeepSpeed plugin, and TRL's generation under ZeRO-3 between
-training steps. Rank 0 writes JSON results.
+Accelerate loop with a DeepSpeed plugin, TRL's generation under ZeRO-3 between
+training steps, and TRL's GRPOTrainer. Rank 0 writes JSON results.
 
 The Trainer accumulates GAS micro-batches per step, as its users mostly do: an epoch
 of 16 micro-batches a rank ends in a window of one (Accelerate announces each boundary
@@ -231,6 +231,38 @@ def trl_generation() -> list:
     return steps
 
 
+GRPO_STEPS = 4
+
+
+def grpo(name: str, deepspeed: str | None) -> list[dict]:
+    """TRL's GRPOTrainer as its users run it (HF's ds_config_zero3.json: both offloads, the
+    reference model built by TRL under zero.Init with "auto" sizes), rewarding longer
+    completions: per step its loss, gradient norm, reward and KL to the reference."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from trl import GRPOConfig, GRPOTrainer
+
+    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t1",
+                                                     pad_token="t0", eos_token="t0")
+    prompts = [" ".join(f"t{int(v)}" for v in row[:PROMPT]) for row in Tokens(16).ids]
+    extra = {**cpu_deepspeed_state(), "deepspeed": deepspeed} if deepspeed else {}
+    args = GRPOConfig(output_dir=str(OUT / name), per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=NEW_TOKENS, max_steps=GRPO_STEPS,
+                      learning_rate=LR, beta=0.1, bf16=False, logging_steps=1, report_to=[],
+                      seed=0, use_cpu=deepspeed is None, save_strategy="no", disable_tqdm=True,
+                      **extra)
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer,
+                          reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                          train_dataset=Dataset.from_dict({"prompt": prompts}),
+                          optimizers=(None, None) if deepspeed else ddp_optimizers(model))
+    trainer.train()
+    return [{k: h[k] for k in ("loss", "grad_norm", "reward", "kl")}
+            for h in trainer.state.log_history if "loss" in h]
+
+
 def trl_reference() -> list:
     """`trl_generation` in one process: both prompts generated, the mean loss stepped, the
     reference model's loss on what was generated."""
@@ -350,6 +382,7 @@ def main() -> None:
         write("ddp", {"losses": ddp["losses"], "grad_norms": ddp["grad_norms"],
                       "hf_optimizer": {k: own[k] for k in ("losses", "grad_norms", "lrs")},
                       "late_install": late_install(), "lora": lora("ddp_lora", None),
+                      "grpo": grpo("ddp_grpo", None),
                       "eval_loss": evaluate("ddp_eval", None)})
         return
     zero2 = str(CONFIGS / "ds_config_zero2.json")
@@ -365,6 +398,7 @@ def main() -> None:
     # leaves lets the single-process references build their models whole
     adapted = lora("zero3_lora", str(CONFIGS / "ds_config_zero3.json"))
     generated = trl_generation()
+    grpo_steps = grpo("zero3_grpo", str(CONFIGS / "ds_config_zero3.json"))
     write("zeromem", {"deepspeed": deepspeed_as_hf_sees_it(),
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
@@ -374,7 +408,7 @@ def main() -> None:
                                      (("zero2", run), ("zero3", zero3), ("zero3_nvme", zero3_nvme))},
                       "zero3_eval_loss": evaluate("zero3_eval", str(CONFIGS / "ds_config_zero3.json")),
                       "zero2_held": run["held"], "accelerate": accelerate_losses(),
-                      "lora": adapted, "trl": generated,
+                      "lora": adapted, "trl": generated, "grpo": grpo_steps,
                       "single_process": single_process_losses(),
                       "trl_reference": trl_reference()})
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import types
 import warnings
 
 import pytest
@@ -247,12 +248,34 @@ def _client_optimizers(deepspeed, rank, world_size, tmp) -> None:
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+def _auto_sizes(deepspeed, rank, world_size, tmp) -> None:
+    """HF's configs leave the hidden-size sizes "auto"; a model passed to `initialize` before
+    HF's Trainer fills them (TRL's reference models) has them read from its
+    `config.hidden_size` (the largest of `hidden_sizes`), as HF fills them; a model without
+    one is refused, naming the key."""
+    from zeromem.config.schema import ConfigError
+    auto = {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto"}
+    for config, want in ((types.SimpleNamespace(hidden_size=8), 8),
+                         (types.SimpleNamespace(hidden_sizes=[4, 12, 8]), 12)):
+        net = _net()
+        net.config = config
+        engine, *_ = deepspeed.initialize(model=net, config=_cfg(3, zero_optimization=auto))
+        zero = engine.engine.config.zero_optimization
+        assert (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size,
+                zero.stage3_param_persistence_threshold) == (want * want, int(0.9 * want * want),
+                                                             10 * want)
+    with pytest.raises(ConfigError, match="reduce_bucket_size is \"auto\""):
+        deepspeed.initialize(model=_net(), config=_cfg(3, zero_optimization=auto))
+
+
 def _cases(rank: int, world_size: int, tmp: str) -> None:
     import zeromem.deepspeed as deepspeed
     _client_optimizers(deepspeed, rank, world_size, tmp)
     _getters_and_module(deepspeed, rank, world_size, tmp)
     _keywords(deepspeed, rank, world_size, tmp)
     _submodules(deepspeed, rank, world_size, tmp)
+    _auto_sizes(deepspeed, rank, world_size, tmp)
 
 
 def test_deepspeed_api_surface(tmp_path):

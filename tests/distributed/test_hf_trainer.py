@@ -151,6 +151,20 @@ def test_trl_generation_under_zero3_matches_one_process(runs):
         assert abs(got[2] - want[2]) < TOLERANCE  # the frozen reference model's
 
 
+def test_trl_grpo_trainer_matches_ddp(runs):
+    """GRPOTrainer under HF's zero3 config: its reference model is built by TRL before the
+    Trainer fills the config's hidden-size "auto" values, which zeromem refused until stop
+    34 (it now reads the hidden size from the model, as HF's Trainer does). Every step's
+    loss, gradient norm, reward and KL equal the DDP GRPOTrainer's (its schedule: lr 0 for
+    two steps, as DeepSpeed's WarmupLR with no warmup steps gives, then the KL moves)."""
+    pytest.importorskip("trl")
+    ddp, zero = runs[1]["grpo"], runs[2]["grpo"]
+    assert len(ddp) == 4 and ddp[-1]["kl"] > 0
+    for got, want in zip(zero, ddp):
+        for key in ("loss", "grad_norm", "reward", "kl"):
+            assert abs(got[key] - want[key]) < TOLERANCE, (key, got, want)
+
+
 def test_accelerate_deepspeed_plugin_matches_one_process(runs):
     zero = runs[2]
     assert len(zero["accelerate"]) == 12  # 6 steps of 2 micro-batches
