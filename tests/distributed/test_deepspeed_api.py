@@ -269,6 +269,52 @@ def _auto_sizes(deepspeed, rank, world_size, tmp) -> None:
         deepspeed.initialize(model=_net(), config=_cfg(3, zero_optimization=auto))
 
 
+class _WeightNormed(nn.Module):
+    """HF's wav2vec2 / HuBERT positional convolution under ZeRO-3: its constructor, run
+    inside `zero.Init`, gathers the convolution's weight to re-parametrize it
+    (`weight_norm`: two new parameters replace the weight) and registers them as external."""
+
+    def __init__(self, deepspeed=None):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, kernel_size=3, padding=1, groups=2)
+        weight_norm = nn.utils.parametrizations.weight_norm
+        if deepspeed is None:
+            self.conv = weight_norm(self.conv, name="weight", dim=2)
+            return
+        with deepspeed.zero.GatheredParameters(self.conv.weight, modifier_rank=0):
+            self.conv = weight_norm(self.conv, name="weight", dim=2)
+        for p in self.conv.parametrizations.weight.parameters():
+            deepspeed.zero.register_external_parameter(self, p)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def _built_under_init(deepspeed, rank, world_size, tmp) -> None:
+    """The module above built under Init trains at stage 3 as one process trains it plainly
+    (until stop 34 the gathered weight read empty inside Init, and weight_norm failed)."""
+    cfg = _cfg(3, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        built = _WeightNormed(deepspeed)
+    torch.manual_seed(0)
+    plain = _WeightNormed()
+    engine, *_ = deepspeed.initialize(model=built, config=cfg)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.5)
+    for step in range(2):
+        torch.manual_seed(50 + step)
+        xs = torch.randn(world_size, 2, 4, 5)
+        engine.backward(engine(xs[rank]).square().mean())
+        engine.step()
+        sum(plain(x).square().mean() for x in xs).div(world_size).backward()
+        opt.step()
+        opt.zero_grad()
+    full = engine.engine.full_state_dict()
+    if rank == 0:
+        for key, value in plain.state_dict().items():
+            torch.testing.assert_close(full[key], value, rtol=0, atol=1e-6, msg=key)
+
+
 def _cases(rank: int, world_size: int, tmp: str) -> None:
     import zeromem.deepspeed as deepspeed
     _client_optimizers(deepspeed, rank, world_size, tmp)
@@ -276,6 +322,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> None:
     _keywords(deepspeed, rank, world_size, tmp)
     _submodules(deepspeed, rank, world_size, tmp)
     _auto_sizes(deepspeed, rank, world_size, tmp)
+    _built_under_init(deepspeed, rank, world_size, tmp)
 
 
 def test_deepspeed_api_surface(tmp_path):

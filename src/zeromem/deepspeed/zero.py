@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+from torch import nn
+
 from ..flat import ZeroParamStatus
 from ..stage3 import partitioned_init as partition
 
@@ -51,4 +53,16 @@ class GatheredParameters(partition.GatheredParameters):
         super().__init__(params, modifier_rank=modifier_rank, enabled=enabled)
 
 
-__all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's way to say that `module`'s forward uses `parameter`, which another module
+    owns (HF's wav2vec2 / HuBERT positional convolution registers its weight-norm
+    parameters so). Nothing to do: zeromem traces which parameters each forward uses
+    (stage3/fetch.py) and gathers them with the unit that uses them."""
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """The undoing of `register_external_parameter`: nothing to undo."""
+
+
+__all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
+           "unregister_external_parameter"]

@@ -111,6 +111,7 @@ class Partitions:
 
     def __init__(self) -> None:
         self.shards = _WeakById()  # parameter -> ParamShard, for parameters built under Init
+        self.whole = _WeakById()   # the ones `unshard` made whole, until `reshard`
         self.units = _WeakById()   # parameter -> stage3.ShardedUnit of a live engine
 
     def add_units(self, units: Iterable) -> None:
@@ -140,6 +141,7 @@ class Partitions:
 
     def unshard(self, p: nn.Parameter, comm: Comm) -> None:
         """Make `p` whole (collective) until `reshard`."""
+        self.whole[p] = True  # first: under Init, the assignment below is an op on `p` too
         p.data = self.gather_whole(p, comm)
         p.ds_status = ZeroParamStatus.AVAILABLE  # type: ignore[attr-defined]
 
@@ -165,6 +167,8 @@ class Partitions:
             comm.broadcast(flat, src_rank)
         entry.home.write(flat[layout.shard_offset:layout.shard_offset + layout.shard_numel])
         p.data = p.data.new_empty(0)
+        if p in self.whole:
+            del self.whole[p]
         p.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
 
     def materialize(self, params: Iterable[nn.Parameter], comm: Comm) -> None:
@@ -172,7 +176,7 @@ class Partitions:
         for p in params:
             if p in self.shards:
                 self.unshard(p, comm)
-                del self.shards[p]
+                del self.shards[p], self.whole[p]
 
     def full_numel(self, p: nn.Parameter) -> int:
         """Elements of `p` whole, also while `Init` holds only its shard."""
@@ -380,8 +384,10 @@ class _WholeWhileTouched(TorchFunctionMode):
     def _touched(self, leaves: list) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, buffer to gather it into) for each partitioned parameter an op reaches."""
         params = {}
-        shards = self.init.partitions.shards
+        shards, whole = self.init.partitions.shards, self.init.partitions.whole
         for a in leaves:
+            if isinstance(a, nn.Parameter) and a in whole:
+                continue  # whole already (GatheredParameters): the op runs on it as it is
             if isinstance(a, nn.Parameter) and a in shards:
                 params[id(a)] = a
             elif isinstance(a, torch.Tensor) and a in self.views:
