@@ -9,6 +9,8 @@ The same calls on a zeromem checkpoint: tests/distributed/test_param_states.py.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,6 +60,20 @@ def test_deepspeed_checkpoints_read_whole(name, tmp_path):
     for key, value in read.items():
         torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)
     assert read.keys() == state.keys() - {"head.weight"}  # its source's file holds the tie
+
+
+def test_the_command_deepspeed_copies_into_checkpoints(tmp_path):
+    """`python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR`, as DeepSpeed users run it."""
+    src, _ = deepspeed_case("stage3_ws2_fp32")
+    run = subprocess.run([sys.executable, "-m", "zeromem.deepspeed.utils.zero_to_fp32", str(src),
+                          str(tmp_path / "out"), "-t", "global_step3"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    saved = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    want = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(src)
+    assert saved.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(saved[key], value, rtol=0, atol=0, msg=key)
 
 
 def test_unsupported_flags_are_refused_by_name():

@@ -6,12 +6,18 @@ keys are the trained module's `state_dict()` keys, trained parameters from the f
 masters, tied keys one tensor. `checkpoint_dir` is the directory saved into (holding
 `latest` and the tag directories); `tag` defaults to what `latest` names.
 
+As a command, the one DeepSpeed copies into each checkpoint as `zero_to_fp32.py`:
+
+    python -m zeromem.deepspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR
+        [--max_shard_size 5GB] [--safe_serialization] [-t TAG]
+
 Not supported, refused by name: `exclude_frozen_parameters=True` (a zeromem checkpoint
 does not tell frozen parameters from buffers; save with
 `exclude_frozen_parameters=True` instead) and `lazy_mode=True`.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -92,5 +98,27 @@ def _shard_names(name: str, count: int) -> list[str]:
     return [f"{stem}-{i:05d}-of-{count:05d}{dot}{suffix}" for i in range(1, count + 1)]
 
 
+def main(argv: list[str] | None = None) -> None:
+    """DeepSpeed's `zero_to_fp32.py` command line (its arguments, `--debug` accepted)."""
+    parser = argparse.ArgumentParser(description="a ZeRO checkpoint as fp32 state dict files")
+    parser.add_argument("checkpoint_dir", help="the directory saved into (holding `latest`)")
+    parser.add_argument("output_dir", help="where the state dict files go")
+    parser.add_argument("--max_shard_size", default="5GB")
+    parser.add_argument("--safe_serialization", action="store_true")
+    parser.add_argument("-t", "--tag", default=None)
+    parser.add_argument("--exclude_frozen_parameters", action="store_true")
+    parser.add_argument("-d", "--debug", action="store_true")
+    args = parser.parse_args(argv)
+    convert_zero_checkpoint_to_fp32_state_dict(
+        args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
+        safe_serialization=args.safe_serialization, tag=args.tag,
+        exclude_frozen_parameters=args.exclude_frozen_parameters)
+
+
+
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "convert_zero_checkpoint_to_fp32_state_dict"]
+
+
+if __name__ == "__main__":
+    main()
