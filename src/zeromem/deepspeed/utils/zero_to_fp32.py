@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> None:
         exclude_frozen_parameters=args.exclude_frozen_parameters)
 
 
-
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "convert_zero_checkpoint_to_fp32_state_dict"]
 
