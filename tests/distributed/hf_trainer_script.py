@@ -41,6 +41,8 @@ GAS, SAMPLES = 3, 64  # 2 ranks x BATCH: 16 micro-batches a rank, 6 steps (5 x 3
 # HF's own optimizer and schedule (a config without them): warmup then linear decay, and
 # weight decay, which HF's AdamW leaves off biases and LayerNorms (two param groups)
 HF_SCHEDULE = {"lr_scheduler_type": "linear", "warmup_steps": 2, "weight_decay": 0.1}
+# TrainingArguments(torch_compile=True): Accelerate then calls DeepSpeed's engine.compile
+COMPILE = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
 RANK = int(os.environ.get("RANK", 0))
 
 
@@ -379,9 +381,11 @@ def main() -> None:
     if MODE == "ddp":
         ddp = train("ddp", None)
         own = train("ddp_hf_optimizer", None, hf_optimizer=True, **HF_SCHEDULE)
+        compiled = train("ddp_compile", None, **COMPILE)
         write("ddp", {"losses": ddp["losses"], "grad_norms": ddp["grad_norms"],
                       "hf_optimizer": {k: own[k] for k in ("losses", "grad_norms", "lrs")},
                       "late_install": late_install(), "lora": lora("ddp_lora", None),
+                      "compiled": compiled["losses"],
                       "grpo": grpo("ddp_grpo", None),
                       "eval_loss": evaluate("ddp_eval", None)})
         return
@@ -398,6 +402,9 @@ def main() -> None:
     # leaves lets the single-process references build their models whole
     adapted = lora("zero3_lora", str(CONFIGS / "ds_config_zero3.json"))
     generated = trl_generation()
+    compiled = train("zero3_compile", str(CONFIGS / "ds_config_zero3.json"), **COMPILE)
+    engine = compiled["trainer"].model_wrapped
+    compiled_in_place = engine.is_compiled and engine.module._compiled_call_impl is not None
     grpo_steps = grpo("zero3_grpo", str(CONFIGS / "ds_config_zero3.json"))
     write("zeromem", {"deepspeed": deepspeed_as_hf_sees_it(),
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
@@ -409,6 +416,7 @@ def main() -> None:
                       "zero3_eval_loss": evaluate("zero3_eval", str(CONFIGS / "ds_config_zero3.json")),
                       "zero2_held": run["held"], "accelerate": accelerate_losses(),
                       "lora": adapted, "trl": generated, "grpo": grpo_steps,
+                      "compiled": compiled["losses"], "compiled_in_place": compiled_in_place,
                       "single_process": single_process_losses(),
                       "trl_reference": trl_reference()})
 

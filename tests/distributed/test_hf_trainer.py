@@ -165,6 +165,16 @@ def test_trl_grpo_trainer_matches_ddp(runs):
             assert abs(got[key] - want[key]) < TOLERANCE, (key, got, want)
 
 
+def test_torch_compile_under_zero3_matches_ddp(runs):
+    """`TrainingArguments(torch_compile=True)` makes Accelerate call DeepSpeed's
+    `engine.compile(backend=, compile_kwargs=)`, which zeromem's engine lacked until stop
+    34 (nn.Module.compile refused `compile_kwargs`). The model is compiled in place and
+    trains as the compiled DDP Trainer does."""
+    ddp, zero = runs[1], runs[2]
+    assert zero["compiled_in_place"]
+    assert _max_difference(zero["compiled"], ddp["compiled"]) < TOLERANCE
+
+
 def test_accelerate_deepspeed_plugin_matches_one_process(runs):
     zero = runs[2]
     assert len(zero["accelerate"]) == 12  # 6 steps of 2 micro-batches

@@ -265,6 +265,22 @@ class DeepSpeedEngine(nn.Module):
         """Release offload storage; the engine must not be used afterwards."""
         self.engine.close()
 
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None,
+                schedule: Any = None) -> None:
+        """DeepSpeed's `engine.compile(backend=, compile_kwargs=)`, which Accelerate calls for
+        a dynamo backend (HF's `TrainingArguments(torch_compile=True)`): the model is
+        compiled in place (`nn.Module.compile`); stage 3's hooks stay outside the compiled
+        regions (stage3/fetch.py). DeepCompile's `schedule` is not supported."""
+        if schedule is not None:
+            raise NotImplementedError("engine.compile(schedule=...): DeepCompile schedules are "
+                                      "not supported; compile without one")
+        self.module.compile(backend=backend, **(compile_kwargs or {}))
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.__dict__.get("_compiled", False)
+
 
 def _refuse_unsupported(**given: tuple[Any, Any]) -> None:
     """DeepSpeed keyword arguments zeromem does not honour: an error when set away from the
