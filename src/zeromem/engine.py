@@ -436,6 +436,11 @@ class Engine:
         return MemoryReport(ledger.as_dict(), formula, self.psi, self.dp_world_size,
                             self.zero_stage, self.comm.buffer_bytes_peak)
 
+    def empty_partition_cache(self) -> None:
+        """Stage 3: release every gathered parameter not held by GatheredParameters."""
+        if self.stage3 is not None:
+            self.stage3.release_all()
+
     def close(self, barrier_timeout_s: float = 10.0) -> None:
         """Finish and drop collectives in flight, meet the other ranks (bounded wait),
         and release offload storage (swap files). Also run at exit and on SIGTERM."""

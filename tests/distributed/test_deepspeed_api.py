@@ -315,6 +315,31 @@ def _built_under_init(deepspeed, rank, world_size, tmp) -> None:
             torch.testing.assert_close(full[key], value, rtol=0, atol=1e-6, msg=key)
 
 
+def _empty_partition_cache(deepspeed, rank, world_size, tmp) -> None:
+    """DeepSpeed-Chat and OpenRLHF call `empty_partition_cache()` after generation: every
+    unit, the persistent (small) ones too, goes back to its shard, and training goes on
+    as one process's (the next forward gathers what it uses)."""
+    engine, *_ = deepspeed.initialize(model=_net(), config=_cfg(3))  # small: all persistent
+    plain = _net()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.5)
+    units = engine.engine.stage3.units
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        x = torch.randn(2, 4)  # the same batch on every rank: the mean is one process's
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        plain(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert units and all(u.persistent and u.full is not None for u in units)
+        engine.empty_partition_cache()
+        assert all(u.full is None for u in units)
+    full = engine.engine.full_state_dict()
+    if rank == 0:
+        for key, value in plain.state_dict().items():
+            torch.testing.assert_close(full[key], value, rtol=0, atol=1e-6, msg=key)
+
+
 def _cases(rank: int, world_size: int, tmp: str) -> None:
     import zeromem.deepspeed as deepspeed
     _client_optimizers(deepspeed, rank, world_size, tmp)
@@ -323,6 +348,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> None:
     _submodules(deepspeed, rank, world_size, tmp)
     _auto_sizes(deepspeed, rank, world_size, tmp)
     _built_under_init(deepspeed, rank, world_size, tmp)
+    _empty_partition_cache(deepspeed, rank, world_size, tmp)
 
 
 def test_deepspeed_api_surface(tmp_path):

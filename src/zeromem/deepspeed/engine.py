@@ -261,6 +261,11 @@ class DeepSpeedEngine(nn.Module):
     def memory_report(self):
         return self.engine.memory_report()
 
+    def empty_partition_cache(self) -> None:
+        """Give back the memory of gathered stage-3 parameters (DeepSpeed-Chat and OpenRLHF
+        call it after generation); persistent ones are gathered again by the next forward."""
+        self.engine.empty_partition_cache()
+
     def destroy(self) -> None:
         """Release offload storage; the engine must not be used afterwards."""
         self.engine.close()

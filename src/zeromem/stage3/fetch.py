@@ -208,6 +208,7 @@ class FetchSchedule:
         self.tracing: _Tracing | None = None  # on while this pass's order is not known
         self.busy = False  # inside our own hooks: the tracer must not see our tensor ops
         self.root = root
+        self.persistent_released = False  # `release_all` dropped them since the last forward
         self.handles = [root.register_forward_pre_hook(self._start_forward, with_kwargs=True)]
         # Modules that gather something are hooked for good; the others only while the
         # tracer needs to know which module runs (each hook costs a few microseconds).
@@ -226,11 +227,25 @@ class FetchSchedule:
         for unit in self.units:
             unit.new_step()  # hpZ's secondary copies hold the old weights
             unit.reshard(force=True)
+        self._gather_persistent()
+
+    def _gather_persistent(self) -> None:
+        self.persistent_released = False
         persistent = [u for u in self.units if u.persistent]
         for unit in persistent:  # every re-gather in flight at once, then wait for each
             unit.unshard()
         for unit in persistent:
             unit.wait()
+
+    def release_all(self) -> None:
+        """Every unit not pinned by GatheredParameters back to its shard, persistent ones
+        too (gathered again when the next forward starts): DeepSpeed's
+        `empty_partition_cache`, which RLHF loops call after generation to give the memory
+        back."""
+        for unit in self.units:
+            if not unit.pins:
+                unit.reshard(force=True)
+        self.persistent_released = True  # no hook gathers them: the next forward's start does
 
     # -- hooks on modules -------------------------------------------------------
     def _hook_module(self, module: nn.Module) -> None:
@@ -387,6 +402,8 @@ class FetchSchedule:
     def _start_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._stop_tracing()  # still on if the last forward raised
         self.module_stack.clear()
+        if self.persistent_released:
+            self._gather_persistent()
         kind = "forward" if torch.is_grad_enabled() else "eval"
         self.start_pass((kind, module.training, _branch_flags(args, kwargs)))
 
