@@ -340,6 +340,54 @@ def _empty_partition_cache(deepspeed, rank, world_size, tmp) -> None:
             torch.testing.assert_close(full[key], value, rtol=0, atol=1e-6, msg=key)
 
 
+class _Experts(nn.Module):
+    """A sparse MoE block: each sample goes to the expert its gate picks, so the experts a
+    rank runs, and their order, depend on its data."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(4, 3)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        choice = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i in choice.unique().tolist():  # only the experts some sample chose
+            out[choice == i] = self.experts[i](x[choice == i])
+        return x + out
+
+
+def _leaf_modules(deepspeed, rank, world_size, tmp) -> None:
+    """`deepspeed.utils.set_z3_leaf_modules(model, [MoEBlock])`, as MoE recipes (and
+    Accelerate's transformer_moe_cls_names) call it: each block is gathered whole, so ranks
+    whose samples pick different experts still gather the same units, and train as one
+    process on both ranks' batches."""
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), _Experts(), nn.Linear(4, 2))
+    model, plain = net(), net()
+    leaves = deepspeed.utils.set_z3_leaf_modules(model, [_Experts])
+    assert leaves == [model[1]] and deepspeed.utils.get_z3_leaf_modules(model) == leaves
+    engine, *_ = deepspeed.initialize(model=model, config=_cfg(3, zero_optimization={
+        "stage": 3, "stage3_param_persistence_threshold": 0}))
+    assert "_Experts" in engine.engine.fetch_unit_report
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.5)
+    for step in range(2):
+        torch.manual_seed(70 + step)
+        xs = torch.randn(world_size, 2, 4) * (1 + torch.arange(world_size).view(-1, 1, 1))
+        engine.backward(engine(xs[rank]).square().mean())
+        engine.step()
+        sum(plain(x).square().mean() for x in xs).div(world_size).backward()
+        opt.step()
+        opt.zero_grad()
+    full = engine.engine.full_state_dict()
+    if rank == 0:
+        for key, value in plain.state_dict().items():
+            torch.testing.assert_close(full[key], value, rtol=0, atol=1e-6, msg=key)
+    with pytest.raises(ValueError, match="no module of class"):
+        deepspeed.utils.set_z3_leaf_modules(net(), ["NoSuchBlock"])
+
+
 def _cases(rank: int, world_size: int, tmp: str) -> None:
     import zeromem.deepspeed as deepspeed
     _client_optimizers(deepspeed, rank, world_size, tmp)
@@ -349,6 +397,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> None:
     _auto_sizes(deepspeed, rank, world_size, tmp)
     _built_under_init(deepspeed, rank, world_size, tmp)
     _empty_partition_cache(deepspeed, rank, world_size, tmp)
+    _leaf_modules(deepspeed, rank, world_size, tmp)
 
 
 def test_deepspeed_api_surface(tmp_path):

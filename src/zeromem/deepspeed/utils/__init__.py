@@ -16,7 +16,9 @@ Differences from DeepSpeed, chosen so that a reading is what the step uses:
   DeepSpeed's waits for the next step;
 - the local calls work at every stage (this rank's piece of the parameter, 1-D).
 Parameters no engine trains (frozen ones) give None, as in DeepSpeed.
-`deepspeed.utils.zero_to_fp32` reads checkpoints (its own module).
+`set_z3_leaf_modules(model, [MoEBlock])` flags modules that `deepspeed.initialize` then
+gathers as one fetch unit each. `deepspeed.utils.zero_to_fp32` reads checkpoints (its own
+module).
 """
 from __future__ import annotations
 
@@ -132,7 +134,47 @@ def safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor,
     _set_local(param, optim_state_key, value)
 
 
-__all__ = ["logger", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
+# -- ZeRO-3 leaf modules (DeepSpeed's z3_leaf_module) ----------------------------------
+def set_z3_leaf_module(module: nn.Module, flag: bool) -> None:
+    """Flag (or unflag) one module as a ZeRO-3 leaf: `initialize` gathers its parameters,
+    its children's included, as one fetch unit (DeepSpeed's `_z3_leaf` attribute)."""
+    module._z3_leaf = flag  # type: ignore[assignment]
+
+
+def z3_leaf_module(module: nn.Module) -> bool:
+    return bool(getattr(module, "_z3_leaf", False))
+
+
+def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if z3_leaf_module(m)]
+
+
+def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: list) -> list[nn.Module]:
+    """Flag every module of `model` whose class is in `leaf_module_classes` (classes or class
+    names), as MoE recipes do for their sparse blocks (Accelerate: `transformer_moe_cls_names`):
+    its experts, which each rank runs in its own order, are gathered together on entry, so
+    ranks routing differently still gather the same units. Returns the modules flagged."""
+    return _flag_classes(model, leaf_module_classes, True)
+
+
+def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: list) -> list[nn.Module]:
+    return _flag_classes(model, leaf_module_classes, False)
+
+
+def _flag_classes(model: nn.Module, classes: list, flag: bool) -> list[nn.Module]:
+    if not all(isinstance(c, (type, str)) for c in classes):
+        raise TypeError(f"leaf_module_classes must be classes or class names, got {classes}")
+    found = [m for m in model.modules()
+             if any(type(m) is c or type(m).__name__ == c for c in classes)]
+    if not found:
+        raise ValueError(f"no module of class {classes} in {type(model).__name__}")
+    for m in found:
+        set_z3_leaf_module(m, flag)
+    return found
+
+
+__all__ = ["logger", "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
+           "z3_leaf_module", "set_z3_leaf_module", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
            "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
            "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_grad",
            "safe_set_local_grad", "safe_get_local_fp32_param", "safe_set_local_fp32_param",
