@@ -269,6 +269,24 @@ def _auto_sizes(deepspeed, rank, world_size, tmp) -> None:
         deepspeed.initialize(model=_net(), config=_cfg(3, zero_optimization=auto))
 
 
+def _beside_one_process(engine, plain: nn.Module, rank: int, batches, steps: int = 2) -> None:
+    """Train `engine` on rank r's batch r of `batches()` and `plain` (SGD as `_cfg`'s) on
+    their mean, `steps` times; then the engine's full weights are `plain`'s (rank 0)."""
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.5)
+    for step in range(steps):
+        torch.manual_seed(50 + step)
+        xs = batches()
+        engine.backward(engine(xs[rank]).square().mean())
+        engine.step()
+        sum(plain(x).square().mean() for x in xs).div(len(xs)).backward()
+        opt.step()
+        opt.zero_grad()
+    full = engine.engine.full_state_dict()
+    if rank == 0:
+        for key, value in plain.state_dict().items():
+            torch.testing.assert_close(full[key], value, rtol=0, atol=1e-6, msg=key)
+
+
 class _WeightNormed(nn.Module):
     """HF's wav2vec2 / HuBERT positional convolution under ZeRO-3: its constructor, run
     inside `zero.Init`, gathers the convolution's weight to re-parametrize it
@@ -300,19 +318,7 @@ def _built_under_init(deepspeed, rank, world_size, tmp) -> None:
     torch.manual_seed(0)
     plain = _WeightNormed()
     engine, *_ = deepspeed.initialize(model=built, config=cfg)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.5)
-    for step in range(2):
-        torch.manual_seed(50 + step)
-        xs = torch.randn(world_size, 2, 4, 5)
-        engine.backward(engine(xs[rank]).square().mean())
-        engine.step()
-        sum(plain(x).square().mean() for x in xs).div(world_size).backward()
-        opt.step()
-        opt.zero_grad()
-    full = engine.engine.full_state_dict()
-    if rank == 0:
-        for key, value in plain.state_dict().items():
-            torch.testing.assert_close(full[key], value, rtol=0, atol=1e-6, msg=key)
+    _beside_one_process(engine, plain, rank, lambda: torch.randn(world_size, 2, 4, 5))
 
 
 def _empty_partition_cache(deepspeed, rank, world_size, tmp) -> None:
@@ -371,19 +377,8 @@ def _leaf_modules(deepspeed, rank, world_size, tmp) -> None:
     engine, *_ = deepspeed.initialize(model=model, config=_cfg(3, zero_optimization={
         "stage": 3, "stage3_param_persistence_threshold": 0}))
     assert "_Experts" in engine.engine.fetch_unit_report
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.5)
-    for step in range(2):
-        torch.manual_seed(70 + step)
-        xs = torch.randn(world_size, 2, 4) * (1 + torch.arange(world_size).view(-1, 1, 1))
-        engine.backward(engine(xs[rank]).square().mean())
-        engine.step()
-        sum(plain(x).square().mean() for x in xs).div(world_size).backward()
-        opt.step()
-        opt.zero_grad()
-    full = engine.engine.full_state_dict()
-    if rank == 0:
-        for key, value in plain.state_dict().items():
-            torch.testing.assert_close(full[key], value, rtol=0, atol=1e-6, msg=key)
+    spread = 1 + torch.arange(world_size).view(-1, 1, 1)  # the ranks' gates pick apart
+    _beside_one_process(engine, plain, rank, lambda: torch.randn(world_size, 2, 4) * spread)
     with pytest.raises(ValueError, match="no module of class"):
         deepspeed.utils.set_z3_leaf_modules(net(), ["NoSuchBlock"])
 

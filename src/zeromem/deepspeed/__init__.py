@@ -138,8 +138,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     factory, model_parameters = _optimizer_factory(optimizer, model_parameters)
     resolved = _resolve_config(args, config, config_params)
+    # modules flagged by utils.set_z3_leaf_modules (MoE blocks) are gathered as one unit each
+    leaves = tuple({type(m): None for m in utils.get_z3_leaf_modules(model)})
     native = _native_initialize(model, resolved, model_parameters=model_parameters,
-                                optimizer=factory, lr_scheduler=lr_scheduler)
+                                optimizer=factory, lr_scheduler=lr_scheduler, fetch_units=leaves)
     engine = DeepSpeedEngine(native, resolved if isinstance(resolved, dict) else None)
     loader = (_training_dataloader(engine, training_data, collate_fn)
               if training_data is not None else None)
