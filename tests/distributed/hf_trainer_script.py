@@ -60,6 +60,17 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+class RaggedTokens(Tokens):
+    """Tokens whose labels end in padding (-100) after 2 to 7 real tokens: the Trainer then
+    averages the loss over the tokens of all ranks and micro-batches (num_items_in_batch),
+    not over the batches."""
+
+    def __getitem__(self, i: int) -> dict:
+        labels = self.ids[i].clone()
+        labels[2 + (i * 7) % (SEQ - 2):] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
 def init_model_dir() -> Path:
     """A tiny GPT-2 saved once (rank 0), so every run starts from the same weights."""
     path = OUT / "init"
@@ -98,7 +109,7 @@ def training_args(name: str, deepspeed: str | None, **extra) -> transformers.Tra
 
 
 def train(name: str, deepspeed: str | None, resume: str | None = None,
-          hf_optimizer: bool = False, **extra) -> dict:
+          hf_optimizer: bool = False, data: Dataset | None = None, **extra) -> dict:
     """One Trainer run: per-step losses, gradient norms and lr, parameter elements this rank
     holds after `from_pretrained`, and the trainer (for saving). `hf_optimizer`: the DDP
     Trainer builds its own optimizer and schedule, as HF does for a config without them."""
@@ -106,7 +117,8 @@ def train(name: str, deepspeed: str | None, resume: str | None = None,
     model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
     held = sum(p.numel() for p in model.parameters())
     own = deepspeed is not None or hf_optimizer
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(SAMPLES),
+    trainer = transformers.Trainer(model=model, args=args,
+                                   train_dataset=Tokens(SAMPLES) if data is None else data,
                                    optimizers=(None, None) if own else ddp_optimizers(model))
     trainer.train(resume_from_checkpoint=resume)
     logged = {key: {h["step"]: h[key] for h in trainer.state.log_history if key in h}
@@ -382,10 +394,12 @@ def main() -> None:
         ddp = train("ddp", None)
         own = train("ddp_hf_optimizer", None, hf_optimizer=True, **HF_SCHEDULE)
         compiled = train("ddp_compile", None, **COMPILE)
+        ragged = train("ddp_ragged", None, data=RaggedTokens(SAMPLES))
         write("ddp", {"losses": ddp["losses"], "grad_norms": ddp["grad_norms"],
                       "hf_optimizer": {k: own[k] for k in ("losses", "grad_norms", "lrs")},
                       "late_install": late_install(), "lora": lora("ddp_lora", None),
                       "compiled": compiled["losses"],
+                      "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
                       "grpo": grpo("ddp_grpo", None),
                       "eval_loss": evaluate("ddp_eval", None)})
         return
@@ -403,6 +417,8 @@ def main() -> None:
     adapted = lora("zero3_lora", str(CONFIGS / "ds_config_zero3.json"))
     generated = trl_generation()
     compiled = train("zero3_compile", str(CONFIGS / "ds_config_zero3.json"), **COMPILE)
+    ragged = train("zero3_ragged", str(CONFIGS / "ds_config_zero3.json"),
+                   data=RaggedTokens(SAMPLES))
     engine = compiled["trainer"].model_wrapped
     compiled_in_place = engine.is_compiled and engine.module._compiled_call_impl is not None
     grpo_steps = grpo("zero3_grpo", str(CONFIGS / "ds_config_zero3.json"))
@@ -417,6 +433,7 @@ def main() -> None:
                       "zero2_held": run["held"], "accelerate": accelerate_losses(),
                       "lora": adapted, "trl": generated, "grpo": grpo_steps,
                       "compiled": compiled["losses"], "compiled_in_place": compiled_in_place,
+                      "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
                       "single_process": single_process_losses(),
                       "trl_reference": trl_reference()})
 

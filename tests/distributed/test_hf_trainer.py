@@ -165,6 +165,16 @@ def test_trl_grpo_trainer_matches_ddp(runs):
             assert abs(got[key] - want[key]) < TOLERANCE, (key, got, want)
 
 
+def test_padded_labels_average_over_tokens_as_ddp(runs):
+    """Labels padded to different lengths: the Trainer averages the loss over the tokens of
+    every rank and micro-batch (num_items_in_batch); zero3's losses and gradient norms
+    equal DDP's."""
+    ddp, zero = runs[1]["ragged"], runs[2]["ragged"]
+    for key in ("losses", "grad_norms"):
+        assert len(ddp[key]) == 6
+        assert _max_difference(zero[key], ddp[key]) < TOLERANCE, key
+
+
 def test_torch_compile_under_zero3_matches_ddp(runs):
     """`TrainingArguments(torch_compile=True)` makes Accelerate call DeepSpeed's
     `engine.compile(backend=, compile_kwargs=)`, which zeromem's engine lacked until stop
