@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from torch import nn
 
 import zeromem
 from zeromem.cli import main
@@ -94,6 +95,27 @@ def test_deepspeed_estimator_reproduces_its_t5_3b_example():
         assert ds.cpu_bytes / gib == pytest.approx(cpu, rel=5e-3)
     assert deepspeed_estimate(psi, largest, 3, 8).gpu_bytes / gib == pytest.approx(6.10, abs=5e-3)
     assert deepspeed_estimate(psi, largest, 2, 8).gpu_bytes / gib == pytest.approx(11.28, abs=1e-2)
+
+
+def test_deepspeeds_estimator_functions_print_its_figures(capsys):
+    """`estimate_zero3_model_states_mem_needs_all_live(model, ...)`, as HF's DeepSpeed guide
+    runs it (and the cold and stage-2 forms): DeepSpeed's figures for every option row,
+    parameters counted once where shared and whole where Init partitioned them."""
+    from zeromem.deepspeed import estimators
+    net = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64), nn.Linear(64, 1000))
+    net[2].weight = net[0].weight  # tied: counted once
+    total, largest = estimators.model_to_params(net)
+    assert (total, largest) == (1000 * 64 + 64 * 64 + 64 + 1000, 1000 * 64 + 1000)
+    estimators.estimate_zero3_model_states_mem_needs_all_live(net, num_gpus_per_node=8)
+    printed = capsys.readouterr().out.splitlines()
+    rows = [line for line in printed if "offload_param=" in line]
+    assert len(rows) == 6
+    want = deepspeed_estimate(total, largest, 3, 8, 1, True, False, True)
+    assert f"{want.gpu_bytes / 2 ** 30:.4f} GiB" in rows[2]  # offload_optimizer only, zero_init
+    assert "offload_param=none, offload_optimizer=cpu, zero_init=1" in rows[2]
+    estimators.estimate_zero2_model_states_mem_needs_all_cold(2.8516e9, num_gpus_per_node=8)
+    printed = capsys.readouterr().out
+    assert "5.31 GiB | offload_optimizer=cpu" in printed  # DeepSpeed's t5-3b example
 
 
 def test_parsers():

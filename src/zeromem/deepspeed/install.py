@@ -59,7 +59,7 @@ def _clone_tensors_for_torch_save(item, device: torch.device = torch.device("cpu
 
 def _submodules() -> dict[str, dict[str, object]]:
     """`deepspeed.<name>` -> the attributes HF reads there (real zeromem modules are aliased)."""
-    from . import zero
+    from . import estimators, zero
     from .engine import DeepSpeedEngine
 
     return {
@@ -72,6 +72,12 @@ def _submodules() -> dict[str, dict[str, object]]:
             "ZeroParamStatus": zero.ZeroParamStatus,
             "zero_wrapper_for_fp_tensor_constructor": _identity_constructor_wrapper,
             "_orig_torch_arange": torch.arange},
+        "runtime.zero.stage3": {name: getattr(estimators, name) for name in (
+            "estimate_zero3_model_states_mem_needs_all_live",
+            "estimate_zero3_model_states_mem_needs_all_cold", "model_to_params")},
+        "runtime.zero.stage_1_and_2": {name: getattr(estimators, name) for name in (
+            "estimate_zero2_model_states_mem_needs_all_live",
+            "estimate_zero2_model_states_mem_needs_all_cold")},
         "checkpoint": {},
         "checkpoint.utils": {"clone_tensors_for_torch_save": _clone_tensors_for_torch_save},
     }
