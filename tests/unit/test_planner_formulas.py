@@ -106,6 +106,9 @@ def test_deepspeeds_estimator_functions_print_its_figures(capsys):
     net[2].weight = net[0].weight  # tied: counted once
     total, largest = estimators.model_to_params(net)
     assert (total, largest) == (1000 * 64 + 64 * 64 + 64 + 1000, 1000 * 64 + 1000)
+    net[1].weight.data = net[1].weight.data.new_empty(0)  # as partitioned under Init,
+    net[1].weight.ds_numel = 64 * 64                       # which records the whole size
+    assert estimators.model_to_params(net) == (total, largest)
     estimators.estimate_zero3_model_states_mem_needs_all_live(net, num_gpus_per_node=8)
     printed = capsys.readouterr().out.splitlines()
     rows = [line for line in printed if "offload_param=" in line]
