@@ -79,7 +79,8 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
 from deepspeed.utils import safe_get_full_grad, set_z3_leaf_modules
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-import zeromem.deepspeed.estimators, zeromem.deepspeed.utils.zero_to_fp32
+from deepspeed.runtime.utils import see_memory_usage
+import zeromem.deepspeed.estimators, zeromem.deepspeed.runtime_utils, zeromem.deepspeed.utils.zero_to_fp32
 import zeromem.flat
 import sys
 own = {name: sys.modules[f"zeromem.deepspeed.ops.{name}"] for name in ("adam", "adagrad", "lion")}
@@ -93,6 +94,20 @@ print(DeepSpeedCPUAdam is own["adam"].DeepSpeedCPUAdam, FusedAdam is own["adam"]
       safe_get_full_grad is zeromem.deepspeed.utils.safe_get_full_grad,
       set_z3_leaf_modules is zeromem.deepspeed.utils.set_z3_leaf_modules,
       get_fp32_state_dict_from_zero_checkpoint is
-      zeromem.deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint)
+      zeromem.deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint,
+      see_memory_usage is zeromem.deepspeed.runtime_utils.see_memory_usage)
 """)
-    assert seen == " ".join(["True"] * 10)
+    assert seen == " ".join(["True"] * 11)
+
+
+def test_see_memory_usage_logs_when_forced(caplog):
+    """DeepSpeed's `see_memory_usage(message, force)`: silent unless forced, then the
+    message with the accelerator's memory and this process's resident host memory."""
+    import logging
+
+    from zeromem.deepspeed.runtime_utils import host_resident_bytes, see_memory_usage
+    with caplog.at_level(logging.INFO, logger="zeromem.deepspeed"):
+        see_memory_usage("quiet")
+        see_memory_usage("after initialize", force=True)
+    assert "quiet" not in caplog.text and "after initialize" in caplog.text
+    assert "host resident" in caplog.text and host_resident_bytes() > 10 * 2 ** 20

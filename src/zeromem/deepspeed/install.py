@@ -59,7 +59,7 @@ def _clone_tensors_for_torch_save(item, device: torch.device = torch.device("cpu
 
 def _submodules() -> dict[str, dict[str, object]]:
     """`deepspeed.<name>` -> the attributes HF reads there (real zeromem modules are aliased)."""
-    from . import estimators, zero
+    from . import estimators, runtime_utils, zero
     from .engine import DeepSpeedEngine
 
     return {
@@ -72,6 +72,7 @@ def _submodules() -> dict[str, dict[str, object]]:
             "ZeroParamStatus": zero.ZeroParamStatus,
             "zero_wrapper_for_fp_tensor_constructor": _identity_constructor_wrapper,
             "_orig_torch_arange": torch.arange},
+        "runtime.utils": {"see_memory_usage": runtime_utils.see_memory_usage},
         "runtime.zero.stage3": {name: getattr(estimators, name) for name in (
             "estimate_zero3_model_states_mem_needs_all_live",
             "estimate_zero3_model_states_mem_needs_all_cold", "model_to_params")},
