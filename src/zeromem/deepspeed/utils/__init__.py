@@ -49,47 +49,31 @@ def _states(param: nn.Parameter) -> ParamStates | None:
     return ref() if ref is not None else None
 
 
-def _full(param: nn.Parameter, kind: str) -> torch.Tensor | None:
+def _ask(param: nn.Parameter, verb: str, *args):
+    """`ParamStates.<verb>(param, *args)` for a parameter an engine trains; else None."""
     states = _states(param)
-    return states.full(param, kind) if states is not None else None
-
-
-def _set_full(param: nn.Parameter, kind: str, value: torch.Tensor) -> None:
-    states = _states(param)
-    if states is not None:
-        states.set_full(param, kind, value)
-
-
-def _local(param: nn.Parameter, kind: str) -> torch.Tensor | None:
-    states = _states(param)
-    return states.local(param, kind) if states is not None else None
-
-
-def _set_local(param: nn.Parameter, kind: str, value: torch.Tensor) -> None:
-    states = _states(param)
-    if states is not None:
-        states.set_local(param, kind, value)
+    return getattr(states, verb)(param, *args) if states is not None else None
 
 
 def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     """The whole fp32 master of `param`; collective."""
-    return _full(param, MASTER)
+    return _ask(param, "full", MASTER)
 
 
 def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     """Set the fp32 master of `param` (and its model weights) from the whole `value`."""
-    _set_full(param, MASTER, value)
+    _ask(param, "set_full", MASTER, value)
 
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str
                                   ) -> torch.Tensor | None:
     """The whole optimizer state `optim_state_key` ("exp_avg", ...) of `param`; collective."""
-    return _full(param, optim_state_key)
+    return _ask(param, "full", optim_state_key)
 
 
 def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor,
                                   optim_state_key: str) -> None:
-    _set_full(param, optim_state_key, value)
+    _ask(param, "set_full", optim_state_key, value)
 
 
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
@@ -97,7 +81,7 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     A parameter no engine trains gives its own `.grad`, as in DeepSpeed."""
     if _states(param) is None:
         return param.grad
-    return _full(param, GRAD)
+    return _ask(param, "full", GRAD)
 
 
 def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -105,33 +89,33 @@ def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     if _states(param) is None and param.grad is not None:
         param.grad.copy_(value)
         return
-    _set_full(param, GRAD, value)
+    _ask(param, "set_full", GRAD, value)
 
 
 def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
-    return _local(param, GRAD)
+    return _ask(param, "local", GRAD)
 
 
 def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
-    _set_local(param, GRAD, value)
+    _ask(param, "set_local", GRAD, value)
 
 
 def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
-    return _local(param, MASTER)
+    return _ask(param, "local", MASTER)
 
 
 def safe_set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
-    _set_local(param, MASTER, value)
+    _ask(param, "set_local", MASTER, value)
 
 
 def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str
                                    ) -> torch.Tensor | None:
-    return _local(param, optim_state_key)
+    return _ask(param, "local", optim_state_key)
 
 
 def safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor,
                                    optim_state_key: str) -> None:
-    _set_local(param, optim_state_key, value)
+    _ask(param, "set_local", optim_state_key, value)
 
 
 # -- ZeRO-3 leaf modules (DeepSpeed's z3_leaf_module) ----------------------------------
