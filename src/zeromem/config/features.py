@@ -230,7 +230,7 @@ def take_features(data: dict, known: Iterable[str]) -> tuple[dict, dict[str, Any
             log.warning("%s = %r has no effect in zeromem: %s", feature.key, value, feature.reason)
         inert[feature.key] = value
         _without(data, parents, leaf)
-    return _drop_unknown(data, set(known)), inert
+    return _drop_unknown(data, known), inert
 
 
 def _drop_dotted(data: dict, known: set[str]) -> dict:
