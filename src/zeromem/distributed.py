@@ -110,8 +110,9 @@ class Runtime:
                    ranks_per_node_from_env())
 
 
-def ensure_process_group(timeout_s: float | None = None) -> bool:
-    """Initialise the default group (NCCL with CUDA, else gloo) if torchrun launched us.
+def ensure_process_group(timeout_s: float | None = None, backend: str | None = None) -> bool:
+    """Initialise the default group (`backend`; by default NCCL with CUDA, else gloo) if
+    torchrun launched us.
 
     Returns True when this call created it. Without torchrun's variables and without
     a group, nothing is created: zeromem then runs as world size 1. The group itself
@@ -122,16 +123,14 @@ def ensure_process_group(timeout_s: float | None = None) -> bool:
     if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False
     timeout = timedelta(seconds=collective_timeout_s(timeout_s))
-    backend = "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        backend = "nccl"
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = round_store(rank, world_size, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
-    LIFECYCLE.owns_group = True
-    LIFECYCLE.install_handlers()
+    LIFECYCLE.created_group()
     return True
 
 
@@ -197,6 +196,12 @@ class Lifecycle:
     def engines(self) -> list[LiveEngine]:
         """The engines still referenced, oldest first."""
         return [engine for engine in (ref() for ref in self._engines) if engine is not None]
+
+    def created_group(self) -> None:
+        """zeromem created the default group: end it at exit (a gloo group left alive at
+        interpreter exit now and then aborts the process, pytorch#179291)."""
+        self.owns_group = True
+        self.install_handlers()
 
     def install_handlers(self) -> None:
         """At exit and on SIGTERM (torchrun's stop signal), shut down cleanly."""

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..distributed import ensure_process_group
+from ..distributed import LIFECYCLE, ensure_process_group
 
 
 def _free_port() -> int:
@@ -24,24 +24,26 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     """Initialise `torch.distributed` as DeepSpeed's `init_distributed` does.
 
     Launched by torchrun (RANK and WORLD_SIZE set): the default group from that
-    environment (NCCL with CUDA, else gloo; `dist_backend` overrides). Given
-    `rank` and `world_size`: that group, at `init_method` or MASTER_ADDR/PORT.
-    With neither: a world of one process, so a script also runs with plain
-    `python`. MPI discovery is not done (`auto_mpi_discovery` is accepted).
+    environment (NCCL with CUDA, else gloo; `dist_backend` overrides), at `init_method`
+    when given. Given `rank` and `world_size`: that group, at `init_method` or
+    MASTER_ADDR/PORT. With neither: a world of one process, so a script also runs with
+    plain `python`. MPI discovery is not done (`auto_mpi_discovery` is accepted). A group
+    created here is zeromem's: `zeromem.shutdown()` ends it, also at exit.
     """
     if dist.is_initialized() or dist_init_required is False:
         return
-    if rank < 0 and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if dist_backend is None:
-            ensure_process_group(timeout.total_seconds() if timeout is not None else None)
-        else:
-            dist.init_process_group(dist_backend, init_method=init_method, timeout=timeout)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if rank < 0 and launched and init_method is None:
+        ensure_process_group(timeout.total_seconds() if timeout is not None else None, dist_backend)
         return
     backend = dist_backend or "gloo"
-    if rank < 0:  # no launcher: one process
+    if rank < 0 and launched:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    elif rank < 0:  # no launcher: one process
         rank, world_size = 0, 1
         init_method = init_method or f"tcp://127.0.0.1:{_free_port()}"
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timeout)
+    LIFECYCLE.created_group()
