@@ -34,10 +34,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .. import checkpointing
 from .. import initialize as _native_initialize
 from ..optim.factory import trainable_groups
-from . import accelerator, comm, moe, ops, utils, zero
+from . import accelerator, checkpointing, comm, moe, ops, utils, zero
 from .engine import DeepSpeedEngine
 from .init import init_distributed
 from .install import install_as_deepspeed
@@ -146,4 +145,4 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     loader = (_training_dataloader(engine, training_data, collate_fn)
               if training_data is not None else None)
     # no optimizer given, none returned (the engine evaluates only), as DeepSpeed's
-    return engine, native.optimizer if native.trains else None, loader, native.lr_scheduler
+    return engine, engine.optimizer if native.trains else None, loader, native.lr_scheduler

@@ -46,6 +46,12 @@ def _identity_constructor_wrapper(fn, *args, **kwargs):
     return fn
 
 
+class _DeepSpeedOptimizer:
+    """DeepSpeed's base class of its ZeRO optimizers (`runtime.base_optimizer`). zeromem's
+    optimizers are torch's, so none is one; Lightning Fabric imports it for an
+    `isinstance(x, (Optimizer, DeepSpeedOptimizer))` test."""
+
+
 def _clone_tensors_for_torch_save(item, device: torch.device = torch.device("cpu")):
     """DeepSpeed's `checkpoint.utils.clone_tensors_for_torch_save`: detached copies on `device`."""
     if torch.is_tensor(item):
@@ -66,6 +72,8 @@ def _submodules() -> dict[str, dict[str, object]]:
         "runtime": {},
         "runtime.engine": {"DeepSpeedEngine": DeepSpeedEngine},
         "runtime.lr_schedules": {"VALID_LR_SCHEDULES": list(_LR_SCHEDULES)},
+        "runtime.base_optimizer": {"DeepSpeedOptimizer": _DeepSpeedOptimizer,
+                                   "ZeROOptimizer": _DeepSpeedOptimizer},
         "runtime.zero": {"Init": zero.Init, "GatheredParameters": zero.GatheredParameters},
         "runtime.zero.partition_parameters": {
             "Init": zero.Init, "GatheredParameters": zero.GatheredParameters,
@@ -137,7 +145,8 @@ def install_as_deepspeed() -> None:
         _register(surface, dotted, attributes)
     for alias in ("accelerator", "comm", "zero", "checkpointing", "moe", "ops", "utils"):  # real modules
         sys.modules[f"{NAME}.{alias}"] = getattr(surface, alias)
-    for alias in ("moe.utils", "ops.adam", "ops.adagrad", "ops.lion", "utils.zero_to_fp32"):
+    for alias in ("moe.utils", "ops.adam", "ops.adagrad", "ops.lion", "utils.zero_to_fp32",
+                  "utils.logging"):
         sys.modules[f"{NAME}.{alias}"] = importlib.import_module(f"{surface.__name__}.{alias}")
     sys.modules[NAME] = surface
     # first, so that a real DeepSpeed installed beside zeromem does not answer for the

@@ -22,15 +22,13 @@ module).
 """
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
 from torch import nn
 
 from ...param_states import GRAD, MASTER, ParamStates
-
-logger = logging.getLogger("zeromem.deepspeed")
+from .logging import log_dist, logger
 
 _ATTRIBUTE = "_zeromem_param_states"  # on each trained parameter: a weak reference
 
@@ -157,7 +155,7 @@ def _flag_classes(model: nn.Module, classes: list, flag: bool) -> list[nn.Module
     return found
 
 
-__all__ = ["logger", "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
+__all__ = ["logger", "log_dist", "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
            "z3_leaf_module", "set_z3_leaf_module", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
            "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
            "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_grad",
