@@ -93,7 +93,11 @@ class Engine:
 
         # which group each collective runs over: hybrid sharding, hpZ, qwZ, qgZ (hybrid/hierarchy.py)
         self.plan = build_comm_plan(config, comm, self.runtime.ranks_per_node)
-        param_groups = normalize_param_groups(module, model_parameters)
+        # Given no optimizer, the engine evaluates only, as DeepSpeed's does (ZeRO-3 inference:
+        # HF's Trainer.evaluate() before any training, DeepSpeed-Chat's reference models), and
+        # shards the whole module: `model_parameters` (Lightning passes []) names nothing to train
+        self.trains = optimizer is not None or config.optimizer is not None
+        param_groups = normalize_param_groups(module, model_parameters if self.trains else None)
         self.names = {id(p): n for n, p in module.named_parameters()}
         sharding = Sharding.for_stage(self.zero_stage)
         self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
@@ -128,9 +132,6 @@ class Engine:
                                      self.runtime.global_rank, staged, grads)
         self.optimizer = self.offload.build_optimizer(config.optimizer, param_groups, optimizer,
                                                       self.device)
-        # Given no optimizer, the engine evaluates only, as DeepSpeed's does (ZeRO-3 inference:
-        # HF's Trainer.evaluate() before any training, DeepSpeed-Chat's reference models)
-        self.trains = optimizer is not None or config.optimizer is not None
         # tensor parallelism: the clipping norm spans the model-parallel group too
         if mp_group is None:  # DeepSpeed's way: the group given to checkpointing.configure
             mp_group = self.activation_checkpointing.config.mp_group
@@ -287,9 +288,19 @@ class Engine:
         self.counters.announce_boundary(is_boundary)
 
     def step(self, lr_kwargs: dict | None = None) -> None:
-        """Called every micro-step; updates the model at the accumulation boundary.
+        """Called every micro-step; updates the model at the accumulation boundary, then
+        steps the scheduler (unless fp16 overflow skipped the update).
 
         `lr_kwargs` go to the scheduler's `step()` (DeepSpeed's `step(lr_kwargs=)`)."""
+        self._step(self.lr_scheduler, lr_kwargs or {})
+
+    def step_without_scheduler(self) -> None:
+        """`step()` leaving the scheduler alone, for loops that step it themselves: what
+        DeepSpeed's ZeRO optimizer's own `step()` does (Lightning Fabric calls that in place
+        of the engine's)."""
+        self._step(None, {})
+
+    def _step(self, scheduler: LRScheduler | None, lr_kwargs: dict) -> None:
         self._check_trains("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.counters.advance_micro()
@@ -297,8 +308,8 @@ class Engine:
             return
         with self.timers("step"):
             overflow = self.zero.step()  # norm, skip, unscale, update, gather (zero_optimizer.py)
-            if not overflow and self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
+            if not overflow and scheduler is not None:
+                scheduler.step(**lr_kwargs)
             self.zero_grad()
             self.counters.advance_global(skipped=overflow)
             self.comm.end_step()

@@ -85,6 +85,26 @@ class ZeroParamStatus(enum.Enum):
     INFLIGHT = 3
 
 
+class _Count:
+    """`p.partition_numel()`, picklable (a lambda on a parameter would not save)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self) -> int:
+        return self.n
+
+
+def mark_partitioned(p: nn.Parameter, shape: torch.Size, numel: int, held: int) -> None:
+    """Give partitioned `p` DeepSpeed's names for it: `ds_id`, `ds_shape`, `ds_numel`, and
+    `partition_numel()`, the elements of it this rank holds (Lightning's model summary
+    counts those)."""
+    p.ds_id, p.ds_shape, p.ds_numel = id(p), shape, numel  # type: ignore[attr-defined]
+    p.partition_numel = _Count(held)  # type: ignore[attr-defined]
+
+
 class GroupState(enum.Enum):
     """What a group's parameters hold now; assigned in this file only (FSDP2's TrainingState).
 
@@ -147,7 +167,8 @@ class FlatParamGroup:
             # The parameters let go of the whole buffer now, so that memory matches the
             # SHARDED state from `initialize` on (issue 10, item 3).
             for p, slot in zip(params, self.slots):  # DeepSpeed's names (ZeroParamStatus)
-                p.ds_id, p.ds_shape, p.ds_numel = id(p), slot.shape, slot.numel  # type: ignore[attr-defined]
+                mark_partitioned(p, slot.shape, slot.numel,
+                                 self.layout.owned_slice(slot.offset, slot.numel)[2])
             self._param_shard = self._param_shard.clone()
             self._flat_param = None
             self._empty_params()

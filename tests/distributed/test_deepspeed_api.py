@@ -231,7 +231,7 @@ def _client_optimizers(deepspeed, rank, world_size, tmp) -> None:
                     _train(engine, 3)  # the engine steps the scheduler after each update
                 assert engine.get_lr() == [0.1 * 0.5 ** 3] * 2
                 if config is not offloaded:  # there, an optimizer whose states live on disk
-                    assert type(returned) is type(opt)
+                    assert type(engine.engine.optimizer) is type(opt)  # the client's kind steps
                     masters = [p for g in returned.param_groups for p in g["params"]]
                     assert masters and all(returned.state[p] for p in masters)  # checkpointed
                 with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
@@ -383,6 +383,37 @@ def _leaf_modules(deepspeed, rank, world_size, tmp) -> None:
         deepspeed.utils.set_z3_leaf_modules(net(), ["NoSuchBlock"])
 
 
+def _stepping_the_returned_optimizer(deepspeed, rank, world_size, tmp) -> None:
+    """Lightning Fabric's loop: the optimizer `initialize` returned is stepped, not the
+    engine, and the loop steps the scheduler, as with DeepSpeed's ZeRO optimizer. The
+    weights follow one process on the mean of every rank's batch, on every rank."""
+    decay = lambda step: 0.5 ** step  # noqa: E731
+    for stage in (2, 3):
+        net, plain = _net(), _net()
+        client = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5)
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=net, optimizer=client, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(client, decay),
+            config={"train_micro_batch_size_per_gpu": 2,
+                    "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+        reference = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.5)
+        reference_scheduler = torch.optim.lr_scheduler.LambdaLR(reference, decay)
+        for step in range(3):
+            torch.manual_seed(50 + step)
+            xs = [torch.randn(2, 4) for _ in range(world_size)]
+            engine.backward(engine(xs[rank]).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            assert engine.get_lr() == [0.1 * 0.5 ** step]  # the loop's to step, not the optimizer's
+            scheduler.step()
+            sum(plain(x).square().mean() for x in xs).div(len(xs)).backward()
+            reference.step()
+            reference.zero_grad()
+            reference_scheduler.step()
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            for mine, theirs in zip(engine.module.parameters(), plain.parameters()):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+
+
 def _cases(rank: int, world_size: int, tmp: str) -> None:
     import zeromem.deepspeed as deepspeed
     _client_optimizers(deepspeed, rank, world_size, tmp)
@@ -393,6 +424,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> None:
     _built_under_init(deepspeed, rank, world_size, tmp)
     _empty_partition_cache(deepspeed, rank, world_size, tmp)
     _leaf_modules(deepspeed, rank, world_size, tmp)
+    _stepping_the_returned_optimizer(deepspeed, rank, world_size, tmp)
 
 
 def test_deepspeed_api_surface(tmp_path):

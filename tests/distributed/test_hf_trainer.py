@@ -11,10 +11,6 @@ nothing is downloaded.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -23,39 +19,19 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
+from launch import torchrun  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "hf_trainer_script.py"
 TOLERANCE = 1e-5  # fp32; the step order differs (flat shards vs per-parameter tensors)
 
 
-# torch's gloo now and then aborts a rank as its interpreter exits with a process group
-# object still alive (pytorch#179291, abandoned); seen about once in 30 runs of the plain
-# DDP Trainer, the reference here, after it had written its results
-GLOO_EXIT_ABORT = "terminate called without an active exception"
-
-
-def _torchrun(mode: str, out: Path, timeout_s: float = 240, reference: bool = False) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", str(SCRIPT), mode, str(out)]
-    try:
-        run = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"torchrun {mode} ran past {timeout_s}s\n{str(error.stderr)[-3000:]}")
-    if run.returncode and reference and GLOO_EXIT_ABORT in run.stderr \
-            and (out / f"{mode}.json").exists():
-        warnings.warn(f"the {mode} reference aborted at exit after writing its results")
-        return
-    assert run.returncode == 0, f"torchrun {mode} failed:\n{run.stderr[-6000:]}"
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, dict, dict]:
     """(output directory, DDP results, zeromem results): both worlds run once."""
     out = tmp_path_factory.mktemp("hf")
-    _torchrun("ddp", out, reference=True)
-    _torchrun("zeromem", out)
+    torchrun(SCRIPT, "ddp", out, reference_outputs=(out / "ddp.json",))
+    torchrun(SCRIPT, "zeromem", out)
     return out, json.loads((out / "ddp.json").read_text()), \
         json.loads((out / "zeromem.json").read_text())
 

@@ -80,7 +80,12 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 from deepspeed.utils import safe_get_full_grad, set_z3_leaf_modules
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from deepspeed.runtime.utils import see_memory_usage
+from deepspeed.utils.zero_to_fp32 import get_optim_files, get_model_state_file
+from deepspeed.utils.logging import logger, log_dist
+from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+import deepspeed
 import zeromem.deepspeed.estimators, zeromem.deepspeed.runtime_utils, zeromem.deepspeed.utils.zero_to_fp32
+import zeromem.deepspeed.utils.logging, zeromem.deepspeed.checkpointing
 import zeromem.flat
 import sys
 own = {name: sys.modules[f"zeromem.deepspeed.ops.{name}"] for name in ("adam", "adagrad", "lion")}
@@ -95,9 +100,14 @@ print(DeepSpeedCPUAdam is own["adam"].DeepSpeedCPUAdam, FusedAdam is own["adam"]
       set_z3_leaf_modules is zeromem.deepspeed.utils.set_z3_leaf_modules,
       get_fp32_state_dict_from_zero_checkpoint is
       zeromem.deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint,
-      see_memory_usage is zeromem.deepspeed.runtime_utils.see_memory_usage)
+      see_memory_usage is zeromem.deepspeed.runtime_utils.see_memory_usage,
+      get_model_state_file is zeromem.deepspeed.utils.zero_to_fp32.get_model_state_file,
+      logger is zeromem.deepspeed.utils.logging.logger is deepspeed.utils.logging.logger,
+      log_dist is zeromem.deepspeed.utils.log_dist,
+      deepspeed.checkpointing is zeromem.deepspeed.checkpointing,
+      isinstance(DeepSpeedOptimizer, type))
 """)
-    assert seen == " ".join(["True"] * 11)
+    assert seen == " ".join(["True"] * 16)
 
 
 def test_see_memory_usage_logs_when_forced(caplog):

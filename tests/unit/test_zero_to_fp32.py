@@ -80,3 +80,17 @@ def test_unsupported_flags_are_refused_by_name():
     src, _ = deepspeed_case("stage2_ws2_fp16")
     with pytest.raises(NotImplementedError, match="lazy_mode"):
         zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(src, lazy_mode=True)
+
+
+@pytest.mark.parametrize("name, stage, model_file", [
+    ("stage3_ws2_bf16", 3, "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+    ("stage2_ws2_fp16", 2, "mp_rank_00_model_states.pt")])
+def test_deepspeeds_own_files_named_as_lightning_reads_them(name, stage, model_file):
+    """Lightning's converter reads the stage from the first optimizer file and its own
+    state from the rank-0 model-states file of the tag directory."""
+    src, _ = deepspeed_case(name)
+    tag_dir = src / (src / "latest").read_text().strip()
+    files = zero_to_fp32.get_optim_files(tag_dir)
+    assert [f.rsplit("/", 1)[1].split("zero_pp_rank_")[1][:1] for f in files] == ["0", "1"]
+    assert all(f.endswith("_optim_states.pt") for f in files)
+    assert zero_to_fp32.get_model_state_file(tag_dir, stage) == str(tag_dir / model_file)

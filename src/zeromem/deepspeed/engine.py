@@ -22,6 +22,7 @@ from torch import nn
 
 from ..engine import Engine
 from . import utils
+from .optimizer import DeepSpeedZeroOptimizer
 from .parameter_offload import ParameterOffload
 from .comm import broadcast_object
 
@@ -44,8 +45,10 @@ class DeepSpeedEngine(nn.Module):
         self._step_applied = False
         self._loss_log = os.environ.get("ZEROMEM_LOSS_LOG") or None
         utils.attach(engine.param_states, engine.module)  # safe_get_full_grad(p) finds it
-        if engine.stage3 is not None and engine.trains:  # TRL's generation reaches for it
-            engine.optimizer.parameter_offload = ParameterOffload(engine.module)  # type: ignore[attr-defined]
+        # what DeepSpeed returns as its optimizer: stepping it is the engine's update
+        self._optimizer = DeepSpeedZeroOptimizer(engine) if engine.trains else None
+        if engine.stage3 is not None and self._optimizer is not None:  # TRL's generation reaches for it
+            self._optimizer.parameter_offload = ParameterOffload(engine.module)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:
         """Registered parameters, buffers and modules first; then the wrapped model's attributes."""
@@ -152,11 +155,19 @@ class DeepSpeedEngine(nn.Module):
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        return self.engine.optimizer
+        """DeepSpeed's ZeRO optimizer (optimizer.py); an engine that evaluates only keeps
+        the placeholder it was built with."""
+        return self._optimizer if self._optimizer is not None else self.engine.optimizer
 
     @property
     def lr_scheduler(self) -> Any:
         return self.engine.lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        """Lightning sets None to step the scheduler itself: the engine then neither steps
+        it nor saves it in checkpoints, as DeepSpeed's."""
+        self.engine.lr_scheduler = scheduler
 
     @property
     def global_steps(self) -> int:

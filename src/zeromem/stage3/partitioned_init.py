@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 from zeromem.comm import Comm
 from zeromem.distributed import Runtime, ensure_process_group
 from zeromem.config.schema import Config, ConfigError
-from zeromem.flat import ZeroParamStatus
+from zeromem.flat import ZeroParamStatus, mark_partitioned
 from zeromem.layout import ShardLayout
 from zeromem.offload.init_shards import ShardFile, ShardRecord
 
@@ -135,7 +135,7 @@ class Partitions:
         self.shards[p] = ParamShard(home, p.shape, p.numel())
         # DeepSpeed's names, which libraries read on a partitioned parameter (PEFT sizes its
         # adapters from `ds_shape` when a model was built under Init; savers gather by `ds_id`)
-        p.ds_id, p.ds_shape, p.ds_numel = id(p), p.shape, p.numel()  # type: ignore[attr-defined]
+        mark_partitioned(p, p.shape, p.numel(), layout.owned_slice(0, p.numel())[2])
         p.data = p.data.new_empty(0)
         p.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
 

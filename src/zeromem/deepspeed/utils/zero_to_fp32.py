@@ -11,6 +11,13 @@ As a command, the one DeepSpeed copies into each checkpoint as `zero_to_fp32.py`
     python -m zeromem.deepspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR
         [--max_shard_size 5GB] [--safe_serialization] [-t TAG]
 
+`get_optim_files(dir)` and `get_model_state_file(dir, zero_stage)` name the files of one
+tag directory that Lightning's `convert_zero_checkpoint_to_fp32_state_dict` reads beside
+the state dict: the ZeRO stage from the first optimizer file, and the client state
+(Lightning's loops, callbacks and hyper-parameters) from the model-states file.
+DeepSpeed's checkpoints have both; a zeromem checkpoint answers with its checked
+`client_state.pt` and, for the stage, which its manifest keeps, one in-memory file.
+
 Not supported, refused by name: `exclude_frozen_parameters=True` (a zeromem checkpoint
 does not tell frozen parameters from buffers; save with
 `exclude_frozen_parameters=True` instead) and `lazy_mode=True`.
@@ -18,14 +25,17 @@ does not tell frozen parameters from buffers; save with
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ...checkpoints.consolidate import checkpoint_tensors, read_state_dict
+from ...checkpoints.consolidate import (CLIENT_STATE, checkpoint_tensors, raise_problems, read_manifest,
+                                        read_state_dict, verify_file)
 from ...checkpoints.deepspeed_import import readable
 from ...checkpoints.hf_export import parse_shard_size, plan_shards
 from ...checkpoints.tensor_files import write_output
@@ -90,6 +100,45 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
         (out / f"{name}.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def get_optim_files(checkpoint_dir: str | os.PathLike) -> list[str | io.BytesIO]:
+    """DeepSpeed's `*_optim_states.pt` files of tag directory `checkpoint_dir`, in rank
+    order; for a zeromem checkpoint, one in-memory file holding what Lightning reads from
+    them, `{"optimizer_state_dict": {"zero_stage": ..., "partition_count": ...}}`."""
+    directory = Path(checkpoint_dir)
+    found = sorted(directory.glob("*_optim_states.pt"),
+                   key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
+    if found:
+        return [str(p) for p in found]
+    manifest = read_manifest(directory)
+    return [_in_memory({"optimizer_state_dict": {"zero_stage": manifest["zero_stage"],
+                                                 "partition_count": manifest["world_size"]}})]
+
+
+def get_model_state_file(checkpoint_dir: str | os.PathLike, zero_stage: int) -> str | io.BytesIO:
+    """DeepSpeed's rank-0 model-states file of tag directory `checkpoint_dir`; for a
+    zeromem checkpoint its client state, checked against the manifest (an empty dict in
+    memory when none was saved)."""
+    directory = Path(checkpoint_dir)
+    name = ("zero_pp_rank_0_mp_rank_00_model_states.pt" if zero_stage == 3
+            else "mp_rank_00_model_states.pt")
+    if (directory / name).is_file():
+        return str(directory / name)
+    saved = read_manifest(directory)["client_state"]
+    if saved is None:
+        return _in_memory({})
+    raise_problems(directory, [saved], [verify_file(directory / CLIENT_STATE, saved["sha256"],
+                                                    saved["bytes"])])
+    return str(directory / CLIENT_STATE)
+
+
+def _in_memory(value: dict) -> io.BytesIO:
+    """A file `torch.load` reads as `value` (plain data: also with weights_only=True)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer
+
+
 def _shard_names(name: str, count: int) -> list[str]:
     """HF's names: `pytorch_model.bin`, or `pytorch_model-00001-of-00003.bin`, ..."""
     if count == 1:
@@ -116,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
-           "convert_zero_checkpoint_to_fp32_state_dict"]
+           "convert_zero_checkpoint_to_fp32_state_dict", "get_optim_files", "get_model_state_file"]
 
 
 if __name__ == "__main__":
