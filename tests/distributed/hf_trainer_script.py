@@ -96,7 +96,8 @@ def cpu_deepspeed_state() -> dict:
     return {"accelerator_config": {"use_configured_state": True}}
 
 
-def training_args(name: str, deepspeed: str | None, **extra) -> transformers.TrainingArguments:
+def training_args(name: str, deepspeed: str | None, arguments: type = transformers.TrainingArguments,
+                  **extra) -> transformers.TrainingArguments:
     if deepspeed is not None:
         extra = {**cpu_deepspeed_state(), **extra}
     options = dict(output_dir=str(OUT / name), per_device_train_batch_size=BATCH,
@@ -105,7 +106,7 @@ def training_args(name: str, deepspeed: str | None, **extra) -> transformers.Tra
                    logging_steps=1, save_strategy="no",
                    report_to=[], seed=0, use_cpu=deepspeed is None, dataloader_drop_last=True,
                    deepspeed=deepspeed, disable_tqdm=True)
-    return transformers.TrainingArguments(**{**options, **extra})
+    return arguments(**{**options, **extra})
 
 
 def train(name: str, deepspeed: str | None, resume: str | None = None,
@@ -156,6 +157,40 @@ def evaluate(name: str, deepspeed: str | None) -> float:
     trainer = transformers.Trainer(model=model, args=args, eval_dataset=Tokens(4 * BATCH),
                                    optimizers=(None, None) if deepspeed else ddp_optimizers(model))
     return trainer.evaluate()["eval_loss"]
+
+
+class Reversed(Tokens):
+    """Sequence to sequence: the target is the source reversed."""
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long),
+                "labels": self.ids[i].flip(0)}
+
+
+def seq2seq(name: str, deepspeed: str | None) -> dict:
+    """HF's translation recipe in small: a T5 (its embedding shared by encoder, decoder and
+    head) trained by `Seq2SeqTrainer`, then `predict(predict_with_generate=True)`, whose
+    `generate` runs the encoder on its own and then the decoder a token at a time (ranks
+    stay in step: `synced_gpus` under ZeRO-3)."""
+    args = training_args(name, deepspeed, transformers.Seq2SeqTrainingArguments,
+                         predict_with_generate=True, generation_max_length=SEQ,
+                         per_device_eval_batch_size=4)
+    path = OUT / "t5_init"
+    if RANK == 0 and not (path / "config.json").exists():
+        torch.manual_seed(0)
+        config = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32,
+                                       num_layers=2, num_heads=2, dropout_rate=0.0,
+                                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        transformers.T5ForConditionalGeneration(config).save_pretrained(path)
+    torch.distributed.barrier()
+    model = transformers.T5ForConditionalGeneration.from_pretrained(path)
+    trainer = transformers.Seq2SeqTrainer(
+        model=model, args=args, train_dataset=Reversed(SAMPLES),
+        optimizers=(None, None) if deepspeed else ddp_optimizers(model))
+    trainer.train()
+    predicted = trainer.predict(Reversed(8))
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "predicted": predicted.predictions.tolist(), "loss": predicted.metrics["test_loss"]}
 
 
 def save(name: str, trainer: transformers.Trainer) -> None:
@@ -400,7 +435,7 @@ def main() -> None:
                       "late_install": late_install(), "lora": lora("ddp_lora", None),
                       "compiled": compiled["losses"],
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
-                      "grpo": grpo("ddp_grpo", None),
+                      "grpo": grpo("ddp_grpo", None), "seq2seq": seq2seq("ddp_seq2seq", None),
                       "eval_loss": evaluate("ddp_eval", None)})
         return
     zero2 = str(CONFIGS / "ds_config_zero2.json")
@@ -435,7 +470,8 @@ def main() -> None:
                       "compiled": compiled["losses"], "compiled_in_place": compiled_in_place,
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
                       "single_process": single_process_losses(),
-                      "trl_reference": trl_reference()})
+                      "trl_reference": trl_reference(),
+                      "seq2seq": seq2seq("zero3_seq2seq", str(CONFIGS / "ds_config_zero3.json"))})
 
 
 if __name__ == "__main__":

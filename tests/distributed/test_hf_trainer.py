@@ -161,6 +161,14 @@ def test_torch_compile_under_zero3_matches_ddp(runs):
     assert _max_difference(zero["compiled"], ddp["compiled"]) < TOLERANCE
 
 
+def test_seq2seq_trainer_predicts_with_generate_under_zero3_as_ddp(runs):
+    ddp, zero = runs[1]["seq2seq"], runs[2]["seq2seq"]
+    assert len(ddp["losses"]) == 6
+    assert max(abs(a - b) for a, b in zip(zero["losses"], ddp["losses"])) < TOLERANCE
+    assert zero["predicted"] == ddp["predicted"]  # greedy token ids, every sequence
+    assert abs(zero["loss"] - ddp["loss"]) < TOLERANCE
+
+
 def test_accelerate_deepspeed_plugin_matches_one_process(runs):
     zero = runs[2]
     assert len(zero["accelerate"]) == 12  # 6 steps of 2 micro-batches

@@ -336,6 +336,38 @@ def test_a_partly_used_unit_trains_like_one_process(world):
         assert max(diffs) <= 1e-5, diffs
 
 
+def submodule_called_alone(rank, world_size):
+    """A submodule run on its own between the root's passes, as an encoder-decoder's
+    `generate` runs its encoder: gathered on demand, and the recorded orders stay as they
+    were (it was appended to the last pass's order, which then overran its prefetch table)."""
+    torch.manual_seed(0)
+    model = Reuse()
+    ref = Reference(copy.deepcopy(model), per_rank=False)
+    engine = zeromem.initialize(model, parity_config(3, 1, 0.0, world_size))
+    tokens, targets = micro_batch(9, 0, 0)
+    got, expected, diffs = [], [], []
+    for step in range(3):
+        with torch.no_grad():
+            got.append(engine(tokens, targets).item())  # an evaluation pass, recorded
+            got.append(engine.module.block(engine.module.embed(tokens)).sum().item())  # alone
+            got.append(engine(tokens, targets).item())  # the same kind of pass again
+            expected += [ref.model(tokens, targets).item(),
+                         ref.model.block(ref.model.embed(tokens)).sum().item(),
+                         ref.model(tokens, targets).item()]
+        engine.backward(engine(*micro_batch(step, rank, 0)))
+        engine.step()
+        ref.step(step, world_size, 1)
+        diffs.append(state_dict_diff(engine.full_state_dict(), ref.model))
+    return got, expected, diffs, engine.stage3.stats.live
+
+
+def test_a_submodule_called_alone_between_passes(world):
+    for got, expected, diffs, leaked in world["submodule_called_alone"]:
+        assert got == pytest.approx(expected, abs=1e-5)
+        assert max(diffs) <= 1e-5, diffs
+        assert leaked == 0, "gathered parameters leaked out of the forward"
+
+
 @pytest.fixture(scope="module")
 def world() -> dict[str, list]:
     """This file's 2-rank cases (but the divergence one) in one spawned world: spawning
@@ -344,4 +376,5 @@ def world() -> dict[str, list]:
         ("reuse_and_eval", reuse_and_eval), ("live_limit", live_limit),
         ("against_fsdp2", against_fsdp2), ("gpt_stage3_like_stage2", gpt_stage3_like_stage2),
         ("eval_first_and_late_branches", eval_first_and_late_branches),
-        ("partly_used_unit", partly_used_unit))}, 2)
+        ("partly_used_unit", partly_used_unit),
+        ("submodule_called_alone", submodule_called_alone))}, 2)

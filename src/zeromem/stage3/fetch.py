@@ -205,6 +205,7 @@ class FetchSchedule:
         self.frontier = 0  # prefetch issued up to here in the recorded order
         self.used_at: dict[int, int] = {}  # unit id -> its latest position in this pass
         self.on_track = True
+        self.in_pass = False  # between the root's pre-forward (or engine.backward) and its end
         self.tracing: _Tracing | None = None  # on while this pass's order is not known
         self.busy = False  # inside our own hooks: the tracer must not see our tensor ops
         self.root = root
@@ -277,7 +278,7 @@ class FetchSchedule:
         """
         key = ("backward", *self.pass_kind[1:]) if kind == "backward" else tuple(kind)
         self.pass_kind, self.position, self.on_track = key, 0, key in self.recorded
-        self.frontier = 0
+        self.frontier, self.in_pass = 0, True
         self.used_at.clear()
         for unit in self.units:
             unit.start_pass(Phase(key[0]))  # how it gathers: backward from hpZ's copy
@@ -298,6 +299,7 @@ class FetchSchedule:
         if not self.on_track or len(order) != len(self.recorded[kind]):  # new or changed
             self.recorded[kind] = RecordedOrder(order)
             self.placement.follow(order)
+        self.in_pass = self.on_track = False
         for unit in self.units:
             unit.reshard()
 
@@ -321,6 +323,10 @@ class FetchSchedule:
             self.busy = False
 
     def _follow_order(self, units: list[ShardedUnit]) -> None:
+        if not self.in_pass:  # a submodule called on its own (an encoder-decoder's generate
+            for unit in units:  # runs its encoder so): gathered on demand, nothing recorded
+                self._wait(unit)
+            return
         expected = self.recorded.get(self.pass_kind)
         for unit in units:
             if self.on_track and (expected is None or self.position >= len(expected)
