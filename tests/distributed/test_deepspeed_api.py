@@ -414,6 +414,18 @@ def _stepping_the_returned_optimizer(deepspeed, rank, world_size, tmp) -> None:
                 torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
 
 
+def _checkpointing_group_from_mpu(deepspeed, rank, world_size, tmp) -> None:
+    """Megatron's `deepspeed.checkpointing.configure(mpu, ...)`: the model-parallel group
+    Pa splits checkpoints over comes from `mpu.get_model_parallel_group()`."""
+    group = torch.distributed.new_group(list(range(world_size)))
+    mpu = types.SimpleNamespace(get_model_parallel_group=lambda: group)
+    try:
+        policy = deepspeed.checkpointing.configure(mpu, partition_activations=True)
+        assert policy.mp_group is group and policy.mp_size == world_size
+    finally:
+        deepspeed.checkpointing.configure(None)
+
+
 def _cases(rank: int, world_size: int, tmp: str) -> None:
     import zeromem.deepspeed as deepspeed
     _client_optimizers(deepspeed, rank, world_size, tmp)
@@ -425,6 +437,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> None:
     _empty_partition_cache(deepspeed, rank, world_size, tmp)
     _leaf_modules(deepspeed, rank, world_size, tmp)
     _stepping_the_returned_optimizer(deepspeed, rank, world_size, tmp)
+    _checkpointing_group_from_mpu(deepspeed, rank, world_size, tmp)
 
 
 def test_deepspeed_api_surface(tmp_path):

@@ -1,14 +1,13 @@
 """`deepspeed.checkpointing.configure` under DeepSpeed's signature, as Megatron-DeepSpeed and
 Lightning's DeepSpeedStrategy call it: `mpu_` first, DeepSpeed's argument names, the
 policy from the defaults, then the config's `activation_checkpointing` block, then every
-argument that is not None."""
+argument that is not None. The model-parallel group from Megatron's `mpu_`:
+tests/distributed/test_deepspeed_api.py."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
-import torch.distributed as dist
 
 import zeromem.checkpointing
 from zeromem.deepspeed import checkpointing
@@ -45,16 +44,6 @@ def test_a_config_file_then_the_arguments_over_it(tmp_path):
     # from a dict, every other field back at its default: a new configure starts afresh
     policy = checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {}})
     assert policy == type(policy)()
-
-
-def test_the_model_parallel_group_comes_from_megatrons_mpu():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        group = dist.new_group([0])
-        mpu = SimpleNamespace(get_model_parallel_group=lambda: group)
-        assert checkpointing.configure(mpu).mp_group is group
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_misspelt_key_in_the_block_is_named():
