@@ -261,9 +261,15 @@ def test_offload_param_not_built(monkeypatch):
     assert "zero_optimization.offload_param.device" in message and "not supported yet" in message
 
 
-def test_offload_param_needs_stage_3(everything_built):
-    assert "offload_param requires stage 3" in load_error(
-        {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+def test_offload_param_below_stage_3_is_dropped_with_a_warning(everything_built, caplog):
+    """DeepSpeed reads offload_param only at stage 3 and ignores it below: DeepSpeed-Chat's
+    `--offload` writes it at every stage, Accelerate's plugin too when asked."""
+    with caplog.at_level(logging.WARNING, logger="zeromem"):
+        config = Config.load({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"},
+                                                    "offload_optimizer": {"device": "cpu"}}})
+    zero = config.zero_optimization
+    assert (zero.offload_param_device, zero.offload_optimizer_device) == ("none", "cpu")
+    assert "zero_optimization.offload_param" in caplog.text and "stage 2" in caplog.text
 
 
 def test_removing_a_feature_from_not_built_lets_it_load(monkeypatch):

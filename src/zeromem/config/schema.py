@@ -167,7 +167,13 @@ class ZeroConfig(_Block):
             raise ValueError(f"offload_optimizer.ratio < 1 requires stage 3, "
                              f"got stage {self.stage}")
         if self.offload_param_device != "none" and self.stage != 3:
-            raise ValueError(f"offload_param requires stage 3, got stage {self.stage}")
+            # DeepSpeed reads it only at stage 3 and ignores it below (DeepSpeed-Chat's
+            # `--offload` and Accelerate's plugin write it at any stage)
+            logger.warning("zero_optimization.offload_param = %s has no effect at stage %s: "
+                           "only stage 3 partitions, and so offloads, parameters",
+                           self.offload_param.model_dump(exclude_unset=True)
+                           if self.offload_param else None, self.stage)
+            self.offload_param = None
         check_zeropp(self)  # hpZ / qwZ / qgZ / hybrid sharding vs the stage (config/cluster.py)
         return self
 
