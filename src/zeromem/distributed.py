@@ -189,8 +189,10 @@ class Lifecycle:
         self._installed = False
 
     def register(self, engine: LiveEngine) -> None:
-        """Close `engine` at shutdown unless it was closed before."""
+        """Close `engine` at shutdown (also at exit and on SIGTERM, whoever created the
+        group) unless it was closed before."""
         self._engines = [ref for ref in self._engines if ref() is not None] + [weakref.ref(engine)]
+        self.install_handlers()
 
     @property
     def engines(self) -> list[LiveEngine]:
@@ -241,8 +243,13 @@ class Lifecycle:
             dist.destroy_process_group()
 
     def _at_exit(self) -> None:
-        """Interpreter exit: meet the other ranks unless this one dies of an uncaught error."""
+        """Interpreter exit: meet the other ranks unless this one dies of an uncaught error,
+        then end the default group even if the script created it: a gloo group alive when
+        the interpreter finalizes now and then aborts the finished process (SIGABRT,
+        "terminate called without an active exception", pytorch#179291)."""
         self.shutdown(barrier_timeout_s=0 if self.failed else 10.0)
+        if dist.is_initialized() and not self.failed:
+            dist.destroy_process_group()
 
     def _on_sigterm(self, signum: int, frame) -> None:
         """Close engines (swap files removed) without waiting for peers, then die of SIGTERM."""

@@ -6,6 +6,7 @@ MODE: `train` (first, on the first attempt only, 6 uninterrupted steps into
 `reference.json`; then 6 steps with a checkpoint every step, resumed from `latest`;
 with KILL_AT_STEP set, rank 1 kills itself there on the first attempt), `exit`
 (train, call `zeromem.shutdown()`, then leave: each rank writes `exit<rank>.txt`),
+`own_group` (the script creates the group, trains, returns; `exit<rank>.txt` at exit),
 `sigterm` (NVMe offload; print the swap directory, then wait to be stopped),
 `frozen` (rank 1 stops answering; the others must fail within the config timeout).
 Rank 0 writes `losses.json` (step -> loss) into OUT_DIR. Collectives time out
@@ -96,6 +97,17 @@ def main() -> None:
         import torch.distributed as dist
         # a file, not stdout: the check must not depend on how torchrun forwards output
         (out / f"exit{rank}.txt").write_text(f"group after shutdown: {dist.is_initialized()}")
+    elif mode == "own_group":
+        import atexit
+        import torch.distributed as dist
+        dist.init_process_group("gloo")  # the script's own group, as HF scripts create it
+        rank = dist.get_rank()
+        # registered before zeromem's exit handler, so it runs after it
+        atexit.register(lambda: (out / f"exit{rank}.txt").write_text(
+            f"group at exit: {dist.is_initialized()}"))
+        engine = build({})
+        for i in range(3):
+            step(engine, i)
     elif mode == "sigterm":
         engine = build({"zero_optimization": {"stage": 2, "offload_optimizer": {
             "device": "nvme", "nvme_path": str(out)}}})

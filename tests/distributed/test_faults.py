@@ -134,6 +134,15 @@ def test_exit_path_ends_the_group_and_exits_zero(tmp_path):
         assert (tmp_path / f"exit{rank}.txt").read_text() == "group after shutdown: False"
 
 
+def test_a_group_the_script_created_is_ended_at_exit(tmp_path):
+    """Left alive when the interpreter finalizes, a gloo group now and then aborts the
+    finished process (SIGABRT, pytorch#179291): zeromem's exit handler ends it."""
+    run = _torchrun("own_group", tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in range(2):
+        assert (tmp_path / f"exit{rank}.txt").read_text() == "group at exit: False"
+
+
 def test_frozen_rank_fails_the_others_within_the_config_timeout(tmp_path):
     began = time.monotonic()
     run = _torchrun("frozen", tmp_path)
