@@ -86,12 +86,13 @@ from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 import deepspeed
 import zeromem.deepspeed.estimators, zeromem.deepspeed.runtime_utils, zeromem.deepspeed.utils.zero_to_fp32
 import zeromem.deepspeed.utils.logging, zeromem.deepspeed.checkpointing
-import zeromem.flat
+import zeromem.ds_attributes
 import sys
 own = {name: sys.modules[f"zeromem.deepspeed.ops.{name}"] for name in ("adam", "adagrad", "lion")}
 print(DeepSpeedCPUAdam is own["adam"].DeepSpeedCPUAdam, FusedAdam is own["adam"].FusedAdam,
       DeepSpeedCPUAdagrad is own["adagrad"].DeepSpeedCPUAdagrad,
-      DeepSpeedCPULion is own["lion"].DeepSpeedCPULion, ZeroParamStatus is zeromem.flat.ZeroParamStatus,
+      DeepSpeedCPULion is own["lion"].DeepSpeedCPULion,
+      ZeroParamStatus is zeromem.ds_attributes.ZeroParamStatus,
       estimate_zero3_model_states_mem_needs_all_live is
       zeromem.deepspeed.estimators.estimate_zero3_model_states_mem_needs_all_live,
       estimate_zero2_model_states_mem_needs_all_cold is

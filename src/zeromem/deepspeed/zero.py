@@ -2,7 +2,7 @@
 
 Both delegate to `zeromem.stage3.partitioned_init`; this module only maps DeepSpeed's keyword
 names (`config_dict_or_path`, `data_parallel_group`, `fwd_module`) onto zeromem's.
-`ZeroParamStatus` is the enum of the `ds_status` a stage-3 parameter carries (flat.py).
+`ZeroParamStatus` is the enum of the `ds_status` a stage-3 parameter carries (ds_attributes.py).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 
 from torch import nn
 
-from ..flat import ZeroParamStatus
+from ..ds_attributes import ZeroParamStatus
 from ..stage3 import partitioned_init as partition
 
 log = logging.getLogger("zeromem")

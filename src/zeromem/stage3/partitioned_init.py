@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 from zeromem.comm import Comm
 from zeromem.distributed import Runtime, ensure_process_group
 from zeromem.config.schema import Config, ConfigError
-from zeromem.flat import ZeroParamStatus, mark_partitioned
+from zeromem.ds_attributes import ZeroParamStatus, mark_partitioned
 from zeromem.layout import ShardLayout
 from zeromem.offload.init_shards import ShardFile, ShardRecord
 
