@@ -6,6 +6,7 @@
     zeromem consolidate checkpoints/ model.safetensors
     zeromem consolidate checkpoints/ hf_model/ --hf gpt2_config/
     zeromem import-deepspeed deepspeed_checkpoints/ checkpoints/
+    zeromem launch --num_gpus 8 train.py --deepspeed ds_config.json
 
 A subcommand is a `Command`: its help line, a function adding its arguments to
 its parser, and a function running it (returning the exit status). Adding one is
@@ -262,6 +263,16 @@ def _run_import_deepspeed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_arguments(parser: argparse.ArgumentParser) -> None:
+    from zeromem.deepspeed.launcher import add_arguments
+    add_arguments(parser)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from zeromem.deepspeed.launcher import run
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "estimate": Command("per-device model-state memory by ZeRO stage (paper formulas)",
                         _estimate_arguments, _run_estimate),
@@ -275,6 +286,9 @@ COMMANDS: dict[str, Command] = {
     "import-deepspeed": Command("convert a DeepSpeed ZeRO checkpoint (stages 1-3) into a zeromem "
                                 "one, loadable at any world size and stage",
                                 _import_deepspeed_arguments, _run_import_deepspeed),
+    "launch": Command("start a training script's ranks as DeepSpeed's `deepspeed` launcher does "
+                      "(same flags, --local_rank=N, `import deepspeed` gives zeromem), on torchrun",
+                      _launch_arguments, _run_launch),
 }
 
 

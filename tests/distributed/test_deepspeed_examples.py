@@ -1,10 +1,12 @@
 """DeepSpeedExamples' own training scripts run on `zeromem.deepspeed` (issue 13, item 1).
 
-The scripts under tests/data/deepspeed_examples/ are upstream's with only their
-import lines changed (see the README there). Each runs under torchrun at ZeRO
-stages 0-3 on 2 gloo ranks and once as a single process with the same global
-batch; the per-step losses (mean over ranks, from the ZEROMEM_LOSS_LOG hook)
-must agree, and for HelloDeepSpeed so must the fp32 weights it checkpoints.
+The scripts under tests/data/deepspeed_examples/ are upstream's, imports
+included (see the README there). Each is started as upstream's run scripts start
+it, by DeepSpeed's launcher flags (`zeromem launch`, which passes --local_rank and
+answers `import deepspeed` with zeromem), at ZeRO stages 0-3 on 2 gloo ranks and
+once as a single process with the same global batch; the per-step losses (mean
+over ranks, from the ZEROMEM_LOSS_LOG hook) must agree, and for HelloDeepSpeed so
+must the fp32 weights it checkpoints.
 """
 from __future__ import annotations
 
@@ -31,16 +33,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(tmp: Path, name: str, nproc: int, script: str, offline: str, args: list[str],
-              seed: bool = False) -> list[float]:
-    """Run `script` on `nproc` ranks; the mean over ranks of each backward's loss."""
+def _launch(tmp: Path, name: str, nproc: int, script: str, offline: str, args: list[str],
+            seed: bool = False, launcher_flags: tuple[str, ...] = ()) -> list[float]:
+    """Run `script` on `nproc` ranks as upstream's run script does with DeepSpeed's
+    launcher (`deepspeed [launcher_flags] script ...`), here `zeromem launch`; the mean
+    over ranks of each backward's loss."""
     log = tmp / f"{name}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", ZEROMEM_LOSS_LOG=str(log),
                PYTHONPATH=os.pathsep.join([str(EXAMPLES / "offline" / offline), str(SRC)]))
     if seed:
         env["ZEROMEM_EXAMPLE_SEED"] = "0"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_port()}", str(EXAMPLES / script), *args]
+    cmd = [sys.executable, "-m", "zeromem.cli", "launch", f"--num_gpus={nproc}",
+           *launcher_flags, f"--master_port={_port()}", str(EXAMPLES / script), *args]
     done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     per_step: dict[int, list[float]] = defaultdict(list)
@@ -54,12 +58,13 @@ def _torchrun(tmp: Path, name: str, nproc: int, script: str, offline: str, args:
 def test_cifar10_example_matches_one_process(tmp_path):
     """cifar10_deepspeed.py: 16 samples a step over 2 ranks = 16 on one, at every stage."""
     args = ["--dtype", "fp32", "-e", "2", "--log-interval", "2", "--deepspeed"]
-    ref = _torchrun(tmp_path, "one", 1, "cifar10_deepspeed.py", "cifar", args + ["--stage", "0"],
-                    seed=True)
+    run_ds = ("--bind_cores_to_rank",)  # training/cifar/run_ds.sh
+    ref = _launch(tmp_path, "one", 1, "cifar10_deepspeed.py", "cifar", args + ["--stage", "0"],
+                  seed=True, launcher_flags=run_ds)
     assert len(ref) == 8  # 64 synthetic samples, 2 epochs, global batch 16
     for stage in range(4):
-        got = _torchrun(tmp_path, f"s{stage}", 2, "cifar10_deepspeed.py", "cifar",
-                        args + ["--stage", str(stage)], seed=True)
+        got = _launch(tmp_path, f"s{stage}", 2, "cifar10_deepspeed.py", "cifar",
+                      args + ["--stage", str(stage)], seed=True, launcher_flags=run_ds)
         assert got == pytest.approx(ref, rel=1e-5, abs=1e-6), f"stage {stage}"
 
 
@@ -69,7 +74,7 @@ def _bert(tmp: Path, name: str, nproc: int, stage: int) -> tuple[list[float], di
             "--num_layers", "2", "--num_heads", "2", "--ff_dim", "64", "--h_dim", "32",
             "--max_seq_length", "32", "--batch_size", "4", "--num_iterations", "6",
             "--log_every", "2", "--dtype", "bf16", "--zero_stage", str(stage)]
-    losses = _torchrun(tmp, name, nproc, "train_bert_ds.py", "bert", args)
+    losses = _launch(tmp, name, nproc, "train_bert_ds.py", "bert", args)
     (exp_dir,) = ckpt.iterdir()
     out = tmp / f"{name}.pt"
     consolidate(exp_dir, out)

@@ -26,6 +26,8 @@ ENVIRONMENT_EDGES = {
     "deepspeed/init.py": "DeepSpeed's init_distributed",
     "deepspeed/engine.py": "DeepSpeedEngine.local_rank, the loss log of the examples",
     "deepspeed/accelerator.py": "DeepSpeed's accelerator: device_count on CPU",
+    "deepspeed/launcher.py": "DeepSpeed's launcher: CUDA_VISIBLE_DEVICES picks the slots",
+    "deepspeed/launch_worker.py": "a launched rank: torchrun's variables in, DeepSpeed's out",
 }
 # module-level instances, and why each is one per process
 PROCESS_WIDE = {
@@ -239,6 +241,8 @@ def test_no_any_at_module_boundaries_but_the_named_ones():
 # modules that assign an attribute of another package's module, and why
 PATCHING = {
     "distributed.py": "sys.excepthook, chained to the previous hook: the process edge",
+    "deepspeed/launch_worker.py": "sys.argv, as `python script args` sets it for the script "
+                                  "this process then runs",
     "planning/activation_trace.py": "the planner's trace only, restored after: Hugging Face's mask "
                                     "checks answered as for the real run (issue 11: to replace)",
 }

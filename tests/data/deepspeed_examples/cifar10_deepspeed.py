@@ -1,14 +1,14 @@
 import argparse
 import os
 
-import zeromem.deepspeed as deepspeed
+import deepspeed
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from torchvision import transforms
-from zeromem.deepspeed.accelerator import get_accelerator
-from zeromem.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.accelerator import get_accelerator
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 
 def add_argument():

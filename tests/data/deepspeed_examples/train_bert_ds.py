@@ -21,7 +21,7 @@ import pytz
 import sh
 import torch
 import torch.nn as nn
-import zeromem.deepspeed as deepspeed
+import deepspeed
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoTokenizer, PreTrainedTokenizer, PreTrainedTokenizerFast
@@ -31,7 +31,7 @@ from transformers.models.roberta.modeling_roberta import (
     RobertaPreTrainedModel,
 )
 
-from zeromem.deepspeed.accelerator import get_accelerator
+from deepspeed.accelerator import get_accelerator
 
 def is_rank_0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0

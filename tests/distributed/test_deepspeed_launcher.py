@@ -1,0 +1,74 @@
+"""`zeromem launch` gives a script what DeepSpeed's `deepspeed` launcher gives it.
+
+Each test starts real ranks through the console entry (`python -m zeromem.cli launch`,
+then torchrun, then one `launch_worker` per rank) and reads what every rank saw.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+PROBE = Path(__file__).with_name("launcher_probe.py")
+TESTS = Path(__file__).parents[1]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(flags: list[str], script: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "zeromem.cli", "launch", f"--master_port={_port()}",
+               *flags, *script]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _seen(out: Path, ranks: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def test_each_rank_gets_its_local_rank_deepspeed_and_its_cores(tmp_path):
+    """`deepspeed --num_gpus 2 --bind_cores_to_rank --enable_each_rank_log logs probe.py`."""
+    done = _launch(["--num_gpus", "2", "--bind_cores_to_rank", "--enable_each_rank_log",
+                    str(tmp_path / "logs")], [str(PROBE), str(tmp_path)], tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = _seen(tmp_path, 2)
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // 2
+    for rank, rank_saw in enumerate(seen):
+        assert rank_saw["argv"] == [f"--local_rank={rank}", str(tmp_path)]
+        assert rank_saw["env"] == {"LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "CROSS_RANK": "0",
+                                   "CROSS_SIZE": "1", "LOCAL_SIZE": "2",
+                                   "OMP_NUM_THREADS": str(share)}
+        assert rank_saw["cores"] == cores[rank * share:(rank + 1) * share]
+        assert (rank_saw["name"], rank_saw["path0"]) == ("__main__", str(PROBE.parent))
+        assert rank_saw["deepspeed"] == "zeromem.deepspeed"
+        assert rank_saw["hf_sees_deepspeed"][0] and "zeromem" in rank_saw["hf_sees_deepspeed"][1]
+    logs = sorted((tmp_path / "logs").iterdir())
+    assert [p.name.split("_", 1)[1] for p in logs] == ["rank0.log", "rank1.log"]
+    for rank, log in enumerate(logs):
+        assert f"probe rank {rank} started" in log.read_text()
+
+
+def test_module_without_local_rank(tmp_path):
+    """`deepspeed --module --no_local_rank distributed.launcher_probe OUT`: run as `python -m`."""
+    done = _launch(["--num_gpus", "2", "--module", "--no_local_rank"],
+                   ["distributed.launcher_probe", str(tmp_path)], tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank_saw in _seen(tmp_path, 2):
+        assert rank_saw["argv"] == [str(tmp_path)]
+        assert (rank_saw["name"], rank_saw["path0"]) == ("__main__", str(tmp_path))
+
+
+def test_a_failing_rank_fails_the_launch(tmp_path):
+    done = _launch(["--num_gpus", "2"], [str(PROBE), str(tmp_path), "fail"], tmp_path)
+    assert done.returncode != 0
+    assert len(_seen(tmp_path, 2)) == 2  # both ran; rank 1 exited 3
