@@ -105,7 +105,7 @@ class Feature:
 
 FEATURES: tuple[Feature, ...] = (
     Feature("autotuning", "Autotuning", "a mode of DeepSpeed's launcher (`deepspeed --autotuning`) "
-            "that runs trial jobs; zeromem has no launcher: `zeromem plan` recommends a stage, "
+            "that runs trial jobs; `zeromem launch` runs none: `zeromem plan` recommends a stage, "
             "offload and batch from the model and hardware"),
     Feature("compression_training", "DeepSpeed Compression (XTC, ZeroQuant, pruning, layer "
             "reduction)", "it rewrites the model's layers (deepspeed.compression."
