@@ -287,12 +287,21 @@ class FlatParamGroup:
             p.ds_status = ZeroParamStatus.AVAILABLE  # type: ignore[attr-defined]
         self._state = GroupState.GATHERED
 
-    def reshard(self) -> None:
-        """Drop the whole buffer; parameters become empty. The caller waited for its gather."""
+    def reshard(self, let_go: bool = False) -> None:
+        """Drop the whole buffer; parameters become empty. The caller waited for its gather.
+
+        `let_go`: the buffer is let go instead of shrunk in place, and the next gather makes
+        a new one. For the end of `GatheredParameters`, whose user may keep tensors taken
+        from the parameters inside (`p.data.cpu()` is `p.data` itself on a CPU): they keep
+        their values, as with DeepSpeed, and their memory is theirs to free.
+        """
         self._assert_in_states(GroupState.GATHERING, GroupState.GATHERED)
         self._empty_params()
         assert self._full is not None  # GATHERING and GATHERED hold the whole buffer
-        self._full.untyped_storage().resize_(0)  # views autograd saved now hold nothing
+        if let_go:
+            self._whole_storage, self._whole_views = None, []
+        else:
+            self._full.untyped_storage().resize_(0)  # views autograd saved now hold nothing
         self._full = None
         self._state = GroupState.SHARDED
 

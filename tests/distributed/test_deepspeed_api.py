@@ -80,6 +80,16 @@ def _getters_and_module(deepspeed, rank, world_size, tmp) -> None:
         applied.append(engine.was_step_applied())
     assert applied == [False, True, False, True]
     assert engine.global_steps == 2 and engine.global_samples == 2 * engine.train_batch_size()
+    timer = engine.tput_timer  # DeepSpeed-Chat calls update_epoch_count() after each epoch
+    assert (timer.global_step_count, timer.micro_step_count) == (2, 4)
+    assert timer.avg_samples_per_sec() == float("-inf")  # the first 2 steps are warm-up
+    timer.update_epoch_count()
+    engine.eval()
+    engine(torch.ones(2, 4))  # evaluation is not timed
+    engine.train()
+    _train(engine, 2)
+    assert (timer.epoch_count, timer.global_step_count, timer.micro_step_count) == (1, 3, 2)
+    assert 0 < timer.avg_samples_per_sec() < float("inf")
     with pytest.raises(ValueError, match="twice"):
         deepspeed.initialize(args=args, model=_net(), config=_cfg(1))
     engine.destroy()
@@ -187,7 +197,9 @@ def _submodules(deepspeed, rank, world_size, tmp) -> None:
         assert hasattr(p, "ds_id") and p.ds_status == status.NOT_AVAILABLE and p.numel() == 0
         with deepspeed.zero.GatheredParameters([p]):
             assert p.ds_status == status.AVAILABLE and p.shape == p.ds_shape
-            saved[name] = p.data.clone()
+            # DeepSpeed-Chat's save_zero_three_model: `.cpu()` on a CPU is `p.data` itself,
+            # and it must keep its values once the block has ended, as DeepSpeed's do
+            saved[name] = p.data.cpu()
     assert len(saved) == 4 and all(v.numel() == p.ds_numel for v, p in
                                    zip(saved.values(), engine.module.parameters()))
     for name, value in full.items():  # rank 0's full state dict, from the masters

@@ -83,9 +83,13 @@ from deepspeed.runtime.utils import see_memory_usage
 from deepspeed.utils.zero_to_fp32 import get_optim_files, get_model_state_file
 from deepspeed.utils.logging import logger, log_dist
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+from deepspeed.compression.helper import recursive_getattr, recursive_setattr  # DeepSpeed-Chat
+from deepspeed.utils.module_utils import recursive_getattr as getattr_now  # its new home
+from deepspeed import get_accelerator  # DeepSpeed-Chat's main.py
 import deepspeed
 import zeromem.deepspeed.estimators, zeromem.deepspeed.runtime_utils, zeromem.deepspeed.utils.zero_to_fp32
 import zeromem.deepspeed.utils.logging, zeromem.deepspeed.checkpointing
+import zeromem.deepspeed.utils.module_utils, zeromem.deepspeed.accelerator
 import zeromem.ds_attributes
 import sys
 own = {name: sys.modules[f"zeromem.deepspeed.ops.{name}"] for name in ("adam", "adagrad", "lion")}
@@ -106,9 +110,12 @@ print(DeepSpeedCPUAdam is own["adam"].DeepSpeedCPUAdam, FusedAdam is own["adam"]
       logger is zeromem.deepspeed.utils.logging.logger is deepspeed.utils.logging.logger,
       log_dist is zeromem.deepspeed.utils.log_dist,
       deepspeed.checkpointing is zeromem.deepspeed.checkpointing,
-      isinstance(DeepSpeedOptimizer, type))
+      isinstance(DeepSpeedOptimizer, type),
+      recursive_getattr is getattr_now is zeromem.deepspeed.utils.module_utils.recursive_getattr,
+      recursive_setattr is zeromem.deepspeed.utils.module_utils.recursive_setattr,
+      get_accelerator is zeromem.deepspeed.accelerator.get_accelerator)
 """)
-    assert seen == " ".join(["True"] * 16)
+    assert seen == " ".join(["True"] * 19)
 
 
 def test_see_memory_usage_logs_when_forced(caplog):
@@ -122,3 +129,17 @@ def test_see_memory_usage_logs_when_forced(caplog):
         see_memory_usage("after initialize", force=True)
     assert "quiet" not in caplog.text and "after initialize" in caplog.text
     assert "host resident" in caplog.text and host_resident_bytes() > 10 * 2 ** 20
+
+
+def test_recursive_attributes_reach_submodules_by_dotted_name():
+    """DeepSpeed-Chat's LoRA swap: `recursive_setattr(model, 'decoder.layers.0.fc1', lora)`."""
+    from torch import nn
+
+    from zeromem.deepspeed.utils.module_utils import recursive_getattr, recursive_setattr
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    assert recursive_getattr(model, "0.1") is model[0][1]
+    new = nn.Linear(2, 2)
+    recursive_setattr(model, "0.0", new)
+    assert model[0][0] is new
+    recursive_setattr(model, "extra", new)
+    assert model.extra is new

@@ -25,6 +25,7 @@ from . import utils
 from .optimizer import DeepSpeedZeroOptimizer
 from .parameter_offload import ParameterOffload
 from .comm import broadcast_object
+from .timer import ThroughputTimer
 
 log = logging.getLogger("zeromem")
 
@@ -44,6 +45,9 @@ class DeepSpeedEngine(nn.Module):
         self.device = engine.device
         self._step_applied = False
         self._loss_log = os.environ.get("ZEROMEM_LOSS_LOG") or None
+        throughput = engine.config.timers.throughput
+        self.tput_timer = ThroughputTimer(self.train_batch_size(), throughput.enabled,
+                                          throughput.synchronized, engine.device)
         utils.attach(engine.param_states, engine.module)  # safe_get_full_grad(p) finds it
         # what DeepSpeed returns as its optimizer: stepping it is the engine's update
         self._optimizer = DeepSpeedZeroOptimizer(engine) if engine.trains else None
@@ -62,6 +66,8 @@ class DeepSpeedEngine(nn.Module):
 
     # -- training loop ---------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.module.training:
+            self.tput_timer.start()
         return self.engine.forward(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss=False,
@@ -80,6 +86,7 @@ class DeepSpeedEngine(nn.Module):
         skipped = self.engine.skipped_steps
         self.engine.step(lr_kwargs=lr_kwargs)
         self._step_applied = boundary and self.engine.skipped_steps == skipped
+        self.tput_timer.stop(global_step=boundary)
 
     def was_step_applied(self) -> bool:
         """True when the last `step()` updated the weights (a boundary, no fp16 overflow)."""

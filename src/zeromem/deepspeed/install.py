@@ -66,6 +66,7 @@ def _clone_tensors_for_torch_save(item, device: torch.device = torch.device("cpu
 def _submodules() -> dict[str, dict[str, object]]:
     """`deepspeed.<name>` -> the attributes HF reads there (real zeromem modules are aliased)."""
     from . import estimators, runtime_utils, zero
+    from .utils import module_utils
     from .engine import DeepSpeedEngine
 
     return {
@@ -89,6 +90,9 @@ def _submodules() -> dict[str, dict[str, object]]:
             "estimate_zero2_model_states_mem_needs_all_cold")},
         "checkpoint": {},
         "checkpoint.utils": {"clone_tensors_for_torch_save": _clone_tensors_for_torch_save},
+        "compression": {},
+        "compression.helper": {name: getattr(module_utils, name) for name in (
+            "recursive_getattr", "recursive_setattr")},
     }
 
 
@@ -146,7 +150,7 @@ def install_as_deepspeed() -> None:
     for alias in ("accelerator", "comm", "zero", "checkpointing", "moe", "ops", "utils"):  # real modules
         sys.modules[f"{NAME}.{alias}"] = getattr(surface, alias)
     for alias in ("moe.utils", "ops.adam", "ops.adagrad", "ops.lion", "utils.zero_to_fp32",
-                  "utils.logging"):
+                  "utils.logging", "utils.module_utils"):
         sys.modules[f"{NAME}.{alias}"] = importlib.import_module(f"{surface.__name__}.{alias}")
     sys.modules[NAME] = surface
     # first, so that a real DeepSpeed installed beside zeromem does not answer for the

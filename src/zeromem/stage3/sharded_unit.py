@@ -174,13 +174,13 @@ class ShardedUnit:
             self._finish(timeout_s)
             self.group.finish_gather()
 
-    def reshard(self, force: bool = False) -> None:
-        """Drop the whole buffer; parameters become empty again."""
+    def reshard(self, force: bool = False, let_go: bool = False) -> None:
+        """Drop the whole buffer; parameters become empty again (`let_go`: flat.py)."""
         if self.state is GroupState.SHARDED or ((self.persistent or self.pins) and not force):
             return
         if self.state is GroupState.GATHERING:
             self._finish(None)
-        self.group.reshard()
+        self.group.reshard(let_go)
         self.stats.add(-self.group.padded_numel)
 
     def _finish(self, timeout_s: float | None) -> None:
@@ -200,7 +200,7 @@ class ShardedUnit:
     def unpin(self) -> None:
         self.pins -= 1
         if self.pins == 0:
-            self.reshard()
+            self.reshard(let_go=True)  # what the block's user took from it stays theirs
 
     def check_editable(self) -> None:
         """An edit of the whole buffer can reach the master: refused before it is made where
