@@ -7,6 +7,7 @@
     zeromem consolidate checkpoints/ hf_model/ --hf gpt2_config/
     zeromem import-deepspeed deepspeed_checkpoints/ checkpoints/
     zeromem launch --num_gpus 8 train.py --deepspeed ds_config.json
+    zeromem accelerate-launch --config_file deepspeed_zero3.yaml train.py
 
 A subcommand is a `Command`: its help line, a function adding its arguments to
 its parser, and a function running it (returning the exit status). Adding one is
@@ -26,11 +27,16 @@ from typing import Callable, Sequence
 
 @dataclass(frozen=True)
 class Command:
-    """One subcommand: help line, argument declaration, and the function that runs it."""
+    """One subcommand: help line, argument declaration, and the function that runs it.
+
+    `passthrough`: the command's arguments are another program's (`accelerate launch`'s),
+    handed over as they are in `args.passthrough`, unparsed.
+    """
 
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    passthrough: bool = False
 
 
 # ---------------------------------------------------------------- estimate
@@ -273,6 +279,11 @@ def _run_launch(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _run_accelerate_launch(args: argparse.Namespace) -> int:
+    from zeromem.deepspeed.accelerate_launch import run
+    return run(args.passthrough)
+
+
 COMMANDS: dict[str, Command] = {
     "estimate": Command("per-device model-state memory by ZeRO stage (paper formulas)",
                         _estimate_arguments, _run_estimate),
@@ -289,6 +300,9 @@ COMMANDS: dict[str, Command] = {
     "launch": Command("start a training script's ranks as DeepSpeed's `deepspeed` launcher does "
                       "(same flags, --local_rank=N, `import deepspeed` gives zeromem), on torchrun",
                       _launch_arguments, _run_launch),
+    "accelerate-launch": Command("`accelerate launch` (its options and config file) with zeromem "
+                                 "as its DeepSpeed", lambda parser: None, _run_accelerate_launch,
+                                 passthrough=True),
 }
 
 
@@ -304,7 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `zeromem` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS and COMMANDS[argv[0]].passthrough:
+        args = argparse.Namespace(command=argv[0], passthrough=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command].run(args) or 0
     except (ValueError, OSError, RuntimeError) as error:  # bad input: one line, no traceback

@@ -90,6 +90,8 @@ def _submodules() -> dict[str, dict[str, object]]:
             "estimate_zero2_model_states_mem_needs_all_cold")},
         "checkpoint": {},
         "checkpoint.utils": {"clone_tensors_for_torch_save": _clone_tensors_for_torch_save},
+        "launcher": {},  # `accelerate launch` reads the name of DeepSpeed's environment file
+        "launcher.runner": {"DEEPSPEED_ENVIRONMENT_NAME": ".deepspeed_env"},
         "compression": {},
         "compression.helper": {name: getattr(module_utils, name) for name in (
             "recursive_getattr", "recursive_setattr")},
