@@ -22,13 +22,19 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _command(flags: list[str], script: list[str], port: int | None = None) -> list[str]:
+    return [sys.executable, "-m", "zeromem.cli", "launch", f"--master_port={port or _port()}",
+            *flags, *script]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+
 def _launch(flags: list[str], script: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "zeromem.cli", "launch", f"--master_port={_port()}",
-               *flags, *script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(_command(flags, script), cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=120)
 
 
 def _seen(out: Path, ranks: int) -> list[dict]:
@@ -72,3 +78,24 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
     done = _launch(["--num_gpus", "2"], [str(PROBE), str(tmp_path), "fail"], tmp_path)
     assert done.returncode != 0
     assert len(_seen(tmp_path, 2)) == 2  # both ran; rank 1 exited 3
+
+
+def test_each_node_runs_its_own_launcher_without_ssh(tmp_path):
+    """Two "nodes" of this machine from one hostfile, each `deepspeed --no_ssh --node_rank R`."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    port = _port()
+    nodes = [subprocess.Popen(
+        _command(["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
+                  "--master_addr", "127.0.0.1"], [str(PROBE), str(tmp_path)], port),
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)]
+    for node in nodes:
+        _, err = node.communicate(timeout=120)
+        assert node.returncode == 0, err[-4000:]
+    for rank, rank_saw in enumerate(_seen(tmp_path, 2)):
+        assert rank_saw["argv"] == ["--local_rank=0", str(tmp_path)]
+        assert {k: rank_saw["env"][k] for k in ("LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK",
+                                                 "CROSS_SIZE", "LOCAL_SIZE")} == {
+            "LOCAL_RANK": "0", "WORLD_SIZE": "2", "CROSS_RANK": str(rank), "CROSS_SIZE": "2",
+            "LOCAL_SIZE": "1"}
