@@ -74,9 +74,10 @@ def arguments(stage: str, out: Path) -> tuple[str, list[str]]:
 
 
 def run(launcher: list[str], stage: str, out: Path, env: dict[str, str],
-        timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """`launcher --num_gpus 2 --master_port P script args` from the script's directory."""
+        extra: tuple[str, ...] = (), timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """`launcher --num_gpus 2 --master_port P script args extra` from the script's directory."""
     script, args = arguments(stage, out)
+    args += extra
     path = CHAT / script
     env = {**env, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(CHAT), env.get("PYTHONPATH", "")])}

@@ -32,6 +32,7 @@ SAMPLES = {
     "disable_allgather": (False, True),
     "graph_harvesting": (False, True),
     "managed_gradient_accumulation": (True, False),
+    "hybrid_engine.inference_tp_size": (1, 2),  # inside a block that is a feature itself
     "zero_optimization.zenflow": (None, {"topk_ratio": 0.1, "update_interval": 4}),
     "zero_optimization.leaf_module": ({"classes": [], "names": []}, {"classes": ["Block"]}),
     "zero_optimization.allgather_sequential": (False, True),
@@ -75,7 +76,8 @@ def test_every_feature_has_samples():
 def test_a_feature_left_off_is_accepted_and_kept_as_inert(feature):
     off, _ = sample(feature)
     config = Config.load(with_value(feature.key, off))
-    assert config.inert == {feature.key: off}
+    assert config.inert[feature.key] == off
+    assert all(k == feature.key or feature.key.startswith(f"{k}.") for k in config.inert)
     assert f"{feature.key} " in config.describe() and "accepted off" in config.describe()
 
 
@@ -98,6 +100,21 @@ def test_a_layout_knob_turned_on_warns(feature, caplog):
     with caplog.at_level(logging.WARNING, logger="zeromem"):
         Config.load(with_value(feature.key, on))
     assert feature.key in caplog.text and "no effect" in caplog.text
+
+
+def test_deepspeed_chats_hybrid_engine_runs_as_without_it(caplog):
+    """DeepSpeed-Chat's --enable_hybrid_engine block: generation is not sped up, nothing
+    else changes, so it is accepted with a warning; sharding generation over ranks
+    (inference_tp_size > 1) is refused."""
+    block = {"enabled": True, "max_out_tokens": 512, "inference_tp_size": 1,
+             "release_inference_cache": False, "pin_parameters": True,
+             "tp_gather_partition_size": 8}
+    with caplog.at_level(logging.WARNING, logger="zeromem"):
+        config = Config.load({"hybrid_engine": block})
+    assert "hybrid_engine" in caplog.text and "generation runs as without it" in caplog.text
+    assert config.inert["hybrid_engine"]["enabled"] is True
+    with pytest.raises(Unsupported, match="hybrid_engine.inference_tp_size = 2"):
+        Config.load({"hybrid_engine": {**block, "inference_tp_size": 2}})
 
 
 def test_a_misspelt_switch_is_an_error_not_off():

@@ -125,8 +125,14 @@ FEATURES: tuple[Feature, ...] = (
             "weights on a schedule during training; zeromem keeps fp32 master weights"),
     Feature("eigenvalue", "eigenvalue-guided quantization (MoQ)", "it runs power iterations on "
             "layer Hessians during training; zeromem does not"),
-    Feature("hybrid_engine", "Hybrid Engine (DeepSpeed-Chat RLHF)", "it swaps the model into "
-            "DeepSpeed-Inference kernels for generation; zeromem has no inference kernels"),
+    # before the block's own entry, which takes the whole block
+    Feature("hybrid_engine.inference_tp_size", "Hybrid Engine tensor-parallel generation",
+            "it shards the generating model over inference_tp_size ranks with "
+            "DeepSpeed-Inference kernels; zeromem has neither", differs_from(1)),
+    Feature("hybrid_engine", "Hybrid Engine (DeepSpeed-Chat RLHF)", "generation runs as "
+            "without it, on the training engine's ZeRO-3 gathers and the model's own kernels "
+            "(DeepSpeed swaps in its inference kernels to generate faster); training is the "
+            "same", effect="warn"),
     Feature("amp", "NVIDIA Apex AMP", "Apex is not used; set fp16.enabled or bf16.enabled"),
     Feature("torch_autocast", "torch.autocast mixed precision", "zeromem's mixed precision keeps "
             "16-bit parameters with fp32 masters (the fp16 / bf16 blocks); autocast over fp32 "
