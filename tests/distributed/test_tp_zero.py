@@ -22,7 +22,21 @@ CLIP = 0.5  # below the gradient norm (about 0.77 at the start): every step clip
 SHARDED = ("up.weight", "up.bias", "down.weight")  # split across mp ranks; the rest is replicated
 
 
-def tp_zero_vs_dense(rank, world_size, stage, cpu, explicit_mp_group):
+def _deepspeed_with_mpu(model, config, dp_group, mp_group):
+    """Megatron's way in: `deepspeed.initialize(mpu=...)`; the native engine it wraps."""
+    import types
+
+    import zeromem.deepspeed as deepspeed
+    mpu = types.SimpleNamespace(get_data_parallel_group=lambda: dp_group,
+                                get_model_parallel_group=lambda: mp_group,
+                                get_pipeline_model_parallel_world_size=lambda: 1)
+    engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu)
+    assert (engine.world_size, engine.dp_world_size, engine.mp_world_size) == (4, 2, 2)
+    assert engine.global_rank == dist.get_rank()
+    return engine.engine
+
+
+def tp_zero_vs_dense(rank, world_size, stage, cpu, mp_group_from):
     dp_group, mp_group = make_2d_groups(2, 2)
     dp_rank = dist.get_rank(dp_group)
     torch.manual_seed(0)
@@ -33,13 +47,16 @@ def tp_zero_vs_dense(rank, world_size, stage, cpu, explicit_mp_group):
     model = TPModel(width=32, layers=2, mp_group=mp_group)
     zeromem.checkpointing.configure(mp_group=mp_group, partition_activations=True,
                                     cpu_checkpointing=cpu)
-    engine = zeromem.initialize(model, {
+    config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}},
-        # else: the activation-checkpointing mp group configured above
-        dp_group=dp_group, **({"mp_group": mp_group} if explicit_mp_group else {}))
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    if mp_group_from == "mpu":
+        engine = _deepspeed_with_mpu(model, config, dp_group, mp_group)
+    else:  # "checkpointing": the activation-checkpointing mp group configured above
+        engine = zeromem.initialize(model, config, dp_group=dp_group,
+                                    **({"mp_group": mp_group} if mp_group_from == "argument" else {}))
     diffs, held, norms = [], [], []
     for step in range(3):
         loss = engine(*batches(step, dp_rank))
@@ -60,7 +77,8 @@ def tp_zero_vs_dense(rank, world_size, stage, cpu, explicit_mp_group):
     return diffs, held, norms, replicated
 
 
-CASES = [(2, False, True), (3, True, False)]  # (stage, Pa+cpu, mp group passed to initialize)
+# (stage, Pa+cpu, where the engine's mp group comes from)
+CASES = [(2, False, "argument"), (3, True, "checkpointing"), (3, False, "mpu")]
 
 
 def every_case(rank, world_size):

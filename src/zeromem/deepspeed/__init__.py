@@ -107,11 +107,23 @@ def _over_masters(client: torch.optim.Optimizer, groups: list[dict]) -> torch.op
     return optimizer
 
 
+def _groups_of(mpu: Any) -> tuple[Any, Any]:
+    """(data-parallel group, model-parallel group) of Megatron's `mpu`, as DeepSpeed reads
+    them; (None, None) without one: ZeRO over the whole world."""
+    if mpu is None:
+        return None, None
+    stages = getattr(mpu, "get_pipeline_model_parallel_world_size", None)
+    if stages is not None and stages() > 1:
+        raise NotImplementedError(f"deepspeed.initialize: mpu has {stages()} pipeline stages; "
+                                  "pipeline parallelism is not supported")
+    return mpu.get_data_parallel_group(), mpu.get_model_parallel_group()
+
+
 def _training_dataloader(engine: DeepSpeedEngine, training_data: Any,
                          collate_fn: Callable | None) -> DataLoader:
     """DeepSpeed's loader: micro-batches of this rank's share of a `DistributedSampler`."""
     sampler: DistributedSampler = DistributedSampler(training_data, num_replicas=engine.dp_world_size,
-                                 rank=engine.global_rank)
+                                 rank=engine.engine.comm.rank)  # the data-parallel rank
     return DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
                       sampler=sampler, collate_fn=collate_fn,
                       drop_last=engine.engine.config.dataloader_drop_last)
@@ -129,20 +141,24 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     own param groups, whose lr a scheduler built over it keeps setting) or a factory
     `params -> optimizer`; `lr_scheduler` a scheduler, or a factory `optimizer ->
     scheduler`. `training_data` gives a DataLoader with a
-    `DistributedSampler` over the data-parallel ranks. `mpu` and `mesh_param`
-    (model parallelism) are not supported.
+    `DistributedSampler` over the data-parallel ranks. `mpu`: Megatron's model-parallel
+    unit (tensor parallelism; pipeline stages are refused): ZeRO shards over its
+    data-parallel group, and clipping takes the norm over its model-parallel group too.
+    `mesh_param` is not supported.
     """
     if model is None:
         raise ValueError("deepspeed.initialize: model= is required")
-    if mpu is not None or mesh_param is not None:
-        raise NotImplementedError("deepspeed.initialize: mpu= and mesh_param= are not supported")
+    if mesh_param is not None:
+        raise NotImplementedError("deepspeed.initialize: mesh_param= is not supported")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    dp_group, mp_group = _groups_of(mpu)
     factory, model_parameters = _optimizer_factory(optimizer, model_parameters)
     resolved = _resolve_config(args, config, config_params)
     # modules flagged by utils.set_z3_leaf_modules (MoE blocks) are gathered as one unit each
     leaves = tuple({type(m): None for m in utils.get_z3_leaf_modules(model)})
     native = _native_initialize(model, resolved, model_parameters=model_parameters,
-                                optimizer=factory, lr_scheduler=lr_scheduler, fetch_units=leaves)
+                                optimizer=factory, lr_scheduler=lr_scheduler, fetch_units=leaves,
+                                dp_group=dp_group, mp_group=mp_group)
     engine = DeepSpeedEngine(native, resolved if isinstance(resolved, dict) else None)
     loader = (_training_dataloader(engine, training_data, collate_fn)
               if training_data is not None else None)

@@ -39,9 +39,13 @@ class DeepSpeedEngine(nn.Module):
         self._ds_config = ds_config  # the JSON config as given (DeepSpeed's `engine.config`)
         self.module = engine.module  # registered: state_dict keys are "module.<name>"
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.global_rank = engine.comm.rank
-        self.world_size = engine.dp_world_size
+        # DeepSpeed's: the rank and size of the whole world; ZeRO's data-parallel share of it
+        # (smaller with a model-parallel mpu=)
+        whole = torch.distributed.is_initialized()
+        self.global_rank = torch.distributed.get_rank() if whole else 0
+        self.world_size = torch.distributed.get_world_size() if whole else 1
         self.dp_world_size = engine.dp_world_size
+        self.mp_world_size = self.world_size // self.dp_world_size
         self.device = engine.device
         self._step_applied = False
         self._loss_log = os.environ.get("ZEROMEM_LOSS_LOG") or None
