@@ -370,7 +370,15 @@ class Engine:
         """Atomic sharded checkpoint, loadable under any world size and stage; collective.
 
         `exclude_frozen_parameters` leaves out parameters with requires_grad False (a
-        load keeps the loading model's values for them)."""
+        load keeps the loading model's values for them). Refused under tensor parallelism,
+        on every rank and before anything is written: the files are named by data-parallel
+        rank, so the model-parallel ranks' different slices would overwrite each other."""
+        if self.mp_norm is not None:
+            raise NotImplementedError(
+                "save_checkpoint with tensor parallelism (a model-parallel group of "
+                f"{self.mp_norm.comm.world_size} ranks) is not supported: each model-parallel "
+                "rank holds other slices, which one checkpoint directory would mix; "
+                "full_state_dict() gives each model-parallel rank its own")
         path = str(Path(save_dir) / (f"global_step{self.global_steps}" if tag is None else str(tag)))
         return self.plan.write_once(lambda: checkpoints.save_checkpoint(
             self.training_state(), save_dir, tag, client_state, exclude_frozen_parameters),

@@ -1,6 +1,9 @@
 """ZeRO over data parallelism x tensor parallelism with Pa: trains like one dense process."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,6 +74,10 @@ def tp_zero_vs_dense(rank, world_size, stage, cpu, mp_group_from):
         diffs.append(abs(loss.item() - ref_losses[dp_rank].item()))
         norms.append((engine.get_global_grad_norm(), true_norm))
     zeromem.checkpointing.configure()
+    with tempfile.TemporaryDirectory() as tmp:  # files named by dp rank: mp ranks would clash
+        with pytest.raises(NotImplementedError, match="tensor parallelism"):
+            engine.save_checkpoint(tmp)
+        assert not os.listdir(tmp)  # refused before anything was written
     full = engine.full_state_dict()  # on dp rank 0 of each mp rank: global ranks 0 and 1
     # plain lists: tensors sent back through the queue would share memory with a dead rank
     replicated = {k: v.tolist() for k, v in full.items() if not k.endswith(SHARDED)}
