@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 from pathlib import Path
+
+from harness import free_port
 
 CHAT = Path(__file__).parent / "data" / "deepspeed_chat"
 MODELS = CHAT / "deepspeed_models"  # DeepSpeed's SFT model (actor) and reward model (critic)
@@ -32,12 +33,6 @@ STAGES = ("sft", "reward", "dpo", "ppo")
 # step 3's --seed defaults to None (data shuffled anew each run): every stage gets one
 _COMMON = ["--data_path", "local/jsonfile", "--data_split", "2,4,4", "--num_train_epochs", "1",
            "--dtype", "bf16", "--deepspeed", "--seed", "1234"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def arguments(stage: str, out: Path) -> tuple[str, list[str]]:
@@ -81,7 +76,7 @@ def run(launcher: list[str], stage: str, out: Path, env: dict[str, str],
     path = CHAT / script
     env = {**env, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(CHAT), env.get("PYTHONPATH", "")])}
-    command = [*launcher, "--num_gpus", "2", "--master_port", str(_port()), path.name, *args]
+    command = [*launcher, "--num_gpus", "2", "--master_port", str(free_port()), path.name, *args]
     return subprocess.run(command, cwd=path.parent, env=env, capture_output=True, text=True,
                           timeout=timeout_s)
 

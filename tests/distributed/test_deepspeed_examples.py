@@ -11,7 +11,6 @@ must the fp32 weights it checkpoints.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections import defaultdict
@@ -20,17 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import free_port
 from zeromem.checkpoints.consolidate import consolidate
 
 EXAMPLES = Path(__file__).parents[1] / "data" / "deepspeed_examples"
 SRC = Path(__file__).parents[2] / "src"
 pytest.importorskip("transformers")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(tmp: Path, name: str, nproc: int, script: str, offline: str, args: list[str],
@@ -44,7 +38,7 @@ def _launch(tmp: Path, name: str, nproc: int, script: str, offline: str, args: l
     if seed:
         env["ZEROMEM_EXAMPLE_SEED"] = "0"
     cmd = [sys.executable, "-m", "zeromem.cli", "launch", f"--num_gpus={nproc}",
-           *launcher_flags, f"--master_port={_port()}", str(EXAMPLES / script), *args]
+           *launcher_flags, f"--master_port={free_port()}", str(EXAMPLES / script), *args]
     done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     per_step: dict[int, list[float]] = defaultdict(list)

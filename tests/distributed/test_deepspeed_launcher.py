@@ -7,23 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from harness import free_port
 
 PROBE = Path(__file__).with_name("launcher_probe.py")
 TESTS = Path(__file__).parents[1]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _command(flags: list[str], script: list[str], port: int | None = None) -> list[str]:
-    return [sys.executable, "-m", "zeromem.cli", "launch", f"--master_port={port or _port()}",
+    return [sys.executable, "-m", "zeromem.cli", "launch", f"--master_port={port or free_port()}",
             *flags, *script]
 
 
@@ -84,7 +79,7 @@ def test_each_node_runs_its_own_launcher_without_ssh(tmp_path):
     """Two "nodes" of this machine from one hostfile, each `deepspeed --no_ssh --node_rank R`."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    port = _port()
+    port = free_port()
     nodes = [subprocess.Popen(
         _command(["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
                   "--master_addr", "127.0.0.1"], [str(PROBE), str(tmp_path)], port),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zeromem
-from harness import run_distributed
+from harness import free_port, run_distributed
 
 SCRIPT = Path(__file__).parent / "faults_script.py"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -156,7 +156,7 @@ def test_frozen_rank_fails_the_others_within_the_config_timeout(tmp_path):
 
 def test_sigterm_closes_the_engine_and_removes_swap_files(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "sigterm", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -167,13 +167,6 @@ def test_sigterm_closes_the_engine_and_removes_swap_files(tmp_path):
     finally:
         proc.kill()
     assert list(tmp_path.iterdir()) == []
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_killed_rank_restarts_and_resumes_bit_exactly(tmp_path):

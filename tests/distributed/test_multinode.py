@@ -11,22 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from harness import free_port
+
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 SCRIPT = Path(__file__).with_name("multinode_script.py")
 TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -47,7 +42,7 @@ def _finish(procs: list[subprocess.Popen], what: str) -> None:
 
 
 def _two_nodes(out: Path) -> None:
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen(
         [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "multinode",
