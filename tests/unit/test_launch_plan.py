@@ -25,8 +25,7 @@ def _plan(*argv: str, env=None, gpus: int = 0, hostfile: str | None = None) -> L
 def test_script_arguments_pass_through_untouched():
     args = _args("--num_gpus", "2")
     assert (args.user_script, args.user_args) == ("train.py", ["--deepspeed", "--lr", "1"])
-    launch = _plan("--num_gpus", "2")
-    assert worker_arguments(args, launch, None) == ["--", "train.py", "--deepspeed", "--lr", "1"]
+    assert worker_arguments(args, None) == ["--", "train.py", "--deepspeed", "--lr", "1"]
 
 
 def test_one_node_uses_every_gpu_unless_told():
@@ -63,7 +62,7 @@ def test_hostfile_with_no_ssh_starts_this_node_of_the_job():
 def test_torchrun_command_starts_the_worker_on_this_nodes_ranks():
     launch = Launch(2, 1, (0, 1, 2), "10.0.0.1", 1234, True)
     args = _args("--module", "--no_local_rank", "--bind_cores_to_rank", "--bind_core_list", "0-5")
-    command = torchrun_arguments(launch, worker_arguments(args, launch, "logs/t_rank"))
+    command = torchrun_arguments(launch, worker_arguments(args, "logs/t_rank"))
     assert command == ["-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1",
                        "--nproc_per_node=3", "--master_addr=10.0.0.1", "--master_port=1234",
                        "-m", "zeromem.deepspeed.launch_worker", "--no-local-rank", "--module",

@@ -24,19 +24,15 @@ from typing import Sequence
 def run(argv: Sequence[str]) -> int:
     """Accelerate's `launch` command on `argv`, each rank's script run by `launch_worker`."""
     from .install import install_as_deepspeed
+    from .launch_worker import command_line
 
     install_as_deepspeed()  # before accelerate is imported: it decides at import time
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     launch = launch_command_parser().parse_args(list(argv))
-    launch.training_script_args = worker_arguments(launch.training_script, launch.module,
-                                                   launch.training_script_args)
+    # no --local_rank: Accelerate passes none
+    launch.training_script_args = command_line(launch.training_script, launch.training_script_args,
+                                               local_rank=False, module=launch.module)
     launch.training_script, launch.module = "zeromem.deepspeed.launch_worker", True
     launch_command(launch)
     return 0
-
-
-def worker_arguments(script: str, module: bool, script_args: Sequence[str]) -> list[str]:
-    """`launch_worker`'s arguments running `script` as Accelerate would: no --local_rank
-    (Accelerate passes none), as a module if `accelerate launch -m` said so."""
-    return ["--no-local-rank", *(["--module"] if module else []), "--", script, *script_args]

@@ -33,6 +33,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def command_line(script: str, script_args: Sequence[str], *, local_rank: bool = True,
+                 module: bool = False, no_python: bool = False, bind_cores: str | None = None,
+                 rank_log: str | None = None) -> list[str]:
+    """This module's arguments (what `_parser` reads) for running `script` on each rank."""
+    options = [flag for flag, on in (("--no-local-rank", not local_rank), ("--module", module),
+                                     ("--no-python", no_python)) if on]
+    if bind_cores is not None:
+        options += ["--bind-cores", bind_cores]
+    if rank_log is not None:
+        options += ["--rank-log", rank_log]
+    return [*options, "--", script, *script_args]
+
+
 def parse_core_list(text: str) -> list[int]:
     """'1,3-5,7' -> [1, 3, 4, 5, 7] (DeepSpeed's --bind_core_list)."""
     cores: list[int] = []

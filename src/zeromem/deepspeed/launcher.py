@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .launch_worker import command_line
+
 DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's: read when it exists and -H is not given
 DEFAULT_PORT = 29500
 _LOCAL_NAMES = {"localhost", "127.0.0.1"}
@@ -197,17 +199,12 @@ def _this_node(args: argparse.Namespace, active: dict[str, list[int]], device_co
                   args.master_port, device_count > 0)
 
 
-def worker_arguments(args: argparse.Namespace, launch: Launch, log_prefix: str | None
-                     ) -> list[str]:
-    """`launch_worker`'s command line: the per-rank options, then the script and its args."""
-    options = [flag for flag, on in (("--no-local-rank", args.no_local_rank),
-                                     ("--module", args.module),
-                                     ("--no-python", args.no_python)) if on]
-    if args.bind_cores_to_rank:
-        options += ["--bind-cores", args.bind_core_list or "all"]
-    if log_prefix is not None:
-        options += ["--rank-log", log_prefix]
-    return [*options, "--", args.user_script, *args.user_args]
+def worker_arguments(args: argparse.Namespace, log_prefix: str | None) -> list[str]:
+    """`launch_worker`'s command line for DeepSpeed's per-rank flags."""
+    return command_line(args.user_script, args.user_args, local_rank=not args.no_local_rank,
+                        module=args.module, no_python=args.no_python,
+                        bind_cores=(args.bind_core_list or "all") if args.bind_cores_to_rank
+                        else None, rank_log=log_prefix)
 
 
 def torchrun_arguments(launch: Launch, worker: Sequence[str]) -> list[str]:
@@ -240,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     if launch.on_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, launch.slots))
     command = [sys.executable, *torchrun_arguments(
-        launch, worker_arguments(args, launch, _log_prefix(args.enable_each_rank_log)))]
+        launch, worker_arguments(args, _log_prefix(args.enable_each_rank_log)))]
     sys.stdout.flush()
     os.execve(sys.executable, command, env)
     return 0  # not reached: execve replaced this process
