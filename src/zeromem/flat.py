@@ -475,7 +475,12 @@ def launch_copies(kind: GradKind, backend: str) -> int:
 
 
 class WholeAllReduced:
-    """Stage 0: every rank keeps the whole summed gradient."""
+    """Stage 0: every rank keeps the whole summed gradient.
+
+    The whole buffer is reduced in place, once a step at the boundary backward. A
+    second backward before the step (a GAN's discriminator takes two) must not reduce
+    the first one's sum again: the sum is set aside, the buffer zeroed for the new
+    gradients, and the sum added back once they are reduced (`_reduced_before`)."""
 
     reduces_every_microstep = False
     temporary_buckets = 0  # full-size buffers a launch holds besides the collective's own
@@ -486,8 +491,12 @@ class WholeAllReduced:
         self.whole = torch.zeros(group.padded_numel, dtype=dtype, device=group.param_shard.device)
         self.host = host  # offload: where the reduced shard is copied at the boundary
         self.host_buffer = host.buffer_for(group, self.reduced()) if host is not None else None
+        self.launched = False  # reduced since the last `zero`: a new gradient sets it aside
+        self.earlier: torch.Tensor | None = None  # set aside, added back after the reduction
 
     def accumulate(self, offset: int, grad: torch.Tensor) -> None:
+        if self.launched:
+            self._set_aside()
         self.whole[offset:offset + grad.numel()].add_(grad.reshape(-1))
 
     def fill(self, grads: list[torch.Tensor | None]) -> None:
@@ -495,11 +504,30 @@ class WholeAllReduced:
             if grad is not None:
                 self.accumulate(slot.offset, grad)
 
+    def _set_aside(self) -> None:
+        self.earlier = self.reduced().clone()
+        self.whole.zero_()  # the other ranks' parts too (stage 1): they were reduced
+        self.launched = False
+
     def launch(self, comm: Reduction) -> Pending:
         if not isinstance(comm, AllReduction):
             raise TypeError(f"stage 0 all-reduces its gradient; {type(comm).__name__} cannot")
-        return copied_to_host(comm.all_reduce(self.whole, async_op=True), self.host,
-                              self.host_buffer, self.reduced)
+        return self._reduced_before(comm.all_reduce(self.whole, async_op=True))
+
+    def _reduced_before(self, pending: Pending) -> Pending:
+        """`pending`, then what earlier backwards of this step reduced added back, then the
+        host copy (offload)."""
+        self.launched = True
+        earlier, self.earlier = self.earlier, None
+        if earlier is not None:
+            reduction = pending
+
+            def add_back() -> None:
+                reduction.wait()
+                self.reduced().add_(earlier)
+
+            pending = Pending(None, add_back)
+        return copied_to_host(pending, self.host, self.host_buffer, self.reduced)
 
     def reduced(self) -> torch.Tensor:
         return self.whole
@@ -510,6 +538,7 @@ class WholeAllReduced:
 
     def zero(self) -> None:
         self.whole.zero_()
+        self.launched = False
 
     def held(self) -> list[torch.Tensor]:
         return [self.whole]
@@ -521,8 +550,7 @@ class WholeScattered(WholeAllReduced):
     scatters = True
 
     def launch(self, comm: Reduction) -> Pending:
-        return copied_to_host(comm.reduce_scatter(self.reduced(), self.whole, async_op=True),
-                              self.host, self.host_buffer, self.reduced)
+        return self._reduced_before(comm.reduce_scatter(self.reduced(), self.whole, async_op=True))
 
     def reduced(self) -> torch.Tensor:
         g = self.group

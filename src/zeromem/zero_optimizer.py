@@ -130,6 +130,7 @@ class ZeroOptimizer:
         # zero_grad (what param_states.py reads; mid-window they are a partial sum)
         self.gradient_complete = False
         self._boundary = False
+        self._in_backward = False  # between start_backward and finish_backward
         self.missing: list[int] = [len(g.params) for g in groups]  # `hook_parameters` counts
         self.gathered_callbacks: list[Callable[[], None]] = []
         self.hooks: list = []
@@ -144,6 +145,8 @@ class ZeroOptimizer:
 
     def _hook(self, gi: int, offset: int):
         def on_grad(param: nn.Parameter) -> None:
+            if not self._in_backward:
+                return  # another engine's backward through this module: `_take_left_over`
             group = self.groups[gi]
             if self.comm.launched(gi):
                 name = next(s.name for s in group.slots if s.offset == offset)
@@ -171,6 +174,7 @@ class ZeroOptimizer:
         every_micro = bool(self.groups) and self.groups[0].reduces_every_microstep
         self.comm.start_reductions(boundary or every_micro)
         self.missing = [len(g.params) for g in self.groups]
+        self._in_backward = True
 
     def finish_backward(self) -> None:
         """Hand in the buckets no hook completed (unused parameters: stages 0-2; stage-3
@@ -178,9 +182,27 @@ class ZeroOptimizer:
         if self.hooks:
             for gi, g in enumerate(self.groups):
                 if self.missing[gi]:
+                    self._take_left_over(gi)
                     self.comm.reduce_in_order(gi, g.launch_reduction)
+        self._in_backward = False
         self.comm.finish_reductions()
         self.gradient_complete = self._boundary
+
+    def _take_left_over(self, gi: int) -> None:
+        """Gradients still in `param.grad` that no hook of this backward took.
+
+        A backward that is not this engine's (a GAN's generator loss through the
+        discriminator's module) leaves them there, as PyTorch does: the user's
+        `zero_grad()` drops them, or this engine's next backward takes them in, through
+        the hook where that backward accumulates onto them, else here."""
+        group = self.groups[gi]
+        for p, slot in zip(group.params, group.slots):
+            if p.grad is not None:
+                if self.missing[gi] == len(group.params):  # a bucket starts
+                    self.comm.bucket_starts()
+                group.add_grad(slot.offset, p.grad)
+                p.grad = None
+                self.missing[gi] -= 1
 
     def remove(self) -> None:
         for h in self.hooks:
@@ -189,6 +211,7 @@ class ZeroOptimizer:
     # -- the step ------------------------------------------------------------------
     def step(self) -> bool:
         """Phases 1-5 (module docstring); True when fp16 overflow skipped the update."""
+        self._refuse_left_over()
         norm = self._global_grad_norm()                          # 1. norm
         overflow = not math.isfinite(norm)
         self.grad_norm = norm
@@ -206,6 +229,21 @@ class ZeroOptimizer:
             self.skip()  # what the boundary backward began (offload/backward_step.py)
         self.scaler.update(overflow)
         return overflow
+
+    def _refuse_left_over(self) -> None:
+        """A gradient still in `param.grad` at the step came after this engine's last
+        backward from a backward that is not this engine's: this step would leave it
+        out (`_take_left_over`), where PyTorch's would count it. Refused, naming it."""
+        for g in self.groups:
+            for p, slot in zip(g.params, g.slots):
+                if p.grad is not None:
+                    raise RuntimeError(
+                        f"step(): parameter {slot.name!r} has a gradient that no "
+                        "engine.backward took in: a loss.backward() of its own (call "
+                        "engine.backward(loss) instead), or another engine's backward through "
+                        "this module after this engine's last one (zeromem counts it at this "
+                        "engine's next backward: call step() before that backward, or "
+                        "zero_grad() on the module to drop it)")
 
     def _predict(self, clipped: bool) -> None:
         """Let the next boundary backward begin the step (NVMe) unless the clip coefficient,

@@ -98,7 +98,9 @@ class StepInBackward:
         """The boundary backward starts: read the sub-groups expected first."""
         if self.began():
             raise OffloadError("a second boundary backward before step(): the first one began "
-                               "the step (zeromem.nvme_step_in_backward); call step() between")
+                               "the step (zeromem.nvme_step_in_backward); call step() between, "
+                               "or set \"zeromem\": {\"nvme_step_in_backward\": false} to "
+                               "take several backwards a step")
         self.drop()
         self.active = True
         self.settings = _settings(self.opt.param_groups)

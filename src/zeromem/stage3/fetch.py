@@ -206,6 +206,7 @@ class FetchSchedule:
         self.used_at: dict[int, int] = {}  # unit id -> its latest position in this pass
         self.on_track = True
         self.in_pass = False  # between the root's pre-forward (or engine.backward) and its end
+        self.release_queued = False  # another engine's backward gathered: released at its end
         self.tracing: _Tracing | None = None  # on while this pass's order is not known
         self.busy = False  # inside our own hooks: the tracer must not see our tensor ops
         self.root = root
@@ -302,6 +303,8 @@ class FetchSchedule:
         self.in_pass = self.on_track = False
         for unit in self.units:
             unit.reshard()
+            if kind[0] == "backward":
+                unit.start_pass(Phase.FORWARD)  # between passes: gradients now are not ours
 
     def _start_tracing(self) -> None:
         """Watch which parameters each op reads until the root's forward ends."""
@@ -470,7 +473,18 @@ class FetchSchedule:
 
     @torch.compiler.disable
     def before_backward(self, module_id: int) -> None:
+        if not self.in_pass and not self.release_queued:
+            # another engine's backward runs through this module: nothing of ours ends it,
+            # so what it gathers is released when it ends (FSDP2's final callback)
+            self.release_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_foreign_backward)
         self._use(self._units_for_id(module_id))
+
+    def _after_foreign_backward(self) -> None:
+        self.release_queued = False
+        if not self.in_pass:
+            for unit in self.units:
+                unit.reshard()  # persistent and pinned units stay whole
 
     def _grad_in(self, unit: ShardedUnit, param: torch.Tensor) -> None:
         """`param`'s gradient was accumulated: the unit counts it; once every gradient

@@ -25,6 +25,9 @@ tensors. The `ShardedUnit` owns everything done with them, each in one place:
     memory (flat.GroupState)  SHARDED --unshard--> GATHERING --wait--> GATHERED --reshard--> SHARDED
     phase (Phase)             FORWARD | EVAL --start_pass(BACKWARD)--> BACKWARD
                               --last gradient in, or finish_backward--> REDUCED
+                              --the engine's backward ends--> FORWARD; a gradient
+                              that comes in FORWARD or EVAL (another engine's
+                              backward through this module) stays in `param.grad`
 
 How a unit is gathered is a policy chosen once from the config (`GatherPolicy`,
 built by hierarchy.build_comm_plan):
@@ -226,7 +229,14 @@ class ShardedUnit:
         """A parameter's gradient was accumulated into `param.grad` (its owner's
         post-accumulate-grad hook): count it, nothing more (O(1) per parameter); the last
         one moves them all into the bucket at once. True when this one completed the unit:
-        its gradients are handed over, so the whole buffer may go."""
+        its gradients are handed over, so the whole buffer may go.
+
+        Outside this engine's backward (FORWARD, EVAL: another engine's backward through
+        this module) the gradient stays in `param.grad`, as in PyTorch, where `zero_grad()`
+        drops it or this engine's next backward takes it in (zero_optimizer.py
+        `_take_left_over`)."""
+        if self._phase in (Phase.FORWARD, Phase.EVAL):
+            return False
         if self._phase is Phase.REDUCED:
             self._late_grad(param)
             return False
