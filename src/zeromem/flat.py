@@ -306,16 +306,31 @@ class FlatParamGroup:
         self._state = GroupState.SHARDED
 
     def adopt_whole(self) -> None:
-        """Make the (edited) whole buffer the truth: copy this rank's part into shard and master."""
-        self._assert_in_states(GroupState.GATHERED)
-        assert self._full is not None  # GATHERED holds the whole buffer
-        part = self._full[self.shard_offset:self.shard_offset + self.shard_numel]
+        """Make the (edited) whole buffer the truth: this rank's part into shard and master
+        (stage 3, GATHERED), or into the master (stages 0-2: the shard is a view of it)."""
+        self._assert_in_states(GroupState.GATHERED, GroupState.WHOLE)
+        whole = self._full if self._state is GroupState.GATHERED else self._flat_param
+        assert whole is not None  # GATHERED and WHOLE hold the whole buffer
+        part = whole[self.shard_offset:self.shard_offset + self.shard_numel]
         if not self.master_aliases_params():
             # Elements the modifier left alone keep the master's low bits (their
-            # compute-dtype value is still the shard's): only edits are rounded.
-            changed = part != self._param_shard
-            self._master.copy_(torch.where(changed, part.float(), self._master.to(part.device)))
-        self._param_shard.copy_(part)
+            # compute-dtype value is still the master's rounding): only edits are rounded.
+            master = self._master.to(part.device)
+            changed = part != master.to(part.dtype)
+            self._master.copy_(torch.where(changed, part.float(), master))
+        if self._state is GroupState.GATHERED:  # WHOLE: the shard is a view of `part`
+            self._param_shard.copy_(part)
+
+    def check_editable(self) -> None:
+        """An edit of the whole buffer can reach the master: refused before it is made where
+        the master lives in a swap file (NVMe, 16-bit compute: empty here between steps),
+        which `adopt_whole` cannot write."""
+        if not self.master_aliases_params() and self._master.numel() != self.shard_numel:
+            raise NotImplementedError(
+                f"GatheredParameters(modifier_rank=...) on {self.slots[0].name}: its fp32 "
+                "master lives in optimizer.swp (bf16/fp16 with offload_optimizer nvme), which "
+                "the edit cannot reach; edit before initialize (under zeromem.Init), or load "
+                "the weights with load_checkpoint")
 
     def _view_params(self, whole: torch.Tensor, copy_values: bool = False) -> None:
         # Slots lie end to end (layout.slices_of): one C++ call makes every view, ~4x

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 
 import zeromem
 from harness import run_distributed
+from zeromem.param_states import MASTER
 from models import TinyLM, micro_batch
 
 WORLD = 2
@@ -140,16 +141,20 @@ def loads_into_module(rank: int) -> dict:
 
 
 def gathered_modifier(rank: int) -> dict:
-    """Stage 3: rank 0 edits one element inside GatheredParameters(modifier_rank=0)."""
+    """Rank 0 edits one element inside GatheredParameters(modifier_rank=0), stages 0, 2, 3
+    (at stages 0-2 the parameters are whole already: the edit must still reach the master)."""
     out = {}
-    for precision in ("bf16", "fp16"):
-        engine = zeromem.initialize(build(seed=1), config(3, precision))
-        weight = engine.module.fc1.weight
-        with zeromem.GatheredParameters(weight, modifier_rank=0):
-            if rank == 0:
-                with torch.no_grad():
-                    weight[0, 0] = 0.5
-        out[precision] = engine.full_state_dict()
+    for stage in (0, 2, 3):
+        for precision in ("bf16", "fp16"):
+            engine = zeromem.initialize(build(seed=1), config(stage, precision))
+            weight = engine.module.fc1.weight
+            with zeromem.GatheredParameters(weight, modifier_rank=0):
+                if rank == 0:
+                    with torch.no_grad():
+                        weight[0, 0] = 0.5
+            out[stage, precision] = {  # each rank's own masters (stage 0: each holds them all)
+                name: engine.param_states.full(p, MASTER)
+                for name, p in engine.module.named_parameters()}
     return out
 
 
@@ -379,12 +384,13 @@ def test_weights_loaded_into_the_module_are_used_and_trained_on_every_rank(ranks
 
 def test_gathered_parameters_modifier_keeps_the_masters_low_bits(ranks):
     original = build(seed=1).state_dict()
-    for precision, full in case(ranks, "modifier")[0].items():
-        expected = dict(original)
-        expected["fc1.weight"] = original["fc1.weight"].clone()
-        expected["fc1.weight"][0, 0] = 0.5
-        params = [k for k in original if k.endswith(("weight", "bias"))]
-        assert max_diff(full, expected, params) == 0.0, precision
+    for rank, per_rank in enumerate(case(ranks, "modifier")):
+        for (stage, precision), full in per_rank.items():
+            expected = dict(original)
+            expected["fc1.weight"] = original["fc1.weight"].clone()
+            expected["fc1.weight"][0, 0] = 0.5
+            params = [k for k in original if k.endswith(("weight", "bias"))]
+            assert max_diff(full, expected, params) == 0.0, (rank, stage, precision)
 
 
 def test_bf16_drifts_from_fp32_no_more_than_its_own_rounding(ranks):

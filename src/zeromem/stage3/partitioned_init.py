@@ -37,6 +37,7 @@ from zeromem.comm import Comm
 from zeromem.distributed import Runtime, ensure_process_group
 from zeromem.config.schema import Config, ConfigError
 from zeromem.ds_attributes import ZeroParamStatus, mark_partitioned
+from zeromem.flat import FlatParamGroup
 from zeromem.layout import ShardLayout
 from zeromem.offload.init_shards import ShardFile, ShardRecord
 
@@ -113,12 +114,19 @@ class Partitions:
         self.shards = _WeakById()  # parameter -> ParamShard, for parameters built under Init
         self.whole = _WeakById()   # the ones `unshard` made whole, until `reshard`
         self.units = _WeakById()   # parameter -> stage3.ShardedUnit of a live engine
+        self.wholes = _WeakById()  # parameter -> FlatParamGroup of a live stage 0-2 engine
 
     def add_units(self, units: Iterable) -> None:
         """Let `GatheredParameters` find the fetch unit of each stage-3 parameter."""
         for unit in units:
             for p in unit.group.params:
                 self.units[p] = unit
+
+    def add_groups(self, groups: Iterable[FlatParamGroup]) -> None:
+        """Let `GatheredParameters(modifier_rank=...)` find the masters of stage 0-2 parameters."""
+        for group in groups:
+            for p in group.params:
+                self.wholes[p] = group
 
     def partition(self, p: nn.Parameter, comm: Comm, disk: ShardFile | None = None) -> None:
         """Keep this rank's part of rank 0's `p` (ranks need not be seeded alike, as in DDP),
@@ -419,7 +427,10 @@ class GatheredParameters:
 
     Collective: every rank must enter it. With `modifier_rank`, that rank's in-place
     edits are broadcast on exit and re-partitioned (fp32 masters included), so
-    custom initialisation or surgery on a partitioned model is possible:
+    custom initialisation or surgery on a partitioned model is possible. A stage 0-2
+    engine's parameters are whole already; with `modifier_rank` their edits reach the
+    fp32 masters too, which a plain in-place edit of a bf16/fp16 parameter does not (the
+    next step would write over it; DeepSpeed's context does nothing there):
 
         with zeromem.GatheredParameters(model.head.weight, modifier_rank=0):
             if rank == 0:
@@ -435,17 +446,20 @@ class GatheredParameters:
         self.partitions = DEFAULT if partitions is None else partitions
         units = self.partitions.units
         self.units = list({id(units[p]): units[p] for p in params if p in units}.values())
+        wholes = self.partitions.wholes
+        self.wholes = list({id(wholes[p]): wholes[p] for p in params if p in wholes}.values())
         self.loose = [p for p in params if p in self.partitions.shards]
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self.comm = self.units[0].comm if self.units else Comm(dp_group)
+        self.comm = self.units[0].comm if self.units else \
+            self.wholes[0].comm if self.wholes else Comm(dp_group)
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
         if self.modifier_rank is not None:
-            for unit in self.units:
-                unit.check_editable()
+            for editable in [*self.units, *self.wholes]:
+                editable.check_editable()
         for unit in self.units:
             unit.pin()
         for p in self.loose:
@@ -461,6 +475,10 @@ class GatheredParameters:
                 self.comm.broadcast(unit.full, src)
                 unit.adopt_whole()
             unit.unpin()
+        for group in self.wholes:
+            if src is not None:
+                self.comm.broadcast(group.flat_param, src)
+                group.adopt_whole()
         for p in self.loose:
             if src is not None:
                 self.comm.broadcast(p.data, src)

@@ -206,16 +206,7 @@ class ShardedUnit:
             self.reshard(let_go=True)  # what the block's user took from it stays theirs
 
     def check_editable(self) -> None:
-        """An edit of the whole buffer can reach the master: refused before it is made where
-        the master lives in a swap file (NVMe, 16-bit compute: empty here between steps),
-        which `adopt_whole` cannot write."""
-        g = self.group
-        if not g.master_aliases_params() and g.master.numel() != g.shard_numel:
-            raise NotImplementedError(
-                f"GatheredParameters(modifier_rank=...) on {g.slots[0].name}: its fp32 master "
-                "lives in optimizer.swp (bf16/fp16 with offload_optimizer nvme), which the edit "
-                "cannot reach; edit before initialize (under zeromem.Init), or load the "
-                "weights with load_checkpoint")
+        self.group.check_editable()
 
     def adopt_whole(self) -> None:
         """Make the (edited) whole buffer the truth (flat.py), in the shard's own place too:
