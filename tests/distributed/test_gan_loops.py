@@ -1,4 +1,5 @@
-"""More than one backward to a step, and gradients that come from another engine's backward.
+"""GAN training loops: more than one backward to a step, gradients from another engine's
+backward, weights edited between steps (WGAN), and a gradient penalty (WGAN-GP).
 
 DeepSpeedExamples' GAN (training/gan/gan_deepspeed_train.py) trains two engines,
 a discriminator D and a generator G, as PyTorch's DCGAN example does:
@@ -25,6 +26,11 @@ largest difference in D's weights was 0.27-0.83 after 4 steps, SGD with momentum
 stage 3 matched. DeepSpeed 0.19.8 runs the GAN correctly at stage 0 only: stage 1
 drifts from the first step, and stages 2 and 3 assert "Gradient computed twice for
 this partition".
+
+WGAN clips the critic's weights after each step. Inside GatheredParameters(modifier_rank=0)
+the clip reaches the fp32 masters at every stage (in bf16 at stages 0-2 it did not).
+WGAN-GP's penalty differentiates the critic's gradient: stage 3 re-gathers each unit
+for the second-order pass.
 
 Every case runs on 2 gloo ranks seeded apart, each with half of the global batch,
 against one process with the whole batch, compared on every rank.
@@ -282,6 +288,41 @@ def wgan_on_ranks(rank: int, world: int) -> dict:
     return out
 
 
+def critic_gp_loss(critic: nn.Module, step: int, rows: slice) -> torch.Tensor:
+    """WGAN-GP's critic loss: the gradient penalty differentiates the critic's gradient
+    (autograd.grad with create_graph), so the backward runs through a backward."""
+    g = torch.Generator().manual_seed(200 + step)
+    real, fake, eps = (t[rows] for t in (torch.randn(BATCH, NX, generator=g),
+                                         torch.randn(BATCH, NX, generator=g),
+                                         torch.rand(BATCH, 1, generator=g)))
+    mix = (eps * real + (1 - eps) * fake).requires_grad_(True)
+    grad, = torch.autograd.grad(critic(mix).sum(), mix, create_graph=True)
+    penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
+    return critic(fake).mean() - critic(real).mean() + 10 * penalty
+
+
+def gp_critic() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(NX, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 1))
+
+
+def gradient_penalty_on_ranks(rank: int, world: int) -> dict:
+    """Stage 3 with a fetch unit per Linear: each is re-gathered for the second-order pass."""
+    out = {}
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    for stage in range(4):
+        critic = gp_critic()
+        engine = zeromem.initialize(critic, {"train_batch_size": BATCH,
+                                             **zero_config(stage, "", "")},
+                                    optimizer=sgd, fetch_units=(nn.Linear,))
+        for step in range(STEPS):
+            engine.backward(critic_gp_loss(critic, step, rows))
+            engine.step()
+        out[stage] = whole(engine)
+    return out
+
+
 def nvme_default_refuses(rank: int, world: int) -> str:
     """With the step begun in the boundary backward (NVMe's default), a second boundary
     backward is refused, naming the key that allows it."""
@@ -305,6 +346,7 @@ def runs() -> dict[str, list]:
                          "left_over": (left_over_on_ranks, ()),
                          "refusals": (refusals_on_ranks, ()),
                          "wgan": (wgan_on_ranks, ()),
+                         "gp": (gradient_penalty_on_ranks, ()),
                          "nvme_default": (nvme_default_refuses, ())}, WORLD, timeout_s=400)
 
 
@@ -391,4 +433,18 @@ def test_weights_clipped_inside_gathered_parameters_reach_the_masters(runs, stag
     for rank, got in enumerate(runs["wgan"]):
         for g, w in zip(got[stage, precision], whole(critic)):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=atol,
+                                       msg=lambda m: f"rank {rank}: {m}")
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_gradient_penalty_matches_one_process(runs, stage):
+    critic = gp_critic()
+    optimizer = sgd(critic.parameters())
+    for step in range(STEPS):
+        critic_gp_loss(critic, step, slice(None)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank, got in enumerate(runs["gp"]):
+        for g, w in zip(got[stage], whole(critic)):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank}: {m}")
