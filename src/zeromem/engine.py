@@ -81,6 +81,7 @@ class Engine:
         self.zero_stage = config.zero_optimization.stage
         self.device = self.runtime.device  # LOCAL_RANK's GPU, not the global rank's
         self.compute_dtype = config.compute_dtype
+        self.partitions.refuse_taken(module)
         materialize_meta(module, self.device)  # a model built on the meta device
         # The user's dtype is kept until the flat groups read the fp32 masters from it.
         self.module = module.to(self.device)

@@ -229,9 +229,21 @@ def evaluation_engines(rank: int) -> dict:
     return out
 
 
+def initialize_twice(rank: int) -> dict:
+    """A second engine on a model a stage-3 engine partitioned: refused, naming a parameter
+    (it failed deep inside with "shape '[2, -1]' is invalid for input of size 23")."""
+    model = build(seed=1)
+    zeromem.initialize(model, config(3, "fp32"))
+    try:
+        zeromem.initialize(model, config(3, "fp32"))
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"error": ""}
+
+
 CASES = {"seeded": seeded_differently, "storages": storages_after_initialize,
          "loads": loads_into_module, "modifier": gathered_modifier, "drift": drift_from_fp32,
-         "evaluators": evaluation_engines}
+         "evaluators": evaluation_engines, "twice": initialize_twice}
 
 
 def run_cases(rank: int, world_size: int) -> dict:
@@ -396,3 +408,8 @@ def test_gathered_parameters_modifier_keeps_the_masters_low_bits(ranks):
 def test_bf16_drifts_from_fp32_no_more_than_its_own_rounding(ranks):
     for stage, drift in case(ranks, "drift")[0].items():
         assert drift < 0.1, f"stage {stage}: bf16 is {drift:.3f} update-norms from fp32"
+
+
+def test_a_second_engine_on_a_partitioned_model_is_refused_by_name(ranks):
+    for rank, got in enumerate(case(ranks, "twice")):
+        assert "'fc1.weight' is partitioned by a stage-3 engine" in got["error"], (rank, got)

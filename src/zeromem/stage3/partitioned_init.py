@@ -128,6 +128,16 @@ class Partitions:
             for p in group.params:
                 self.wholes[p] = group
 
+    def refuse_taken(self, module: nn.Module) -> None:
+        """A second engine on a model whose parameters a live stage-3 engine partitioned
+        would find them empty: refused, naming one (DeepSpeed re-wraps such a model)."""
+        for name, p in module.named_parameters():
+            if p in self.units:
+                raise RuntimeError(
+                    f"initialize: parameter {name!r} is partitioned by a stage-3 engine built "
+                    "on this model before; zeromem builds one engine per model: keep using "
+                    "that engine (its forward, backward and step train the model)")
+
     def partition(self, p: nn.Parameter, comm: Comm, disk: ShardFile | None = None) -> None:
         """Keep this rank's part of rank 0's `p` (ranks need not be seeded alike, as in DDP),
         in memory, or written to `disk` at once."""
