@@ -124,6 +124,8 @@ class Engine:
         # walk of the module tree at every step costs about a millisecond on a deep model
         grouped = {id(p) for g in self.groups for p in g.params}
         self.loose_params = [p for p in module.parameters() if id(p) not in grouped]
+        self.frozen_at_initialize = [(n, p) for n, p in module.named_parameters()
+                                     if id(p) not in grouped and not p.requires_grad]
         # each group's gradient buffer, built knowing where its reduced gradient goes (kept,
         # copied to host at the boundary, or written to grads.swp: offload/placement.py)
         grads = build_grads(config, self.groups, sharding, spaces, self.device)
@@ -308,6 +310,7 @@ class Engine:
         self.counters.advance_micro()
         if not boundary:
             return
+        self._refuse_unfrozen()
         with self.timers("step"):
             overflow = self.zero.step()  # norm, skip, unscale, update, gather (zero_optimizer.py)
             if not overflow and scheduler is not None:
@@ -325,6 +328,19 @@ class Engine:
             log.info("step %d: lr %s, grad norm %.4g, loss scale %g, skipped %d%s%s",
                      self.global_steps, facts.lr, self.grad_norm, self.loss_scale,
                      self.skipped_steps, self.timers.summary(), self.observers.log_line_extras(facts))
+
+    def _refuse_unfrozen(self) -> None:
+        """A parameter frozen at initialize has no master and no optimizer state: unfrozen
+        later (training a head first, then the body), its gradient would be dropped at
+        every step, where PyTorch's optimizer would step it. Refused, naming it."""
+        for name, p in self.frozen_at_initialize:
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"step(): parameter {name!r} was frozen (requires_grad=False) when the "
+                    "engine was built and has a gradient now; the engine steps only the "
+                    "parameters trainable at initialize, so it would never change. Make it "
+                    "trainable before initialize (frozen later, it gets a zero gradient: "
+                    "weight decay and momentum still move it, as in DeepSpeed)")
 
     def _check_trains(self, call: str) -> None:
         if not self.trains:

@@ -241,9 +241,28 @@ def initialize_twice(rank: int) -> dict:
     return {"error": ""}
 
 
+def unfrozen_after_initialize(rank: int) -> dict:
+    """The head trains first, then the body is unfrozen: refused at that step, naming a
+    body parameter (its gradient was dropped at every step, silently)."""
+    out = {}
+    for stage in (0, 2, 3):
+        model = build(seed=1)
+        model.fc1.requires_grad_(False)
+        engine = zeromem.initialize(model, config(stage, "fp32"))
+        train_step(engine, 0, rank)
+        model.fc1.requires_grad_(True)
+        try:
+            train_step(engine, 1, rank)
+            out[stage] = ""
+        except RuntimeError as error:
+            out[stage] = str(error)
+    return out
+
+
 CASES = {"seeded": seeded_differently, "storages": storages_after_initialize,
          "loads": loads_into_module, "modifier": gathered_modifier, "drift": drift_from_fp32,
-         "evaluators": evaluation_engines, "twice": initialize_twice}
+         "evaluators": evaluation_engines, "twice": initialize_twice,
+         "unfrozen": unfrozen_after_initialize}
 
 
 def run_cases(rank: int, world_size: int) -> dict:
@@ -413,3 +432,9 @@ def test_bf16_drifts_from_fp32_no_more_than_its_own_rounding(ranks):
 def test_a_second_engine_on_a_partitioned_model_is_refused_by_name(ranks):
     for rank, got in enumerate(case(ranks, "twice")):
         assert "'fc1.weight' is partitioned by a stage-3 engine" in got["error"], (rank, got)
+
+
+def test_a_parameter_unfrozen_after_initialize_is_refused_at_the_step(ranks):
+    for rank, got in enumerate(case(ranks, "unfrozen")):
+        for stage, error in got.items():
+            assert "'fc1." in error and "frozen (requires_grad=False)" in error, (rank, stage, error)
