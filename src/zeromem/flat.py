@@ -198,11 +198,11 @@ class FlatParamGroup:
 
     def add_grad(self, offset: int, grad: torch.Tensor) -> None:
         """Add one parameter's gradient (its slot starts at `offset`) into the bucket."""
-        self._gradient.accumulate(offset, grad)
+        self._gradient.accumulate(offset, _dense(grad))
 
     def fill_grads(self, grads: list[torch.Tensor | None]) -> None:
         """Every parameter's gradient at once, in slot order (None: none came)."""
-        self._gradient.fill(grads)
+        self._gradient.fill([None if g is None else _dense(g) for g in grads])
 
     def launch_reduction(self, comm: Reduction) -> Pending:
         """Reduce the bucket into this rank's gradient shard (async), as the part says."""
@@ -432,6 +432,12 @@ class FlatParamGroup:
 
 
 # ---------------------------------------------------------------- gradient buffers
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """`nn.Embedding(sparse=True)` gives a sparse gradient; the buckets are dense, and so is
+    its reduction (DeepSpeed's `sparse_gradients` all-gathers the rows instead)."""
+    return grad.to_dense() if grad.is_sparse else grad
+
 
 class HostCopies(Protocol):
     """Offload's fp32 host buffers for reduced gradients (offload/masters.py `HostGrads`),

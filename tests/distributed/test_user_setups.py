@@ -259,10 +259,37 @@ def unfrozen_after_initialize(rank: int) -> dict:
     return out
 
 
+def embedder(sparse: bool) -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Embedding(13, 5, sparse=sparse), nn.Tanh(), nn.Linear(5, 1))
+
+
+def tokens(step: int) -> torch.Tensor:
+    """The global batch of a step: 8 token ids (each rank takes its 4)."""
+    return torch.randint(0, 13, (8,), generator=torch.Generator().manual_seed(step))
+
+
+def sparse_embedding(rank: int) -> dict:
+    """nn.Embedding(sparse=True): a sparse gradient in each bucket (it failed with "reshape
+    is not implemented for sparse tensors" at every stage)."""
+    out = {}
+    for stage in STAGES:
+        model = embedder(sparse=True)
+        engine = zeromem.initialize(model, {
+            "train_batch_size": 8, "zero_optimization": {
+                "stage": stage, "stage3_param_persistence_threshold": 0}},
+            optimizer=lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9))
+        for step in range(3):
+            engine.backward(engine(tokens(step)[rank * 4:rank * 4 + 4]).pow(2).mean())
+            engine.step()
+        out[stage] = whole_state(engine)
+    return out
+
+
 CASES = {"seeded": seeded_differently, "storages": storages_after_initialize,
          "loads": loads_into_module, "modifier": gathered_modifier, "drift": drift_from_fp32,
          "evaluators": evaluation_engines, "twice": initialize_twice,
-         "unfrozen": unfrozen_after_initialize}
+         "unfrozen": unfrozen_after_initialize, "sparse": sparse_embedding}
 
 
 def run_cases(rank: int, world_size: int) -> dict:
@@ -438,3 +465,16 @@ def test_a_parameter_unfrozen_after_initialize_is_refused_at_the_step(ranks):
     for rank, got in enumerate(case(ranks, "unfrozen")):
         for stage, error in got.items():
             assert "'fc1." in error and "frozen (requires_grad=False)" in error, (rank, stage, error)
+
+
+def test_sparse_embedding_gradients_train_like_dense_ones_in_one_process(ranks):
+    model = embedder(sparse=False)  # the same gradients, dense: SGD with momentum takes them
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        model(tokens(step)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    want = model.state_dict()
+    for rank, got in enumerate(case(ranks, "sparse")):
+        for stage, state in got.items():
+            assert max_diff(state, want) < 1e-6, (rank, stage)
