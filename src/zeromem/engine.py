@@ -9,6 +9,7 @@ the fetch schedule (stage3/fetch.py). `step()` at an accumulation boundary calls
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable, cast
@@ -253,13 +254,18 @@ class Engine:
 
     # -- training loop -------------------------------------------------------
     def forward(self, *args, **kwargs):
-        """Run the wrapped module (inputs cast to fp16 when `fp16.auto_cast` is on)."""
+        """Run the wrapped module (inputs cast to fp16 when `fp16.auto_cast` is on; under
+        `torch.autocast` when `torch_autocast` is: activation checkpoints recompute under
+        the same state)."""
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             cast = lambda x: x.half() if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
+        # not `enabled=False`: that would switch off an autocast the caller entered itself
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) \
+            if self.config.torch_autocast.enabled else contextlib.nullcontext()
         with self.timers("forward"), self.activation_checkpointing.active(), \
-                self.observers.forward():
+                self.observers.forward(), autocast:
             return self.module(*args, **kwargs)
 
     __call__ = forward

@@ -1,6 +1,7 @@
 """bf16 and fp16 training against fp32, and overflows across ranks (the scaler: unit/test_loss_scaler.py)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -38,11 +39,86 @@ def low_precision_tracks_fp32(rank, world_size):
     return out
 
 
+def autocast_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def autocast_batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 6, generator=torch.Generator().manual_seed(step))  # 4 a rank
+
+
+def train_autocast(model, engine, rows: slice, own_autocast: bool) -> list[torch.dtype]:
+    """SGD with momentum, 4 steps; the dtype of each forward's output. `own_autocast`: the
+    caller wraps the forward in torch.autocast itself (FSDP2's habit)."""
+    dtypes = []
+    for step in range(4):
+        context = torch.autocast("cpu", dtype=torch.bfloat16) if own_autocast else \
+            contextlib.nullcontext()
+        with context:
+            out = engine(autocast_batch(step)[rows])
+        dtypes.append(out.dtype)
+        engine.backward(out.float().pow(2).mean())
+        engine.step()
+    return dtypes
+
+
+def torch_autocast_on_ranks(rank, world_size):
+    """DeepSpeed's `torch_autocast` block (bfloat16, fp32 parameters), and the user's own
+    autocast around a forward whose engine has none, at stages 0-3."""
+    out = {}
+    rows = slice(rank * 4, rank * 4 + 4)
+    for stage in (0, 1, 2, 3):
+        for own in (False, True):
+            model = autocast_net()
+            config = {"train_batch_size": 8, "zero_optimization": {
+                "stage": stage, "stage3_param_persistence_threshold": 0}}
+            if not own:
+                config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+            engine = zeromem.initialize(model, config, optimizer=lambda g: torch.optim.SGD(
+                g, lr=0.1, momentum=0.9))
+            dtypes = train_autocast(model, engine, rows, own)
+            with zeromem.GatheredParameters(list(model.parameters())):
+                out[stage, own] = {"dtypes": [str(d) for d in dtypes],
+                                   "params": [(str(p.dtype), p.detach().tolist())  # not
+                                              for p in model.parameters()]}  # shared memory
+    return out
+
+
 @pytest.fixture(scope="module")
 def world() -> dict[str, list]:
     """This file's 2-rank cases in one spawned world (spawning costs more than a case)."""
     return run_together({"tracks": (low_precision_tracks_fp32, ()),
-                         "overflow": (overflow_on_one_rank, ())}, 2)
+                         "overflow": (overflow_on_one_rank, ()),
+                         "autocast": (torch_autocast_on_ranks, ())}, 2)
+
+
+def test_torch_autocast_trains_like_one_process_under_autocast(world):
+    """The forward runs in bfloat16 either way (the engine's autocast, or the caller's, which
+    the engine leaves alone); parameters and the update stay fp32. bf16 rounding of the
+    batch sums (4 rows a rank against 8 in one process) moves the weights ~1e-4."""
+    model = autocast_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    class OneProcess:
+        def __call__(self, x):
+            return model(x)
+
+        def backward(self, loss):
+            loss.backward()
+
+        def step(self):
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train_autocast(model, OneProcess(), slice(None), own_autocast=True)
+    for rank, per_rank in enumerate(world["autocast"]):
+        for (stage, own), got in per_rank.items():
+            assert got["dtypes"] == ["torch.bfloat16"] * 4, (rank, stage, own)
+            for (dtype, g), w in zip(got["params"], model.parameters()):
+                assert dtype == "torch.float32"
+                torch.testing.assert_close(torch.tensor(g), w.detach(), rtol=0, atol=5e-4,
+                                           msg=lambda m: f"rank {rank} stage {stage}: {m}")
 
 
 def test_bf16_and_fp16_track_fp32(world):

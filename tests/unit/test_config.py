@@ -527,7 +527,8 @@ SAMPLES = {"gradient_predivide_factor": 2.0, "communication_data_type": "fp16",
            "zero_optimization.offload_param.max_in_cpu": 10,
            "zero_optimization.zero_hpz_partition_size": 2,
            "zero_optimization.zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024},
-           "zero_optimization.mics_shard_size": 2}
+           "zero_optimization.mics_shard_size": 2,
+           "torch_autocast.lower_precision_safe_modules": ["torch.nn.modules.linear.Linear"]}
 
 
 def non_default_config(key: str) -> dict:
@@ -589,3 +590,13 @@ def test_default_values_are_silent_even_when_given(caplog):
     with caplog.at_level(logging.WARNING, logger="zeromem"):
         support.check_supported_keys(Config.load(data))
     assert not caplog.records
+
+
+def test_torch_autocast_runs_in_bfloat16_and_refuses_float16_or_no_dtype():
+    config = Config.load({"torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}})
+    assert config.torch_autocast.enabled and config.compute_dtype == torch.float32
+    float16 = load_error({"torch_autocast": {"enabled": True, "dtype": "float16"}})
+    assert "torch_autocast.dtype" in float16 and "fp16.enabled" in float16
+    unset = load_error({"torch_autocast": {"enabled": True}})
+    assert "torch_autocast" in unset and "bfloat16" in unset
+    assert Config.load({"torch_autocast": {"enabled": False}}).torch_autocast.enabled is False

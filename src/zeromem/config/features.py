@@ -134,9 +134,6 @@ FEATURES: tuple[Feature, ...] = (
             "(DeepSpeed swaps in its inference kernels to generate faster); training is the "
             "same", effect="warn"),
     Feature("amp", "NVIDIA Apex AMP", "Apex is not used; set fp16.enabled or bf16.enabled"),
-    Feature("torch_autocast", "torch.autocast mixed precision", "zeromem's mixed precision keeps "
-            "16-bit parameters with fp32 masters (the fp16 / bf16 blocks); autocast over fp32 "
-            "parameters gives other numerics"),
     Feature("elasticity", "Elastic training", "the batch size and world size are chosen by "
             "DeepSpeed's elastic agent; zeromem runs the batch as configured (its checkpoints "
             "resume at any world size)"),

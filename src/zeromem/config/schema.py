@@ -71,6 +71,34 @@ class BF16Config(_Block):
     immediate_grad_update: Bool = False  # apply grads as soon as they are accumulated
 
 
+class TorchAutocastConfig(_Block):
+    """`torch_autocast`: the engine's forward runs under `torch.autocast` in `dtype`, over the
+    parameters as the fp16/bf16 blocks leave them (fp32 without them), as DeepSpeed's does.
+
+    bfloat16 only: float16 autocast needs loss scaling, which is the fp16 block's. `dtype`
+    must be said: DeepSpeed leaves it to torch's device default (float16 on CUDA). Gradients
+    are reduced in their own dtype (fp32 over fp32 parameters, as DDP and FSDP2 do);
+    DeepSpeed reduces those of `lower_precision_safe_modules` in `dtype`, half the bytes."""
+
+    enabled: Bool = False
+    dtype: str | None = None  # "bfloat16" (also "bf16", "torch.bfloat16")
+    lower_precision_safe_modules: list[str] | None = None  # DeepSpeed's reduce dtype (WARNED)
+
+    @model_validator(mode="after")
+    def _bfloat16_only(self) -> TorchAutocastConfig:
+        if not self.enabled:
+            return self
+        name = (self.dtype or "").removeprefix("torch.")
+        if name in ("fp16", "float16", "half"):
+            raise Unsupported("torch_autocast.dtype", "float16 autocast", "it needs loss "
+                              "scaling: set fp16.enabled (zeromem's dynamic loss scaling), or "
+                              "autocast in bfloat16", self.dtype)
+        if name not in ("bf16", "bfloat16"):
+            raise ValueError(f"dtype {self.dtype!r}: set \"bfloat16\" (DeepSpeed leaves an "
+                             "unset dtype to torch: float16 on CUDA)")
+        return self
+
+
 class DataTypesConfig(_Block):
     """`data_types`: dtypes of buffers that may differ from the compute dtype."""
 
@@ -336,6 +364,7 @@ class Config(Extras):
     scheduler: SchedulerConfig | None = None  # None = no schedule (or the client's)
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     aio: AioConfig = Field(default_factory=AioConfig)

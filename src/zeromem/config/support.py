@@ -34,6 +34,7 @@ READ: dict[str, tuple[str, ...]] = {
         "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
         "consecutive_hysteresis", "min_loss_scale")},
     "bf16.enabled": ("config.schema",), "data_types.grad_accum_dtype": ("config.schema",),
+    "torch_autocast.enabled": ("engine",), "torch_autocast.dtype": ("config.schema",),
     **{f"zero_optimization.{key}": ("engine",) for key in (
         "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
         "stage3_prefetch_bucket_size")},
@@ -134,6 +135,9 @@ WARNED = {
     "zero_force_ds_cpu_optimizer": "offloaded shards are always stepped by torch.optim",
     "aio.single_submit": "requests are split into aio.block_size chunks for a thread pool",
     "aio.overlap_events": "the thread pool always overlaps requests",
+    "torch_autocast.lower_precision_safe_modules": "every gradient is reduced in its own dtype "
+                                                   "(fp32 over fp32 parameters); DeepSpeed "
+                                                   "reduces these modules' in bfloat16",
 }
 
 
