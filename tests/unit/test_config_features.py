@@ -202,3 +202,11 @@ def test_steps_per_print_infinity_means_never():
     for bad in (0, -math.inf, math.nan, 2.5, True, "10"):
         with pytest.raises(ConfigError, match="steps_per_print"):
             Config.load({"steps_per_print": bad})
+
+
+def test_sparse_gradients_is_accepted_with_a_warning(caplog):
+    """Sparse embeddings train (their gradients reduced dense): DeepSpeed users' key is no
+    reason to refuse the config."""
+    with caplog.at_level(logging.WARNING, logger="zeromem"):
+        Config.load({"sparse_gradients": True})
+    assert "sparse_gradients" in caplog.text and "dense" in caplog.text

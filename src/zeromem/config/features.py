@@ -160,8 +160,9 @@ FEATURES: tuple[Feature, ...] = (
             "zeromem has no sequence parallelism", differs_from("fp32")),
     Feature("use_data_before_expert_parallelism", "expert-parallel group layout", "zeromem has no "
             "expert parallelism", differs_from(False)),
-    Feature("sparse_gradients", "sparse (CSR) embedding gradients", "zeromem reduces dense "
-            "gradients", differs_from(False)),
+    Feature("sparse_gradients", "sparse (CSR) embedding gradients", "zeromem reduces an "
+            "nn.Embedding(sparse=True) gradient dense: the same update, more bytes moved",
+            differs_from(False), effect="warn"),
     Feature("gradient_allreduce_op", "gradient summation", "gradients are averaged (loss scaled "
             "by 1/(N_d x accumulation)); summing would change every update", differs_from("mean")),
     Feature("disable_allgather", "broadcast instead of all-gather", "updated partitions are "
