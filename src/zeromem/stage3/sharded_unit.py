@@ -135,11 +135,6 @@ class ShardedUnit:
     def full(self) -> torch.Tensor | None:
         return self.group.full
 
-    def _assert_phase(self, *phases: Phase) -> None:
-        if self._phase not in phases:
-            raise AssertionError(f"stage-3 unit '{self.name}': expected phase in "
-                                 f"{[p.name for p in phases]}, got {self._phase.name}")
-
     def start_pass(self, phase: Phase) -> None:
         """A pass begins: FORWARD or EVAL (how gathers run), or BACKWARD (gradients come)."""
         self._phase = phase
@@ -236,8 +231,7 @@ class ShardedUnit:
         self._missing -= 1
         if self._missing:
             return False
-        self._assert_phase(Phase.BACKWARD)  # BACKWARD -> REDUCED: into the bucket, launched in turn
-        self._hand_in()
+        self._hand_in()  # BACKWARD -> REDUCED: into the bucket, launched in turn
         return True
 
     def finish_backward(self) -> None:
