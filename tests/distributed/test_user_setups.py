@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 import zeromem
+import zeromem.deepspeed as zeromem_deepspeed
 from harness import run_distributed
 from zeromem.param_states import MASTER
 from models import TinyLM, micro_batch
@@ -286,10 +287,63 @@ def sparse_embedding(rank: int) -> dict:
     return out
 
 
+# torch's optimizers beyond Adam and SGD, built by the user over the module (DeepSpeed's
+# client optimizer): each updates an element from its own gradient and state only
+CLIENT_OPTIMIZERS = {
+    "NAdam": lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.1),
+    "RAdam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+    "Adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, centered=True),
+    "Rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    "ASGD": lambda ps: torch.optim.ASGD(ps, lr=1e-2),
+    "Adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.1),
+}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3))
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """HF's split: the weights in one group with an lr of their own, the biases in another."""
+    return [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")],
+             "lr": 3e-2}, {"params": [p for n, p in model.named_parameters() if n.endswith("bias")]}]
+
+
+def client_optimizers(rank: int) -> dict:
+    """deepspeed.initialize(optimizer=torch.optim.X(model.parameters())): each elementwise
+    optimizer trained 3 steps at stages 0, 2, 3; whole-parameter ones refused before the
+    model is touched (Adafactor stepped flat shards, silently wrong; Muon and LBFGS failed
+    inside torch)."""
+    out: dict = {}
+    for name, make in CLIENT_OPTIMIZERS.items():
+        for stage in (0, 2, 3):
+            model = mlp()
+            engine, *_ = zeromem_deepspeed.initialize(
+                model=model, optimizer=make(param_groups(model)), config=config(stage, "fp32"))
+            for step in range(3):
+                engine.backward(engine(batch(step, rank)).pow(2).mean())
+                engine.step()
+            out[name, stage] = whole_state(engine.engine)  # the zeromem engine inside
+    for name, make in {"Adafactor": torch.optim.Adafactor, "LBFGS": torch.optim.LBFGS,
+                       "Muon": torch.optim.Muon}.items():
+        model = mlp()
+        matrices = [p for p in model.parameters() if p.ndim == 2]  # Muon takes nothing else
+        try:
+            zeromem_deepspeed.initialize(model=model, optimizer=make(matrices), config=config(3, "fp32"))
+            out[name] = "accepted"
+        except NotImplementedError as error:
+            out[name] = {"error": str(error), "numels": [p.numel() for p in model.parameters()]}
+    return out
+
+
 CASES = {"seeded": seeded_differently, "storages": storages_after_initialize,
          "loads": loads_into_module, "modifier": gathered_modifier, "drift": drift_from_fp32,
          "evaluators": evaluation_engines, "twice": initialize_twice,
-         "unfrozen": unfrozen_after_initialize, "sparse": sparse_embedding}
+         "unfrozen": unfrozen_after_initialize, "sparse": sparse_embedding,
+         "client_optimizers": client_optimizers}
 
 
 def run_cases(rank: int, world_size: int) -> dict:
@@ -478,3 +532,28 @@ def test_sparse_embedding_gradients_train_like_dense_ones_in_one_process(ranks):
     for rank, got in enumerate(case(ranks, "sparse")):
         for stage, state in got.items():
             assert max_diff(state, want) < 1e-6, (rank, stage)
+
+
+def test_torchs_elementwise_client_optimizers_match_one_process_on_every_rank(ranks):
+    got = case(ranks, "client_optimizers")
+    for name, make in CLIENT_OPTIMIZERS.items():
+        model = mlp()
+        optimizer = make(param_groups(model))
+        for step in range(3):  # the global batch: both ranks' micro-batches
+            model(torch.cat([batch(step, 0), batch(step, 1)])).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        want = model.state_dict()
+        assert max_diff(want, mlp().state_dict()) > 1e-3, name  # it trained
+        for rank, per_rank in enumerate(got):
+            for stage in (0, 2, 3):
+                assert max_diff(per_rank[name, stage], want) < 1e-6, (name, rank, stage)
+
+
+def test_whole_parameter_client_optimizers_are_refused_before_the_model_is_touched(ranks):
+    numels = [p.numel() for p in mlp().parameters()]
+    for rank, per_rank in enumerate(case(ranks, "client_optimizers")):
+        for name, said in (("Adafactor", "row and column means"), ("LBFGS", "closure"),
+                           ("Muon", "orthogonalises")):
+            assert said in per_rank[name]["error"], (rank, name, per_rank[name])
+            assert per_rank[name]["numels"] == numels, (rank, name)  # not partitioned

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from zeromem.config.schema import Config, ConfigError, Unsupported
+from zeromem.optim.factory import check_steps_shards
 from zeromem.optim.optimizers import Adam, Lamb, Lion
 
 
@@ -249,3 +250,36 @@ def test_lamb_with_nvme_optimizer_offload_is_refused():
                          "device": "nvme", "nvme_path": "/tmp"}}})
     Config.load({"optimizer": {"type": "Lamb"},  # host memory: the step sees whole shards
                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+
+
+class Adafactor(torch.optim.Optimizer):
+    """Stands for transformers' or timm's Adafactor: another package's class, the same name."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+
+class TunedAdamW(torch.optim.AdamW):
+    """A user's subclass: its step may read more than each element."""
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda ps: torch.optim.Adafactor(ps), "row and column means"),
+    (lambda ps: Adafactor(ps), "row and column means"),
+    (lambda ps: torch.optim.LBFGS(ps), "closure"),
+    (lambda ps: torch.optim.SparseAdam(ps), "sparse gradients only"),
+    (lambda ps: torch.optim.Muon([p for p in ps if p.ndim == 2]), "orthogonalises"),
+])
+def test_optimizers_that_need_whole_parameters_are_refused_with_the_reason(make, said):
+    optimizer = make(tensors())
+    with pytest.raises(NotImplementedError, match=f"{type(optimizer).__name__} cannot step") as error:
+        check_steps_shards(optimizer)
+    assert said in str(error.value) and "NAdam" in str(error.value)  # what to use instead
+
+
+def test_an_optimizer_not_known_elementwise_is_warned_about(caplog):
+    check_steps_shards(torch.optim.NAdam(tensors()))
+    check_steps_shards(Lion(tensors()))
+    assert not caplog.records
+    check_steps_shards(TunedAdamW(tensors()))
+    assert "TunedAdamW steps zeromem's flat 1-D master shards" in caplog.text

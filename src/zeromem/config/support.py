@@ -131,7 +131,9 @@ WARNED = {
                                                   "logger; set its level instead",
     "checkpoint.parallel_write.pipeline_stage": "there is no pipeline parallelism; each rank "
                                                 "writes its own files",
-    "zero_allow_untested_optimizer": "any torch optimizer factory is accepted",
+    "zero_allow_untested_optimizer": "client optimizers are accepted without it: elementwise "
+                                     "ones step the flat shards exactly, those that need whole "
+                                     "parameters are refused, others are warned about",
     "zero_force_ds_cpu_optimizer": "offloaded shards are always stepped by torch.optim",
     "aio.single_submit": "requests are split into aio.block_size chunks for a thread pool",
     "aio.overlap_events": "the thread pool always overlaps requests",

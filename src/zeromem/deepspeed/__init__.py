@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import initialize as _native_initialize
-from ..optim.factory import trainable_groups
+from ..optim.factory import refuse_whole_parameter, trainable_groups
 from . import accelerator, checkpointing, comm, moe, ops, utils, zero
 from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
@@ -83,10 +83,12 @@ def _optimizer_factory(optimizer: Any, model_parameters: Any) -> tuple[Callable 
 
     A ready `torch.optim.Optimizer` is stepped over the masters (`_over_masters`) with its
     own param groups, `model_parameters` aside, as DeepSpeed does; a callable is already
-    a factory.
+    a factory. One that needs whole parameters is refused here, before `initialize`
+    partitions anything.
     """
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer, model_parameters
+    refuse_whole_parameter(optimizer)  # before the model is touched
     return partial(_over_masters, optimizer), optimizer.param_groups
 
 

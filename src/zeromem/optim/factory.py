@@ -13,11 +13,37 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from zeromem.optim import optimizers
 from zeromem.optim.optimizers import Lamb
 
 log = logging.getLogger("zeromem")
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+# The engine hands the optimizer flat 1-D master shards, each holding parts of many
+# parameters and a parameter's parts spread over the ranks, at every stage. These update
+# each element from its own gradient and state only, so stepping a shard is stepping each
+# parameter (Lamb's per-parameter ratio is summed over the parts: `split_by_parameter`).
+ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
+               torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+               torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adadelta,
+               optimizers.Adam, optimizers.Lion, optimizers.Lamb)
+# Optimizers that need each parameter whole, by class name (torch's, and the same names in
+# transformers, timm, galore-torch and the Shampoo/SOAP packages), with what they read of it
+_FACTORED = ("it factors each matrix's second moment into row and column means and scales each "
+             "parameter's step by that parameter's RMS")
+_PRECONDITIONED = "it preconditions each weight matrix by statistics of its rows and columns"
+_PROJECTED = "it projects each weight matrix's gradient on a low-rank subspace of that matrix"
+WHOLE_PARAMETER = {
+    "Adafactor": _FACTORED, "GaLoreAdafactor": _FACTORED,
+    "Muon": "it orthogonalises each weight matrix's update (Newton-Schulz), which needs the "
+            "matrix whole",
+    "LBFGS": "it needs a closure that re-evaluates the loss at each step, and its direction "
+             "comes from dot products over every parameter",
+    "SparseAdam": "it takes sparse gradients only, and zeromem reduces gradients dense",
+    "Shampoo": _PRECONDITIONED, "SOAP": _PRECONDITIONED,
+    "GaLoreAdamW": _PROJECTED, "GaLoreAdamW8bit": _PROJECTED,
+}
 
 
 def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None) -> list[dict]:
@@ -70,9 +96,38 @@ def build_optimizer(config, flat_groups: list, param_groups: list[dict],
     else:
         cls = config.torch_class
         optimizer = cls(groups, **kernel_options(cls, dict(config.params)))
+    check_steps_shards(optimizer)
     if isinstance(optimizer, Lamb):
         split_by_parameter(optimizer, flat_groups, device)
     return optimizer
+
+
+def check_steps_shards(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that needs whole parameters; warn about one zeromem does not know
+    to be elementwise."""
+    refuse_whole_parameter(optimizer)
+    if type(optimizer) not in ELEMENTWISE:
+        log.warning("optimizer %s steps zeromem's flat 1-D master shards, each holding parts of "
+                    "many parameters: if its update reads a parameter's shape or whole-parameter "
+                    "statistics (factored moments, orthogonalisation, per-parameter norms), it "
+                    "differs from one process. These are stepped exactly: %s",
+                    type(optimizer).__name__, _names(ELEMENTWISE))
+
+
+def refuse_whole_parameter(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer that needs each parameter whole would step flat shards wrongly (Adafactor)
+    or fail inside torch: refused, with the reason and what to use instead."""
+    for cls in type(optimizer).__mro__:
+        reason = WHOLE_PARAMETER.get(cls.__name__)
+        if reason is not None:
+            raise NotImplementedError(
+                f"optimizer {type(optimizer).__name__} cannot step zeromem's master shards: "
+                f"{reason}; zeromem steps flat 1-D shards holding parts of many parameters, at "
+                f"every stage. Use an elementwise optimizer ({_names(ELEMENTWISE)})")
+
+
+def _names(classes: tuple[type, ...]) -> str:
+    return ", ".join(sorted({cls.__name__ for cls in classes}))
 
 
 def split_by_parameter(optimizer: Lamb, flat_groups: list, device: torch.device) -> None:
