@@ -260,7 +260,14 @@ class Adafactor(torch.optim.Optimizer):
 
 
 class TunedAdamW(torch.optim.AdamW):
-    """A user's subclass: its step may read more than each element."""
+    """A user's subclass with a step of its own, which may read more than each element."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+class SetAdamW(torch.optim.AdamW):
+    """A subclass that only sets options (deepspeed.ops' FusedAdam is one): AdamW's step."""
 
 
 @pytest.mark.parametrize("make, said", [
@@ -280,6 +287,7 @@ def test_optimizers_that_need_whole_parameters_are_refused_with_the_reason(make,
 def test_an_optimizer_not_known_elementwise_is_warned_about(caplog):
     check_steps_shards(torch.optim.NAdam(tensors()))
     check_steps_shards(Lion(tensors()))
+    check_steps_shards(SetAdamW(tensors()))
     assert not caplog.records
     check_steps_shards(TunedAdamW(tensors()))
     assert "TunedAdamW steps zeromem's flat 1-D master shards" in caplog.text

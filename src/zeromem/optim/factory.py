@@ -106,7 +106,7 @@ def check_steps_shards(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer that needs whole parameters; warn about one zeromem does not know
     to be elementwise."""
     refuse_whole_parameter(optimizer)
-    if type(optimizer) not in ELEMENTWISE:
+    if not _steps_elementwise(type(optimizer)):
         log.warning("optimizer %s steps zeromem's flat 1-D master shards, each holding parts of "
                     "many parameters: if its update reads a parameter's shape or whole-parameter "
                     "statistics (factored moments, orthogonalisation, per-parameter norms), it "
@@ -124,6 +124,12 @@ def refuse_whole_parameter(optimizer: torch.optim.Optimizer) -> None:
                 f"optimizer {type(optimizer).__name__} cannot step zeromem's master shards: "
                 f"{reason}; zeromem steps flat 1-D shards holding parts of many parameters, at "
                 f"every stage. Use an elementwise optimizer ({_names(ELEMENTWISE)})")
+
+
+def _steps_elementwise(cls: type[torch.optim.Optimizer]) -> bool:
+    """Whether `cls` steps with an elementwise class's own `step` (a subclass that only sets
+    options, such as deepspeed.ops' FusedAdam); torch wraps `step` in profiling hooks."""
+    return inspect.unwrap(cls.step) in {inspect.unwrap(known.step) for known in ELEMENTWISE}
 
 
 def _names(classes: tuple[type, ...]) -> str:
