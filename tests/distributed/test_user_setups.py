@@ -339,11 +339,37 @@ def client_optimizers(rank: int) -> dict:
     return out
 
 
+def teacher() -> nn.Module:
+    """A distillation teacher (or an RLHF reference model), frozen as such scripts freeze it."""
+    torch.manual_seed(9)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).requires_grad_(False)
+
+
+def distillation(rank: int) -> dict:
+    """A frozen teacher in an engine given no optimizer, a student trained on its outputs,
+    stages 0-3 (the teacher's initialize failed with "optimizer got an empty parameter
+    list" at every stage): the student's weights, and what the teacher holds at stage 3."""
+    out = {}
+    for stage in STAGES:
+        frozen = zeromem.initialize(teacher(), {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {
+            "stage": stage, "stage3_param_persistence_threshold": 0}})
+        student = zeromem.initialize(mlp(), {**config(stage, "fp32"), "optimizer": SGD})
+        held = sum(p.numel() for p in frozen.module.parameters())
+        for step in range(3):
+            x = batch(step, rank)
+            with torch.no_grad():
+                target = frozen(x)
+            student.backward((student(x) - target).pow(2).mean())
+            student.step()
+        out[stage] = {"student": whole_state(student), "teacher_held": held}
+    return out
+
+
 CASES = {"seeded": seeded_differently, "storages": storages_after_initialize,
          "loads": loads_into_module, "modifier": gathered_modifier, "drift": drift_from_fp32,
          "evaluators": evaluation_engines, "twice": initialize_twice,
          "unfrozen": unfrozen_after_initialize, "sparse": sparse_embedding,
-         "client_optimizers": client_optimizers}
+         "client_optimizers": client_optimizers, "distillation": distillation}
 
 
 def run_cases(rank: int, world_size: int) -> dict:
@@ -557,3 +583,19 @@ def test_whole_parameter_client_optimizers_are_refused_before_the_model_is_touch
                            ("Muon", "orthogonalises")):
             assert said in per_rank[name]["error"], (rank, name, per_rank[name])
             assert per_rank[name]["numels"] == numels, (rank, name)  # not partitioned
+
+
+def test_a_frozen_teacher_is_sharded_at_stage3_and_its_student_trains_as_one_process(ranks):
+    model, frozen = mlp(), teacher()
+    optimizer = torch.optim.SGD(model.parameters(), **SGD["params"])
+    for step in range(3):
+        x = torch.cat([batch(step, 0), batch(step, 1)])
+        (model(x) - frozen(x)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    want = model.state_dict()
+    whole = sum(p.numel() for p in frozen.parameters())
+    for rank, per_rank in enumerate(case(ranks, "distillation")):
+        for stage, got in per_rank.items():
+            assert max_diff(got["student"], want) < 1e-6, (rank, stage)
+            assert got["teacher_held"] == (0 if stage == 3 else whole), (rank, stage)

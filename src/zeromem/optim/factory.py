@@ -63,6 +63,15 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
     return groups
 
 
+def evaluated_groups(module: nn.Module, stage: int) -> list[dict]:
+    """The param group of an engine that only evaluates: at stage 3 every parameter, frozen
+    ones too, so that the whole model is sharded (a frozen reference or teacher model, as
+    TRL and distillation scripts freeze theirs); below, those that require grad."""
+    if stage < 3:
+        return normalize_param_groups(module, None)
+    return [{"params": list(module.parameters())}]
+
+
 def trainable_groups(groups: list[dict]) -> list[tuple[dict, list]]:
     """The groups that train something, each with the parameters it trains: those that
     require grad and no earlier group named (a tied weight listed twice is one parameter)."""
@@ -92,7 +101,8 @@ def build_optimizer(config, flat_groups: list, param_groups: list[dict],
     if factory is not None:
         optimizer = factory(groups)
     elif config is None:  # the engine then evaluates only (Engine.trains)
-        optimizer = torch.optim.SGD(groups, lr=0.0)  # no state; never stepped
+        # no state; never stepped (a frozen model below stage 3 gives it no parameter)
+        optimizer = torch.optim.SGD(groups or [{"params": []}], lr=0.0)
     else:
         cls = config.torch_class
         optimizer = cls(groups, **kernel_options(cls, dict(config.params)))

@@ -221,7 +221,8 @@ class FetchSchedule:
                 self._hook_module(module)
         for unit in self.units:  # each unit counts its own gradients; released once reduced
             self.handles += [p.register_post_accumulate_grad_hook(partial(self._grad_in, unit))
-                             for p in unit.group.params]
+                             for p in unit.group.params if p.requires_grad]  # (not an
+            # evaluating engine's frozen ones: they get no gradient)
         self.refresh()
 
     def refresh(self) -> None:

@@ -90,19 +90,24 @@ def coalesce_target_numel(psi: int, caps: UnitCaps = UnitCaps(), largest_numel: 
     return target
 
 
+def _trainable(p: nn.Parameter) -> bool:
+    return p.requires_grad
+
+
 def plan_fetch_units(root: nn.Module, unit_classes: tuple[type, ...] = (),
                      caps: UnitCaps = UnitCaps(),
-                     numel_of: Callable[[nn.Parameter], int] = nn.Parameter.numel
-                     ) -> list[UnitPlan]:
-    """The fetch units of `root`, in module order; each trainable parameter in exactly one.
+                     numel_of: Callable[[nn.Parameter], int] = nn.Parameter.numel,
+                     sharded: Callable[[nn.Parameter], bool] = _trainable) -> list[UnitPlan]:
+    """The fetch units of `root`, in module order; each parameter `sharded` names (by
+    default the trainable ones) in exactly one.
 
     `caps` bound a merged unit (nothing is merged when `unit_classes` are given);
     `numel_of` counts a parameter whole (`Partitions.full_numel` for a model built
     under `Init`)."""
     if not unit_classes:
-        units = unmerged_units(root, numel_of)
+        units = unmerged_units(root, numel_of, sharded)
         return merge_persistent(coalesce(units, default_target(units, caps)), caps)
-    claim = _Claims(_holders(root), numel_of)
+    claim = _Claims(_holders(root), numel_of, sharded)
     for module in root.modules():
         if isinstance(module, unit_classes) and module is not root:
             claim.take(module, recurse=True, kind="user")
@@ -112,10 +117,10 @@ def plan_fetch_units(root: nn.Module, unit_classes: tuple[type, ...] = (),
 
 
 def unmerged_units(root: nn.Module,
-                   numel_of: Callable[[nn.Parameter], int] = nn.Parameter.numel
-                   ) -> list[UnitPlan]:
+                   numel_of: Callable[[nn.Parameter], int] = nn.Parameter.numel,
+                   sharded: Callable[[nn.Parameter], bool] = _trainable) -> list[UnitPlan]:
     """The default policy's units before coalescing: blocks, then each module's own."""
-    claim = _Claims(_holders(root), numel_of)
+    claim = _Claims(_holders(root), numel_of, sharded)
     _claim_blocks(root, claim)
     return claim.units
 
@@ -136,18 +141,19 @@ def _holders(root: nn.Module) -> dict[int, list[nn.Module]]:
 
 
 class _Claims:
-    """Hands each trainable parameter to the first unit that takes it."""
+    """Hands each parameter to be sharded to the first unit that takes it."""
 
     def __init__(self, holders: dict[int, list[nn.Module]],
-                 numel_of: Callable[[nn.Parameter], int]):
+                 numel_of: Callable[[nn.Parameter], int], sharded: Callable[[nn.Parameter], bool]):
         self.holders = holders
         self.numel_of = numel_of
+        self.sharded = sharded
         self.claimed: set[int] = set()
         self.units: list[UnitPlan] = []
 
     def take(self, module: nn.Module, recurse: bool, kind: str) -> None:
         params = [p for p in module.parameters(recurse=recurse)
-                  if p.requires_grad and id(p) not in self.claimed]
+                  if self.sharded(p) and id(p) not in self.claimed]
         if not params:
             return
         self.claimed.update(id(p) for p in params)
@@ -280,14 +286,15 @@ def choose_units(module: nn.Module, param_groups: list[dict], fetch_units: tuple
     """The fetch units of `module`, split by optimizer param group: the engine builds one
     flat group per part, before the stage-3 units (fetch.py `build_stage3`) exist."""
     group_of = {id(p): gi for gi, pg in enumerate(param_groups) for p in pg["params"]}
-    plans = plan_fetch_units(module, fetch_units, caps, full_numel)
+    sharded = lambda p: id(p) in group_of  # noqa: E731  (an evaluating engine's frozen ones too)
+    plans = plan_fetch_units(module, fetch_units, caps, full_numel, sharded)
     parts, modules = [], []
     for plan in plans:
         for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
             parts.append((gi, [p for p in plan.params if group_of.get(id(p)) == gi]))
             modules.append(plan.modules)
     names = {id(m): n for n, m in module.named_modules()}
-    target = default_target(unmerged_units(module, full_numel), caps)
+    target = default_target(unmerged_units(module, full_numel, sharded), caps)
     report = describe(plans, names, fetch_units, target)
     log.info("%s", report)
     return UnitChoice(parts, modules, report)
