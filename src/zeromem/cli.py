@@ -149,7 +149,8 @@ def _cluster_plan(args: argparse.Namespace, result):
     rate = lambda text: parse_bytes(text.removesuffix("/s"), "GB")  # noqa: E731
     cluster = Cluster(args.nodes, args.gpus_per_node, rate(args.intra), rate(args.inter),
                       parse_bytes(args.gpu_mem, args.units) * args.headroom)
-    return plan_cluster(result.shape.psi, cluster, result.chosen.time.compute)
+    return plan_cluster(result.shape.psi, cluster, result.chosen.time.compute,
+                        frozen=result.shape.frozen_numel)
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -106,7 +106,12 @@ class Engine:
         self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
         self.unit_choice: UnitChoice | None = None  # stage 3: set by `_partition`
         self.bucket_sizes = self._bucket_sizes(param_groups)  # explicit, or from the model
-        parts = self._partition(param_groups, sharding, fetch_units)
+        # Stage 3 shards the parameters frozen at initialize too (a LoRA model's base weights),
+        # in units of their own with nothing to train, as DeepSpeed and FSDP2 do
+        frozen = [p for p in module.parameters() if not p.requires_grad] \
+            if sharding.params and self.trains else []
+        parts = self._partition(param_groups, sharding, fetch_units, frozen)
+        trained_parts = [part for part in parts if part[0] < len(param_groups)]
         # Laid out before the groups exist, so that under Init each unit's shard (and, 16-bit
         # with the optimizer on NVMe, its fp32 master) leaves memory for its swap file before
         # the next unit is gathered whole: no rank holds all its shards at once.
@@ -116,9 +121,12 @@ class Engine:
         shard_numels = self._shard_numels(parts) if sharding.params else []
         params_placement = build_params(config, shard_numels, self.compute_dtype, self.device,
                                         spaces)
-        staged = stage_masters(config, shard_numels, self.compute_dtype, spaces)
-        self.groups = self._build_groups(parts, sharding, [s for s in (staged, params_placement)
-                                                           if s is not None], spaces)
+        staged = stage_masters(config, self._shard_numels(trained_parts) if sharding.params
+                               else [], self.compute_dtype, spaces)
+        built = self._build_groups(parts, sharding, len(param_groups), staged, params_placement,
+                                   spaces)
+        self.groups = [g for g in built if g.trains]
+        self.frozen_groups = [g for g in built if not g.trains]  # stage 3: sharded, not trained
         self.partitions.materialize(self.module.parameters(), self.comm)  # frozen, built under Init
         self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
         self.psi = sum(g.numel for g in self.groups)
@@ -160,7 +168,8 @@ class Engine:
         else:
             self.stage3 = self._build_stage3(self.unit_choice)
             self.zero.after_gather(self.stage3.refresh)  # persistent units re-gather the new weights
-        self.load_hooks = LoadIntoMasters(self.module, self.groups, self.offload)
+        self.load_hooks = LoadIntoMasters(self.module, self.groups + self.frozen_groups,
+                                          self.offload)
         # one parameter's master, optimizer states and gradient, whole or this rank's part
         self.param_states = ParamStates(self.groups, self.optimizer, self.offload.masters,
                                         self.scaler, self.device,
@@ -199,20 +208,24 @@ class Engine:
                             shard.world_size, shard.rank).shard_numel for _, params in parts]
 
     def _build_groups(self, parts: list[tuple[int, list[nn.Parameter]]], sharding: Sharding,
-                      intake: list[ParamPlacement | StagedMasters],
+                      trained: int, staged: StagedMasters | None, params: ParamPlacement,
                       spaces: SwapSpaces) -> list[FlatParamGroup]:
         """One flat group per part (a bucket, at stage 3 a fetch unit), in expected backward
-        order; each is handed to `intake` (`admit`) as soon as it is built."""
+        order; each is handed (`admit`) to where its master is `staged` and to the parameter
+        placement as soon as it is built. Parts of param group `trained` and above hold
+        frozen parameters: no master, nothing to train."""
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
         groups = []
         try:
-            for gi, params in parts:
-                self.partitions.materialize(params, self.comm)  # built under Init: one at a time
-                names = [self.names[id(p)] for p in params]
-                groups.append(FlatParamGroup(params, names, self.plan.shard, sharding, gi,
-                                             self.compute_dtype))
-                for place in intake:
-                    place.admit(groups[-1])
+            for gi, part in parts:
+                self.partitions.materialize(part, self.comm)  # built under Init: one at a time
+                names = [self.names[id(p)] for p in part]
+                group = FlatParamGroup(part, names, self.plan.shard, sharding, gi,
+                                       self.compute_dtype, trains=gi < trained)
+                groups.append(group)
+                if staged is not None and group.trains:
+                    staged.admit(group)
+                params.admit(group)
         except BaseException:
             spaces.close()  # no half-written swap files left behind
             raise
@@ -220,11 +233,13 @@ class Engine:
         return groups
 
     def _partition(self, param_groups: list[dict], sharding: Sharding,
-                   fetch_units: tuple[type, ...]) -> list[tuple[int, list[nn.Parameter]]]:
-        """(param group index, parameters) of each flat group to build."""
+                   fetch_units: tuple[type, ...],
+                   frozen: list[nn.Parameter]) -> list[tuple[int, list[nn.Parameter]]]:
+        """(param group index, parameters) of each flat group to build; at stage 3 `frozen`
+        parameters' units too, as param group `len(param_groups)`."""
         if sharding.params:  # one group per fetch unit and param group (stage3/units.py)
             self.unit_choice = choose_units(self.module, param_groups, fetch_units,
-                                            self._unit_caps(), self.partitions.full_numel)
+                                            self._unit_caps(), self.partitions.full_numel, frozen)
             self.fetch_unit_report = self.unit_choice.report
             return self.unit_choice.parts
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
@@ -247,7 +262,8 @@ class Engine:
 
     def _build_stage3(self, choice: UnitChoice) -> FetchSchedule:
         """The fetch units and their schedule (stage3/fetch.py); records the prefetch window."""
-        schedule = build_stage3(self.module, self.groups, choice, self.config, self.plan,
+        schedule = build_stage3(self.module, self.groups + self.frozen_groups, choice,
+                                self.config, self.plan,
                                 self.offload.params, self.runtime.gather_timeout_s, self.comm,
                                 self.partitions)
         self.bucket_sizes["stage3_prefetch_bucket_size"] = schedule.limits.prefetch_numel
@@ -443,14 +459,14 @@ class Engine:
             (block.type if block is not None else type(self.optimizer).__name__).lower(),
             self.config.checkpoint.tag_validation,
             self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
-            self.offload.all_in_memory, self.zero.refresh_params)
+            self.offload.all_in_memory, self.zero.refresh_params, self.frozen_groups)
 
     # -- reports ----------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
         """Bytes actually held by this rank, beside the paper's formula."""
         ledger = Ledger()
         self.offload.file_into(ledger)  # offloaded tensors first: host / nvme, counted once
-        for g in self.groups:
+        for g in self.groups + self.frozen_groups:
             ledger.add("params", "device", g.flat_param)
             ledger.add("params", "device", g.param_shard)
         for unit in self.stage3.units if self.stage3 is not None else []:
@@ -499,7 +515,8 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict (keys as `module.state_dict()`) on rank 0; {} elsewhere."""
         with self.offload.all_in_memory():  # masters in NVMe files come back for the read
-            whole = gathered_state_dict(self.module, self.groups, self.plan.shard,
+            whole = gathered_state_dict(self.module, self.groups + self.frozen_groups,
+                                        self.plan.shard,
                                         torch.float32, keep=self.comm.rank == 0)
         return {k: v.float() if v.is_floating_point() else v for k, v in whole.items()}
 

@@ -103,11 +103,17 @@ class FlatParamGroup:
     `params` arrive in the user's dtype and are cast to `dtype` (the compute dtype)
     here, so that the master shard keeps the user's own fp32 values rather than
     their bf16/fp16 rounding (as FSDP2's mixed precision does).
+
+    A group that does not `train` (stage 3: parameters frozen at `initialize`, sharded as
+    DeepSpeed and FSDP2 shard them) has no fp32 master (the parameter shard is all it
+    keeps), no gradient and no optimizer state.
     """
 
     def __init__(self, params: list[nn.Parameter], names: list[str], comm: Comm,
-                 sharding: Sharding, param_group_index: int, dtype: torch.dtype | None = None):
+                 sharding: Sharding, param_group_index: int, dtype: torch.dtype | None = None,
+                 trains: bool = True):
         self.params = params
+        self.trains = trains
         self.comm = comm
         self.param_group_index = param_group_index
         self.slots = [ParamSlot(name, offset, numel, p.shape) for p, name, (offset, numel)
@@ -123,7 +129,7 @@ class FlatParamGroup:
         p0 = params[0]
         dtype = dtype or p0.dtype
         # Read before the parameters are rounded to the compute dtype (issue 10, item 7).
-        master = self._own_fp32_values(params) if dtype != torch.float32 else None
+        master = self._own_fp32_values(params) if dtype != torch.float32 and trains else None
         self._flat_param: torch.Tensor | None = torch.zeros(self.padded_numel, dtype=dtype,
                                                             device=p0.device)
         self._view_params(self._flat_param, copy_values=True)

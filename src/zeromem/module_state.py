@@ -115,12 +115,11 @@ class LoadIntoMasters:
             h.remove()
 
 
-def gathered_state_dict(module: nn.Module, groups: list[FlatParamGroup], comm: Comm,
-                        dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
-    """The module's whole state dict where `keep` ({} elsewhere); collective over `comm`,
-    the shards' group (under hybrid sharding every block gathers, so the caller says which
-    rank keeps it). Trained parameters are the fp32 masters in `dtype`, gathered one flat
-    group at a time; other tensors (buffers, frozen parameters) as held, copied to the CPU."""
+def gathered_params(groups: list[FlatParamGroup], comm: Comm, dtype: torch.dtype,
+                    keep: bool) -> dict[int, torch.Tensor]:
+    """Parameter id -> the whole parameter on the CPU in `dtype` where `keep` ({} elsewhere),
+    from the groups' masters (a frozen group's: its shard), gathered one group at a time;
+    collective over `comm`."""
     gathered: dict[int, torch.Tensor] = {}
     for g in groups:
         whole = g.master.detach().float().contiguous()
@@ -132,6 +131,16 @@ def gathered_state_dict(module: nn.Module, groups: list[FlatParamGroup], comm: C
             for p, s in zip(g.params, g.slots):
                 gathered[id(p)] = whole[s.offset:s.offset + s.numel].view(s.shape).to(
                     device="cpu", dtype=dtype, copy=True)
+    return gathered
+
+
+def gathered_state_dict(module: nn.Module, groups: list[FlatParamGroup], comm: Comm,
+                        dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
+    """The module's whole state dict where `keep` ({} elsewhere); collective over `comm`,
+    the shards' group (under hybrid sharding every block gathers, so the caller says which
+    rank keeps it). Trained parameters are the fp32 masters in `dtype`, gathered one flat
+    group at a time; other tensors (buffers, frozen parameters) as held, copied to the CPU."""
+    gathered = gathered_params(groups, comm, dtype, keep)
     if not keep:
         return {}
     return {key: gathered[id(t)] if id(t) in gathered else t.detach().cpu().clone()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import torch
@@ -143,6 +143,9 @@ class TrainingState:
     """Brings offloaded masters and optimizer states into memory for the duration."""
     refresh_params: Callable[[], None]
     """Rebuilds the compute-dtype parameters from the masters and drops gradients."""
+    frozen_groups: list[FlatParamGroup] = field(default_factory=list)
+    """Stage 3: the flat groups of parameters frozen at `initialize`, sharded, not trained;
+    checkpointed whole with the buffers (as module tensors)."""
 
     @property
     def counters(self) -> StepCounters:

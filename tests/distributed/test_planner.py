@@ -35,24 +35,37 @@ class Known(nn.Module):
 STAGES = (0, 1, 2, 3)
 
 
-def _config(stage: int) -> dict:
+def _config(stage: int, persistence: int = 25_000) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 30_000,
                                   # stage 3: the embedding is partitioned, up and down persist
-                                  "stage3_param_persistence_threshold": 25_000}}
+                                  "stage3_param_persistence_threshold": persistence}}
 
 
-def _measure(rank, world_size):
+def _measure(rank, world_size, stages=STAGES, persistence=25_000):
     out = {}
-    for stage in STAGES:
+    for stage in stages:
         torch.manual_seed(0)
-        engine = zeromem.initialize(Known(), _config(stage))
+        engine = zeromem.initialize(Known(), _config(stage, persistence))
         for _ in range(2):
             engine.backward(engine(torch.randint(0, 301, (2, 5))))
             engine.step()
         out[stage] = engine.memory_report().to_dict()
     return out
+
+
+def test_plan_predicts_stage3_memory_with_every_unit_sharded_the_frozen_one_too():
+    """Nothing persists: the frozen layer is sharded in a unit of its own (it was whole)."""
+    measured = run_distributed(_measure, 2, (3,), 0)
+    with torch.device("meta"):
+        shape = shape_of(Known(), bucket_numel=30_000)
+    predicted = predict_memory(shape, _config(3, 0), 2)
+    for rank, report in enumerate(measured):
+        held = report[3]["model_state_bytes"]
+        assert predicted.model_state_bytes == pytest.approx(held, rel=0.02), rank
+        assert predicted.device["params"] == pytest.approx(
+            report[3]["held"]["params"]["device"], rel=0.02), rank
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -253,13 +253,15 @@ def bytes_and_losses(rank: int, world_size: int) -> dict:
             losses.append(loss.item())
         report = engine.comm_report()
         shards = [g.shard_numel for g in engine.groups]
+        frozen = [g.shard_numel for g in engine.frozen_groups]  # gathered, never reduced
         engine.backward(engine(*micro_batch(0, rank, 0)))  # hpZ's copies live until the step
         params_bytes = engine.memory_report().held["params"]["device"]
         engine.step()  # ... and no longer: the step changed the weights they copy
         after_step = engine.memory_report().held["params"]["device"]
         engine.close()
         out[name] = {"split": {k: report.split(k) for k in report.last_step},
-                     "losses": losses, "shards": shards, "params_bytes": params_bytes,
+                     "losses": losses, "shards": shards, "frozen": frozen,
+                     "params_bytes": params_bytes,
                      "params_bytes_after_step": after_step}
     return out
 
@@ -272,15 +274,16 @@ def measured() -> list[dict]:
 def test_ledger_shows_each_option_saving_what_it_claims(measured):
     for rank, runs in enumerate(measured):
         plain, shards = runs["stage 3"]["split"], runs["stage 3"]["shards"]
+        gathered = shards + runs["stage 3"]["frozen"]  # TinyLM's frozen layer: gathered too
         # hpZ: no backward gather byte crosses a node; the forward's are unchanged
         hpz = runs["+hpZ"]["split"]
         assert hpz["all_gather_backward"][1] == 0 and hpz["all_gather_backward"][0] > 0
         assert hpz["all_gather_forward"] == plain["all_gather_forward"]
         # qwZ: int8 plus one fp32 scale per block of BLOCK, against bf16's 2 bytes
         qwz = runs["+qwZ"]["split"]
-        packed = sum(quantize.packed_nbytes(s, 8, BLOCK) for s in shards)
+        packed = sum(quantize.packed_nbytes(s, 8, BLOCK) for s in gathered)
         for kind in ("all_gather_forward", "all_gather_backward"):
-            assert sum(qwz[kind]) == pytest.approx(sum(plain[kind]) * packed / (2 * sum(shards)),
+            assert sum(qwz[kind]) == pytest.approx(sum(plain[kind]) * packed / (2 * sum(gathered)),
                                                    abs=2), kind
             assert sum(qwz[kind]) <= 0.55 * sum(plain[kind]), kind  # about half
         # qgZ: flat reduce-scatter sends 2 of its 3 peers' chunks across (2 bytes each);
@@ -293,16 +296,17 @@ def test_ledger_shows_each_option_saving_what_it_claims(measured):
         assert plain["reduce_scatter"][1] / qgz["reduce_scatter"][1] > 6, rank  # ~8x less
         # hpZ's secondary copy: half of each unit (2 ranks per node), bf16, until the step
         extra = runs["+hpZ"]["params_bytes"] - runs["stage 3"]["params_bytes"]
-        assert extra == sum(4 * s // 2 * 2 for s in shards), (extra, shards)
+        assert extra == sum(4 * s // 2 * 2 for s in gathered), (extra, gathered)
         assert runs["+hpZ"]["params_bytes_after_step"] == runs["stage 3"]["params_bytes_after_step"]
         both = runs["all three"]["split"]
         assert both["all_gather_backward"][1] == 0
         assert both["reduce_scatter"] == qgz["reduce_scatter"]
         # the planner's model (planning/cluster.py) predicts what the ledger measured
         psi, cluster = 4 * sum(shards), Cluster(2, 2)
+        frozen = 4 * sum(runs["stage 3"]["frozen"])
         for name, planned in (("stage 3", "stage 3"), ("+hpZ", "+hpZ"), ("+qwZ", "+qwZ"),
                               ("+qgZ", "+qgZ"), ("all three", "ZeRO++ (all three)")):
-            cost = option_cost(planned, psi, cluster, bits=4, block=BLOCK)
+            cost = option_cost(planned, psi, cluster, bits=4, block=BLOCK, frozen=frozen)
             split = runs[name]["split"]
             kinds = ("all_gather_forward", "all_gather_backward", "reduce_scatter")
             intra, inter = (sum(split[k][i] for k in kinds) for i in (0, 1))

@@ -2,6 +2,7 @@
 (no process group; the planner against real runs is in tests/distributed/test_planner.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -147,17 +148,21 @@ def test_exact_equals_the_formula_when_nothing_pads():
 
 
 def test_exact_counts_padding_buckets_persistence_and_frozen():
-    shape = ModelShape("toy", (1001, 7, 30), 50, (1001, 37), 1, 8, 2, 10, 32)
+    shape = ModelShape("toy", (1001, 7, 30), 500, (1001, 37), 1, 8, 2, 10, 32)
     n, widths = 4, Widths()
     s1 = exact_model_states(shape, n, widths, ZeroLayout(1, reduce_bucket_numel=40))
     # buckets in reverse order: [30, 7] = 37 -> 40, [1001] -> 1004; 2 groups
     assert s1.groups == 2
-    assert s1.device["params"] == 2 * (40 + 1004 + 50)
+    assert s1.device["params"] == 2 * (40 + 1004 + 500)  # frozen: whole below stage 3
     assert s1.device["master_params"] == 4 * 1044 / n
     assert s1.device["optimizer_states"] == 8 * 1044 / n + 4 * 2
     s3 = exact_model_states(shape, n, widths, ZeroLayout(3, persistence_threshold=100,
                                                          prefetch_numel=0))
-    assert s3.device["params"] == 2 * (1044 / n + 40 + 50)  # the 37-element unit stays whole
+    # the 37-element unit stays whole; the frozen parameters are one unit, sharded
+    assert s3.device["params"] == 2 * (1044 / n + 40 + 500 / n)
+    small = dataclasses.replace(shape, frozen_numel=50)  # under the threshold: whole too
+    assert exact_model_states(small, n, widths, ZeroLayout(3, persistence_threshold=100)
+                              ).device["params"] == 2 * (1044 / n + 40 + 52 / n + 52)
     assert s3.gathered_params == 2 * 1004  # the largest unit, no prefetch
     fp32 = exact_model_states(shape, n, Widths(4, 4, 0, 8, 4), ZeroLayout(0))
     assert fp32.device["master_params"] == 0  # the master aliases fp32 parameters

@@ -76,7 +76,7 @@ from zeromem.checkpoints.consolidate import (
 from zeromem.checkpoints.formats import deepspeed_location
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
 from zeromem.flat import FlatParamGroup, ParamSlot
-from zeromem.module_state import gathered_state_dict
+from zeromem.module_state import gathered_params, gathered_state_dict
 from zeromem.training_state import TrainingState
 
 log = logging.getLogger("zeromem")
@@ -130,8 +130,11 @@ def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str 
             manifest = collective(state, "describing the checkpoint",
                                   lambda: _build_manifest(state, tag, exclude_frozen_parameters)
                                   if rank == 0 else None)
+            # stage 3's frozen parameters, whole on rank 0, which writes them with the buffers
+            frozen = gathered_params(state.frozen_groups, state.comm, state.compute_dtype,
+                                     keep=rank == 0)
             digest, error = attempt(lambda: _write_rank_file(state, tmp, rank,
-                                                             exclude_frozen_parameters))
+                                                             exclude_frozen_parameters, frozen))
         rows = share_rows(state, _digest_row(digest, error))
         all_ranks_ok(state, error, "writing the checkpoint shards")
         client, error = attempt(lambda: _write_client_state(tmp, client_state)
@@ -154,8 +157,8 @@ def _digest_row(digest: tuple[str, int] | None, error: BaseException | None) -> 
     return list(bytes.fromhex(digest[0])) + [digest[1]]
 
 
-def _write_rank_file(state: TrainingState, tmp: Path, rank: int,
-                     exclude_frozen: bool) -> tuple[str, int]:
+def _write_rank_file(state: TrainingState, tmp: Path, rank: int, exclude_frozen: bool,
+                     frozen: dict[int, torch.Tensor]) -> tuple[str, int]:
     """This rank's safetensors file: its pieces, rank 0's module tensors, its RNG states."""
     specs: list[TensorSpec] = []
     for g in state.groups:
@@ -166,7 +169,7 @@ def _write_rank_file(state: TrainingState, tmp: Path, rank: int,
                 specs.append(TensorSpec.of(f"optimizer/{key}/{slot.name}", t[s0:s0 + n]))
     if rank == 0:
         specs += [TensorSpec.of(f"module/{k}", t.detach())
-                  for k, t in _module_tensors(state, exclude_frozen).items()]
+                  for k, t in _module_tensors(state, exclude_frozen, frozen).items()]
     rng_specs, rng_meta = rng_to_file(state.stateful["rng"].state_dict())
     metadata = {"format": FORMAT, "rank": str(rank), **rng_meta}
     return write_safetensors(tmp / rank_file_name(rank), specs + rng_specs, metadata)
@@ -189,18 +192,26 @@ def _trained_ids(state: TrainingState) -> set[int]:
     return {id(p) for g in state.groups for p in g.params}
 
 
-def _module_tensors(state: TrainingState, exclude_frozen: bool = False
-                    ) -> dict[str, torch.Tensor]:
+def _module_tensors(state: TrainingState, exclude_frozen: bool = False,
+                    whole: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """state_dict entries that are not trained parameters: buffers and frozen parameters
-    (without the frozen parameters when `exclude_frozen`)."""
+    (without the frozen parameters when `exclude_frozen`). A frozen parameter sharded at
+    stage 3 is its `whole` value, gathered (`gathered_params`); without it, a meta tensor
+    of its shape and dtype."""
     trained, seen, out = _trained_ids(state), set(), {}
     frozen = _frozen_keys(state) if exclude_frozen else set()
+    sharded = {id(p): (s.shape, g.param_shard.dtype) for g in state.frozen_groups
+               for p, s in zip(g.params, g.slots)}
     for key, value in state.module.state_dict(keep_vars=True).items():
         if not torch.is_tensor(value):
             log.warning("state_dict entry %s is not a tensor; it is not checkpointed", key)
         elif id(value) not in trained and id(value) not in seen and key not in frozen:
             seen.add(id(value))
             out[key] = value
+            if id(value) in sharded:
+                shape, dtype = sharded[id(value)]
+                out[key] = whole[id(value)] if whole is not None else \
+                    torch.empty(shape, dtype=dtype, device="meta")
     return out
 
 
@@ -374,6 +385,11 @@ def _load(state: TrainingState, load_dir, tag: str | None, load_optimizer_states
                                        trust_client_state))
     with state.all_in_memory():  # masters and optimizer states in memory (offload/placement.py)
         _apply(state, staged, load_lr_scheduler_states)
+    # stage 3's sharded frozen parameters: each rank's part into its shard, wherever the
+    # parameter placement keeps it, as any load into the module (module_state.py)
+    frozen = _module_values(state, staged, sharded=True)
+    if frozen:
+        state.module.load_state_dict(frozen, strict=False)
     state.refresh_params()  # the compute-dtype parameters from the loaded masters
     log.info("loaded checkpoint %s (saved by %d ranks at stage %d)", path,
              manifest["world_size"], manifest["zero_stage"])
@@ -521,6 +537,14 @@ def _read_shard(group, index: dict[str, list[Piece]], reader: Callable[[str], Sa
                 file.read(key, src, m, out=shard[at:at + m])
 
 
+def _module_values(state: TrainingState, staged: _Staged, sharded: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's module tensors of stage 3's sharded frozen parameters (`sharded`),
+    or the others (buffers, frozen parameters kept whole)."""
+    state_dict = state.module.state_dict(keep_vars=True)
+    ids = {id(p) for g in state.frozen_groups for p in g.params}
+    return {k: v for k, v in staged.module.items() if (id(state_dict[k]) in ids) == sharded}
+
+
 def _apply(state: TrainingState, staged: _Staged, load_lr_scheduler_states: bool) -> None:
     """Put a staged checkpoint into the training state; nothing here reads a file."""
     m = staged.manifest
@@ -528,7 +552,7 @@ def _apply(state: TrainingState, staged: _Staged, load_lr_scheduler_states: bool
         for g, master in zip(state.groups, staged.masters):
             g.master.copy_(master.view_as(g.master))
         state_dict = state.module.state_dict(keep_vars=True)
-        for key, value in staged.module.items():
+        for key, value in _module_values(state, staged, sharded=False).items():
             state_dict[key].copy_(value)
     if staged.states is not None:
         for g, saved in zip(state.groups, staged.states):
@@ -567,7 +591,7 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
     from zeromem.checkpoints.tensor_files import write_state_dict
 
     with state.all_in_memory():
-        weights = gathered_state_dict(state.module, state.groups, state.comm,
+        weights = gathered_state_dict(state.module, state.groups + state.frozen_groups, state.comm,
                                       state.compute_dtype, keep=state.comm.rank == 0)
     if exclude_frozen_parameters:
         frozen = _frozen_keys(state)

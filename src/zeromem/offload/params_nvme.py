@@ -118,6 +118,7 @@ class ParamsOnNvme:
         """params.swp laid out for shards of `shard_numels` elements (in `admit` order), each
         record `copies` times (2: the step writes the other copy, module docstring)."""
         self.groups: list[FlatParamGroup] = []
+        self.frozen: set[int] = set()  # groups of frozen parameters (stage 3): never stepped
         self.host_is_device = device.type == "cpu"
         self.largest_unit_numel = 0  # the largest group admitted (whole, padded)
         self.dtype = dtype
@@ -164,6 +165,8 @@ class ParamsOnNvme:
             raise AssertionError(f"{self.file.path}: group {index} of {nbytes} bytes "
                                  f"({group.param_shard.dtype}) was not laid out")
         self.groups.append(group)
+        if not group.trains:
+            self.frozen.add(id(group))
         self.nbytes[id(group)] = nbytes
         self.offsets[id(group)] = self.planned_offsets[index]
         self.slots[id(group)] = self.pool.slot(index)
@@ -324,7 +327,10 @@ class ParamsOnNvme:
         self.boundary.clear()
 
     def _at(self, key: int, other: int = 0) -> int:
-        """File offset of `key`'s record in the current copy (`other`=1: the other copy)."""
+        """File offset of `key`'s record in the current copy (`other`=1: the other copy); a
+        frozen group, which no step writes, keeps its record in the first copy."""
+        if key in self.frozen:
+            return self.offsets[key]
         return self.offsets[key] + ((self.copy + other) % self.copies) * self.stride
 
     def flush(self) -> None:

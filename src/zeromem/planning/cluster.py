@@ -78,24 +78,28 @@ def _ag(psi: float, n: int, g: int) -> tuple[float, float]:
 
 
 def option_cost(name: str, psi: float, cluster: Cluster, bits: int = 4,
-                block: int = 256) -> OptionCost:
-    """The bytes and memory of option `name` (a key of OPTIONS) for Ψ = `psi` parameters."""
+                block: int = 256, frozen: float = 0.0) -> OptionCost:
+    """The bytes and memory of option `name` (a key of OPTIONS) for Ψ = `psi` trained
+    parameters and `frozen` ones (gathered as the others, never reduced)."""
     keys, n, g, k = OPTIONS[name], cluster.ranks, cluster.gpus_per_node, cluster.nodes
+    gathered = psi + frozen
     if "mics_shard_size" in keys:
         intra = 3 * 2 * psi * (g - 1) / g
         inter = 2 * (k - 1) / k * 2 * psi / g
         return _cost(name, STATE_BYTES * psi / g, intra, inter, cluster, True,
                      {"mics_shard_size": g})
     weight = (1 + 4 / block) / 2 if "zero_quantized_weights" in keys else 1.0
-    forward = tuple(b * weight for b in _ag(psi, n, g))
+    forward = tuple(b * weight for b in _ag(gathered, n, g))
     # hpZ's backward gathers the secondary copies unquantized: they stay in the node
-    backward = ((2 * psi * (g - 1) / g, 0.0) if "zero_hpz_partition_size" in keys else forward)
+    backward = ((2 * gathered * (g - 1) / g, 0.0) if "zero_hpz_partition_size" in keys
+                else forward)
     if "zero_quantized_gradients" in keys:
         per_byte = packed_nbytes(block, bits, block) / block  # bytes per element on the wire
         reduce = (psi * (g - 1) / g * per_byte, psi / g * (k - 1) / k * per_byte)
     else:
         reduce = _ag(psi, n, g)
-    memory = STATE_BYTES * psi / n + (2 * psi / g if "zero_hpz_partition_size" in keys else 0)
+    memory = STATE_BYTES * psi / n + 2 * frozen / n \
+        + (2 * gathered / g if "zero_hpz_partition_size" in keys else 0)
     config = {key: (g if key == "zero_hpz_partition_size" else True) for key in keys}
     return _cost(name, memory, forward[0] + backward[0] + reduce[0],
                  forward[1] + backward[1] + reduce[1], cluster, not keys.keys() - {
@@ -161,9 +165,9 @@ class ClusterPlan:
 
 
 def plan_cluster(psi: float, cluster: Cluster, compute_s: float | None = None,
-                 bits: int = 4, block: int = 256) -> ClusterPlan:
+                 bits: int = 4, block: int = 256, frozen: float = 0.0) -> ClusterPlan:
     """Each option's cost, and which to turn on, with reasons."""
-    costs = tuple(option_cost(name, psi, cluster, bits, block) for name in OPTIONS)
+    costs = tuple(option_cost(name, psi, cluster, bits, block, frozen) for name in OPTIONS)
     by_name = {o.name: o for o in costs}
     plain, reasons, chosen = by_name["stage 3"], [], []
     if cluster.nodes == 1:

@@ -313,6 +313,9 @@ class ModelShape:
     the engine's group order (latest-registered first: the order backward reaches them).
     `unmerged` (from `shape_of`; empty in a shape built by hand) are those units before
     merging, from which `with_unit_caps` merges them again under a run's caps.
+    `frozen_unit_numels` / `frozen_unmerged`: the same for the parameters frozen at
+    `initialize`, which stage 3 shards in units of their own (none in a shape built by
+    hand: then `frozen_numel` counts as one such unit).
     """
 
     name: str
@@ -326,6 +329,8 @@ class ModelShape:
     intermediate: int
     positions: int | None = None
     unmerged: tuple[UnmergedUnit, ...] = ()
+    frozen_unit_numels: tuple[int, ...] = ()
+    frozen_unmerged: tuple[UnmergedUnit, ...] = ()
 
     @property
     def psi(self) -> int:
@@ -335,7 +340,16 @@ class ModelShape:
         """This shape with its fetch units merged as the engine merges them under `caps`."""
         if not self.unmerged:
             return self
-        return dataclasses.replace(self, unit_numels=merged_unit_numels(self.unmerged, caps))
+        return dataclasses.replace(
+            self, unit_numels=merged_unit_numels(self.unmerged, caps),
+            frozen_unit_numels=merged_unit_numels(self.frozen_unmerged, caps))
+
+    @property
+    def frozen_units(self) -> tuple[int, ...]:
+        """Elements of each stage-3 unit of frozen parameters."""
+        if self.frozen_unit_numels or not self.frozen_numel:
+            return self.frozen_unit_numels
+        return (self.frozen_numel,)
 
     @property
     def largest_unit(self) -> int:
@@ -449,10 +463,15 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
     shard = whole / n_d
     persistent = sum(padded_numel(n, n_d) for n in sizes if n < layout.persistence_threshold) \
         if stage >= 3 else 0
+    # stage 3 shards the frozen parameters too, in units of their own (small ones whole)
+    frozen = [padded_numel(n, n_d) for n in shape.frozen_units] if stage >= 3 else []
+    frozen_shard = sum(frozen) / n_d
+    frozen_kept = sum(padded_numel(n, n_d) for n in shape.frozen_units
+                      if n < layout.persistence_threshold) if stage >= 3 else 0
     per_group = widths.scalars_per_group * len(padded)
     device = {
-        "params": widths.param * ((shard + persistent if stage >= 3 else whole)
-                                  + shape.frozen_numel),
+        "params": widths.param * (shard + persistent + frozen_shard + frozen_kept if stage >= 3
+                                  else whole + shape.frozen_numel),
         "grads": widths.grad * (shard if stage >= 2 else whole),
         "master_params": widths.master * (shard if stage >= 1 else whole),
         "optimizer_states": widths.states * (shard if stage >= 1 else whole) + per_group,
@@ -462,7 +481,7 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
     if optimizer != "none":
         del device["master_params"], device["optimizer_states"]
     if param != "none":
-        device["params"] -= widths.param * shard
+        device["params"] -= widths.param * (shard + frozen_shard)
         if optimizer == "none" and widths.master == 0:
             # fp32 with the optimizer on the device: the master was the parameter shard,
             # which now leaves memory, so the engine keeps a device master of its own
@@ -472,7 +491,7 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
         device["grads"] = 0.0  # each reduced shard goes to grads.swp (offload/grad_file.py)
     host, nvme = offload_breakdown([n / n_d for n in padded], optimizer, param, widths.param,
                                    widths.states, per_group, widths.master == 0, layout.offload,
-                                   grads_in_file=stage >= 2)
+                                   grads_in_file=stage >= 2, frozen=[n / n_d for n in frozen])
     if "host_grads" in host and grads_shared(layout.device, widths.grad):
         # the reduced gradient is the host gradient (HostGrads reads it where it is): its
         # buffer (the whole gradient at stage 1, the shards at 2-3) held once, on the host,
@@ -480,7 +499,8 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
         host["host_grads"], device["grads"] = device["grads"], 0.0
     comm = comm_buffer_parts(padded, n_d, widths, layout)
     return ShapeMemory(device, sum(host.values()), sum(nvme.values()),
-                       _gathered_bytes(sizes, n_d, widths, layout), sum(comm.values()),
+                       _gathered_bytes(sizes + list(shape.frozen_units), n_d, widths, layout),
+                       sum(comm.values()),
                        len(padded), host, nvme, comm)
 
 

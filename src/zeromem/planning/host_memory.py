@@ -33,6 +33,7 @@ prediction cannot drift from what the engine allocates.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,8 +101,10 @@ def least_budget(shards: list[float], param: str, param_bytes: int, state_bytes:
 def offload_breakdown(shards: list[float], optimizer: str, param: str, param_bytes: int,
                       state_bytes: int, scalar_bytes: float, fp32_params: bool,
                       buffers: OffloadBufferSizes = OffloadBufferSizes(),
-                      grads_in_file: bool = True) -> tuple[dict[str, float], dict[str, float]]:
-    """(host, nvme) bytes by name for a rank whose flat groups have `shards` elements each.
+                      grads_in_file: bool = True, frozen: Sequence[float] = ()
+                      ) -> tuple[dict[str, float], dict[str, float]]:
+    """(host, nvme) bytes by name for a rank whose flat groups have `shards` elements each
+    (and stage 3's groups of frozen parameters `frozen`: parameter shards only).
 
     `state_bytes`: optimizer state bytes per element (8 for Adam); `scalar_bytes`: the
     per-group scalars in all; `fp32_params`: the master aliases the parameters;
@@ -112,15 +115,17 @@ def offload_breakdown(shards: list[float], optimizer: str, param: str, param_byt
     numels = [int(n) for n in shards]
     host: dict[str, float] = {}
     nvme: dict[str, float] = {}
-    params_pool = _params_pool(numels, param, param_bytes, buffers)
+    kept = [int(n) for n in frozen]  # placed with the others, never stepped
+    params_pool = _params_pool(numels + kept, param, param_bytes, buffers)
     # offload/backward_step.py: both on NVMe, gradients through grads.swp (no fp16: the policy)
     copies = 2 if (buffers.step_in_backward and grads_in_file
                    and optimizer == param == "nvme") else 1
     if param == "cpu":
-        host["param_shards"] = param_bytes * shard
+        host["param_shards"] = param_bytes * (shard + sum(frozen))
     elif param == "nvme":
         host["param_swap_buffers"] = params_pool
-        nvme["param_shards"] = copies * sum(round_up(param_bytes * n) for n in numels)  # a slot each
+        # a record each, in every copy (a frozen group uses the first only)
+        nvme["param_shards"] = copies * sum(round_up(param_bytes * n) for n in numels + kept)
     if optimizer == "cpu":
         host["host_masters"] = FP32 * shard
         host["optimizer_states"] = state_bytes * shard + scalar_bytes

@@ -251,10 +251,17 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
     # the engine's default stage-3 units (stage3/units.py), in the engine's group order
     # (expected backward order), which decides how NVMe sub-groups cut; merged again under a
     # run's caps by `ModelShape.with_unit_caps`
-    unmerged = tuple(UnmergedUnit(min(order[id(p)] for p in u.params), u.numel, u.shared)
-                     for u in unmerged_units(model))
-    units = merged_unit_numels(unmerged, UnitCaps(bucket_numel))  # reduce_bucket_size caps
-    return ModelShape(name or type(model).__name__, tuple(trainable), frozen, units,
-                      dims.get("layers", 1), hidden, dims.get("heads", max(1, hidden // 64)),
-                      dims.get("vocab", 0), dims.get("intermediate", 4 * hidden),
-                      dims.get("positions"), unmerged)
+
+    def units(trainable: bool) -> tuple[UnmergedUnit, ...]:
+        """Frozen parameters get units of their own (stage3/units.py `choose_units`)."""
+        plans = unmerged_units(model, sharded=lambda p: p.requires_grad == trainable)
+        return tuple(UnmergedUnit(min(order[id(p)] for p in u.params), u.numel, u.shared)
+                     for u in plans)
+
+    unmerged, frozen_unmerged = units(True), units(False)
+    caps = UnitCaps(bucket_numel)  # reduce_bucket_size caps
+    return ModelShape(name or type(model).__name__, tuple(trainable), frozen,
+                      merged_unit_numels(unmerged, caps), dims.get("layers", 1), hidden,
+                      dims.get("heads", max(1, hidden // 64)), dims.get("vocab", 0),
+                      dims.get("intermediate", 4 * hidden), dims.get("positions"), unmerged,
+                      merged_unit_numels(frozen_unmerged, caps), frozen_unmerged)

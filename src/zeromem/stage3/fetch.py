@@ -106,6 +106,26 @@ class _PreBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward says that the module's backward is done:
+    the frozen units it read can go (FSDP2's post-backward hook).
+
+    Autograd runs ready nodes latest-created first, and this node is created before
+    anything the module computes, so the module's own nodes have run when it does. A
+    module called again later re-gathers through its output's `_PreBackward`."""
+
+    @staticmethod
+    def forward(ctx, runner: "FetchSchedule", module_id: int, *tensors):
+        ctx.runner, ctx.module_id = runner, module_id
+        views = tuple(t.view_as(t) for t in tensors)
+        return views if len(views) > 1 else views[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.runner.after_backward(ctx.module_id)
+        return (None, None, *grads)
+
+
 class _ParamUseTracer(TorchFunctionMode):
     """Records which units' parameters each running module reads (passes of unknown order)."""
 
@@ -418,7 +438,7 @@ class FetchSchedule:
         self.start_pass((kind, module.training, _branch_flags(args, kwargs)))
 
     @torch.compiler.disable
-    def _pre_forward(self, module: nn.Module, args) -> None:
+    def _pre_forward(self, module: nn.Module, args: tuple) -> tuple | None:
         self.module_stack.append(id(module))
         if module is self.root:
             if self.pass_kind not in self.recorded:
@@ -428,6 +448,9 @@ class FetchSchedule:
         units = self._units_for(module)
         if units:
             self._use(units)
+            if torch.is_grad_enabled() and not all(u.group.trains for u in units):
+                return self._hook_after_backward(module, args)
+        return None
 
     @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> object:
@@ -472,6 +495,24 @@ class FetchSchedule:
         swap = {id(t): h for t, h in zip(tensors, hooked)}
         return tree_map(lambda t: swap.get(id(t), t) if torch.is_tensor(t) else t, output)
 
+    def _hook_after_backward(self, module: nn.Module, args: tuple) -> tuple | None:
+        """Frozen units get no gradient to say when backward is done with them: the module's
+        positional inputs carry a hook that does (without one, they go at the end)."""
+        tensors = [a for a in args if torch.is_tensor(a) and a.requires_grad]
+        if not tensors:
+            return None
+        hooked = _PostBackward.apply(self, id(module), *tensors)
+        hooked = hooked if isinstance(hooked, tuple) else (hooked,)
+        swap = {id(t): h for t, h in zip(tensors, hooked)}
+        return tuple(swap.get(id(a), a) if torch.is_tensor(a) else a for a in args)
+
+    @torch.compiler.disable
+    def after_backward(self, module_id: int) -> None:
+        """Backward went through the module: the frozen units it read go (a trained unit
+        goes once its gradients are in: `_grad_in`)."""
+        self._recompute_ended()
+        self._release([u for u in self._units_for_id(module_id) if not u.group.trains])
+
     @torch.compiler.disable
     def before_backward(self, module_id: int) -> None:
         if not self.in_pass and not self.release_queued:
@@ -479,7 +520,16 @@ class FetchSchedule:
             # so what it gathers is released when it ends (FSDP2's final callback)
             self.release_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._after_foreign_backward)
+        self._recompute_ended()
         self._use(self._units_for_id(module_id))
+
+    def _recompute_ended(self) -> None:
+        """Autograd calls back between nodes, outside any forward: modules still on the stack
+        are those of an activation checkpoint's recomputation, which torch's non-reentrant
+        checkpoint stops once it has the tensors it needs, before their post-hooks run.
+        Left there, they would keep every unit they read gathered to the end of backward."""
+        if self.pass_kind[0] == "backward":
+            self.module_stack.clear()
 
     def _after_foreign_backward(self) -> None:
         self.release_queued = False
@@ -490,6 +540,7 @@ class FetchSchedule:
     def _grad_in(self, unit: ShardedUnit, param: torch.Tensor) -> None:
         """`param`'s gradient was accumulated: the unit counts it; once every gradient
         of the unit is in its reduce bucket, the whole buffer can go."""
+        self._recompute_ended()
         if unit.grad_in(param):
             self._release([unit])
 

@@ -236,8 +236,9 @@ class ShardedUnit:
 
     def finish_backward(self) -> None:
         """Backward ended: a unit some gradients never reached (parameters unused on this
-        rank) hands in what it has, zeros where nothing came (every rank reduces it)."""
-        if self._phase is Phase.BACKWARD:
+        rank) hands in what it has, zeros where nothing came (every rank reduces it). A
+        frozen unit has nothing to hand in."""
+        if self._phase is Phase.BACKWARD and self.group.trains:
             self._hand_in()
 
     def _hand_in(self) -> None:

@@ -282,19 +282,32 @@ class UnitChoice:
 
 
 def choose_units(module: nn.Module, param_groups: list[dict], fetch_units: tuple[type, ...],
-                 caps: UnitCaps, full_numel: Callable[[nn.Parameter], int]) -> UnitChoice:
+                 caps: UnitCaps, full_numel: Callable[[nn.Parameter], int],
+                 frozen: Sequence[nn.Parameter] = ()) -> UnitChoice:
     """The fetch units of `module`, split by optimizer param group: the engine builds one
-    flat group per part, before the stage-3 units (fetch.py `build_stage3`) exist."""
+    flat group per part, before the stage-3 units (fetch.py `build_stage3`) exist.
+
+    `frozen` parameters (a training engine's, frozen at `initialize`) get units of their
+    own, chosen by the same policy, as parts of param group `len(param_groups)`: sharded
+    like the others, with nothing to train (a block's LoRA adapters and its frozen
+    weights are two units that its hooks gather together)."""
     group_of = {id(p): gi for gi, pg in enumerate(param_groups) for p in pg["params"]}
-    sharded = lambda p: id(p) in group_of  # noqa: E731  (an evaluating engine's frozen ones too)
-    plans = plan_fetch_units(module, fetch_units, caps, full_numel, sharded)
-    parts, modules = [], []
-    for plan in plans:
-        for gi in sorted({group_of[id(p)] for p in plan.params if id(p) in group_of}):
-            parts.append((gi, [p for p in plan.params if group_of.get(id(p)) == gi]))
-            modules.append(plan.modules)
+    group_of.update({id(p): len(param_groups) for p in frozen})
+    parts: list[tuple[int, list[nn.Parameter]]] = []
+    modules: list[list[nn.Module]] = []
     names = {id(m): n for n, m in module.named_modules()}
-    target = default_target(unmerged_units(module, full_numel, sharded), caps)
-    report = describe(plans, names, fetch_units, target)
+    reports = []
+    frozen_ids = {id(p) for p in frozen}
+    for kept in ((lambda p: id(p) in group_of and id(p) not in frozen_ids),  # (an evaluating
+                 (lambda p: id(p) in frozen_ids)):                          # engine's frozen too)
+        plans = plan_fetch_units(module, fetch_units, caps, full_numel, kept)
+        for plan in plans:
+            for gi in sorted({group_of[id(p)] for p in plan.params}):
+                parts.append((gi, [p for p in plan.params if group_of[id(p)] == gi]))
+                modules.append(plan.modules)
+        if plans:
+            target = default_target(unmerged_units(module, full_numel, kept), caps)
+            reports.append(describe(plans, names, fetch_units, target))
+    report = "\nfrozen parameters: ".join(reports)
     log.info("%s", report)
     return UnitChoice(parts, modules, report)
