@@ -57,7 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -91,38 +91,25 @@ class Stage3Limits:
     gather_timeout_s: float | None = None   # a gather waiting longer is a divergence
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity whose backward gathers a module's units before their gradients are needed."""
+class _BackwardHook(torch.autograd.Function):
+    """Identity whose backward calls `hook(module_id)`: on a module's outputs, before their
+    gradients flow into it (gather its units: `before_backward`); on its inputs, once
+    backward has gone through it (release the frozen units it read: `after_backward`,
+    FSDP2's post-backward hook).
+
+    Autograd runs ready nodes latest-created first, and the hook on the inputs is created
+    before anything the module computes, so the module's own nodes have run when it
+    does. A module called again later re-gathers through the hook on its outputs."""
 
     @staticmethod
-    def forward(ctx, runner: "FetchSchedule", module_id: int, *tensors):
-        ctx.runner, ctx.module_id = runner, module_id
+    def forward(ctx, hook: Callable[[int], None], module_id: int, *tensors):
+        ctx.hook, ctx.module_id = hook, module_id
         views = tuple(t.view_as(t) for t in tensors)
         return views if len(views) > 1 else views[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.runner.before_backward(ctx.module_id)
-        return (None, None, *grads)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs whose backward says that the module's backward is done:
-    the frozen units it read can go (FSDP2's post-backward hook).
-
-    Autograd runs ready nodes latest-created first, and this node is created before
-    anything the module computes, so the module's own nodes have run when it does. A
-    module called again later re-gathers through its output's `_PreBackward`."""
-
-    @staticmethod
-    def forward(ctx, runner: "FetchSchedule", module_id: int, *tensors):
-        ctx.runner, ctx.module_id = runner, module_id
-        views = tuple(t.view_as(t) for t in tensors)
-        return views if len(views) > 1 else views[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.runner.after_backward(ctx.module_id)
+        ctx.hook(ctx.module_id)
         return (None, None, *grads)
 
 
@@ -483,14 +470,14 @@ class FetchSchedule:
 
     def _hook_backward(self, module: nn.Module, output: object) -> object:
         if isinstance(output, torch.Tensor):  # most blocks: no tree to walk
-            return _PreBackward.apply(self, id(module), output) if output.requires_grad \
-                else output
+            return _BackwardHook.apply(self.before_backward, id(module), output) \
+                if output.requires_grad else output
         tensors = []
         tree_map(lambda t: tensors.append(t) if torch.is_tensor(t) and t.requires_grad else None,
                  output)
         if not tensors:
             return output
-        hooked = _PreBackward.apply(self, id(module), *tensors)
+        hooked = _BackwardHook.apply(self.before_backward, id(module), *tensors)
         hooked = hooked if isinstance(hooked, tuple) else (hooked,)
         swap = {id(t): h for t, h in zip(tensors, hooked)}
         return tree_map(lambda t: swap.get(id(t), t) if torch.is_tensor(t) else t, output)
@@ -501,7 +488,7 @@ class FetchSchedule:
         tensors = [a for a in args if torch.is_tensor(a) and a.requires_grad]
         if not tensors:
             return None
-        hooked = _PostBackward.apply(self, id(module), *tensors)
+        hooked = _BackwardHook.apply(self.after_backward, id(module), *tensors)
         hooked = hooked if isinstance(hooked, tuple) else (hooked,)
         swap = {id(t): h for t, h in zip(tensors, hooked)}
         return tuple(swap.get(id(a), a) if torch.is_tensor(a) else a for a in args)
