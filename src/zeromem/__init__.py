@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -31,6 +32,7 @@ __all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "
            "checkpointing", "Init", "GatheredParameters", "OffloadError", "RankMismatchError",
            "shutdown"]
 __version__ = "0.1.0"
+log = logging.getLogger("zeromem")
 
 
 def initialize(model: nn.Module, config: dict | str | Path | Config,
@@ -57,6 +59,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     """
     partitions = partitioned_init.DEFAULT if partitions is None else partitions
     hidden = _hidden_size(model)  # resolves the hidden-size "auto" values, as HF does
+    config = _in_models_precision(config, model)
     first = Config.load(config, hidden_size=hidden)
     ensure_process_group(first.zeromem.timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -70,6 +73,30 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
                     mp_group, partitions, runtime)
     LIFECYCLE.register(engine)  # closed at exit / SIGTERM unless closed before
     return engine
+
+
+def _in_models_precision(config: dict | str | Path | Config, model: nn.Module
+                         ) -> dict | str | Path | Config:
+    """`config`, with the bf16 (fp16) block on when it turns on neither and every trainable
+    floating parameter (of a frozen model: every one) is bfloat16 (float16): a model loaded in 16 bits (HF's
+    `torch_dtype=torch.bfloat16` without `--bf16`) trains in its own dtype, over fp32
+    masters, as DeepSpeed keeps it; cast to fp32 it would take twice the memory, and fail
+    on 16-bit inputs. fp16 gets dynamic loss scaling, which DeepSpeed would leave out."""
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    dtypes = {p.dtype for p in [p for p in floating if p.requires_grad] or floating}
+    block = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtypes.pop()) \
+        if len(dtypes) == 1 else None
+    if block is None:
+        return config
+    data, _ = Config.read(config)
+    if any(isinstance(data.get(k), dict) and data[k].get("enabled") is True
+           for k in ("fp16", "bf16", "bfloat16")):
+        return config
+    log.warning("the model's trainable parameters are %s and the config turns on neither fp16 "
+                "nor bf16: training in %s over fp32 masters, as if \"%s\": {\"enabled\": true}",
+                "bfloat16" if block == "bf16" else "float16", block, block)
+    given = data[block] if isinstance(data.get(block), dict) else {}
+    return {k: v for k, v in data.items() if k != "bfloat16"} | {block: {**given, "enabled": True}}
 
 
 def _hidden_size(model: nn.Module) -> int | None:

@@ -446,12 +446,36 @@ def lora_stage3(rank: int) -> dict:
     return out
 
 
+def model_in_16_bits(rank: int) -> dict:
+    """A model loaded in bf16 (fp16) with a config that turns on neither block (HF's
+    `torch_dtype=torch.bfloat16` without `--bf16`): it was cast to fp32, twice the memory,
+    and 16-bit inputs failed ("mat1 and mat2 must have the same dtype"). Per stage and
+    dtype: its trained state and output dtype, and those of an engine given the block."""
+    out = {}
+    for stage in STAGES:
+        for dtype, block in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+            runs = []
+            for cfg in (config(stage, "fp32"), {**config(stage, "fp32"), block: {"enabled": True}}):
+                engine = zeromem.initialize(mlp().to(dtype), {**cfg, "optimizer": SGD})
+                for step in range(2):
+                    y = engine(batch(step, rank).to(dtype))
+                    engine.backward(y.float().pow(2).mean())
+                    engine.step()
+                runs.append({"state": whole_state(engine), "output": str(y.dtype)})
+            out[stage, block] = runs
+        frozen = zeromem.initialize(mlp().to(torch.bfloat16).requires_grad_(False),
+                                    config(stage, "fp32") | {"optimizer": None})
+        with torch.no_grad():  # a frozen teacher in bf16 (no optimizer): its dtype kept too
+            out[stage, "frozen"] = str(frozen(batch(0, rank).to(torch.bfloat16)).dtype)
+    return out
+
+
 CASES = {"seeded": seeded_differently, "storages": storages_after_initialize,
          "loads": loads_into_module, "modifier": gathered_modifier, "drift": drift_from_fp32,
          "evaluators": evaluation_engines, "twice": initialize_twice,
          "unfrozen": unfrozen_after_initialize, "sparse": sparse_embedding,
          "client_optimizers": client_optimizers, "distillation": distillation,
-         "lora": lora_stage3}
+         "lora": lora_stage3, "16 bits": model_in_16_bits}
 
 
 def run_cases(rank: int, world_size: int) -> dict:
@@ -706,3 +730,12 @@ def test_lora_at_stage3_shards_the_frozen_base_and_trains_as_one_process(ranks):
             assert result["peak"] <= block + 100, (rank, precision, result["peak"])
         for stage in (3, 2):  # frozen values too, whatever the loading engine's seed
             assert max_diff(got["loaded", stage], got["saved"]) == 0, (rank, stage)
+
+
+def test_a_model_loaded_in_16_bits_trains_in_them_as_with_the_block(ranks):
+    for rank, got in enumerate(case(ranks, "16 bits")):
+        for stage in STAGES:
+            assert got.pop((stage, "frozen")) == "torch.bfloat16", (rank, stage)
+        for (stage, block), (inferred, given) in got.items():
+            assert inferred["output"] == given["output"] != "torch.float32", (rank, stage, block)
+            assert max_diff(inferred["state"], given["state"]) == 0, (rank, stage, block)
