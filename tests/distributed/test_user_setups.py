@@ -4,7 +4,9 @@
 - evaluation before the first step, on every rank;
 - stage 3 holds only shards right after `initialize` (bytes of live storages);
 - weights loaded into `engine.module` take effect, at every stage and precision;
-- bf16/fp16 masters start from the user's fp32 values, not their rounding.
+- bf16/fp16 masters start from the user's fp32 values, not their rounding;
+- and later stops' setups: a second engine on one model, sparse embeddings, the user's own
+  torch optimizer, a model loaded in 16 bits. Frozen parameters: test_frozen_weights.py.
 
 Spawning costs seconds, so one world of two ranks runs every case once (a
 module-scoped fixture); each test reads the results it needs. Every rank reports
@@ -12,72 +14,19 @@ what it sees, and the tests compare all ranks, not rank 0 only.
 """
 from __future__ import annotations
 
-import contextlib
 import tempfile
-import traceback
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 import zeromem
 import zeromem.deepspeed as zeromem_deepspeed
 from harness import run_distributed
 from zeromem.param_states import MASTER
 from models import TinyLM, micro_batch
-
-WORLD = 2
-STAGES = (0, 1, 2, 3)
-PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
-              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
-
-
-class Net(nn.Module):
-    """Odd sizes (padding), a BatchNorm (buffers), no tied weights."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 9)
-        self.norm = nn.BatchNorm1d(9)
-        self.fc2 = nn.Linear(9, 3)
-
-    def forward(self, x):                         # x: (B, 6)
-        return self.fc2(torch.tanh(self.norm(self.fc1(x))))  # (B, 3)
-
-
-def build(seed: int) -> Net:
-    torch.manual_seed(seed)
-    net = Net()
-    with torch.no_grad():  # running statistics that differ with the seed as well
-        net.norm.running_mean.uniform_(-1, 1)
-        net.norm.running_var.uniform_(0.5, 2.0)
-    return net
-
-
-def config(stage: int, precision: str, lr: float = 1e-2) -> dict:
-    return {"train_micro_batch_size_per_gpu": 4, **PRECISIONS[precision],
-            "optimizer": {"type": "AdamW", "params": {"lr": lr}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-
-
-def batch(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
-
-
-def train_step(engine, step: int, rank: int) -> None:
-    x = batch(step, rank).to(engine.compute_dtype)
-    engine.backward(engine(x).float().pow(2).mean())
-    engine.step()
-
-
-def whole_state(engine) -> dict[str, torch.Tensor]:
-    """This rank's module state in fp32: parameters whole (gathered at stage 3), buffers."""
-    gathered = zeromem.GatheredParameters(list(engine.module.parameters())) \
-        if engine.zero_stage == 3 else contextlib.nullcontext()
-    with gathered:
-        return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+from user_cases import PRECISIONS, SGD, STAGES, WORLD, batch, build, case, config, max_diff, mlp, \
+    rounded, run_cases, tokens, train_step, whole_state
 
 
 # ---------------------------------------------------------------- cases (run on every rank)
@@ -184,9 +133,6 @@ def drift_from_fp32(rank: int) -> dict:
     return out
 
 
-SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
-
-
 def evaluation_engines(rank: int) -> dict:
     """An engine given no optimizer (DeepSpeed's ZeRO-3 inference: HF's Trainer.evaluate()
     before training, DeepSpeed-Chat's reference model), beside a training engine in the same
@@ -242,32 +188,9 @@ def initialize_twice(rank: int) -> dict:
     return {"error": ""}
 
 
-def unfrozen_after_initialize(rank: int) -> dict:
-    """The head trains first, then the body is unfrozen: refused at that step, naming a
-    body parameter (its gradient was dropped at every step, silently)."""
-    out = {}
-    for stage in (0, 2, 3):
-        model = build(seed=1)
-        model.fc1.requires_grad_(False)
-        engine = zeromem.initialize(model, config(stage, "fp32"))
-        train_step(engine, 0, rank)
-        model.fc1.requires_grad_(True)
-        try:
-            train_step(engine, 1, rank)
-            out[stage] = ""
-        except RuntimeError as error:
-            out[stage] = str(error)
-    return out
-
-
 def embedder(sparse: bool) -> nn.Module:
     torch.manual_seed(3)
     return nn.Sequential(nn.Embedding(13, 5, sparse=sparse), nn.Tanh(), nn.Linear(5, 1))
-
-
-def tokens(step: int) -> torch.Tensor:
-    """The global batch of a step: 8 token ids (each rank takes its 4)."""
-    return torch.randint(0, 13, (8,), generator=torch.Generator().manual_seed(step))
 
 
 def sparse_embedding(rank: int) -> dict:
@@ -299,11 +222,6 @@ CLIENT_OPTIMIZERS = {
     "Adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0),
     "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.1),
 }
-
-
-def mlp() -> nn.Module:
-    torch.manual_seed(5)
-    return nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3))
 
 
 def param_groups(model: nn.Module) -> list[dict]:
@@ -339,113 +257,6 @@ def client_optimizers(rank: int) -> dict:
     return out
 
 
-def teacher() -> nn.Module:
-    """A distillation teacher (or an RLHF reference model), frozen as such scripts freeze it."""
-    torch.manual_seed(9)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).requires_grad_(False)
-
-
-def distillation(rank: int) -> dict:
-    """A frozen teacher in an engine given no optimizer, a student trained on its outputs,
-    stages 0-3 (the teacher's initialize failed with "optimizer got an empty parameter
-    list" at every stage): the student's weights, and what the teacher holds at stage 3."""
-    out = {}
-    for stage in STAGES:
-        frozen = zeromem.initialize(teacher(), {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {
-            "stage": stage, "stage3_param_persistence_threshold": 0}})
-        student = zeromem.initialize(mlp(), {**config(stage, "fp32"), "optimizer": SGD})
-        held = sum(p.numel() for p in frozen.module.parameters())
-        for step in range(3):
-            x = batch(step, rank)
-            with torch.no_grad():
-                target = frozen(x)
-            student.backward((student(x) - target).pow(2).mean())
-            student.step()
-        out[stage] = {"student": whole_state(student), "teacher_held": held}
-    return out
-
-
-class LoraBlock(nn.Module):
-    """A frozen base layer with a trainable low-rank adapter beside it (PEFT's LoRA)."""
-
-    def __init__(self, dim: int = 24, rank: int = 2):
-        super().__init__()
-        self.base = nn.Linear(dim, dim).requires_grad_(False)
-        self.a = nn.Linear(dim, rank, bias=False)
-        self.b = nn.Linear(rank, dim, bias=False)
-
-    def forward(self, h):
-        return torch.tanh(self.base(h) + self.b(self.a(h)))
-
-
-class LoraModel(nn.Module):
-    """A frozen embedding, LoRA blocks (under torch's non-reentrant activation checkpoint
-    when `recompute`: HF's gradient_checkpointing with use_reentrant=False), a head."""
-
-    def __init__(self, recompute: bool = False):
-        super().__init__()
-        self.embed = nn.Embedding(13, 24).requires_grad_(False)
-        self.blocks = nn.ModuleList(LoraBlock() for _ in range(3))
-        self.head = nn.Linear(24, 3)
-        self.recompute = recompute
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) \
-                if self.recompute else block(h)
-        return self.head(h)
-
-
-def lora_model(recompute: bool = False) -> nn.Module:
-    torch.manual_seed(11)
-    model = LoraModel(recompute)
-    for block in model.blocks:
-        nn.init.normal_(block.b.weight, std=0.3)  # (PEFT starts b at zero)
-    return model
-
-
-def lora_stage3(rank: int) -> dict:
-    """LoRA at stage 3: the frozen base was kept whole on every rank (a 70B base on each
-    GPU); now it is sharded like the adapters, gathered per block and released once the
-    block's backward is done. Per precision (and fp32 under torch's non-reentrant
-    activation checkpoint, whose recomputation, stopped early, kept every unit gathered
-    to the end of backward): the trained model, what the frozen parameters hold, the
-    peak gathered in backward; then a checkpoint reloaded at stages 3 and 2 by engines
-    built from another seed."""
-    out: dict = {}
-    units = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
-    for precision in ("fp32", "bf16", "recompute"):
-        model = lora_model(recompute=precision == "recompute")
-        cfg = {**config(3, "fp32" if precision == "recompute" else precision), "optimizer": SGD,
-               "gradient_accumulation_steps": 2}
-        cfg["zero_optimization"].update(units)
-        engine = zeromem.initialize(model, cfg, fetch_units=(LoraBlock,))
-        frozen = [p for p in model.parameters() if not p.requires_grad]
-        held = {"whole": sum(p.numel() for p in frozen),
-                "shards": sum(g.shard_numel for g in engine.frozen_groups)}
-        peaks = []
-        for step in range(3):
-            for micro in range(2):
-                engine.stage3.stats.peak = engine.stage3.stats.live
-                engine.backward(engine(tokens(10 * step + micro)[rank * 4:rank * 4 + 4]).pow(2).mean())
-                peaks.append(engine.stage3.stats.peak)
-                engine.step()
-        out[precision] = {"trained": whole_state(engine), "held": held, "peak": max(peaks)}
-    path = [tempfile.mkdtemp() if rank == 0 else None]
-    torch.distributed.broadcast_object_list(path)
-    engine.save_checkpoint(path[0])
-    for stage in (3, 2):
-        torch.manual_seed(100 + rank)
-        other = LoraModel()
-        loaded = zeromem.initialize(other, {**config(stage, "fp32"), "optimizer": SGD,
-                                            "gradient_accumulation_steps": 2})
-        loaded.load_checkpoint(path[0])
-        out["loaded", stage] = whole_state(loaded)
-    out["saved"] = whole_state(engine)
-    return out
-
-
 def model_in_16_bits(rank: int) -> dict:
     """A model loaded in bf16 (fp16) with a config that turns on neither block (HF's
     `torch_dtype=torch.bfloat16` without `--bf16`): it was cast to fp32, twice the memory,
@@ -473,42 +284,13 @@ def model_in_16_bits(rank: int) -> dict:
 CASES = {"seeded": seeded_differently, "storages": storages_after_initialize,
          "loads": loads_into_module, "modifier": gathered_modifier, "drift": drift_from_fp32,
          "evaluators": evaluation_engines, "twice": initialize_twice,
-         "unfrozen": unfrozen_after_initialize, "sparse": sparse_embedding,
-         "client_optimizers": client_optimizers, "distillation": distillation,
-         "lora": lora_stage3, "16 bits": model_in_16_bits}
-
-
-def run_cases(rank: int, world_size: int) -> dict:
-    results = {}
-    for name, case in CASES.items():
-        try:
-            # numpy arrays: torch tensors would travel as shared memory the ended rank took away
-            results[name] = tree_map(lambda v: v.numpy() if torch.is_tensor(v) else v, case(rank))
-        except Exception:  # noqa: BLE001 (one broken case must not hide the others' results)
-            results[name] = traceback.format_exc()
-    return results
+         "sparse": sparse_embedding, "client_optimizers": client_optimizers,
+         "16 bits": model_in_16_bits}
 
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_distributed(run_cases, WORLD)
-
-
-def case(ranks: list[dict], name: str) -> list:
-    for r, result in enumerate(ranks):
-        if isinstance(result[name], str):
-            pytest.fail(f"case {name!r} failed on rank {r}:\n{result[name]}")
-    return [tree_map(lambda v: torch.from_numpy(v) if isinstance(v, np.ndarray) else v,
-                     result[name]) for result in ranks]
-
-
-def max_diff(a: dict, b: dict, keys=None) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in (keys or a))
-
-
-def rounded(state: dict, precision: str) -> dict:
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    return {k: v.to(dtype).float() if v.is_floating_point() else v.float() for k, v in state.items()}
+    return run_distributed(run_cases, WORLD, CASES)
 
 
 # ---------------------------------------------------------------- item 1: broadcast
@@ -647,12 +429,6 @@ def test_a_second_engine_on_a_partitioned_model_is_refused_by_name(ranks):
         assert "'fc1.weight' is partitioned by a stage-3 engine" in got["error"], (rank, got)
 
 
-def test_a_parameter_unfrozen_after_initialize_is_refused_at_the_step(ranks):
-    for rank, got in enumerate(case(ranks, "unfrozen")):
-        for stage, error in got.items():
-            assert "'fc1." in error and "frozen (requires_grad=False)" in error, (rank, stage, error)
-
-
 def test_sparse_embedding_gradients_train_like_dense_ones_in_one_process(ranks):
     model = embedder(sparse=False)  # the same gradients, dense: SGD with momentum takes them
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -689,47 +465,6 @@ def test_whole_parameter_client_optimizers_are_refused_before_the_model_is_touch
                            ("Muon", "orthogonalises")):
             assert said in per_rank[name]["error"], (rank, name, per_rank[name])
             assert per_rank[name]["numels"] == numels, (rank, name)  # not partitioned
-
-
-def test_a_frozen_teacher_is_sharded_at_stage3_and_its_student_trains_as_one_process(ranks):
-    model, frozen = mlp(), teacher()
-    optimizer = torch.optim.SGD(model.parameters(), **SGD["params"])
-    for step in range(3):
-        x = torch.cat([batch(step, 0), batch(step, 1)])
-        (model(x) - frozen(x)).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    want = model.state_dict()
-    whole = sum(p.numel() for p in frozen.parameters())
-    for rank, per_rank in enumerate(case(ranks, "distillation")):
-        for stage, got in per_rank.items():
-            assert max_diff(got["student"], want) < 1e-6, (rank, stage)
-            assert got["teacher_held"] == (0 if stage == 3 else whole), (rank, stage)
-
-
-def test_lora_at_stage3_shards_the_frozen_base_and_trains_as_one_process(ranks):
-    model = lora_model()
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
-                                **SGD["params"])
-    for step in range(3):
-        for micro in range(2):  # the global batch of a micro-step: both ranks' rows
-            (model(tokens(10 * step + micro)).pow(2).mean() / 2).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    want = model.state_dict()
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    block = sum(p.numel() for p in LoraBlock().parameters())
-    for rank, got in enumerate(case(ranks, "lora")):
-        for precision, tol in (("fp32", 1e-6), ("bf16", 3e-2), ("recompute", 1e-6)):
-            result = got[precision]
-            assert max_diff(result["trained"], want) < tol, (rank, precision)
-            # sharded: nothing whole outside a gather, about a half on each of 2 ranks
-            assert result["held"]["whole"] == 0, (rank, precision, result["held"])
-            assert frozen / 2 <= result["held"]["shards"] <= frozen / 2 + 16, result["held"]
-            # a block's units (adapters and base) and the head gathered at once, at most
-            assert result["peak"] <= block + 100, (rank, precision, result["peak"])
-        for stage in (3, 2):  # frozen values too, whatever the loading engine's seed
-            assert max_diff(got["loaded", stage], got["saved"]) == 0, (rank, stage)
 
 
 def test_a_model_loaded_in_16_bits_trains_in_them_as_with_the_block(ranks):
