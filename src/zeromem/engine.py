@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from zeromem.activations import recompute as activations
+from zeromem.checkpoints import model_weights
 from zeromem.checkpoints import save_load as checkpoints
 from zeromem.comm import Comm
 from zeromem.config.schema import Config
@@ -442,7 +443,7 @@ class Engine:
     def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> str:
         """Compute-dtype weights to save_dir/filename on rank 0; collective."""
-        return self.plan.write_once(lambda: checkpoints.save_16bit_model(
+        return self.plan.write_once(lambda: model_weights.save_16bit_model(
             self.training_state(), save_dir, filename, exclude_frozen_parameters),
             str(Path(save_dir) / filename), self.comm, self.device)
 

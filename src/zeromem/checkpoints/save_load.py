@@ -76,12 +76,12 @@ from zeromem.checkpoints.consolidate import (
 from zeromem.checkpoints.formats import deepspeed_location
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
 from zeromem.flat import FlatParamGroup, ParamSlot
-from zeromem.module_state import gathered_params, gathered_state_dict
+from zeromem.module_state import gathered_params
 from zeromem.training_state import TrainingState
 
 log = logging.getLogger("zeromem")
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "save_16bit_model"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
 
 
 # ---------------------------------------------------------------- layout of an engine's state
@@ -199,7 +199,7 @@ def _module_tensors(state: TrainingState, exclude_frozen: bool = False,
     stage 3 is its `whole` value, gathered (`gathered_params`); without it, a meta tensor
     of its shape and dtype."""
     trained, seen, out = _trained_ids(state), set(), {}
-    frozen = _frozen_keys(state) if exclude_frozen else set()
+    frozen = frozen_keys(state) if exclude_frozen else set()
     sharded = {id(p): (s.shape, g.param_shard.dtype) for g in state.frozen_groups
                for p, s in zip(g.params, g.slots)}
     for key, value in state.module.state_dict(keep_vars=True).items():
@@ -215,7 +215,7 @@ def _module_tensors(state: TrainingState, exclude_frozen: bool = False,
     return out
 
 
-def _frozen_keys(state: TrainingState) -> set[str]:
+def frozen_keys(state: TrainingState) -> set[str]:
     """state_dict keys of parameters nothing trains: requires_grad False, in no flat group."""
     trained = _trained_ids(state)
     return {key for key, value in state.module.state_dict(keep_vars=True).items()
@@ -229,7 +229,7 @@ def _aliases(state: TrainingState, exclude_frozen: bool = False
     {alias key: canonical key} for tensors reachable twice."""
     first: dict[int, str] = {id(p): n for g in state.groups for p, n in
                              zip(g.params, (s.name for s in g.slots))}
-    frozen = _frozen_keys(state) if exclude_frozen else set()
+    frozen = frozen_keys(state) if exclude_frozen else set()
     keys, aliases = [], {}
     for key, value in state.module.state_dict(keep_vars=True).items():
         if not torch.is_tensor(value) or key in frozen:
@@ -439,7 +439,7 @@ def _kept_frozen(state: TrainingState, manifest: dict) -> set[str]:
     if not manifest.get("frozen_parameters_excluded"):
         return set()
     saved = manifest["module_tensors"].keys() | manifest["params"].keys()
-    kept = {k for k in _frozen_keys(state) if k not in saved}
+    kept = {k for k in frozen_keys(state) if k not in saved}
     if kept:
         log.info("the checkpoint was saved without frozen parameters; %s keep their values",
                  sorted(kept))
@@ -569,35 +569,3 @@ def _apply(state: TrainingState, staged: _Staged, load_lr_scheduler_states: bool
 
 
 # ---------------------------------------------------------------- 16-bit model
-
-def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
-                     filename: str = "pytorch_model.bin",
-                     exclude_frozen_parameters: bool = False) -> str:
-    """Save the model's weights in the compute dtype to `save_dir/filename` (rank 0); collective.
-
-    Keys as `module.state_dict()`; trained parameters are the fp32 masters cast to
-    the compute dtype, gathered one flat group at a time; buffers and frozen
-    parameters as held. `.safetensors` names give a safetensors file (tied
-    weights stored once, aliases in the metadata), others a torch.save file. At
-    stage 3 this needs `zero_optimization.stage3_gather_16bit_weights_on_model_save`.
-    `exclude_frozen_parameters` leaves out parameters with requires_grad False.
-    """
-    if state.zero_stage == 3 and not state.gather_16bit_weights:
-        raise CheckpointError(
-            "save_16bit_model at ZeRO stage 3 must gather the partitioned parameters onto "
-            "rank 0, which zeromem does only when "
-            "zero_optimization.stage3_gather_16bit_weights_on_model_save is true; set it, or "
-            "call save_checkpoint and run `zeromem consolidate CKPT_DIR OUT`")
-    from zeromem.checkpoints.tensor_files import write_state_dict
-
-    with state.all_in_memory():
-        weights = gathered_state_dict(state.module, state.groups + state.frozen_groups, state.comm,
-                                      state.compute_dtype, keep=state.comm.rank == 0)
-    if exclude_frozen_parameters:
-        frozen = _frozen_keys(state)
-        weights = {k: v for k, v in weights.items() if k not in frozen}
-    path = Path(save_dir) / filename
-    collective(state, "saving the 16-bit model",
-               lambda: write_state_dict(path, weights) if state.comm.rank == 0 else None)
-    return str(path)
-
