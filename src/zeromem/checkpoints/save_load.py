@@ -566,6 +566,3 @@ def _apply(state: TrainingState, staged: _Staged, load_lr_scheduler_states: bool
     restore_counters(state.counters, m)
     if staged.rng is not None:
         state.stateful["rng"].load_state_dict(staged.rng)
-
-
-# ---------------------------------------------------------------- 16-bit model

@@ -1,7 +1,7 @@
 """Tensor files written and read without holding a whole model in memory.
 
 The byte-level layer under the checkpoint format (`checkpoints/consolidate.py`) and
-`save_16bit_model` (`checkpoints/save_load.py`): a streaming safetensors writer, whose
+`save_16bit_model` (`checkpoints/model_weights.py`): a streaming safetensors writer, whose
 header is built from shapes so tensors can be produced one chunk at a time; a
 safetensors reader of element ranges with plain reads (no mmap); a streaming
 `torch.save` writer that fills a skeleton archive in place; and the state-dict

@@ -42,7 +42,7 @@ READ: dict[str, tuple[str, ...]] = {
         "stage3_param_persistence_threshold", "stage3_max_live_parameters",
         "stage3_max_reuse_distance")},
     "zero_optimization.sub_group_size": ("offload.placement",),
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("checkpoints.save_load",),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("checkpoints.model_weights",),
     **{f"zero_optimization.offload_{block}.{key}": ("offload.placement",) for block in ("param", "optimizer")
        for key in ("device", "nvme_path", "pin_memory", "buffer_count")},
     "zero_optimization.offload_param.buffer_size": ("offload.params_nvme",),
