@@ -109,8 +109,7 @@ class Engine:
         self.bucket_sizes = self._bucket_sizes(param_groups)  # explicit, or from the model
         # Stage 3 shards the parameters frozen at initialize too (a LoRA model's base weights),
         # in units of their own with nothing to train, as DeepSpeed and FSDP2 do
-        frozen = [p for p in module.parameters() if not p.requires_grad] \
-            if sharding.params and self.trains else []
+        frozen = self._frozen_by_dtype(module) if sharding.params and self.trains else []
         parts = self._partition(param_groups, sharding, fetch_units, frozen)
         trained_parts = [part for part in parts if part[0] < len(param_groups)]
         # Laid out before the groups exist, so that under Init each unit's shard (and, 16-bit
@@ -119,17 +118,17 @@ class Engine:
         # Swap files are named by the global rank: unique across nodes sharing a filesystem
         # and across data-parallel groups (a dp_group rank repeats in each group).
         spaces = SwapSpaces(config, self.runtime.global_rank)
-        shard_numels = self._shard_numels(parts) if sharding.params else []
-        params_placement = build_params(config, shard_numels, self.compute_dtype, self.device,
-                                        spaces)
-        staged = stage_masters(config, self._shard_numels(trained_parts) if sharding.params
-                               else [], self.compute_dtype, spaces)
+        shards = self._shards(parts, len(param_groups)) if sharding.params else []
+        params_placement = build_params(config, shards, self.device, spaces)
+        staged = stage_masters(config, [n for n, _ in self._shards(trained_parts, len(param_groups))]
+                               if sharding.params else [], self.compute_dtype, spaces)
         built = self._build_groups(parts, sharding, len(param_groups), staged, params_placement,
                                    spaces)
         self.groups = [g for g in built if g.trains]
         self.frozen_groups = [g for g in built if not g.trains]  # stage 3: sharded, not trained
         self.partitions.materialize(self.module.parameters(), self.comm)  # frozen, built under Init
-        self.module.to(dtype=self.compute_dtype)  # frozen parameters and buffers
+        if config.casts_module:  # frozen parameters and buffers, as DeepSpeed's module.bfloat16()
+            self.module.to(dtype=self.compute_dtype)
         self.psi = sum(g.numel for g in self.groups)
         # parameters outside the flat groups, which `zero_grad` clears too: listed once, as a
         # walk of the module tree at every step costs about a millisecond on a deep model
@@ -202,11 +201,14 @@ class Engine:
                  sizes, f"{psi:,}", self.dp_world_size, derived)
         return sizes
 
-    def _shard_numels(self, parts: list[tuple[int, list[nn.Parameter]]]) -> list[int]:
-        """Stage 3: this rank's shard elements of each flat group to build, before it exists."""
+    def _shards(self, parts: list[tuple[int, list[nn.Parameter]]],
+                trained: int) -> list[tuple[int, torch.dtype]]:
+        """Stage 3: this rank's shard of each flat group to build, before it exists: its
+        elements and dtype (parts of param group `trained` and above are frozen)."""
         shard = self.plan.shard
-        return [ShardLayout(sum(self.partitions.full_numel(p) for p in params),
-                            shard.world_size, shard.rank).shard_numel for _, params in parts]
+        return [(ShardLayout(sum(self.partitions.full_numel(p) for p in params),
+                             shard.world_size, shard.rank).shard_numel,
+                 self._group_dtype(params, gi < trained)) for gi, params in parts]
 
     def _build_groups(self, parts: list[tuple[int, list[nn.Parameter]]], sharding: Sharding,
                       trained: int, staged: StagedMasters | None, params: ParamPlacement,
@@ -222,7 +224,7 @@ class Engine:
                 self.partitions.materialize(part, self.comm)  # built under Init: one at a time
                 names = [self.names[id(p)] for p in part]
                 group = FlatParamGroup(part, names, self.plan.shard, sharding, gi,
-                                       self.compute_dtype, trains=gi < trained)
+                                       self._group_dtype(part, gi < trained), trains=gi < trained)
                 groups.append(group)
                 if staged is not None and group.trains:
                     staged.admit(group)
@@ -235,9 +237,9 @@ class Engine:
 
     def _partition(self, param_groups: list[dict], sharding: Sharding,
                    fetch_units: tuple[type, ...],
-                   frozen: list[nn.Parameter]) -> list[tuple[int, list[nn.Parameter]]]:
+                   frozen: list[list[nn.Parameter]]) -> list[tuple[int, list[nn.Parameter]]]:
         """(param group index, parameters) of each flat group to build; at stage 3 `frozen`
-        parameters' units too, as param group `len(param_groups)`."""
+        parameters' units too, each list of them as param group `len(param_groups)` on."""
         if sharding.params:  # one group per fetch unit and param group (stage3/units.py)
             self.unit_choice = choose_units(self.module, param_groups, fetch_units,
                                             self._unit_caps(), self.partitions.full_numel, frozen)
@@ -250,6 +252,23 @@ class Engine:
             params = sorted(pg["params"], key=lambda p: -order[id(p)])  # backward runs last-first
             parts += [(gi, bucket) for bucket in _bucket_params(params, bucket_numel)]
         return parts
+
+    def _frozen_by_dtype(self, module: nn.Module) -> list[list[nn.Parameter]]:
+        """Stage 3: the parameters frozen at initialize, one list per flat group dtype: the
+        compute dtype's, or in fp32 each their own (PEFT's bf16 base under fp32 adapters
+        stays bf16, as in one process and DeepSpeed)."""
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in module.parameters():
+            if not p.requires_grad:
+                by_dtype.setdefault(self._group_dtype([p], trains=False), []).append(p)
+        return list(by_dtype.values())
+
+    def _group_dtype(self, params: list[nn.Parameter], trains: bool) -> torch.dtype:
+        """A flat group's dtype: the compute dtype, but frozen parameters keep their own
+        where the config casts no module (`Config.casts_module`)."""
+        if trains or self.config.casts_module:
+            return self.compute_dtype
+        return params[0].dtype
 
     def _unit_caps(self) -> UnitCaps:
         """What bounds a merged fetch unit: the reduce bucket, and with parameters on NVMe

@@ -117,9 +117,9 @@ class LoadIntoMasters:
 
 def gathered_params(groups: list[FlatParamGroup], comm: Comm, dtype: torch.dtype,
                     keep: bool) -> dict[int, torch.Tensor]:
-    """Parameter id -> the whole parameter on the CPU in `dtype` where `keep` ({} elsewhere),
-    from the groups' masters (a frozen group's: its shard), gathered one group at a time;
-    collective over `comm`."""
+    """Parameter id -> the whole parameter on the CPU where `keep` ({} elsewhere), from the
+    groups' masters in `dtype` (a frozen group's shard, in its own dtype), gathered one group
+    at a time; collective over `comm`."""
     gathered: dict[int, torch.Tensor] = {}
     for g in groups:
         whole = g.master.detach().float().contiguous()
@@ -128,9 +128,10 @@ def gathered_params(groups: list[FlatParamGroup], comm: Comm, dtype: torch.dtype
                                               device=whole.device)
             comm.all_gather(whole, shard)
         if keep:
+            kept = dtype if g.trains else g.param_shard.dtype
             for p, s in zip(g.params, g.slots):
                 gathered[id(p)] = whole[s.offset:s.offset + s.numel].view(s.shape).to(
-                    device="cpu", dtype=dtype, copy=True)
+                    device="cpu", dtype=kept, copy=True)
     return gathered
 
 

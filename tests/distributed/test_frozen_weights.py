@@ -144,8 +144,86 @@ def lora_stage3(rank: int) -> dict:
     return out
 
 
+class PeftBlock(nn.Module):
+    """PEFT's default LoRA layout on a model loaded in bf16: the frozen base in bf16, the
+    adapters upcast to fp32, the input cast to the adapters' dtype and back."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.base = nn.Linear(dim, dim).to(torch.bfloat16).requires_grad_(False)
+        self.a = nn.Linear(dim, 2, bias=False)
+        self.b = nn.Linear(2, dim, bias=False)
+        nn.init.normal_(self.b.weight, std=0.3)
+
+    def forward(self, h):
+        out = self.base(h)
+        return torch.tanh(out + self.b(self.a(h.float())).to(out.dtype))
+
+
+class PeftModel(nn.Module):
+    """A bf16 frozen embedding, PEFT blocks, a frozen fp32 norm (a module HF keeps in fp32)
+    and a trained fp32 head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(13, 16).to(torch.bfloat16).requires_grad_(False)
+        self.blocks = nn.Sequential(PeftBlock(), PeftBlock())
+        self.norm = nn.LayerNorm(16).requires_grad_(False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.blocks(self.embed(ids)).float()))
+
+
+def peft_model(seed: int = 13) -> nn.Module:
+    torch.manual_seed(seed)
+    return PeftModel()
+
+
+def frozen_bytes(engine) -> dict[str, int]:
+    """Bytes of frozen parameters this rank keeps, by dtype: whole, or stage 3's shards
+    (wherever they live: in memory, or in params.swp)."""
+    held: dict[str, int] = {}
+    sizes = [(g.param_shard, g.shard_numel) for g in engine.frozen_groups] \
+        if engine.zero_stage == 3 else \
+        [(p, p.numel()) for p in engine.module.parameters() if not p.requires_grad]
+    for t, numel in sizes:
+        held[str(t.dtype)] = held.get(str(t.dtype), 0) + numel * t.element_size()
+    return held
+
+
+def peft_without_precision_block(rank: int) -> dict:
+    """A PEFT model in its default layout with no precision block (HF's Trainer without
+    --bf16): its bf16 base was cast to fp32, twice its memory, and its outputs and
+    updates differed from one process; DeepSpeed keeps the base bf16. Stages 0-3, and 3
+    with the parameters on NVMe (whose file holds shards of two dtypes): what the frozen
+    parameters hold, the trained model; a stage-3 checkpoint reloaded
+    by an engine built from another seed."""
+    out: dict = {}
+    path = tempfile.mkdtemp()
+    runs = [(stage, {}) for stage in STAGES] + \
+        [("nvme", {"offload_param": {"device": "nvme", "nvme_path": path}})]
+    for name, offload in runs:
+        cfg = {**config(3 if name == "nvme" else name, "fp32"), "optimizer": SGD}
+        cfg["zero_optimization"].update(offload)
+        engine = zeromem.initialize(peft_model(), cfg)
+        held = frozen_bytes(engine)
+        for step in range(3):
+            y = engine(tokens(step)[rank * 4:rank * 4 + 4])
+            engine.backward(y.float().pow(2).mean())
+            engine.step()
+        out[name] = {"held": held, "trained": whole_state(engine)}
+    ckpt = [tempfile.mkdtemp() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(ckpt)
+    engine.save_checkpoint(ckpt[0])
+    loaded = zeromem.initialize(peft_model(seed=100 + rank), {**config(3, "fp32"), "optimizer": SGD})
+    loaded.load_checkpoint(ckpt[0])
+    out["loaded"] = {"held": frozen_bytes(loaded), "state": whole_state(loaded)}
+    return out
+
+
 CASES = {"unfrozen": unfrozen_after_initialize, "distillation": distillation,
-         "lora": lora_stage3}
+         "lora": lora_stage3, "peft": peft_without_precision_block}
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +276,30 @@ def test_lora_at_stage3_shards_the_frozen_base_and_trains_as_one_process(ranks):
             assert result["peak"] <= block + 100, (rank, precision, result["peak"])
         for stage in (3, 2):  # frozen values too, whatever the loading engine's seed
             assert max_diff(got["loaded", stage], got["saved"]) == 0, (rank, stage)
+
+
+def test_a_peft_model_without_a_precision_block_keeps_its_bf16_base_and_trains_as_one_process(ranks):
+    model = peft_model()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
+                                **SGD["params"])
+    for step in range(3):
+        model(tokens(step)).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    want = {k: v.float() for k, v in model.state_dict().items()}
+    bf16 = 2 * sum(p.numel() for p in model.parameters() if p.dtype == torch.bfloat16)
+    fp32 = 4 * sum(p.numel() for p in model.parameters() if not p.requires_grad
+                   and p.dtype == torch.float32)
+    for rank, got in enumerate(case(ranks, "peft")):
+        for name in (*STAGES, "nvme"):
+            result = got[name]
+            assert max_diff(result["trained"], want) < 1e-6, (rank, name)
+            held = result["held"]
+            assert set(held) == {"torch.bfloat16", "torch.float32"}, (rank, name, held)
+            if name in (0, 1, 2):  # whole, in the dtypes the model was given
+                assert held == {"torch.bfloat16": bf16, "torch.float32": fp32}, (rank, name)
+            else:  # about a half on each of 2 ranks, in the same dtypes
+                assert bf16 / 2 <= held["torch.bfloat16"] <= bf16 / 2 + 16, (rank, name, held)
+                assert fp32 / 2 <= held["torch.float32"] <= fp32 / 2 + 32, (rank, name, held)
+        assert max_diff(got["loaded"]["state"], got["nvme"]["trained"]) == 0, rank
+        assert got["loaded"]["held"].keys() == got["nvme"]["held"].keys(), rank

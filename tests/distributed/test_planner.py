@@ -28,7 +28,8 @@ class Known(nn.Module):
 
     def forward(self, tokens):
         h = self.embed(tokens)
-        h = h + self.down(torch.relu(self.up(h))) + self.frozen(h)
+        frozen = self.frozen(h.to(self.frozen.weight.dtype)).to(h.dtype)  # (bf16 in one test)
+        h = h + self.down(torch.relu(self.up(h))) + frozen
         return self.head(h).float().logsumexp(-1).mean()
 
 
@@ -82,3 +83,38 @@ def test_plan_predicts_measured_memory(world_size):
                 assert value == pytest.approx(report[stage]["held"][category]["device"], rel=0.05)
 
 
+
+
+def _measure_fp32_with_bf16_frozen(rank, world_size):
+    """fp32 (no precision block) with the frozen layer in bf16, which the run keeps."""
+    out = {}
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model = Known()
+        model.frozen.to(torch.bfloat16)
+        engine = zeromem.initialize(model, _fp32_config(stage))
+        engine.backward(engine(torch.randint(0, 301, (2, 5))))
+        engine.step()
+        out[stage] = engine.memory_report().to_dict()
+    return out
+
+
+def _fp32_config(stage: int) -> dict:
+    config = _config(stage, persistence=0)
+    del config["bf16"]
+    return config
+
+
+def test_plan_counts_frozen_parameters_in_their_own_dtype_when_training_in_fp32():
+    measured = run_distributed(_measure_fp32_with_bf16_frozen, 2)
+    with torch.device("meta"):
+        model = Known()
+        model.frozen.to(torch.bfloat16)
+        shape = shape_of(model, bucket_numel=30_000)
+    for stage in (0, 3):
+        predicted = predict_memory(shape, _fp32_config(stage), 2)
+        for rank, report in enumerate(measured):
+            assert predicted.device["params"] == pytest.approx(
+                report[stage]["held"]["params"]["device"], rel=0.02), (stage, rank)
+            assert predicted.model_state_bytes == pytest.approx(
+                report[stage]["model_state_bytes"], rel=0.02), (stage, rank)

@@ -495,6 +495,13 @@ class Config(Extras):
         return torch.bfloat16 if self.bf16.enabled else torch.float32
 
     @property
+    def casts_module(self) -> bool:
+        """A precision block casts the whole module to its 16 bits, frozen parameters and
+        buffers too (DeepSpeed's module.half() / .bfloat16()); in fp32 only the trained
+        parameters are cast (to their masters' dtype), the rest keep the user's dtype."""
+        return self.compute_dtype != torch.float32
+
+    @property
     def grad_dtype(self) -> torch.dtype:
         """Dtype of accumulated gradients: data_types.grad_accum_dtype, else compute_dtype."""
         accum = self.data_types.grad_accum_dtype

@@ -113,21 +113,21 @@ class ParamsOnNvme:
 
     where = "nvme"
 
-    def __init__(self, shard_numels: Sequence[int], dtype: torch.dtype, device: torch.device,
+    def __init__(self, shards: Sequence[tuple[int, torch.dtype]], device: torch.device,
                  space: SwapSpace, config: OffloadParamConfig, pin: bool, copies: int = 1):
-        """params.swp laid out for shards of `shard_numels` elements (in `admit` order), each
+        """params.swp laid out for `shards` of (elements, dtype), in `admit` order, each
         record `copies` times (2: the step writes the other copy, module docstring)."""
         self.groups: list[FlatParamGroup] = []
         self.frozen: set[int] = set()  # groups of frozen parameters (stage 3): never stepped
         self.host_is_device = device.type == "cpu"
         self.largest_unit_numel = 0  # the largest group admitted (whole, padded)
-        self.dtype = dtype
-        self.planned = [n * dtype.itemsize for n in shard_numels]  # bytes, in admit order
+        self.dtypes = [dtype for _, dtype in shards]  # in admit order
+        self.planned = [n * dtype.itemsize for n, dtype in shards]  # bytes, in admit order
         self.planned_offsets, total = [], 0
         for nbytes in self.planned:
             self.planned_offsets.append(total)
             total += round_up(nbytes)
-        biggest = max(shard_numels, default=0)
+        biggest = max((n for n, _ in shards), default=0)
         if biggest > config.buffer_size:
             raise OffloadError(f"a parameter shard of {biggest} elements exceeds "
                                "zero_optimization.offload_param.buffer_size = "
@@ -161,7 +161,7 @@ class ParamsOnNvme:
         index = len(self.groups)
         nbytes = group.shard_numel * group.param_shard.element_size()
         if index >= len(self.planned) or nbytes != self.planned[index] \
-                or group.param_shard.dtype != self.dtype:
+                or group.param_shard.dtype != self.dtypes[index]:
             raise AssertionError(f"{self.file.path}: group {index} of {nbytes} bytes "
                                  f"({group.param_shard.dtype}) was not laid out")
         self.groups.append(group)
@@ -187,7 +187,7 @@ class ParamsOnNvme:
             self.pool.release(slot)
 
     def _view(self, g: FlatParamGroup, buf: torch.Tensor) -> torch.Tensor:
-        return buf[:self.nbytes[id(g)]].view(self.dtype)
+        return buf[:self.nbytes[id(g)]].view(g.param_shard.dtype)
 
     # -- the interface ----------------------------------------------------------
     def fetch(self, group: FlatParamGroup, reader: Reader | None = None) -> None:
@@ -265,11 +265,11 @@ class ParamsOnNvme:
         """Write the piece's blocks from `buf` (in the shard's dtype; two copies: to the other
         copy); a block another piece shares is written by the last of them to be stepped,
         with all their bytes (`_share`)."""
-        key, size = id(group), self.dtype.itemsize
+        key, size = id(group), group.param_shard.element_size()
         if self.copies == 1:
             if key in self.in_memory:  # the copy in memory stays current: the next forward uses it
                 group.param_shard[start:start + numel].copy_(
-                    piece_view(start, numel, buf, self.dtype))
+                    piece_view(start, numel, buf, group.param_shard.dtype))
             self._forget_read(key)  # a read in flight would bring the old values
         begin, length = piece_range(start, numel, size)
         end, stop = begin + length, (start + numel) * size

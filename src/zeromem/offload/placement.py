@@ -277,10 +277,10 @@ class SwapSpaces:
             space.close()
 
 
-def build_params(config: Config, shard_numels: list[int], dtype: torch.dtype, device: torch.device,
+def build_params(config: Config, shards: list[tuple[int, torch.dtype]], device: torch.device,
                  spaces: SwapSpaces) -> ParamPlacement:
-    """The parameter placement, before the flat groups exist: `shard_numels` are the shards
-    the engine will build, in order; each is handed over (`admit`) as soon as it is built."""
+    """The parameter placement, before the flat groups exist: `shards` (elements, dtype) are
+    those the engine will build, in order; each is handed over (`admit`) once it is built."""
     policy = OffloadPolicy.from_config(config)
     if policy.params == "device":
         return ParamsOnDevice()
@@ -290,7 +290,7 @@ def build_params(config: Config, shard_numels: list[int], dtype: torch.dtype, de
     try:
         # the step in backward writes the shards' other copy (offload/params_nvme.py)
         copies = 2 if policy.step_in_backward else 1
-        return ParamsOnNvme(shard_numels, dtype, device, spaces.for_block(block), block,
+        return ParamsOnNvme(shards, device, spaces.for_block(block), block,
                             policy.params_pin, copies)
     except BaseException:
         spaces.close()

@@ -315,7 +315,9 @@ class ModelShape:
     merging, from which `with_unit_caps` merges them again under a run's caps.
     `frozen_unit_numels` / `frozen_unmerged`: the same for the parameters frozen at
     `initialize`, which stage 3 shards in units of their own (none in a shape built by
-    hand: then `frozen_numel` counts as one such unit).
+    hand: then `frozen_numel` counts as one such unit). `frozen_width`: their bytes per
+    element as the model holds them, which an fp32 run keeps (a precision block casts
+    them to its own).
     """
 
     name: str
@@ -331,6 +333,7 @@ class ModelShape:
     unmerged: tuple[UnmergedUnit, ...] = ()
     frozen_unit_numels: tuple[int, ...] = ()
     frozen_unmerged: tuple[UnmergedUnit, ...] = ()
+    frozen_width: float = 4.0
 
     @property
     def psi(self) -> int:
@@ -463,15 +466,17 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
     shard = whole / n_d
     persistent = sum(padded_numel(n, n_d) for n in sizes if n < layout.persistence_threshold) \
         if stage >= 3 else 0
-    # stage 3 shards the frozen parameters too, in units of their own (small ones whole)
-    frozen = [padded_numel(n, n_d) for n in shape.frozen_units] if stage >= 3 else []
+    # stage 3 shards the frozen parameters too, in units of their own (small ones whole);
+    # counted below in elements of the parameters' width
+    scale = frozen_scale(shape, widths)
+    frozen = [padded_numel(n, n_d) * scale for n in shape.frozen_units] if stage >= 3 else []
     frozen_shard = sum(frozen) / n_d
-    frozen_kept = sum(padded_numel(n, n_d) for n in shape.frozen_units
+    frozen_kept = sum(padded_numel(n, n_d) * scale for n in shape.frozen_units
                       if n < layout.persistence_threshold) if stage >= 3 else 0
     per_group = widths.scalars_per_group * len(padded)
     device = {
         "params": widths.param * (shard + persistent + frozen_shard + frozen_kept if stage >= 3
-                                  else whole + shape.frozen_numel),
+                                  else whole + shape.frozen_numel * scale),
         "grads": widths.grad * (shard if stage >= 2 else whole),
         "master_params": widths.master * (shard if stage >= 1 else whole),
         "optimizer_states": widths.states * (shard if stage >= 1 else whole) + per_group,
@@ -499,9 +504,16 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
         host["host_grads"], device["grads"] = device["grads"], 0.0
     comm = comm_buffer_parts(padded, n_d, widths, layout)
     return ShapeMemory(device, sum(host.values()), sum(nvme.values()),
-                       _gathered_bytes(sizes + list(shape.frozen_units), n_d, widths, layout),
+                       _gathered_bytes(sizes + [round(n * scale) for n in shape.frozen_units],
+                                       n_d, widths, layout),
                        sum(comm.values()),
                        len(padded), host, nvme, comm)
+
+
+def frozen_scale(shape: ModelShape, widths: Widths) -> float:
+    """Parameter-width elements per frozen element: an fp32 run (no master of its own) keeps
+    the frozen parameters in the model's dtype (engine.py `_group_dtype`)."""
+    return shape.frozen_width / widths.param if widths.master == 0 else 1.0
 
 
 def _gathered_bytes(sizes: list[int], n_d: int, widths: Widths, layout: ZeroLayout) -> float:

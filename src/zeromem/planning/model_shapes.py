@@ -246,7 +246,9 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
             **{k: v for k, v in overrides.items() if v}}
     hidden = dims.get("hidden") or 1
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    frozen_params = [p for p in model.parameters() if not p.requires_grad]
+    frozen = sum(p.numel() for p in frozen_params)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in frozen_params)
     order = {id(p): i for i, p in enumerate(model.parameters())}
     # the engine's default stage-3 units (stage3/units.py), in the engine's group order
     # (expected backward order), which decides how NVMe sub-groups cut; merged again under a
@@ -264,4 +266,5 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
                       merged_unit_numels(unmerged, caps), dims.get("layers", 1), hidden,
                       dims.get("heads", max(1, hidden // 64)), dims.get("vocab", 0),
                       dims.get("intermediate", 4 * hidden), dims.get("positions"), unmerged,
-                      merged_unit_numels(frozen_unmerged, caps), frozen_unmerged)
+                      merged_unit_numels(frozen_unmerged, caps), frozen_unmerged,
+                      frozen_bytes / frozen if frozen else 4.0)

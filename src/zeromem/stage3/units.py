@@ -283,21 +283,21 @@ class UnitChoice:
 
 def choose_units(module: nn.Module, param_groups: list[dict], fetch_units: tuple[type, ...],
                  caps: UnitCaps, full_numel: Callable[[nn.Parameter], int],
-                 frozen: Sequence[nn.Parameter] = ()) -> UnitChoice:
+                 frozen: Sequence[Sequence[nn.Parameter]] = ()) -> UnitChoice:
     """The fetch units of `module`, split by optimizer param group: the engine builds one
     flat group per part, before the stage-3 units (fetch.py `build_stage3`) exist.
 
     `frozen` parameters (a training engine's, frozen at `initialize`) get units of their
-    own, chosen by the same policy, as parts of param group `len(param_groups)`: sharded
-    like the others, with nothing to train (a block's LoRA adapters and its frozen
-    weights are two units that its hooks gather together)."""
+    own, chosen by the same policy, each list of them (one per dtype kept) as parts of
+    param group `len(param_groups)` on: sharded like the others, with nothing to train (a
+    block's LoRA adapters and its frozen weights are two units its hooks gather together)."""
     group_of = {id(p): gi for gi, pg in enumerate(param_groups) for p in pg["params"]}
-    group_of.update({id(p): len(param_groups) for p in frozen})
+    group_of.update({id(p): len(param_groups) + k for k, ps in enumerate(frozen) for p in ps})
     parts: list[tuple[int, list[nn.Parameter]]] = []
     modules: list[list[nn.Module]] = []
     names = {id(m): n for n, m in module.named_modules()}
     reports = []
-    frozen_ids = {id(p) for p in frozen}
+    frozen_ids = {id(p) for ps in frozen for p in ps}
     for kept in ((lambda p: id(p) in group_of and id(p) not in frozen_ids),  # (an evaluating
                  (lambda p: id(p) in frozen_ids)):                          # engine's frozen too)
         plans = plan_fetch_units(module, fetch_units, caps, full_numel, kept)
