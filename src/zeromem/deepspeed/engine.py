@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoints.model_weights import weights_16bit
 from ..engine import Engine
 from . import utils
 from .optimizer import DeepSpeedZeroOptimizer
@@ -262,17 +263,11 @@ class DeepSpeedEngine(nn.Module):
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
                                              ) -> dict[str, torch.Tensor]:
-        """The whole model's state dict in the compute dtype on rank 0 ({} elsewhere), keys as
-        the model's own; collective. HF's `save_model` calls it at stage 3."""
-        dtype = self.engine.compute_dtype
-        frozen = self._frozen_keys() if exclude_frozen_parameters else set()
-        return {k: v.to(dtype) if v.is_floating_point() else v
-                for k, v in self.engine.full_state_dict().items() if k not in frozen}
-
-    def _frozen_keys(self) -> set[str]:
-        """The model's state_dict keys of parameters with requires_grad False."""
-        return {k for k, p in self.module.named_parameters(remove_duplicate=False)
-                if not p.requires_grad}
+        """The whole model's state dict on global rank 0 ({} elsewhere), keys as the model's
+        own, trained parameters in the compute dtype; collective. HF's `save_model` calls it
+        at stage 3."""
+        return weights_16bit(self.engine.training_state(), exclude_frozen_parameters,
+                             keep=self.engine.comm.rank == 0)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
