@@ -396,6 +396,22 @@ class Engine:
         for p in self.loose_params:
             p.grad = None  # parameters outside the flat groups too
 
+    def set_optimizer_mode(self, mode: str) -> None:
+        """A schedule-free optimizer's `train()` or `eval()` (Accelerate calls them for HF's
+        Trainer; `mode` names one): they move its masters between the point gradients are
+        taken at and the average to evaluate, and the parameters follow, as in one process.
+        An optimizer without them: nothing."""
+        switch = getattr(self.optimizer, mode, None)
+        if not callable(switch):
+            return
+        if self.offload.masters.where == "nvme":
+            raise NotImplementedError(
+                f"optimizer.{mode}(): {type(self.optimizer).__name__} moves every master at "
+                "once, and with offload_optimizer on NVMe they are read and written a "
+                "sub-group at a time in the step only; offload them to \"cpu\" instead")
+        switch()
+        self.zero.masters_changed()
+
     # -- attributes ---------------------------------------------------------
     @property
     def grad_norm(self) -> float | None:

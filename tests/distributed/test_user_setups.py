@@ -281,11 +281,44 @@ def model_in_16_bits(rank: int) -> dict:
     return out
 
 
+SCHEDULE_FREE_RUNS = {"stage 0": (0, "fp32", {}), "stage 2": (2, "fp32", {}),
+                      "stage 3": (3, "fp32", {}), "stage 3 bf16": (3, "bf16", {}),
+                      "stage 2 cpu": (2, "fp32", {"offload_optimizer": {"device": "cpu"}})}
+
+
+def schedule_free(rank: int) -> dict:
+    """HF's Trainer with `--optim schedule_free_adamw`: Accelerate calls the optimizer's
+    train() before training and eval() before evaluating. zeromem's had neither: the first
+    step failed ("not in train mode"), and an evaluation ran at the training point y, not
+    the average x (DeepSpeed 0.19.8 moves its masters only). Per run: the weights after 3
+    steps, in eval mode, and after one more step in train mode."""
+    import schedulefree
+
+    out = {}
+    for name, (stage, precision, offload) in SCHEDULE_FREE_RUNS.items():
+        model = mlp()
+        cfg = config(stage, precision)
+        cfg["zero_optimization"].update(offload)
+        engine, optimizer, *_ = zeromem_deepspeed.initialize(
+            model=model, config={k: v for k, v in cfg.items() if k != "optimizer"},
+            optimizer=schedulefree.AdamWScheduleFree(model.parameters(), lr=5e-2, warmup_steps=2))
+        states = []
+        for phase, steps in (("train", 3), ("eval", 0), ("train", 1)):
+            getattr(optimizer, phase)()
+            for step in range(steps):
+                x = batch(step, rank).to(engine.engine.compute_dtype)
+                engine.backward(engine(x).float().pow(2).mean())
+                engine.step()
+            states.append(whole_state(engine.engine))
+        out[name] = states
+    return out
+
+
 CASES = {"seeded": seeded_differently, "storages": storages_after_initialize,
          "loads": loads_into_module, "modifier": gathered_modifier, "drift": drift_from_fp32,
          "evaluators": evaluation_engines, "twice": initialize_twice,
          "sparse": sparse_embedding, "client_optimizers": client_optimizers,
-         "16 bits": model_in_16_bits}
+         "16 bits": model_in_16_bits, "schedule_free": schedule_free}
 
 
 @pytest.fixture(scope="module")
@@ -474,3 +507,24 @@ def test_a_model_loaded_in_16_bits_trains_in_them_as_with_the_block(ranks):
         for (stage, block), (inferred, given) in got.items():
             assert inferred["output"] == given["output"] != "torch.float32", (rank, stage, block)
             assert max_diff(inferred["state"], given["state"]) == 0, (rank, stage, block)
+
+
+def test_a_schedule_free_optimizer_switches_modes_as_in_one_process(ranks):
+    import schedulefree
+
+    model = mlp()
+    optimizer = schedulefree.AdamWScheduleFree(model.parameters(), lr=5e-2, warmup_steps=2)
+    want = []
+    for phase, steps in (("train", 3), ("eval", 0), ("train", 1)):
+        getattr(optimizer, phase)()
+        for step in range(steps):
+            model(torch.cat([batch(step, 0), batch(step, 1)])).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        want.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert max_diff(want[0], want[1]) > 1e-3  # eval mode moved the weights
+    for rank, got in enumerate(case(ranks, "schedule_free")):
+        for name, (stage, precision, _) in SCHEDULE_FREE_RUNS.items():
+            tol = 3e-3 if precision == "bf16" else 1e-6  # (bf16: below the x - y gap, 5e-3)
+            for phase, state, expected in zip(("trained", "eval", "train again"), got[name], want):
+                assert max_diff(state, expected) < tol, (rank, name, phase)

@@ -5,6 +5,7 @@ import math
 import threading
 
 import pytest
+import schedulefree
 import torch
 
 from zeromem.config.schema import Config, ConfigError, Unsupported
@@ -288,6 +289,7 @@ def test_an_optimizer_not_known_elementwise_is_warned_about(caplog):
     check_steps_shards(torch.optim.NAdam(tensors()))
     check_steps_shards(Lion(tensors()))
     check_steps_shards(SetAdamW(tensors()))
+    check_steps_shards(schedulefree.AdamWScheduleFree(tensors()))  # known by its name
     assert not caplog.records
     check_steps_shards(TunedAdamW(tensors()))
     assert "TunedAdamW steps zeromem's flat 1-D master shards" in caplog.text

@@ -43,6 +43,16 @@ class DeepSpeedZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.zero_grad()
 
+    def train(self) -> None:
+        """A schedule-free optimizer's train mode: its masters move back to where gradients
+        are taken, the parameters with them (Accelerate calls it; DeepSpeed 0.19.8 moved the
+        masters only, below stage 0). Nothing for other optimizers."""
+        self._engine.set_optimizer_mode("train")
+
+    def eval(self) -> None:
+        """A schedule-free optimizer's eval mode: the parameters become its average."""
+        self._engine.set_optimizer_mode("eval")
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_inner"):  # torch's constructor adds its placeholder group first
             raise NotImplementedError("add_param_group: zeromem lays out its master shards at "

@@ -28,6 +28,8 @@ ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim
                torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
                torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adadelta,
                optimizers.Adam, optimizers.Lion, optimizers.Lamb)
+# the same, from packages not imported at run time (schedulefree's), by their exact class
+ELEMENTWISE_NAMES = ("AdamWScheduleFree", "RAdamScheduleFree", "SGDScheduleFree")
 # Optimizers that need each parameter whole, by class name (torch's, and the same names in
 # transformers, timm, galore-torch and the Shampoo/SOAP packages), with what they read of it
 _FACTORED = ("it factors each matrix's second moment into row and column means and scales each "
@@ -121,7 +123,8 @@ def check_steps_shards(optimizer: torch.optim.Optimizer) -> None:
                     "many parameters: if its update reads a parameter's shape or whole-parameter "
                     "statistics (factored moments, orthogonalisation, per-parameter norms), it "
                     "differs from one process. These are stepped exactly: %s",
-                    type(optimizer).__name__, _names(ELEMENTWISE))
+                    type(optimizer).__name__, ", ".join(sorted(
+                        {*ELEMENTWISE_NAMES, *(cls.__name__ for cls in ELEMENTWISE)})))
 
 
 def refuse_whole_parameter(optimizer: torch.optim.Optimizer) -> None:
@@ -139,7 +142,8 @@ def refuse_whole_parameter(optimizer: torch.optim.Optimizer) -> None:
 def _steps_elementwise(cls: type[torch.optim.Optimizer]) -> bool:
     """Whether `cls` steps with an elementwise class's own `step` (a subclass that only sets
     options, such as deepspeed.ops' FusedAdam); torch wraps `step` in profiling hooks."""
-    return inspect.unwrap(cls.step) in {inspect.unwrap(known.step) for known in ELEMENTWISE}
+    return cls.__name__ in ELEMENTWISE_NAMES or \
+        inspect.unwrap(cls.step) in {inspect.unwrap(known.step) for known in ELEMENTWISE}
 
 
 def _names(classes: tuple[type, ...]) -> str:
