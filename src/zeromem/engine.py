@@ -36,7 +36,7 @@ from zeromem.param_states import ParamStates
 from zeromem.offload.staged_masters import StagedMasters
 from zeromem.offload.placement import (OffloadPolicy, SwapSpaces, build_grads, build_offload,
                                        build_params, stage_masters)
-from zeromem.optim.factory import evaluated_groups, normalize_param_groups, optimizer_state_bytes_per_param
+from zeromem.optim.factory import evaluated_groups, optimizer_param_groups, optimizer_state_bytes_per_param
 from zeromem.stage3.partitioned_init import Partitions, materialize_meta
 from zeromem.precision import make_scaler
 from zeromem.optim.schedulers import build_scheduler
@@ -100,7 +100,8 @@ class Engine:
         # HF's Trainer.evaluate() before any training, DeepSpeed-Chat's reference models), and
         # shards the whole module: `model_parameters` (Lightning passes []) names nothing to train
         self.trains = optimizer is not None or config.optimizer is not None
-        param_groups = normalize_param_groups(module, model_parameters) if self.trains \
+        param_groups = optimizer_param_groups(config.optimizer, module, model_parameters) \
+            if self.trains \
             else evaluated_groups(module, config.zero_optimization.stage)
         self.names = {id(p): n for n, p in module.named_parameters()}
         sharding = Sharding.for_stage(self.zero_stage)

@@ -24,17 +24,17 @@ PLACES = ("device", "host", "nvme")
 
 
 def model_state_formula(psi: float, n_d: int, stage: int, param_bytes: int = 2,
-                        grad_bytes: int = 2, k: int = 12, master_bytes: int = 4) -> dict[str, float]:
+                        grad_bytes: int = 2, k: float = 12, master_bytes: int = 4) -> dict[str, float]:
     """Per-device model-state bytes by category for `psi` parameters (paper, section 5).
 
     K counts the fp32 master (`master_bytes`: 4, or 0 when fp32 training updates the
     parameters in place) plus the optimizer states (8 for Adam).
     """
-    master_bytes = min(master_bytes, k)
-    state_bytes = k - master_bytes
+    master = min(master_bytes, k)
+    state_bytes = k - master
     shard = {"params": stage >= 3, "grads": stage >= 2, "master_params": stage >= 1,
              "optimizer_states": stage >= 1}
-    width = {"params": param_bytes, "grads": grad_bytes, "master_params": master_bytes,
+    width = {"params": param_bytes, "grads": grad_bytes, "master_params": master,
              "optimizer_states": state_bytes}
     return {c: psi * w / (n_d if shard[c] else 1) for c, w in width.items()}
 

@@ -10,6 +10,7 @@ import torch
 
 from zeromem.config.schema import Config, ConfigError, Unsupported
 from zeromem.optim.factory import check_steps_shards
+from zeromem.optim.muon import ShardedMuon, muon_groups
 from zeromem.optim.optimizers import Adam, Lamb, Lion
 
 
@@ -251,6 +252,49 @@ def test_lamb_with_nvme_optimizer_offload_is_refused():
                          "device": "nvme", "nvme_path": "/tmp"}}})
     Config.load({"optimizer": {"type": "Lamb"},  # host memory: the step sees whole shards
                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+
+
+def test_deepspeeds_muon_loads_with_its_keys_and_not_on_nvme():
+    muon = optimizer_of({"lr": 0.02, "momentum": 0.9, "weight_decay": 0.1, "muon_lr": 0.03,
+                         "adam_lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-10,
+                         "ns_method": "standard"}, "muon")
+    assert muon.type == "Muon" and muon.torch_class is ShardedMuon
+    with pytest.raises(ConfigError, match="optimizer.params.ns_method"):
+        optimizer_of({"ns_method": "svd"}, "Muon")
+    with pytest.raises(Unsupported, match="Muon with NVMe optimizer offload"):
+        Config.load({"optimizer": {"type": "Muon"}, "zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})
+
+
+def test_muon_takes_deepspeeds_matrices_and_keeps_a_users_tags():
+    model = torch.nn.ModuleDict({"embed_tokens": torch.nn.Embedding(5, 4),
+                                 "proj": torch.nn.Linear(4, 3), "lm_head": torch.nn.Linear(3, 5)})
+    model["proj"].bias.use_muon = True  # the user's choice stands (a vector: refused at the step)
+    groups = muon_groups(model, [{"params": list(model.parameters()), "lr": 0.5}])
+    assert [(g["use_muon"], [p.shape for p in g["params"]], g["lr"]) for g in groups] == [
+        (True, [(3, 4), (3,)], 0.5), (False, [(5, 4), (5, 3), (5,)], 0.5)]
+
+
+def test_muon_on_a_whole_matrix_is_torchs_muon_and_adam_its_aux_adamw():
+    torch.manual_seed(0)
+    w, b = torch.randn(6, 4), torch.randn(6)
+    mine = [w.clone().requires_grad_(), b.clone().requires_grad_()]
+    theirs = [w.clone().requires_grad_(), b.clone().requires_grad_()]
+    ours = ShardedMuon([{"params": [mine[0]], "use_muon": True}, {"params": [mine[1]]}],
+                       lr=0.05, weight_decay=0.1, momentum=0.9)
+    reference = [torch.optim.Muon([theirs[0]], lr=0.05, weight_decay=0.1, momentum=0.9,
+                                  adjust_lr_fn="original"),
+                 torch.optim.AdamW([theirs[1]], lr=0.05, betas=(0.9, 0.95), eps=1e-10,
+                                   weight_decay=0.1)]
+    for step in range(3):
+        grads = torch.randn(6, 4), torch.randn(6)
+        for p, g in zip(mine + theirs, grads + grads):
+            p.grad = g.clone()
+        ours.step()
+        for optimizer in reference:
+            optimizer.step()
+    for a, b in zip(mine, theirs):
+        assert (a - b).abs().max() < 1e-6
 
 
 class Adafactor(torch.optim.Optimizer):

@@ -109,6 +109,9 @@ class Param(_Strict):
     shape: list[Count]
     param_group: Count
     scalar_state: dict[StrictStr, Any]  # Adam's step: a number or an encoded scalar tensor
+    # its optimizer's tensor states where param groups keep different ones (Muon's matrices:
+    # momentum; the others: Adam's moments); absent: all of optimizer.tensor_states
+    tensor_states: list[StrictStr] | None = None
 
     @field_validator("scalar_state")
     @classmethod
@@ -210,10 +213,16 @@ class Manifest(_Strict):
         if set(self.dtypes.optimizer) != set(self.optimizer.tensor_states):
             raise ValueError(f"dtypes.optimizer {sorted(self.dtypes.optimizer)} must name "
                              f"exactly optimizer.tensor_states {self.optimizer.tensor_states}")
-        scalar_keys = {tuple(sorted(p.scalar_state)) for p in self.params.values()}
-        if len(scalar_keys) > 1:
-            raise ValueError(f"params: scalar_state keys differ between parameters "
-                             f"({sorted(scalar_keys)})")
+        for group in {p.param_group for p in self.params.values()}:
+            scalar_keys = {tuple(sorted(p.scalar_state)) for p in self.params.values()
+                           if p.param_group == group}
+            if len(scalar_keys) > 1:
+                raise ValueError(f"params: scalar_state keys differ between parameters of "
+                                 f"param group {group} ({sorted(scalar_keys)})")
+        for name, p in self.params.items():
+            if p.tensor_states is not None and not set(p.tensor_states) <= set(self.dtypes.optimizer):
+                raise ValueError(f"params.{name}.tensor_states {p.tensor_states} name states "
+                                 f"that optimizer.tensor_states {self.optimizer.tensor_states} lack")
         return self
 
 

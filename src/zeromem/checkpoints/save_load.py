@@ -256,18 +256,18 @@ def _write_client_state(tmp: Path, client_state: Any) -> dict | None:
 def _build_manifest(state: TrainingState, tag: str, exclude_frozen: bool) -> dict:
     """Everything but the files' checksums (added in `_finish`); rank 0."""
     opt = state.optimizer
-    params, tensor_states = {}, {}
+    params, tensor_states, kinds = {}, {}, {}
     for g in state.groups:
-        tensor_states.update({k: str(v.dtype).removeprefix("torch.")
-                              for k, v in _tensor_states(opt, g).items()})
+        states = _tensor_states(opt, g)
+        tensor_states.update({k: str(v.dtype).removeprefix("torch.") for k, v in states.items()})
         scalars = encode(scalar_states(opt, g), "optimizer state")
         for slot in g.slots:
             params[slot.name] = {"shape": list(slot.shape), "param_group": g.param_group_index,
                                  "scalar_state": scalars}
-    for g in state.groups:
-        if _tensor_states(opt, g).keys() != tensor_states.keys():
-            raise CheckpointError(f"optimizer states differ between flat groups "
-                                  f"({sorted(tensor_states)}); cannot checkpoint them")
+            kinds[slot.name] = sorted(states)
+    if len({tuple(k) for k in kinds.values()}) > 1:  # Muon's matrices keep momentum only
+        for name, names in kinds.items():
+            params[name]["tensor_states"] = names
     keys, aliases = _aliases(state, exclude_frozen)
     return {
         "format": FORMAT, "version": VERSION, "tag": tag,
@@ -489,7 +489,7 @@ def _stage(state: TrainingState, path: Path, manifest: dict, load_optimizer_stat
         for g in state.groups:
             tensors = {"master": torch.zeros(g.shard_numel, dtype=torch.float32)}
             tensors.update({k: torch.zeros(g.shard_numel, dtype=getattr(torch, dtypes[k]))
-                            for k in names})
+                            for k in _states_of(g, manifest, names)})
             _read_shard(g, index, reader, tensors)
             masters.append(tensors.pop("master"))
             if load_optimizer_states:
@@ -522,6 +522,19 @@ def _read_client_state(file: Path, trust: bool) -> Any:
             f"{file} holds objects other than containers, numbers, strings and tensors, which "
             "could run code when loaded; pass load_checkpoint(..., trust_client_state=True) "
             f"only if you trust who wrote this checkpoint ({str(error).splitlines()[0]})") from None
+
+
+def _states_of(group, manifest: dict, names: list[str]) -> list[str]:
+    """The optimizer states saved for the group's parameters (of `names`, the ones to load):
+    the same for all of them, as in the engine that saved them (older manifests list one set
+    for every parameter)."""
+    kinds = {tuple(k for k in manifest["params"][s.name].get("tensor_states", names) if k in names)
+             for s in group.slots}
+    if len(kinds) > 1:
+        raise CheckpointError(f"the checkpoint's optimizer states differ between parameters of "
+                              f"one flat group here ({group.slots[0].name!r}...: "
+                              f"{sorted(kinds)}); was it saved with other param groups?")
+    return list(kinds.pop()) if kinds else []
 
 
 def _read_shard(group, index: dict[str, list[Piece]], reader: Callable[[str], SafetensorsReader],

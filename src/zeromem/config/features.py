@@ -185,7 +185,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("zero_optimization.enable_sanity_checks", "ZeRO sanity checks", "zeromem's own checks "
             "always run", differs_from(False), "warn"),
     Feature("zero_optimization.save_muon_momentum_buffer_in_memory", "Muon with NVMe offload",
-            "zeromem has no Muon optimizer", differs_from(False), "warn"),
+            "zeromem refuses Muon with NVMe optimizer offload, the only case it is for",
+            differs_from(False), "warn"),
     Feature("bf16.bf16_master_weights_and_grads", "bf16 master weights", "master weights and "
             "gradients are always fp32; bf16 masters would change every update", differs_from(False)),
     Feature("bf16.bf16_optimizer_states", "bf16 optimizer states", "optimizer states are fp32",

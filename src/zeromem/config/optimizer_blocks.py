@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, \
     create_model, field_validator, model_validator
 
-from zeromem.optim import optimizers, schedulers
+from zeromem.optim import muon, optimizers, schedulers
 from zeromem.config.rules import ConfigError, Unsupported, humanise
 from zeromem.config.types import Bool, Float, Int, _Beta, _Block, _pair
 
@@ -38,6 +38,9 @@ _OPTIMIZER_PARAM_RULES: dict[str, Any] = {
     **{name: Bool for name in ("bias_correction", "eps_inside_sqrt", "adam_w_mode")},
     **{name: Annotated[Float, Field(ge=0)] for name in ("max_coeff", "min_coeff", "lr_decay",
                                                         "initial_accumulator_value")},
+    # DeepSpeed's Muon (zeromem.optim.muon)
+    **{name: Annotated[Float, Field(ge=0)] for name in ("muon_lr", "adam_lr")},
+    "ns_method": Literal["gram", "standard"], "ns_steps": Annotated[Int, Field(ge=1)],
 }
 
 
@@ -51,8 +54,6 @@ REFUSED_OPTIMIZERS: dict[str, tuple[str, str]] = {
     "onebitadam": ("1-bit Adam", _ONE_BIT), "zerooneadam": ("0/1 Adam", _ONE_BIT),
     "onebitlamb": ("1-bit Lamb", _ONE_BIT),
     "muadam": ("MuAdam (mup)", _MUP), "muadamw": ("MuAdamW (mup)", _MUP), "musgd": ("MuSGD (mup)", _MUP),
-    "muon": ("Muon", "its Newton-Schulz orthogonalisation needs each weight matrix whole, and "
-             "zeromem steps flat shards of many parameters"),
 }
 
 
@@ -72,9 +73,10 @@ class OptimizerConfig(_Block):
 
     _classes: ClassVar[dict[str, type[torch.optim.Optimizer]]] = {
         "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD,
-        "Adagrad": torch.optim.Adagrad, "Lamb": optimizers.Lamb, "Lion": optimizers.Lion}
+        "Adagrad": torch.optim.Adagrad, "Lamb": optimizers.Lamb, "Lion": optimizers.Lion,
+        "Muon": muon.ShardedMuon}
 
-    type: Literal["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion"]  # case-insensitive in the file
+    type: Literal["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "Muon"]  # any case in the file
     params: dict[str, Any] = Field(default_factory=dict)  # keywords of the optimizer's constructor
     # "bias_correction": false: DeepSpeed's FusedAdam math (zeromem.optim.optimizers.Adam), which
     # torch's Adam cannot do

@@ -392,12 +392,15 @@ class Config(Extras):
     def _check_cross_block_rules(self, info: Any) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled cannot both be true")
-        if self.optimizer and self.optimizer.type == "Lamb" and \
+        whole = {"Lamb": "Lamb's trust ratio needs each parameter's whole update",
+                 "Muon": "Muon orthogonalises each weight matrix's update whole"}
+        if self.optimizer and self.optimizer.type in whole and \
                 self.zero_optimization.offload_optimizer_device == "nvme":
-            raise Unsupported("zero_optimization.offload_optimizer.device", "Lamb with NVMe "
-                              "optimizer offload", "Lamb's trust ratio needs each parameter's "
-                              "whole update before any of it is applied, and NVMe offload steps "
-                              "the optimizer tile by tile; offload to \"cpu\" instead", "nvme")
+            raise Unsupported("zero_optimization.offload_optimizer.device",
+                              f"{self.optimizer.type} with NVMe optimizer offload",
+                              f"{whole[self.optimizer.type]} before any of it is applied, and "
+                              "NVMe offload steps the optimizer tile by tile; offload to \"cpu\" "
+                              "instead", "nvme")
         world_size = (info.context or {}).get("world_size")
         if world_size is not None:
             given = (self.train_batch_size, self.train_micro_batch_size_per_gpu,

@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from zeromem.optim import optimizers
+from zeromem.optim import muon, optimizers
 from zeromem.optim.optimizers import Lamb
 
 log = logging.getLogger("zeromem")
@@ -27,7 +27,7 @@ OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
                torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
                torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adadelta,
-               optimizers.Adam, optimizers.Lion, optimizers.Lamb)
+               optimizers.Adam, optimizers.Lion, optimizers.Lamb, muon.ShardedMuon)
 # the same, from packages not imported at run time (schedulefree's), by their exact class
 ELEMENTWISE_NAMES = ("AdamWScheduleFree", "RAdamScheduleFree", "SGDScheduleFree")
 # Optimizers that need each parameter whole, by class name (torch's, and the same names in
@@ -39,7 +39,7 @@ _PROJECTED = "it projects each weight matrix's gradient on a low-rank subspace o
 WHOLE_PARAMETER = {
     "Adafactor": _FACTORED, "GaLoreAdafactor": _FACTORED,
     "Muon": "it orthogonalises each weight matrix's update (Newton-Schulz), which needs the "
-            "matrix whole",
+            "matrix whole (the config's \"optimizer\": {\"type\": \"Muon\"} gathers it)",
     "LBFGS": "it needs a closure that re-evaluates the loss at each step, and its direction "
              "comes from dot products over every parameter",
     "SparseAdam": "it takes sparse gradients only, and zeromem reduces gradients dense",
@@ -63,6 +63,15 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
             log.info("parameter %s is in no param group: treated as frozen", name)
             p.requires_grad_(False)
     return groups
+
+
+def optimizer_param_groups(config, module: nn.Module, model_parameters: Iterable | None
+                           ) -> list[dict]:
+    """The param groups to lay out (`normalize_param_groups`); for the config's Muon, each
+    split into its matrices and the rest (optim/muon.py), which step differently."""
+    groups = normalize_param_groups(module, model_parameters)
+    return muon.muon_groups(module, groups) if config is not None and config.type == "Muon" \
+        else groups
 
 
 def evaluated_groups(module: nn.Module, stage: int) -> list[dict]:
@@ -111,6 +120,8 @@ def build_optimizer(config, flat_groups: list, param_groups: list[dict],
     check_steps_shards(optimizer)
     if isinstance(optimizer, Lamb):
         split_by_parameter(optimizer, flat_groups, device)
+    if isinstance(optimizer, muon.ShardedMuon):
+        muon.whole_matrices(optimizer, flat_groups, device)
     return optimizer
 
 
@@ -191,7 +202,7 @@ def has_fused_kernel(cls: type) -> bool:
     return cls is not torch.optim.SGD and "fused" in inspect.signature(cls).parameters
 
 
-def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer) -> int:
+def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
     """Bytes of optimizer state per parameter the paper's K counts besides the fp32 master."""
     defaults = optimizer.defaults
     if hasattr(optimizer, "state_bytes_per_param"):  # zeromem.optim.optimizers
