@@ -18,6 +18,7 @@ from torch import nn
 import zeromem
 from harness import run_distributed
 from user_cases import WORLD, case, max_diff, run_cases, whole_state
+from zeromem.planning.planner import predict_memory, shape_of
 
 OPTIONS = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.1, "adam_lr": 0.01}
 RUNS = {"stage 0": (0, {}), "stage 1": (1, {}), "stage 2": (2, {}), "stage 3": (3, {}),
@@ -75,7 +76,8 @@ def muon_runs(rank: int) -> dict:
         engine = zeromem.initialize(lm(), config(stage, extra))
         train(engine, rank, range(STEPS))
         out[name] = {"state": whole_state(engine),
-                     "gathered": engine.comm.ledger.last_step.get("muon_gather", 0)}
+                     "gathered": engine.comm.ledger.last_step.get("muon_gather", 0),
+                     "memory": engine.memory_report().to_dict()}
     engine = zeromem.initialize(lm(), config(3, {}))
     train(engine, rank, range(2))
     path = [tempfile.mkdtemp() if rank == 0 else None]
@@ -126,3 +128,15 @@ def test_muon_steps_as_torchs_muon_with_adamw_in_one_process(ranks):
             assert gathered <= got[name]["gathered"] / 2 / (WORLD - 1) * WORLD <= gathered + 4, \
                 (rank, name, got[name]["gathered"])
         assert max_diff(got["resumed"], want) < 2e-6, rank
+
+
+def test_the_planner_counts_muons_state_as_the_run_holds_it(ranks):
+    """One momentum for the matrices, Adam's two moments for the rest."""
+    with torch.device("meta"):
+        shape = shape_of(LM())
+    for name in ("stage 1", "stage 2", "stage 3"):
+        stage, extra = RUNS[name]
+        predicted = predict_memory(shape, config(stage, extra), WORLD, backend="gloo", device="cpu")
+        for rank, got in enumerate(case(ranks, "muon")):
+            held = got[name]["memory"]["held"]["optimizer_states"]["device"]
+            assert predicted.device["optimizer_states"] == pytest.approx(held, rel=0.02), (name, rank)

@@ -42,14 +42,19 @@ def orthogonalize(u: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     return x.T if tall else x
 
 
+def uses_muon(name: str, p: nn.Parameter) -> bool:
+    """The user's `use_muon` tag where set, else DeepSpeed's rule: Muon for weight matrices
+    but the embeddings' and the head's, Adam for the rest."""
+    if hasattr(p, "use_muon"):
+        return bool(p.use_muon)
+    shape = getattr(p, "ds_shape", p.shape)  # a stage-3 shard keeps the whole shape
+    return len(shape) >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+
+
 def tag_matrices(module: nn.Module) -> None:
-    """DeepSpeed's rule for parameters not tagged by the user: Muon (`use_muon`) for weight
-    matrices but the embeddings' and the head's, Adam for the rest."""
+    """Give every parameter its `use_muon` tag (`uses_muon`), as DeepSpeed's initialize does."""
     for name, p in module.named_parameters():
-        if not hasattr(p, "use_muon"):
-            shape = getattr(p, "ds_shape", p.shape)  # a stage-3 shard keeps the whole shape
-            p.use_muon = len(shape) >= 2 and not any(  # type: ignore[attr-defined]
-                word in name.lower() for word in ("embed", "lm_head"))
+        p.use_muon = uses_muon(name, p)  # type: ignore[attr-defined]
 
 
 def muon_groups(module: nn.Module, param_groups: list[dict]) -> list[dict]:

@@ -317,7 +317,8 @@ class ModelShape:
     `initialize`, which stage 3 shards in units of their own (none in a shape built by
     hand: then `frozen_numel` counts as one such unit). `frozen_width`: their bytes per
     element as the model holds them, which an fp32 run keeps (a precision block casts
-    them to its own).
+    them to its own). `muon_numel`: the trainable elements the config's Muon would step
+    as matrices (optim/muon.py `uses_muon`).
     """
 
     name: str
@@ -334,6 +335,7 @@ class ModelShape:
     frozen_unit_numels: tuple[int, ...] = ()
     frozen_unmerged: tuple[UnmergedUnit, ...] = ()
     frozen_width: float = 4.0
+    muon_numel: int = 0
 
     @property
     def psi(self) -> int:
@@ -366,11 +368,11 @@ class Widths:
     param: int = 2
     grad: int = 2
     master: int = 4  # 0 when training in fp32: the master aliases the parameters
-    states: int = 8  # Adam m and v
+    states: float = 8  # Adam m and v (Muon's: fewer on average, one for its matrices)
     scalars_per_group: int = 4  # torch Adam's `step`: one fp32 scalar per flat group
 
     @property
-    def k(self) -> int:
+    def k(self) -> float:
         return self.master + self.states
 
 

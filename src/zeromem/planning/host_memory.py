@@ -87,19 +87,19 @@ def _params_pool(numels: list[int], param: str, param_bytes: int, buffers: Offlo
     return ShardBuffers.pool_nbytes([param_bytes * n for n in numels], buffers.param_buffer_count)
 
 
-def least_budget(shards: list[float], param: str, param_bytes: int, state_bytes: int,
+def least_budget(shards: list[float], param: str, param_bytes: int, state_bytes: float,
                  grads_in_file: bool, buffers: OffloadBufferSizes = OffloadBufferSizes()) -> int:
     """The smallest `zeromem.offload_host_budget_bytes` whose sub-groups keep MIN_SUB_GROUP
     elements (1 MiB requests, `offload/budget.py`): the parameter pool plus DEPTH
     sub-groups of master, states and (stage 2/3) gradient fields. NVMe offload is the
     answer when host memory is short, so the planner gives it this much and no more."""
-    fields = 1 + state_bytes // FP32 + int(grads_in_file)
+    fields = 1 + int(state_bytes) // FP32 + int(grads_in_file)
     numels = [int(n) for n in shards]
     return _params_pool(numels, param, param_bytes, buffers) + DEPTH * fields * FP32 * MIN_SUB_GROUP
 
 
 def offload_breakdown(shards: list[float], optimizer: str, param: str, param_bytes: int,
-                      state_bytes: int, scalar_bytes: float, fp32_params: bool,
+                      state_bytes: float, scalar_bytes: float, fp32_params: bool,
                       buffers: OffloadBufferSizes = OffloadBufferSizes(),
                       grads_in_file: bool = True, frozen: Sequence[float] = ()
                       ) -> tuple[dict[str, float], dict[str, float]]:
@@ -131,7 +131,7 @@ def offload_breakdown(shards: list[float], optimizer: str, param: str, param_byt
         host["optimizer_states"] = state_bytes * shard + scalar_bytes
         host["host_grads"] = FP32 * shard
     elif optimizer == "nvme":
-        layout = layout_optimizer([ShardSpec(0, n) for n in numels], state_bytes // FP32,
+        layout = layout_optimizer([ShardSpec(0, n) for n in numels], int(state_bytes) // FP32,
                                   not fp32_params, grads_in_file, buffers.host_budget_bytes,
                                   params_pool, buffers.sub_group_size, buffers.optimizer_buffer_count)
         host["optimizer_swap_buffers"] = layout.pool_nbytes

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zeromem.optim.muon import uses_muon
 from zeromem.planning.estimate import ModelShape, UnmergedUnit, merged_unit_numels
 from zeromem.stage3.units import UnitCaps, unmerged_units
 
@@ -246,6 +247,7 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
             **{k: v for k, v in overrides.items() if v}}
     hidden = dims.get("hidden") or 1
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
+    muon = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and uses_muon(n, p))
     frozen_params = [p for p in model.parameters() if not p.requires_grad]
     frozen = sum(p.numel() for p in frozen_params)
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen_params)
@@ -267,4 +269,4 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
                       dims.get("heads", max(1, hidden // 64)), dims.get("vocab", 0),
                       dims.get("intermediate", 4 * hidden), dims.get("positions"), unmerged,
                       merged_unit_numels(frozen_unmerged, caps), frozen_unmerged,
-                      frozen_bytes / frozen if frozen else 4.0)
+                      frozen_bytes / frozen if frozen else 4.0, muon)

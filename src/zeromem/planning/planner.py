@@ -58,14 +58,18 @@ DTYPE_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.floa
 
 # ---------------------------------------------------------------- the engine's layout from a config
 
-def widths_for(config: Config) -> Widths:
-    """Byte widths of each model state for a validated zeromem config."""
+def widths_for(config: Config, shape: ModelShape | None = None) -> Widths:
+    """Byte widths of each model state for a validated zeromem config (for Muon, averaged
+    over `shape`'s parameters)."""
     compute = config.compute_dtype
     opt = config.optimizer
     kind = opt.type.lower() if opt else "adamw"
     options = opt.params if opt else {}
+    states: float
     if kind == "sgd":
         states, scalars = (4 if options.get("momentum") else 0), 0
+    elif kind == "muon" and shape is not None and shape.psi:  # momentum; Adam's m and v
+        states, scalars = (4 * shape.muon_numel + 8 * (shape.psi - shape.muon_numel)) / shape.psi, 4
     else:  # Adam / AdamW: m and v (and max v with amsgrad), plus a scalar `step`
         states, scalars = (12 if options.get("amsgrad") else 8), 4
     return Widths(compute.itemsize, config.grad_dtype.itemsize,
@@ -103,7 +107,7 @@ def predict_memory(model: nn.Module | ModelShape, config: dict | str | Config,
     device and again on the host)."""
     shape = model if isinstance(model, ModelShape) else shape_of(model)
     cfg = Config.load(config, world_size=n_d)
-    widths = widths_for(cfg)
+    widths = widths_for(cfg, shape)
     # fetch units merged as the engine merges them under this config; then the prefetch
     # depth the engine derives from the largest of them
     shape = shape.with_unit_caps(layout_for(cfg, shape, n_d).unit_caps(widths.param, n_d))
