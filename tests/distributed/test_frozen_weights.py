@@ -7,7 +7,9 @@ results are compared.
 """
 from __future__ import annotations
 
+import json
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,6 +218,8 @@ def peft_without_precision_block(rank: int) -> dict:
     ckpt = [tempfile.mkdtemp() if rank == 0 else None]
     torch.distributed.broadcast_object_list(ckpt)
     engine.save_checkpoint(ckpt[0])
+    manifest = json.loads(next(Path(ckpt[0]).glob("*/manifest.json")).read_text())
+    out["saved"] = {k: v["dtype"] for k, v in manifest["module_tensors"].items()}
     loaded = zeromem.initialize(peft_model(seed=100 + rank), {**config(3, "fp32"), "optimizer": SGD})
     loaded.load_checkpoint(ckpt[0])
     out["loaded"] = {"held": frozen_bytes(loaded), "state": whole_state(loaded)}
@@ -302,4 +306,9 @@ def test_a_peft_model_without_a_precision_block_keeps_its_bf16_base_and_trains_a
                 assert bf16 / 2 <= held["torch.bfloat16"] <= bf16 / 2 + 16, (rank, name, held)
                 assert fp32 / 2 <= held["torch.float32"] <= fp32 / 2 + 32, (rank, name, held)
         assert max_diff(got["loaded"]["state"], got["nvme"]["trained"]) == 0, rank
+        # the frozen shards written in their own dtypes (a bf16 base was written as fp32)
+        assert got["saved"] == {"embed.weight": "bfloat16", "norm.weight": "float32",
+                                "norm.bias": "float32",
+                                **{f"blocks.{i}.base.{w}": "bfloat16" for i in (0, 1)
+                                   for w in ("weight", "bias")}}, (rank, got["saved"])
         assert got["loaded"]["held"].keys() == got["nvme"]["held"].keys(), rank
