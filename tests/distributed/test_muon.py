@@ -28,19 +28,22 @@ STEPS, MICRO = 3, 2
 
 
 class LM(nn.Module):
-    """An embedding and a head (Adam by their names), two layers (Muon for the weights, Adam
-    for the biases), sizes that split the matrices across two ranks' shards."""
+    """An embedding and a head (Adam by their names), three layers (Muon for the weights,
+    Adam for the biases), whose matrices (96, 96 and 64 elements) two ranks' shards split
+    mid-matrix, merged in one flat group or not."""
 
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(13, 8)
         self.up = nn.Linear(8, 12)
         self.down = nn.Linear(12, 8)
+        self.mix = nn.Linear(8, 8)
         self.lm_head = nn.Linear(8, 13, bias=False)
 
     def forward(self, ids):
         h = self.embed(ids)
-        return self.lm_head(h + self.down(torch.tanh(self.up(h)))).logsumexp(-1).mean()
+        h = h + self.down(torch.tanh(self.up(h)))
+        return self.lm_head(h + self.mix(h)).logsumexp(-1).mean()
 
 
 def lm(seed: int = 3) -> LM:
@@ -118,7 +121,7 @@ def reference() -> dict[str, torch.Tensor]:
 def test_muon_steps_as_torchs_muon_with_adamw_in_one_process(ranks):
     want = reference()
     assert max_diff(want, lm().state_dict()) > 0.05  # it trained
-    matrices = sum(p.numel() for p in (lm().up.weight, lm().down.weight))
+    matrices = sum(p.numel() for p in (lm().up.weight, lm().down.weight, lm().mix.weight))
     for rank, got in enumerate(case(ranks, "muon")):
         for name in RUNS:
             tol = 2e-2 if "bf16" in name else 2e-6
