@@ -373,6 +373,27 @@ def nvme_config(path: Path) -> str:
     return edited_config(path, "nvme", to_nvme)
 
 
+def schedule_free(name: str, deepspeed: str | None) -> dict:
+    """`--optim schedule_free_adamw`: HF builds schedulefree's AdamW, and Accelerate calls
+    its train() before training and eval() before evaluating (zeromem's optimizer had
+    neither: the first step failed). Losses, and the evaluation at the average after."""
+    run = train(name, deepspeed, hf_optimizer=True, optim="schedule_free_adamw",
+                per_device_eval_batch_size=BATCH)
+    return {"losses": run["losses"],
+            "eval_loss": run["trainer"].evaluate(Tokens(4 * BATCH))["eval_loss"]}
+
+
+def keeping_the_optimizer(path: Path) -> str:
+    """HF's config without its optimizer and scheduler, and with
+    `zero_force_ds_cpu_optimizer: false`: with the optimizer offloaded, Accelerate would
+    otherwise swap whatever HF built (schedulefree's AdamW too) for DeepSpeedCPUAdam, with
+    DeepSpeed as with zeromem."""
+    def drop(config: dict) -> None:
+        del config["optimizer"], config["scheduler"]
+        config["zero_force_ds_cpu_optimizer"] = False
+    return edited_config(path, "own_optimizer", drop)
+
+
 def without_optimizer(path: Path) -> str:
     """HF's config without its optimizer and scheduler blocks: HF's Trainer then builds its
     own AdamW (decay and no-decay groups) and schedule before `initialize`, and Accelerate
@@ -436,7 +457,8 @@ def main() -> None:
                       "compiled": compiled["losses"],
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
                       "grpo": grpo("ddp_grpo", None), "seq2seq": seq2seq("ddp_seq2seq", None),
-                      "eval_loss": evaluate("ddp_eval", None)})
+                      "eval_loss": evaluate("ddp_eval", None),
+                      "schedule_free": schedule_free("ddp_schedule_free", None)})
         return
     zero2 = str(CONFIGS / "ds_config_zero2.json")
     run = train("zero2", zero2, save_strategy="steps", save_steps=3)
@@ -471,7 +493,9 @@ def main() -> None:
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
                       "single_process": single_process_losses(),
                       "trl_reference": trl_reference(),
-                      "seq2seq": seq2seq("zero3_seq2seq", str(CONFIGS / "ds_config_zero3.json"))})
+                      "seq2seq": seq2seq("zero3_seq2seq", str(CONFIGS / "ds_config_zero3.json")),
+                      "schedule_free": schedule_free(
+                          "zero3_schedule_free", keeping_the_optimizer(CONFIGS / "ds_config_zero3.json"))})
 
 
 if __name__ == "__main__":

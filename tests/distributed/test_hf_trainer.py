@@ -61,6 +61,16 @@ def test_hf_optimizer_and_schedule_built_before_initialize(runs):
         assert _max_difference(zero[key], ddp[key]) < TOLERANCE, key
 
 
+def test_schedule_free_adamw_trains_and_evaluates_as_the_ddp_trainer(runs):
+    """`--optim schedule_free_adamw` on HF's zero3 config (optimizer on the host, with
+    `zero_force_ds_cpu_optimizer: false`): the losses, and the evaluation at the
+    optimizer's average after training."""
+    ddp, zero = runs[1]["schedule_free"], runs[2]["schedule_free"]
+    assert len(ddp["losses"]) == 6
+    assert _max_difference(zero["losses"], ddp["losses"]) < TOLERANCE
+    assert abs(zero["eval_loss"] - ddp["eval_loss"]) < TOLERANCE
+
+
 def test_resume_from_checkpoint_continues_the_run(runs):
     ddp, zero = runs[1]["losses"], runs[2]
     resumed = {k: v for k, v in zero["zero2_resumed"].items() if int(k) > 3}  # steps 4-6 re-run
