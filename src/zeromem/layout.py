@@ -1,7 +1,7 @@
 """Layout arithmetic of flat buffers: padding, shard ranges, owned slices, bucket packing.
 
 Pure functions of integers, shared by the engine (flat.py, engine.py), the
-checkpoints, `zeromem.Init` (stage3/partitioned_init.py) and the memory planner (planning/estimate.py),
+checkpoints, `zeromem.Init` (stage3/partitioned_init.py) and the memory planner (planning/shape_memory.py),
 so that what the planner predicts is computed by the same code the engine runs.
 
 A flat buffer of `numel` elements is padded to a multiple of the data-parallel

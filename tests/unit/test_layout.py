@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from zeromem.engine import _bucket_params
-from zeromem.planning.estimate import reduce_buckets
+from zeromem.planning.shape_memory import reduce_buckets
 from zeromem.layout import (ShardLayout, gather_chunks, pack_buckets, padded_numel,
                             peak_in_flight, slices_of)
 

@@ -10,7 +10,7 @@ import torch
 from gpt import GPT, GPTConfig
 from zeromem.planning.step_model import (Calibration, Link, comm_seconds, offload_traffic,
                                           prefetched_gathers)
-from zeromem.planning.estimate import rank_shards
+from zeromem.planning.shape_memory import rank_shards
 from zeromem.planning.plan_json import plan_json
 from zeromem.planning.planner import (Hardware, Setup, Workload, evaluate, model_flops, plan,
                                       planned_layout, shape_of)

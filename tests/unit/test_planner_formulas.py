@@ -11,9 +11,9 @@ from torch import nn
 import zeromem
 from zeromem.cli import main
 from zeromem.memory import model_state_formula
-from zeromem.planning.estimate import (ModelShape, Widths, ZeroLayout, activation_memory,
-                                       deepspeed_estimate, exact_model_states, max_params,
-                                       paper_activation_bytes, parse_bytes, parse_count)
+from zeromem.planning.estimate import deepspeed_estimate, max_params, parse_bytes, parse_count
+from zeromem.planning.shape_memory import (ModelShape, Widths, ZeroLayout, activation_memory,
+                                           exact_model_states, paper_activation_bytes)
 from zeromem.planning.planner import Hardware, Setup, Workload, estimate, load_model, plan, shape_of
 from zeromem.planning.report import load_ledgers, write_report
 

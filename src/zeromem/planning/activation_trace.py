@@ -31,7 +31,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
-from zeromem.planning.estimate import ActivationMemory
+from zeromem.planning.shape_memory import ActivationMemory
 
 _TOKEN_NAMES = ("input_ids", "tokens", "idx", "ids", "input", "inputs", "x")
 _TARGET_NAMES = ("labels", "targets", "target", "y")

@@ -62,7 +62,7 @@ from zeromem.planning.step_model import FP32, KINDS, Calibration, Link, comm_sec
 
 if TYPE_CHECKING:  # the planner imports this module; its types are only annotations here
     from zeromem.comm import Comm
-    from zeromem.planning.estimate import ModelShape
+    from zeromem.planning.shape_memory import ModelShape
 
 
 def run_queue_delay() -> float:

@@ -5,7 +5,7 @@
 Face-style config JSON (GPT-2, Llama and look-alikes), which becomes
 `ConfigGPT`: a stand-in with the parameter shapes and module structure the config
 describes. `shape_of` reads a model's parameter sizes, fetch units and
-dimensions into the `ModelShape` that `planning/planner.py` and `planning/estimate.py` compute
+dimensions into the `ModelShape` that `planning/planner.py` and `planning/shape_memory.py` compute
 memory from.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from zeromem.optim.muon import uses_muon
-from zeromem.planning.estimate import ModelShape, UnmergedUnit, merged_unit_numels
+from zeromem.planning.shape_memory import ModelShape, UnmergedUnit, merged_unit_numels
 from zeromem.stage3.units import UnitCaps, unmerged_units
 
 _ALIASES = {

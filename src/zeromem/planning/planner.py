@@ -5,8 +5,8 @@ The model is built on the meta device (nothing is allocated) from a factory
 turned into an equivalent GPT shape list (`planning/model_shapes.py`; `load_model` and
 `shape_of` are re-exported here). From the real parameter shapes the
 planner computes each rank's memory exactly as the engine lays it out
-(`estimate.exact_model_states`: reduce buckets, padding to N_d, fetch units and
-persistence at stage 3), adds activations (`estimate.activation_memory`) and
+(`shape_memory.exact_model_states`: reduce buckets, padding to N_d, fetch units and
+persistence at stage 3), adds activations (`shape_memory.activation_memory`) and
 buffers, predicts a step time, and recommends a setup following the seed's
 section 6:
 
@@ -38,9 +38,10 @@ from torch import nn
 
 from zeromem.config.schema import Config
 from zeromem.layout import derived_bucket_numel, derived_prefetch_numel
-from zeromem.planning.estimate import (ActivationMemory, ModelShape, ShapeMemory, Widths, ZeroLayout,
-                       activation_memory, estimate, exact_model_states, format_bytes,
-                       format_count, paper_activation_bytes, rank_shards)
+from zeromem.planning.estimate import estimate, format_bytes, format_count
+from zeromem.planning.shape_memory import (ActivationMemory, ModelShape, ShapeMemory, Widths,
+                                           ZeroLayout, activation_memory, exact_model_states,
+                                           paper_activation_bytes, rank_shards)
 from zeromem.planning.activation_trace import ActivationProfile, trace_activations
 from zeromem.planning.host_memory import OffloadBufferSizes, least_budget
 from zeromem.planning.model_shapes import load_hf_model, load_model, shape_of
@@ -159,7 +160,7 @@ class Workload:
     mp: int = 1  # model-parallel degree (N_d = gpus / mp)
     flash: bool = False  # fused attention: no s x s score matrices are stored (formula only)
     activations: ActivationProfile | None = None  # traced at this micro-batch, seq and dtype;
-    # None: the Korthikanti et al. formula (`estimate.activation_memory`)
+    # None: the Korthikanti et al. formula (`shape_memory.activation_memory`)
 
 
 def activations_of(shape: ModelShape, work: Workload, checkpointing: str = "none",

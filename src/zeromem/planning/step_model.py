@@ -1,7 +1,7 @@
 """Step time of a setup from the figures `calibrate` measured on this machine.
 
 `Calibration.step_time` predicts one optimizer step of a setup from those figures and
-the engine's layout (`estimate.exact_model_states`): the collectives it issues
+the engine's layout (`shape_memory.exact_model_states`): the collectives it issues
 (counted as the engine issues them, see `collectives`), the optimizer step over
 the rank's elements, the offload traffic, and the engine's overhead for the
 model's number of parameters. With gloo (CPU ranks) the cores run compute,
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the planner imports this module; its types are only annotations here
-    from zeromem.planning.estimate import ActivationMemory, ModelShape, ShapeMemory, ZeroLayout
+    from zeromem.planning.shape_memory import ActivationMemory, ModelShape, ShapeMemory, ZeroLayout
     from zeromem.planning.planner import Setup, StepTime, Workload
 
 FP32 = 4
@@ -157,7 +157,7 @@ def collectives(shape: ModelShape, layout: ZeroLayout, param_bytes: int, grad_by
                 gas: int) -> dict[str, tuple[float, float]]:
     """{kind: (calls, bytes)} one optimizer step issues, as the engine issues them.
 
-    Flat groups as `estimate.exact_model_states` lays them out. Stage 0: one
+    Flat groups as `shape_memory.exact_model_states` lays them out. Stage 0: one
     all-reduce per group at the boundary; stage 1: one reduce-scatter per group at
     the boundary; stage 2: one per group every micro-step; stages 1-2: then one
     all-gather of the updated shards per group (chunked by allgather_bucket_size).
@@ -168,7 +168,8 @@ def collectives(shape: ModelShape, layout: ZeroLayout, param_bytes: int, grad_by
     1-3 add one scalar all-reduce (the gradient norm, "all_reduce_norm"). The kinds
     are named as `Comm` counts them.
     """
-    from zeromem.planning.estimate import padded_numel, reduce_buckets
+    from zeromem.layout import padded_numel
+    from zeromem.planning.shape_memory import reduce_buckets
     grad = grad_bytes
     if layout.stage >= 3:
         units = [padded_numel(n, n_d) for n in shape.unit_numels]
@@ -198,7 +199,7 @@ def prefetched_gathers(shape: ModelShape, layout: ZeroLayout, param_bytes: int, 
     (`stage3_prefetch_bucket_size` > 0) every fetched unit but the first of each pass
     is gathered while the unit before it computes (stage3/fetch.py). The backward
     starts from the forward's last unit."""
-    from zeromem.planning.estimate import padded_numel
+    from zeromem.layout import padded_numel
     if layout.stage < 3 or layout.prefetch_numel <= 0:
         return (0.0, 0.0), (0.0, 0.0)
     fetched = [padded_numel(n, n_d) for n in shape.unit_numels
