@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from setups import OneRank
-from zeromem.flat import FlatParamGroup, GroupState, ShardAccumulated, ContiguousShards, Sharding
-from zeromem.flat import WholeAllReduced, WholeScattered
+from zeromem.flat import FlatParamGroup, GroupState, Sharding
+from zeromem.grad_buffers import ShardAccumulated, ContiguousShards
+from zeromem.grad_buffers import WholeAllReduced, WholeScattered
 from zeromem.offload.masters import HostGrads
 
 SHAPES = [(3, 5), (7,), (2, 2, 2)]

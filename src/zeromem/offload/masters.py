@@ -44,7 +44,7 @@ def reduced_is_host_grad(device: torch.device, dtype: torch.dtype) -> bool:
 class HostGrads:
     """fp32 host buffers the reduced gradient shards are copied into at the boundary.
 
-    Given to each gradient buffer when it is built (flat.py `HostCopies`): the buffer asks
+    Given to each gradient buffer when it is built (grad_buffers.py `HostCopies`): the buffer asks
     for its host buffer (`buffer_for`) and copies its reduced shard there after each
     boundary reduction. Where the reduced shard already is an fp32 host tensor (the CPU
     is the device), it is used as it is: a copy would hold the gradient twice in the same
