@@ -8,6 +8,7 @@
     zeromem import-deepspeed deepspeed_checkpoints/ checkpoints/
     zeromem launch --num_gpus 8 train.py --deepspeed ds_config.json
     zeromem accelerate-launch --config_file deepspeed_zero3.yaml train.py
+    zeromem bench examples/gpt.py:small --config examples/configs/stage2.json
 
 A subcommand is a `Command`: its help line, a function adding its arguments to
 its parser, and a function running it (returning the exit status). Adding one is
@@ -280,6 +281,40 @@ def _run_launch(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="package.module:factory, or a Hugging "
+                        "Face-style config .json (built with transformers)")
+    parser.add_argument("--config", required=True, help="the DeepSpeed JSON config to run")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks on this machine (default 2)")
+    parser.add_argument("--systems", default="ddp,fsdp2,zeromem,deepspeed",
+                        help="comma-separated: ddp, fsdp2, zeromem, deepspeed; zeromem-S and "
+                             "deepspeed-S run ZeRO stage S (default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=3, help="round-robin repetitions")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per trial")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per trial")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from zeromem.config.schema import Config
+    from zeromem.planning.bench import Bench, run, table, unavailable
+
+    config, _ = Config.read(args.config)
+    bench = Bench(args.model, config, args.nproc, tuple(s for s in args.systems.split(",") if s),
+                  args.reps, args.warmup, args.steps, args.seq)
+    results = run(bench, echo=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps({"systems": {s: {"step_s": r.step_s, "seconds": r.seconds,
+                                          "peak_bytes": r.peak_bytes, "losses": r.losses,
+                                          "stage": r.stage}
+                                      for s, r in results.items()},
+                          "skipped": unavailable(bench.systems)}, indent=2))
+    else:
+        print(table(bench, results))
+    return 0
+
+
 def _run_accelerate_launch(args: argparse.Namespace) -> int:
     from zeromem.deepspeed.accelerate_launch import run
     return run(args.passthrough)
@@ -301,6 +336,9 @@ COMMANDS: dict[str, Command] = {
     "launch": Command("start a training script's ranks as DeepSpeed's `deepspeed` launcher does "
                       "(same flags, --local_rank=N, `import deepspeed` gives zeromem), on torchrun",
                       _launch_arguments, _run_launch),
+    "bench": Command("one model's training step under zeromem beside DDP, FSDP2 and DeepSpeed "
+                     "on this machine: step time, its ratio to DDP's, peak memory",
+                     _bench_arguments, _run_bench),
     "accelerate-launch": Command("`accelerate launch` (its options and config file) with zeromem "
                                  "as its DeepSpeed", lambda parser: None, _run_accelerate_launch,
                                  passthrough=True),

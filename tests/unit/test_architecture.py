@@ -21,7 +21,8 @@ SRC = Path(zeromem.__file__).parent  # the package imported (a mutated copy unde
 # modules that may read os.environ, and why
 ENVIRONMENT_EDGES = {
     "distributed.py": "Runtime and the process group: read once, by initialize",
-    "planning/calibrate.py": "starts its own ranks (MASTER_ADDR, OMP_NUM_THREADS)",
+    "planning/calibrate.py": "starts its own ranks (MASTER_ADDR, RANK, OMP_NUM_THREADS), as "
+                             "`zeromem plan --calibrate` and `zeromem bench` ask",
     "deepspeed/comm.py": "DeepSpeed's API: get_local_rank()",
     "deepspeed/init.py": "DeepSpeed's init_distributed",
     "deepspeed/engine.py": "DeepSpeedEngine.local_rank, the loss log of the examples",

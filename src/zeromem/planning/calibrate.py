@@ -441,7 +441,9 @@ def _free_port() -> int:
 def _rank_main(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
                queue: Any) -> None:
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # as torchrun sets them (DeepSpeed's initialize, which `zeromem bench` runs, reads them)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     finished = False
     try:
@@ -476,15 +478,15 @@ def run_ranks(fn: Callable, world_size: int, args: tuple, backend: str = "gloo",
     try:
         while len(results) < world_size:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"calibration ranks did not finish in {timeout_s:.0f} s")
+                raise TimeoutError(f"the ranks did not finish in {timeout_s:.0f} s")
             if queue.empty():
                 if not any(p.is_alive() for p in procs) and queue.empty():
-                    raise RuntimeError("calibration ranks exited without a result")
+                    raise RuntimeError("the ranks exited without a result")
                 time.sleep(0.05)
                 continue
             rank, status, value = queue.get()
             if status != "ok":
-                raise RuntimeError(f"calibration rank {rank} failed:\n{value}")
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = value
     finally:
         for p in procs:

@@ -160,7 +160,7 @@ def load_model(spec: str) -> tuple[nn.Module, dict]:
         raise ValueError(f"MODEL must be package.module:function or a config .json, got {spec!r}")
     with torch.device("meta"):
         model = _import_factory(spec)()
-    return model, _config_dict(getattr(model, "config", None))
+    return model, config_dict(getattr(model, "config", None))
 
 
 _AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
@@ -204,7 +204,7 @@ def load_hf_model(cfg: dict, device: str = "meta") -> nn.Module | None:
     return None
 
 
-def _config_dict(config: object) -> dict:
+def config_dict(config: object) -> dict:
     """A model's `config` attribute (dataclass, Hugging Face config, dict, object) as a dict."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return dataclasses.asdict(config)

@@ -1,0 +1,80 @@
+"""`zeromem bench` (planning/bench.py): one model under DDP, FSDP2 and zeromem side by side.
+
+Timings are never asserted (they live in the benchmarks). What is: every system trains
+the same model from the same weights on the same batches with the config's optimizer,
+clipping, scheduler and accumulation, so in fp32 their losses agree at the first step and
+after training; each stage asked for is the stage run; a system the command does not
+know is refused by name; the table says which systems were skipped.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from zeromem import cli
+from zeromem.planning.bench import Bench, Result, table
+
+TESTS = Path(__file__).resolve().parent.parent
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+          "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.1}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3,
+                                                       "warmup_max_lr": 0.02}},
+          "zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 0}}
+SYSTEMS = ("ddp", "fsdp2", "zeromem", "zeromem-3", "zeromem-1")
+WARMUP, STEPS = 1, 3
+
+
+@pytest.fixture(scope="module")
+def benched(tmp_path_factory) -> dict:
+    config = tmp_path_factory.mktemp("bench") / "ds_config.json"
+    config.write_text(json.dumps(CONFIG))
+    # TinyLM: a tied head, a frozen layer, odd sizes (padding); 5 tokens a sequence
+    args = ["bench", f"{TESTS / 'models.py'}:TinyLM", "--config", str(config), "--reps", "1",
+            "--warmup", str(WARMUP), "--steps", str(STEPS), "--seq", "5", "--json",
+            "--systems", ",".join(SYSTEMS)]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(args) == 0
+    return json.loads(printed.getvalue())
+
+
+def test_every_system_trains_the_same_model_on_the_same_batches(benched):
+    systems = benched["systems"]
+    assert list(systems) == list(SYSTEMS)
+    losses = {name: r["losses"] for name, r in systems.items()}
+    for name, got in losses.items():
+        assert len(got) == WARMUP + STEPS and len(systems[name]["seconds"]) == STEPS, name
+        assert got[0] == pytest.approx(losses["ddp"][0], abs=1e-6), name  # same weights, batch
+        assert got[-1] == pytest.approx(losses["ddp"][-1], abs=1e-5), name  # same training
+    assert abs(losses["ddp"][-1] - losses["ddp"][0]) > 1e-2  # it trained
+
+
+def test_each_system_runs_the_stage_it_names(benched):
+    stages = {name: r["stage"] for name, r in benched["systems"].items()}
+    assert stages == {"ddp": None, "fsdp2": None, "zeromem": 2, "zeromem-3": 3, "zeromem-1": 1}
+
+
+def test_an_unknown_system_is_refused_by_name(tmp_path, capsys):
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps(CONFIG))
+    for bad in ("zeromem-4", "fsdp2-3", "megatron"):
+        assert cli.main(["bench", f"{TESTS / 'models.py'}:TinyLM", "--config", str(config),
+                         "--systems", f"ddp,{bad}"]) == 2
+        assert repr(bad) in capsys.readouterr().err
+
+
+def test_the_table_gives_ratios_to_ddp_and_the_skipped_systems():
+    bench = Bench("m:f", CONFIG, systems=("ddp", "zeromem", "deepspeed"))
+    results = {"ddp": Result([0.2, 0.4, 0.3], 5_000_000, [2.5, 2.0]),
+               "zeromem": Result([0.15, 0.15], 3_000_000, [2.5, 2.0], 2)}
+    lines = table(bench, results).splitlines()
+    assert lines[1].split() == ["ddp", "300.0", "1.00", "5.0", "2.500000", "2.000000"]
+    assert lines[2].split() == ["zeromem", "150.0", "0.50", "3.0", "2.500000", "2.000000"]
+    if importlib.util.find_spec("deepspeed") is None:
+        assert lines[3] == "skipped deepspeed: deepspeed is not installed"
