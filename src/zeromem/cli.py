@@ -307,12 +307,12 @@ def _run_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"systems": {s: {"step_s": r.step_s, "seconds": r.seconds,
                                           "peak_bytes": r.peak_bytes, "losses": r.losses,
-                                          "stage": r.stage}
-                                      for s, r in results.items()},
+                                          "stage": r.stage} if r.error is None else
+                                      {"error": r.error} for s, r in results.items()},
                           "skipped": unavailable(bench.systems)}, indent=2))
     else:
         print(table(bench, results))
-    return 0
+    return 1 if any(r.error is not None for r in results.values()) else 0
 
 
 def _run_accelerate_launch(args: argparse.Namespace) -> int:

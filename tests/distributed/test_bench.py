@@ -4,7 +4,8 @@ Timings are never asserted (they live in the benchmarks). What is: every system 
 the same model from the same weights on the same batches with the config's optimizer,
 clipping, scheduler and accumulation, so in fp32 their losses agree at the first step and
 after training; each stage asked for is the stage run; a system the command does not
-know is refused by name; the table says which systems were skipped.
+know is refused by name; a system that fails is reported with its error while the others
+run; the table says which systems were skipped.
 """
 from __future__ import annotations
 
@@ -67,6 +68,24 @@ def test_an_unknown_system_is_refused_by_name(tmp_path, capsys):
         assert cli.main(["bench", f"{TESTS / 'models.py'}:TinyLM", "--config", str(config),
                          "--systems", f"ddp,{bad}"]) == 2
         assert repr(bad) in capsys.readouterr().err
+
+
+def test_a_system_that_fails_is_reported_beside_the_others_and_the_run_exits_1(tmp_path, capsys):
+    """Without an optimizer DDP has nothing to step and zeromem's engine evaluates only: both
+    fail in their ranks; the run goes on, names each one's error and exits 1."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    assert cli.main(["bench", f"{TESTS / 'models.py'}:TinyLM", "--config", str(config),
+                     "--systems", "ddp,zeromem", "--reps", "2", "--warmup", "0", "--steps", "1",
+                     "--seq", "5"]) == 1
+    out = capsys.readouterr()
+    rows = out.out.splitlines()[1:]
+    assert rows[0].startswith("ddp") and "failed: ValueError: the config names no optimizer" in rows[0]
+    assert rows[1].startswith("zeromem") and "failed: RuntimeError: backward(): this engine was " \
+        "given no optimizer" in rows[1]
+    tried = [line for line in out.err.splitlines() if line.startswith("rep ")]
+    assert [line.split()[:3] for line in tried] == [["rep", "0", "ddp"], ["rep", "0", "zeromem"]]
+    assert all("failed:" in line for line in tried)  # and not tried again in the second rep
 
 
 def test_the_table_gives_ratios_to_ddp_and_the_skipped_systems():

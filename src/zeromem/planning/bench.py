@@ -71,6 +71,7 @@ class Result:
     peak_bytes: int = 0  # the largest rank's, over the trials
     losses: list[float] = field(default_factory=list)  # each step's, in the last trial
     stage: int | None = None  # the ZeRO stage the engine ran (None: DDP, FSDP2)
+    error: str | None = None  # why a trial failed (the system then runs no more trials)
 
     @property
     def step_s(self) -> float:
@@ -104,10 +105,17 @@ def run(bench: Bench, echo: Callable[[str], None] = print) -> dict[str, Result]:
     for rep in range(bench.reps):
         shift = rep % len(systems)
         for system in systems[shift:] + systems[:shift]:
-            began = time.perf_counter()
-            ranks = run_ranks(_trial, bench.nproc, (bench, system), backend,
-                              timeout_s=3600)
             result = results[system]
+            if result.error is not None:
+                continue
+            began = time.perf_counter()
+            try:
+                ranks = run_ranks(_trial, bench.nproc, (bench, system), backend,
+                                  timeout_s=3600)
+            except (RuntimeError, TimeoutError) as error:  # a rank's traceback, or none
+                result.error = str(error).strip().splitlines()[-1]
+                echo(f"rep {rep} {system:<12} failed: {error}")
+                continue
             result.seconds += ranks[0]["seconds"]
             result.peak_bytes = max([result.peak_bytes] + [r["peak_bytes"] for r in ranks])
             result.losses, result.stage = ranks[0]["losses"], ranks[0]["stage"]
@@ -122,7 +130,10 @@ def table(bench: Bench, results: dict[str, Result]) -> str:
     lines = [f"{'system':<14}{'step ms':>10}{'/ DDP':>8}{'peak MB':>10}{'first loss':>14}"
              f"{'last loss':>14}"]
     for system, r in results.items():
-        ratio = f"{r.step_s / ddp.step_s:.2f}" if ddp is not None else "-"
+        if r.error is not None:
+            lines.append(f"{system:<14}failed: {r.error}")
+            continue
+        ratio = f"{r.step_s / ddp.step_s:.2f}" if ddp is not None and ddp.seconds else "-"
         lines.append(f"{system:<14}{1e3 * r.step_s:>10.1f}{ratio:>8}"
                      f"{r.peak_bytes / 1e6:>10.1f}{r.losses[0]:>14.6f}{r.losses[-1]:>14.6f}")
     lines += [f"skipped {s}: {why}" for s, why in unavailable(bench.systems).items()]
@@ -236,7 +247,8 @@ def _torch_step(name: str, model: nn.Module, config: dict, device: torch.device,
     cfg = Config.load(config, world_size=world_size)
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
     wrapped, sync, autocast = (_ddp if name == "ddp" else _fsdp2)(model, dtype, device)
-    assert cfg.optimizer is not None, "the config names no optimizer"
+    if cfg.optimizer is None:
+        raise ValueError("the config names no optimizer: DDP and FSDP2 train with the config's")
     cls = cfg.optimizer.torch_class
     optimizer = cls(model.parameters(), **kernel_options(cls, dict(cfg.optimizer.params)))
     scheduler = build_scheduler(cfg.scheduler, optimizer)
