@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from zeromem import cli
-from zeromem.planning.bench import Bench, Result, table
+from zeromem.config.rules import ConfigError
+from zeromem.planning.bench import Bench, Result, resolved_config, table
 
 TESTS = Path(__file__).resolve().parent.parent
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -86,6 +87,22 @@ def test_a_system_that_fails_is_reported_beside_the_others_and_the_run_exits_1(t
     tried = [line for line in out.err.splitlines() if line.startswith("rep ")]
     assert [line.split()[:3] for line in tried] == [["rep", "0", "ddp"], ["rep", "0", "zeromem"]]
     assert all("failed:" in line for line in tried)  # and not tried again in the second rep
+
+
+def test_every_system_gets_the_batch_deepspeed_resolves_from_the_config():
+    """train_batch_size with one of the other two gives the third, per DeepSpeed's rules, on
+    the bench's ranks; "auto" (the HF Trainer's to fill) counts as absent."""
+    def batch(config: dict, world: int) -> list:
+        resolved = resolved_config(config, world, stage="3")
+        assert resolved["zero_optimization"]["stage"] == 3
+        return [resolved[k] for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                      "gradient_accumulation_steps")]
+    assert batch({"train_batch_size": 16, "gradient_accumulation_steps": 2}, 2) == [16, 4, 2]
+    assert batch({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, 4) == [16, 2, 2]
+    assert batch({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 3,
+                  "gradient_accumulation_steps": "auto"}, 2) == [6, 3, 1]
+    with pytest.raises(ConfigError, match="not divisible"):
+        batch({"train_batch_size": 10, "gradient_accumulation_steps": 2}, 4)
 
 
 def test_the_table_gives_ratios_to_ddp_and_the_skipped_systems():

@@ -42,11 +42,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeromem.config.rules import resolve_batch
 from zeromem.planning.activation_trace import example_inputs, find_blocks
 from zeromem.planning.calibrate import run_ranks
 from zeromem.planning.model_shapes import config_dict, build_real, read_dims
 
 BASELINES = ("ddp", "fsdp2")
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ def unavailable(systems: tuple[str, ...]) -> dict[str, str]:
 def run(bench: Bench, echo: Callable[[str], None] = print) -> dict[str, Result]:
     """Every available system's trials, round-robin; by system, in `bench.systems` order."""
     check_systems(bench.systems)
+    resolved_config(bench.config, bench.nproc)  # a batch that cannot resolve fails here, once
     systems = [s for s in bench.systems if s not in unavailable(bench.systems)]
     results = {s: Result() for s in systems}
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= bench.nproc \
@@ -150,7 +153,7 @@ def _trial(rank: int, world_size: int, bench: Bench, system: str) -> dict:
     torch.manual_seed(0)
     model = build_real(bench.model).to(device)
     step, stage = _system(system, model, bench.config, device, world_size)
-    config = _filled(bench.config)
+    config = resolved_config(bench.config, world_size)
     seconds, losses = [], []
     for i in range(bench.warmup + bench.steps):
         batches = [_batch(model, config, rank, i, micro, bench.seq, device)
@@ -197,21 +200,22 @@ def _loss(output: Any) -> torch.Tensor:
 Step = Callable[[list[tuple[tuple, dict]]], float]
 
 
-def _filled(config: dict, stage: str = "") -> dict:
-    """`config` with its batch keys filled (per rank) and the ZeRO stage `stage` if given."""
-    config = {**config, "zero_optimization": {**config.get("zero_optimization", {}),
-                                              **({"stage": int(stage)} if stage else {})}}
-    config.setdefault("train_micro_batch_size_per_gpu", 1)
-    config.setdefault("gradient_accumulation_steps", 1)
-    config.pop("train_batch_size", None)  # implied by the other two and the world size
-    return config
+def resolved_config(config: dict, world_size: int, stage: str = "") -> dict:
+    """`config` with its batch triple resolved as DeepSpeed resolves it on `world_size` ranks
+    ("auto", which Hugging Face's Trainer fills, counts as not given), and the ZeRO stage
+    `stage` if given."""
+    given = [config.get(key) if config.get(key) != "auto" else None for key in BATCH_KEYS]
+    train, micro, gas = resolve_batch(given[0], given[1], given[2], world_size)
+    return {**config, **dict(zip(BATCH_KEYS, (train, micro, gas))),
+            "zero_optimization": {**config.get("zero_optimization", {}),
+                                  **({"stage": int(stage)} if stage else {})}}
 
 
 def _system(system: str, model: nn.Module, config: dict, device: torch.device,
             world_size: int) -> tuple[Step, int | None]:
     """The step function of `system` over `model`, and the ZeRO stage its engine runs."""
     name, _, stage = system.partition("-")
-    config = _filled(config, stage)
+    config = resolved_config(config, world_size, stage)
     if name in BASELINES:
         return _torch_step(name, model, config, device, world_size), None
     if name == "deepspeed":
