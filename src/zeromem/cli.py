@@ -8,7 +8,7 @@
     zeromem import-deepspeed deepspeed_checkpoints/ checkpoints/
     zeromem launch --num_gpus 8 train.py --deepspeed ds_config.json
     zeromem accelerate-launch --config_file deepspeed_zero3.yaml train.py
-    zeromem bench examples/gpt.py:small --config examples/configs/stage2.json
+    zeromem bench examples/gpt.py:GPT --config examples/configs/stage2.json
 
 A subcommand is a `Command`: its help line, a function adding its arguments to
 its parser, and a function running it (returning the exit status). Adding one is
@@ -298,20 +298,13 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_bench(args: argparse.Namespace) -> int:
     from zeromem.config.schema import Config
-    from zeromem.planning.bench import Bench, run, table, unavailable
+    from zeromem.planning.bench import Bench, as_json, run, table
 
     config, _ = Config.read(args.config)
     bench = Bench(args.model, config, args.nproc, tuple(s for s in args.systems.split(",") if s),
                   args.reps, args.warmup, args.steps, args.seq)
     results = run(bench, echo=lambda line: print(line, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps({"systems": {s: {"step_s": r.step_s, "seconds": r.seconds,
-                                          "peak_bytes": r.peak_bytes, "losses": r.losses,
-                                          "stage": r.stage} if r.error is None else
-                                      {"error": r.error} for s, r in results.items()},
-                          "skipped": unavailable(bench.systems)}, indent=2))
-    else:
-        print(table(bench, results))
+    print(json.dumps(as_json(bench, results), indent=2) if args.json else table(bench, results))
     return 1 if any(r.error is not None for r in results.values()) else 0
 
 

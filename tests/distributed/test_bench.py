@@ -4,7 +4,7 @@ Timings are never asserted (they live in the benchmarks). What is: every system 
 the same model from the same weights on the same batches with the config's optimizer,
 clipping, scheduler and accumulation, so in fp32 their losses agree at the first step and
 after training; each stage asked for is the stage run; a system the command does not
-know is refused by name; a system that fails is reported with its error while the others
+know, or zero timed steps, is refused by name; a system that fails is reported with its error while the others
 run; the table says which systems were skipped.
 """
 from __future__ import annotations
@@ -62,13 +62,19 @@ def test_each_system_runs_the_stage_it_names(benched):
     assert stages == {"ddp": None, "fsdp2": None, "zeromem": 2, "zeromem-3": 3}
 
 
-def test_an_unknown_system_is_refused_by_name(tmp_path, capsys):
+def test_bad_input_is_refused_by_name_and_skipped_systems_are_said(tmp_path, capsys):
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(CONFIG))
-    for bad in ("zeromem-4", "fsdp2-3", "megatron"):
-        assert cli.main(["bench", f"{TESTS / 'models.py'}:TinyLM", "--config", str(config),
-                         "--systems", f"ddp,{bad}"]) == 2
+    model = f"{TESTS / 'models.py'}:TinyLM"
+    for bad in ("zeromem-4", "fsdp2-3", "megatron", "zeromem-"):
+        assert cli.main(["bench", model, "--config", str(config), "--systems", f"ddp,{bad}"]) == 2
         assert repr(bad) in capsys.readouterr().err
+    assert cli.main(["bench", model, "--config", str(config), "--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    if importlib.util.find_spec("deepspeed") is None:  # nothing left to run: said, not a crash
+        assert cli.main(["bench", model, "--config", str(config), "--systems", "deepspeed"]) == 0
+        assert capsys.readouterr().out.splitlines()[-1] == \
+            "skipped deepspeed: deepspeed is not installed"
 
 
 def test_a_system_that_fails_is_reported_beside_the_others_and_the_run_exits_1(tmp_path, capsys):

@@ -48,6 +48,8 @@ from zeromem.planning.calibrate import run_ranks
 from zeromem.planning.model_shapes import config_dict, build_real, read_dims
 
 BASELINES = ("ddp", "fsdp2")
+ENGINES = ("zeromem", "deepspeed")
+SYSTEMS = BASELINES + ENGINES + tuple(f"{e}-{stage}" for e in ENGINES for stage in range(4))
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -83,9 +85,7 @@ class Result:
 def check_systems(systems: tuple[str, ...]) -> None:
     """Refuse a system this command does not know, naming it."""
     for system in systems:
-        name, _, stage = system.partition("-")
-        if name not in BASELINES + ("zeromem", "deepspeed") or (
-                stage and (name in BASELINES or stage not in "0123" or len(stage) != 1)):
+        if system not in SYSTEMS:
             raise ValueError(f"unknown system {system!r}: ddp, fsdp2, zeromem, deepspeed, or "
                              "zeromem-S / deepspeed-S for ZeRO stage S (0-3)")
 
@@ -100,8 +100,12 @@ def unavailable(systems: tuple[str, ...]) -> dict[str, str]:
 def run(bench: Bench, echo: Callable[[str], None] = print) -> dict[str, Result]:
     """Every available system's trials, round-robin; by system, in `bench.systems` order."""
     check_systems(bench.systems)
+    if bench.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {bench.steps}")
     resolved_config(bench.config, bench.nproc)  # a batch that cannot resolve fails here, once
     systems = [s for s in bench.systems if s not in unavailable(bench.systems)]
+    if not systems:  # all skipped (`table` says why)
+        return {}
     results = {s: Result() for s in systems}
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= bench.nproc \
         else "gloo"
@@ -143,6 +147,14 @@ def table(bench: Bench, results: dict[str, Result]) -> str:
     return "\n".join(lines)
 
 
+def as_json(bench: Bench, results: dict[str, Result]) -> dict:
+    """Every step's time and loss by system (or its error), and the systems skipped."""
+    return {"systems": {s: {"error": r.error} if r.error is not None else
+                        {"step_s": r.step_s, "seconds": r.seconds, "peak_bytes": r.peak_bytes,
+                         "losses": r.losses, "stage": r.stage} for s, r in results.items()},
+            "skipped": unavailable(bench.systems)}
+
+
 # ---------------------------------------------------------------- one trial, on each rank
 
 def _trial(rank: int, world_size: int, bench: Bench, system: str) -> dict:
@@ -152,11 +164,12 @@ def _trial(rank: int, world_size: int, bench: Bench, system: str) -> dict:
     memory = _PeakMemory(device)
     torch.manual_seed(0)
     model = build_real(bench.model).to(device)
-    step, stage = _system(system, model, bench.config, device, world_size)
     config = resolved_config(bench.config, world_size)
+    inputs = _Inputs.of(model, config["train_micro_batch_size_per_gpu"], bench.seq)
+    step, stage = _system(system, model, bench.config, device, world_size)
     seconds, losses = [], []
     for i in range(bench.warmup + bench.steps):
-        batches = [_batch(model, config, rank, i, micro, bench.seq, device)
+        batches = [inputs.batch(1_000_003 * rank + 1009 * i + micro, device)
                    for micro in range(config["gradient_accumulation_steps"])]
         dist.barrier()
         started = time.perf_counter()
@@ -177,16 +190,28 @@ def _mean_over_ranks(value: float, device: torch.device, world_size: int) -> flo
     return float(total) / world_size
 
 
-def _batch(model: nn.Module, config: dict, rank: int, step: int, micro: int, seq: int,
-           device: torch.device) -> tuple[tuple, dict]:
-    """The (args, kwargs) of one micro-batch: token ids drawn from (rank, step, micro), the
-    same in every system; `seq` tokens, or the model's context where that is shorter."""
-    torch.manual_seed(1_000_003 * rank + 1009 * step + micro)
-    vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
-                default=2)
-    seq = min(seq, read_dims(config_dict(getattr(model, "config", None))).get("positions", seq))
-    args, kwargs = example_inputs(model, config["train_micro_batch_size_per_gpu"], seq, vocab)
-    return (tuple(a.to(device) for a in args), {k: v.to(device) for k, v in kwargs.items()})
+@dataclass(frozen=True)
+class _Inputs:
+    """The model's micro-batches: token ids of its vocabulary, `seq` long (or its context,
+    where that is shorter), as its forward takes them (`example_inputs`)."""
+
+    model: nn.Module
+    micro_batch: int
+    seq: int
+    vocab: int
+
+    @classmethod
+    def of(cls, model: nn.Module, micro_batch: int, seq: int) -> _Inputs:
+        context = read_dims(config_dict(getattr(model, "config", None))).get("positions", seq)
+        vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
+                    default=2)
+        return cls(model, micro_batch, min(seq, context), vocab)
+
+    def batch(self, seed: int, device: torch.device) -> tuple[tuple, dict]:
+        """(args, kwargs) drawn from `seed`: the same in every system."""
+        torch.manual_seed(seed)
+        args, kwargs = example_inputs(self.model, self.micro_batch, self.seq, self.vocab)
+        return tuple(a.to(device) for a in args), {k: v.to(device) for k, v in kwargs.items()}
 
 
 def _loss(output: Any) -> torch.Tensor:
@@ -226,7 +251,7 @@ def _system(system: str, model: nn.Module, config: dict, device: torch.device,
         import zeromem
         engine = zeromem.initialize(model, config)
     else:
-        check_systems((system,))
+        raise ValueError(f"not an engine: {system!r}")
 
     def engine_step(batches: list[tuple[tuple, dict]]) -> float:
         first = None
