@@ -16,10 +16,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from zeromem import cli
 from zeromem.config.rules import ConfigError
-from zeromem.planning.bench import Bench, Result, resolved_config, table
+from zeromem.planning.bench import Bench, Result, _Inputs, resolved_config, table
+from zeromem.planning.model_shapes import shape_of
 
 TESTS = Path(__file__).resolve().parent.parent
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -120,3 +123,33 @@ def test_the_table_gives_ratios_to_ddp_and_the_skipped_systems():
     assert lines[2].split() == ["zeromem", "150.0", "0.50", "3.0", "2.500000", "2.000000"]
     if importlib.util.find_spec("deepspeed") is None:
         assert lines[3] == "skipped deepspeed: deepspeed is not installed"
+
+
+class CharLM(nn.Module):
+    """A character-level model: 65 tokens, a 256-position table (larger than the vocabulary).
+    With a config (nanoGPT's), the position table comes first: only the config tells."""
+
+    def __init__(self, config: dict | None = None):
+        super().__init__()
+        if config is not None:
+            self.config = config
+            self.positions = nn.Embedding(256, 8)
+        self.tokens, self.positions = nn.Embedding(65, 8), nn.Embedding(256, 8)
+        self.head = nn.Linear(8, 65)
+
+    def forward(self, idx, targets):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("config", [None, {"vocab_size": 65, "block_size": 256}])
+def test_tokens_are_drawn_from_the_vocabulary_not_the_largest_embedding(config):
+    """The position table outnumbers the vocabulary: tokens drawn up to its size index out
+    of the token embedding in every system (the bench failed them all), and the planner
+    sized the logits by it."""
+    model = CharLM(config)
+    inputs = _Inputs.of(model, micro_batch=4, seq=200)
+    (tokens, targets), _ = inputs.batch(seed=0, device=torch.device("cpu"))
+    assert inputs.vocab == 65 and int(tokens.max()) < 65 and int(targets.max()) < 65
+    assert shape_of(model, config).vocab == 65
+    model(tokens, targets)

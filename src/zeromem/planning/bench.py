@@ -45,7 +45,7 @@ from torch import nn
 from zeromem.config.rules import resolve_batch
 from zeromem.planning.activation_trace import example_inputs, find_blocks
 from zeromem.planning.calibrate import run_ranks
-from zeromem.planning.model_shapes import config_dict, build_real, read_dims
+from zeromem.planning.model_shapes import build_real, config_dict, model_dims
 
 BASELINES = ("ddp", "fsdp2")
 ENGINES = ("zeromem", "deepspeed")
@@ -202,10 +202,8 @@ class _Inputs:
 
     @classmethod
     def of(cls, model: nn.Module, micro_batch: int, seq: int) -> _Inputs:
-        context = read_dims(config_dict(getattr(model, "config", None))).get("positions", seq)
-        vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
-                    default=2)
-        return cls(model, micro_batch, min(seq, context), vocab)
+        dims = model_dims(model, config_dict(getattr(model, "config", None)))
+        return cls(model, micro_batch, min(seq, dims.get("positions", seq)), dims.get("vocab", 2))
 
     def batch(self, seed: int, device: torch.device) -> tuple[tuple, dict]:
         """(args, kwargs) drawn from `seed`: the same in every system."""

@@ -225,15 +225,30 @@ def read_dims(cfg: dict) -> dict[str, int]:
     return dims
 
 
+def _token_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The embedding of the input tokens: a Hugging Face model names it, else the first one
+    (not the largest: a character-level model's position table outnumbers its vocabulary)."""
+    named = getattr(model, "get_input_embeddings", None)
+    found = named() if callable(named) else None
+    if isinstance(found, nn.Embedding):
+        return found
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
 def _dims_from_modules(model: nn.Module) -> dict[str, int]:
-    """Fallback sizes read off the modules: embeddings and the longest ModuleList."""
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    """Fallback sizes read off the modules: the token embedding and the longest ModuleList."""
     lists = [len(m) for m in model.modules() if isinstance(m, nn.ModuleList)]
     dims = {"layers": max(lists, default=1)}
-    if embeddings:
-        dims["hidden"] = embeddings[0].embedding_dim
-        dims["vocab"] = max(e.num_embeddings for e in embeddings)
+    tokens = _token_embedding(model)
+    if tokens is not None:
+        dims["hidden"] = tokens.embedding_dim
+        dims["vocab"] = tokens.num_embeddings
     return dims
+
+
+def model_dims(model: nn.Module, cfg: dict | None = None) -> dict[str, int]:
+    """`model`'s sizes: its config's (`read_dims`) where it names them, else its modules'."""
+    return {**_dims_from_modules(model), **read_dims(cfg or {})}
 
 
 def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
@@ -243,8 +258,7 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
     Dimensions come from `overrides`, then `cfg` (a model config), then the modules.
     `bucket_numel`: the run's reduce_bucket_size, which caps merged fetch units.
     """
-    dims = {**_dims_from_modules(model), **read_dims(cfg or {}),
-            **{k: v for k, v in overrides.items() if v}}
+    dims = {**model_dims(model, cfg), **{k: v for k, v in overrides.items() if v}}
     hidden = dims.get("hidden") or 1
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     muon = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and uses_muon(n, p))
