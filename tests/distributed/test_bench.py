@@ -60,6 +60,23 @@ def test_every_system_trains_the_same_model_on_the_same_batches(benched):
     assert abs(losses["ddp"][-1] - losses["ddp"][0]) > 1e-2  # it trained
 
 
+
+def test_ddp_trains_with_muon_as_zeromem_does_and_fsdp2_is_skipped(tmp_path, capsys):
+    """The config's Muon steps the matrices (use_muon) and Adam the rest; the DDP baseline
+    gave every parameter to Adam, so its losses differed from zeromem's at the second step.
+    FSDP2 shards each matrix, which Muon steps whole: skipped, and the table says why."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization":
+                                  {"stage": 2}, "optimizer": {"type": "Muon",
+                                                              "params": {"lr": 0.05}}}))
+    assert cli.main(["bench", f"{TESTS / 'models.py'}:TinyLM", "--config", str(config),
+                     "--systems", "ddp,fsdp2,zeromem", "--reps", "1", "--warmup", "0",
+                     "--steps", "3", "--seq", "5", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert list(got["systems"]) == ["ddp", "zeromem"] and "Muon" in got["skipped"]["fsdp2"]
+    ddp, zero = (got["systems"][s]["losses"] for s in ("ddp", "zeromem"))
+    assert zero == pytest.approx(ddp, abs=1e-5) and abs(ddp[-1] - ddp[0]) > 1e-2
+
 def test_each_system_runs_the_stage_it_names(benched):
     stages = {name: r["stage"] for name, r in benched["systems"].items()}
     assert stages == {"ddp": None, "fsdp2": None, "zeromem": 2, "zeromem-3": 3}

@@ -90,11 +90,16 @@ def check_systems(systems: tuple[str, ...]) -> None:
                              "zeromem-S / deepspeed-S for ZeRO stage S (0-3)")
 
 
-def unavailable(systems: tuple[str, ...]) -> dict[str, str]:
-    """Why a system cannot run here (its library is not installed), by system."""
+def unavailable(bench: Bench) -> dict[str, str]:
+    """Why a system cannot run this bench here, by system: its library is not installed, or
+    it cannot train with the config's optimizer."""
+    why = {}
     if importlib.util.find_spec("deepspeed") is None:
-        return {s: "deepspeed is not installed" for s in systems if s.startswith("deepspeed")}
-    return {}
+        why |= {s: "deepspeed is not installed" for s in bench.systems if s.startswith("deepspeed")}
+    if (bench.config.get("optimizer") or {}).get("type", "").lower() == "muon":
+        why |= {s: "Muon steps each matrix whole; FSDP2 shards it and torch has no Muon for "
+                   "its shards" for s in bench.systems if s == "fsdp2"}
+    return why
 
 
 def run(bench: Bench, echo: Callable[[str], None] = print) -> dict[str, Result]:
@@ -103,7 +108,8 @@ def run(bench: Bench, echo: Callable[[str], None] = print) -> dict[str, Result]:
     if bench.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {bench.steps}")
     resolved_config(bench.config, bench.nproc)  # a batch that cannot resolve fails here, once
-    systems = [s for s in bench.systems if s not in unavailable(bench.systems)]
+    skipped = unavailable(bench)
+    systems = [s for s in bench.systems if s not in skipped]
     if not systems:  # all skipped (`table` says why)
         return {}
     results = {s: Result() for s in systems}
@@ -143,7 +149,7 @@ def table(bench: Bench, results: dict[str, Result]) -> str:
         ratio = f"{r.step_s / ddp.step_s:.2f}" if ddp is not None and ddp.seconds else "-"
         lines.append(f"{system:<14}{1e3 * r.step_s:>10.1f}{ratio:>8}"
                      f"{r.peak_bytes / 1e6:>10.1f}{r.losses[0]:>14.6f}{r.losses[-1]:>14.6f}")
-    lines += [f"skipped {s}: {why}" for s, why in unavailable(bench.systems).items()]
+    lines += [f"skipped {s}: {why}" for s, why in unavailable(bench).items()]
     return "\n".join(lines)
 
 
@@ -152,7 +158,7 @@ def as_json(bench: Bench, results: dict[str, Result]) -> dict:
     return {"systems": {s: {"error": r.error} if r.error is not None else
                         {"step_s": r.step_s, "seconds": r.seconds, "peak_bytes": r.peak_bytes,
                          "losses": r.losses, "stage": r.stage} for s, r in results.items()},
-            "skipped": unavailable(bench.systems)}
+            "skipped": unavailable(bench)}
 
 
 # ---------------------------------------------------------------- one trial, on each rank
@@ -269,7 +275,7 @@ def _torch_step(name: str, model: nn.Module, config: dict, device: torch.device,
     """DDP or FSDP2 over `model`, with the config's optimizer, clipping and scheduler on
     whole parameters, and its precision as torch users set it."""
     from zeromem.config.schema import Config
-    from zeromem.optim.factory import kernel_options
+    from zeromem.optim.factory import kernel_options, optimizer_param_groups
     from zeromem.optim.schedulers import build_scheduler
     cfg = Config.load(config, world_size=world_size)
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
@@ -277,7 +283,9 @@ def _torch_step(name: str, model: nn.Module, config: dict, device: torch.device,
     if cfg.optimizer is None:
         raise ValueError("the config names no optimizer: DDP and FSDP2 train with the config's")
     cls = cfg.optimizer.torch_class
-    optimizer = cls(model.parameters(), **kernel_options(cls, dict(cfg.optimizer.params)))
+    # Muon's matrices and the rest in groups of their own, as zeromem and DeepSpeed group them
+    groups = optimizer_param_groups(cfg.optimizer, model, None)
+    optimizer = cls(groups, **kernel_options(cls, dict(cfg.optimizer.params)))
     scheduler = build_scheduler(cfg.scheduler, optimizer)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     clip = float(cfg.gradient_clipping or 0.0)
