@@ -22,7 +22,7 @@ from torch import nn
 from zeromem import cli
 from zeromem.config.rules import ConfigError
 from zeromem.planning.bench import Bench, Result, _Inputs, resolved_config, table
-from zeromem.planning.model_shapes import shape_of
+from zeromem.planning.model_shapes import load_hf_model, shape_of
 
 TESTS = Path(__file__).resolve().parent.parent
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -170,3 +170,21 @@ def test_tokens_are_drawn_from_the_vocabulary_not_the_largest_embedding(config):
     assert inputs.vocab == 65 and int(tokens.max()) < 65 and int(targets.max()) < 65
     assert shape_of(model, config).vocab == 65
     model(tokens, targets)
+
+
+def test_a_vision_config_builds_its_named_head_and_gets_images():
+    """A config saved with `architectures` (ViTForImageClassification) is built as that
+    class, as from_pretrained builds it (the auto classes gave the headless ViTModel, which
+    returns no loss), and its forward gets images of the config's size and class labels
+    (token ids failed in every system)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=32, image_size=(16, 24), patch_size=8,
+                                    num_channels=2, num_labels=5,
+                                    architectures=["ViTForImageClassification"])
+    model = load_hf_model({**config.to_dict(), "model_type": "vit"}, "cpu")
+    assert type(model).__name__ == "ViTForImageClassification"
+    args, kwargs = _Inputs.of(model, micro_batch=3, seq=7).batch(seed=0, device=torch.device("cpu"))
+    assert args == () and kwargs["pixel_values"].shape == (3, 2, 16, 24)
+    assert kwargs["labels"].shape == (3,) and int(kwargs["labels"].max()) < 5
+    assert model(**kwargs).loss.numel() == 1

@@ -162,15 +162,29 @@ def example_inputs(model: nn.Module, micro_batch: int, seq: int, vocab: int) -> 
     """(args, kwargs) of a language model's training forward: token ids and targets.
 
     The forward's parameter names decide: `input_ids` + `labels` (Hugging Face), else the
-    first parameter gets tokens and a `targets`-like second one the same shape again.
+    first parameter gets tokens and a `targets`-like second one the same shape again. A
+    Hugging Face vision model (`pixel_values`) gets images of its config's size and class
+    labels instead.
     """
     names = list(inspect.signature(model.forward).parameters)
+    if "pixel_values" in names:
+        return (), _images(getattr(model, "config", None), micro_batch, "labels" in names)
     tokens = torch.randint(0, max(vocab, 2), (micro_batch, seq))
     targets = torch.randint(0, max(vocab, 2), (micro_batch, seq))
     if "input_ids" in names:
         return (), {"input_ids": tokens, **({"labels": targets} if "labels" in names else {})}
     target = next((n for n in names[1:] if n in _TARGET_NAMES), None)
     return ((tokens, targets) if target == names[1] else (tokens,)), {}
+
+
+def _images(config: object, micro_batch: int, labelled: bool) -> dict:
+    """Random images as the config sizes them (`image_size`, `num_channels`), and a class of
+    `num_labels` for each."""
+    size = getattr(config, "image_size", 224)
+    height, width = (size, size) if isinstance(size, int) else size
+    images = torch.randn(micro_batch, getattr(config, "num_channels", 3), height, width)
+    labels = torch.randint(0, max(getattr(config, "num_labels", 2), 2), (micro_batch,))
+    return {"pixel_values": images, **({"labels": labels} if labelled else {})}
 
 
 def trace_activations(model: nn.Module, micro_batch: int, seq: int, dtype: torch.dtype,

@@ -180,9 +180,10 @@ def build_real(spec: str) -> nn.Module:
 
 
 def load_hf_model(cfg: dict, device: str = "meta") -> nn.Module | None:
-    """The real Hugging Face model a config dict describes, on the meta device; None when
-    transformers is not installed or does not know the `model_type` (nothing is downloaded).
-    Its forward is what `planning/activation_trace.py` traces."""
+    """The real Hugging Face model a config dict describes, on the meta device: the class its
+    `architectures` names, else the first auto class that knows its `model_type`; None when
+    transformers is not installed or knows neither (nothing is downloaded). Its forward is
+    what `planning/activation_trace.py` traces."""
     try:
         import transformers
     except ImportError:
@@ -195,6 +196,11 @@ def load_hf_model(cfg: dict, device: str = "meta") -> nn.Module | None:
                                                            if k != "model_type"})
     except (ValueError, KeyError):
         return None
+    named = [getattr(transformers, a) for a in cfg.get("architectures") or ()
+             if isinstance(getattr(transformers, a, None), type)]
+    if named:  # the head the config was saved with (a classifier's, say), as from_pretrained builds
+        with torch.device(device):
+            return named[0]._from_config(config)
     for name in _AUTO_CLASSES:
         try:
             with torch.device(device):
