@@ -14,7 +14,8 @@ from zeromem.memory import model_state_formula
 from zeromem.planning.estimate import deepspeed_estimate, max_params, parse_bytes, parse_count
 from zeromem.planning.shape_memory import (ModelShape, Widths, ZeroLayout, activation_memory,
                                            exact_model_states, paper_activation_bytes)
-from zeromem.planning.planner import Hardware, Setup, Workload, estimate, load_model, plan, shape_of
+from zeromem.planning.planner import (Hardware, Setup, Workload, estimate, load_model,
+                                      model_flops, plan, shape_of)
 from zeromem.planning.report import load_ledgers, write_report
 
 GB = 1e9
@@ -283,3 +284,40 @@ def test_report_writes_a_png_and_a_table(tmp_path, capsys):
     listed.write_text(json.dumps([_ledger(1, 4), _ledger(2, 4)]))
     png, _ = write_report(load_ledgers(listed), tmp_path / "list")
     assert png.exists()
+
+
+def test_a_mixture_of_experts_config_is_counted_whole_and_computes_with_its_top_k(tmp_path):
+    """A config JSON is planned from the model transformers builds from it: the dense
+    stand-in counted one MLP a layer, so Mixtral 8x7B came out as 7.24B parameters (46.7B).
+    Compute counts the experts a token passes through: its top-k (2 of 8)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=100, hidden_size=16, intermediate_size=24,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=8,
+                                        num_experts_per_tok=2)
+    path = tmp_path / "mixtral.json"
+    path.write_text(json.dumps({**config.to_dict(), "model_type": "mixtral"}))
+    model, cfg = load_model(str(path))
+    shape = shape_of(model, cfg)
+    real = transformers.MixtralForCausalLM(config)
+    assert shape.psi == sum(p.numel() for p in real.parameters())
+    experts = sum(p.numel() for n, p in real.named_parameters() if ".experts." in n)
+    assert experts == 2 * 8 * 3 * 16 * 24  # layers x experts x (gate, up, down) x h x inner
+    assert shape.active_numel == shape.psi - experts * 6 // 8
+    work = Workload(micro_batch=1, seq=8)
+    assert model_flops(shape, work) == (6 * shape.active_numel + 12 * 2 * 16 * 8) * 8
+
+
+def test_a_config_the_stand_in_cannot_count_is_refused_by_its_key(tmp_path):
+    """Without a transformers model for its model_type, an expert or encoder-decoder config
+    would be planned as a dense decoder: refused, naming the key."""
+    dense = {"model_type": "not-a-model", "num_hidden_layers": 2, "hidden_size": 16,
+             "num_attention_heads": 4, "vocab_size": 100}
+    for extra, key in (({"num_local_experts": 8}, "num_local_experts"),
+                       ({"is_encoder_decoder": True}, "is_encoder_decoder")):
+        path = tmp_path / "model.json"
+        path.write_text(json.dumps({**dense, **extra}))
+        with pytest.raises(ValueError, match=key):
+            load_model(str(path))
+    path.write_text(json.dumps(dense))
+    assert type(load_model(str(path))[0]).__name__ == "ConfigGPT"  # a dense one is stood in for

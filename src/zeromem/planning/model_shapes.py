@@ -2,9 +2,9 @@
 
 `load_model` builds a model without allocating it, from a factory path
 (`package.module:function` or `path/file.py:function`) or from a Hugging
-Face-style config JSON (GPT-2, Llama and look-alikes), which becomes
-`ConfigGPT`: a stand-in with the parameter shapes and module structure the config
-describes. `shape_of` reads a model's parameter sizes, fetch units and
+Face-style config JSON: the model transformers builds from it, or, without
+transformers, `ConfigGPT`: a dense stand-in (GPT-2, Llama and look-alikes) with the
+parameter shapes and module structure the config describes. `shape_of` reads a model's parameter sizes, fetch units and
 dimensions into the `ModelShape` that `planning/planner.py` and `planning/shape_memory.py` compute
 memory from.
 """
@@ -146,14 +146,34 @@ def _import_factory(spec: str):
     return getattr(module, name)
 
 
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _check_stand_in(spec: str, cfg: dict) -> None:
+    """Refuse a config `ConfigGPT` cannot stand in for: it has one dense MLP a layer and no
+    encoder, so it would count a fraction of an expert or encoder-decoder model."""
+    kind = next((k for k in _EXPERT_KEYS if cfg.get(k)), None) or \
+        ("is_encoder_decoder" if cfg.get("is_encoder_decoder") else None)
+    if kind is not None:
+        raise ValueError(f"{spec}: its {kind} describes a model the planner's dense stand-in "
+                         f"cannot count; install transformers (which knows model_type "
+                         f"{cfg.get('model_type')!r}) to plan it")
+
+
 def load_model(spec: str) -> tuple[nn.Module, dict]:
     """(model built on the meta device, its config as a dict) from a factory path or a JSON file.
 
     `spec` is "package.module:function" (or "path/file.py:function"), called with no
-    arguments, or the path of a Hugging Face-style config JSON (nothing is downloaded).
+    arguments, or the path of a Hugging Face-style config JSON (nothing is downloaded): the
+    model transformers builds from it (`load_hf_model`), else, without transformers or for a
+    model_type it does not know, the dense `ConfigGPT` stand-in.
     """
     if spec.endswith(".json"):
         cfg = json.loads(Path(spec).read_text(encoding="utf-8"))
+        model = load_hf_model(cfg)
+        if model is not None:
+            return model, cfg
+        _check_stand_in(spec, cfg)
         with torch.device("meta"):
             return ConfigGPT(arch_from_config(cfg)), cfg
     if ":" not in spec:
@@ -289,4 +309,20 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
                       dims.get("heads", max(1, hidden // 64)), dims.get("vocab", 0),
                       dims.get("intermediate", 4 * hidden), dims.get("positions"), unmerged,
                       merged_unit_numels(frozen_unmerged, caps), frozen_unmerged,
-                      frozen_bytes / frozen if frozen else 4.0, muon)
+                      frozen_bytes / frozen if frozen else 4.0, muon, _idle_experts(model, cfg or {}))
+
+
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k")
+
+
+def _idle_experts(model: nn.Module, cfg: dict) -> int:
+    """The trainable expert elements (under a module named `experts`; a shared expert is
+    not one) a token skips: all but the config's top-k of its experts. 0 where the config
+    does not say how many experts there are and how many a token takes."""
+    count = next((int(cfg[k]) for k in _EXPERT_KEYS if cfg.get(k)), 0)
+    top_k = next((int(cfg[k]) for k in _TOP_K_KEYS if cfg.get(k)), 0)
+    if not count or not top_k or top_k >= count:
+        return 0
+    experts = sum(p.numel() for name, p in model.named_parameters()
+                  if p.requires_grad and "experts" in name.split("."))
+    return experts * (count - top_k) // count

@@ -257,9 +257,10 @@ class StepTime:
 
 
 def model_flops(shape: ModelShape, work: Workload) -> float:
-    """Forward + backward FLOPs of one micro-batch on one rank: (6Ψ + 12·L·h·s) per token."""
+    """Forward + backward FLOPs of one micro-batch on one rank: (6Ψ + 12·L·h·s) per token,
+    Ψ the parameters a token computes with (a mixture of experts': its top-k experts only)."""
     tokens = work.micro_batch * work.seq
-    return (6 * shape.psi + 12 * shape.layers * shape.hidden * work.seq) * tokens / work.mp
+    return (6 * shape.active_numel + 12 * shape.layers * shape.hidden * work.seq) * tokens / work.mp
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,9 @@ class ModelShape:
     hand: then `frozen_numel` counts as one such unit). `frozen_width`: their bytes per
     element as the model holds them, which an fp32 run keeps (a precision block casts
     them to its own). `muon_numel`: the trainable elements the config's Muon would step
-    as matrices (optim/muon.py `uses_muon`).
+    as matrices (optim/muon.py `uses_muon`). `idle_expert_numel`: in a mixture of experts,
+    the expert elements a token does not pass through (all the experts' but the top-k's
+    share), which a step stores but does not compute with.
     """
 
     name: str
@@ -70,10 +72,16 @@ class ModelShape:
     frozen_unmerged: tuple[UnmergedUnit, ...] = ()
     frozen_width: float = 4.0
     muon_numel: int = 0
+    idle_expert_numel: int = 0
 
     @property
     def psi(self) -> int:
         return sum(self.param_numels)
+
+    @property
+    def active_numel(self) -> int:
+        """The elements each token's forward and backward compute with."""
+        return self.psi - self.idle_expert_numel
 
     def with_unit_caps(self, caps: UnitCaps) -> ModelShape:
         """This shape with its fetch units merged as the engine merges them under `caps`."""
