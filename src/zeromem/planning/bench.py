@@ -93,7 +93,7 @@ def check_systems(systems: tuple[str, ...]) -> None:
 def unavailable(bench: Bench) -> dict[str, str]:
     """Why a system cannot run this bench here, by system: its library is not installed, or
     it cannot train with the config's optimizer."""
-    why = {}
+    why: dict[str, str] = {}
     if importlib.util.find_spec("deepspeed") is None:
         why |= {s: "deepspeed is not installed" for s in bench.systems if s.startswith("deepspeed")}
     if (bench.config.get("optimizer") or {}).get("type", "").lower() == "muon":

@@ -4,9 +4,9 @@
 (`package.module:function` or `path/file.py:function`) or from a Hugging
 Face-style config JSON: the model transformers builds from it, or, without
 transformers, `ConfigGPT`: a dense stand-in (GPT-2, Llama and look-alikes) with the
-parameter shapes and module structure the config describes. `shape_of` reads a model's parameter sizes, fetch units and
-dimensions into the `ModelShape` that `planning/planner.py` and `planning/shape_memory.py` compute
-memory from.
+parameter shapes and module structure the config describes. `shape_of` reads a model's
+parameter sizes, fetch units and dimensions into the `ModelShape` that
+`planning/planner.py` and `planning/shape_memory.py` compute memory from.
 """
 from __future__ import annotations
 
