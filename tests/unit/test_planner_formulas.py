@@ -306,6 +306,7 @@ def test_a_mixture_of_experts_config_is_counted_whole_and_computes_with_its_top_
     assert shape.active_numel == shape.psi - experts * 6 // 8
     work = Workload(micro_batch=1, seq=8)
     assert model_flops(shape, work) == (6 * shape.active_numel + 12 * 2 * 16 * 8) * 8
+    assert "of them active a token" in str(plan(shape, Hardware(2, 80 * GB), work))
 
 
 def test_a_config_the_stand_in_cannot_count_is_refused_by_its_key(tmp_path):

@@ -540,6 +540,8 @@ def _describe(p: Plan) -> list[str]:
     lines = [
         f"model     {s.name}: {format_count(s.psi)} trainable parameters"
         + (f" ({format_count(s.frozen_numel)} frozen)" if s.frozen_numel else "")
+        + (f", {format_count(s.active_numel)} of them active a token (its top-k experts)"
+           if s.idle_expert_numel else "")
         + f", {s.layers} layers, hidden {s.hidden}, {s.heads} heads, vocab {s.vocab}; "
         f"{len(s.unit_numels)} fetch units, largest {format_count(s.largest_unit)}",
         f"hardware  {hw.gpus} GPUs ({hw.nodes} node{'s' * (hw.nodes > 1)}) x "
