@@ -156,7 +156,7 @@ def _cluster_plan(args: argparse.Namespace, result):
 
 def _run_plan(args: argparse.Namespace) -> int:
     from zeromem.planning.estimate import parse_bytes
-    from zeromem.planning.model_shapes import load_hf_model
+    from zeromem.planning.model_shapes import ConfigGPT
     from zeromem.planning.plan_json import needs_nvme_path, plan_json
     from zeromem.planning.planner import Hardware, Workload, load_model, plan, shape_of
 
@@ -175,7 +175,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     workload = Workload(args.micro_batch, args.seq, args.gas, args.dtype, args.mp, args.flash)
     if args.calibrate:
         hardware = _calibrated(args, shape, hardware)
-    traced = load_hf_model(cfg) if args.model.endswith(".json") else model
+    traced = None if isinstance(model, ConfigGPT) else model  # the stand-in has no forward
     result = plan(shape, hardware, workload, units=args.units, nvme_path=args.nvme_path,
                   traced=traced)
     if needs_nvme_path(result):

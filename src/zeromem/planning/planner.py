@@ -44,7 +44,7 @@ from zeromem.planning.shape_memory import (ActivationMemory, ModelShape, ShapeMe
                                            paper_activation_bytes, rank_shards)
 from zeromem.planning.activation_trace import ActivationProfile, trace_activations
 from zeromem.planning.host_memory import OffloadBufferSizes, least_budget
-from zeromem.planning.model_shapes import load_hf_model, load_model, shape_of
+from zeromem.planning.model_shapes import ConfigGPT, load_model, shape_of
 from zeromem.stage3.units import UnitCaps
 
 if TYPE_CHECKING:
@@ -366,7 +366,7 @@ def plan(model: str | nn.Module | ModelShape, hardware: Hardware, workload: Work
     if isinstance(model, str):
         module, cfg = load_model(model)
         shape = shape_of(module, cfg, name=Path(model).stem)
-        traced = traced or (load_hf_model(cfg) if model.endswith(".json") else module)
+        traced = traced or (None if isinstance(module, ConfigGPT) else module)
     else:
         shape = model if isinstance(model, ModelShape) else shape_of(model)
         traced = traced or (model if isinstance(model, nn.Module) else None)
