@@ -22,7 +22,7 @@ from torch import nn
 from zeromem import cli
 from zeromem.config.rules import ConfigError
 from zeromem.planning.bench import Bench, Result, _Inputs, resolved_config, table
-from zeromem.planning.model_shapes import load_hf_model, shape_of
+from zeromem.planning.model_shapes import load_hf_model, model_dims, shape_of
 
 TESTS = Path(__file__).resolve().parent.parent
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -188,3 +188,25 @@ def test_a_vision_config_builds_its_named_head_and_gets_images():
     assert args == () and kwargs["pixel_values"].shape == (3, 2, 16, 24)
     assert kwargs["labels"].shape == (3,) and int(kwargs["labels"].max()) < 5
     assert model(**kwargs).loss.numel() == 1
+
+
+@pytest.mark.parametrize("kind", ["swin", "resnet"])
+def test_hierarchical_vision_configs_get_images(kind):
+    """Swin's config gives per-stage lists (`num_heads` [2, 2]) under a size's usual name,
+    which was read as one size (int() of a list), and ResNet's `get_input_embeddings` raises
+    NotImplementedError: both failed in every system before a step. Lists are not sizes, and
+    a model without token inputs has no token embedding."""
+    transformers = pytest.importorskip("transformers")
+    if kind == "swin":
+        config = transformers.SwinConfig(image_size=16, patch_size=4, embed_dim=8, depths=[1, 1],
+                                         num_heads=[2, 2], window_size=2, num_labels=3,
+                                         architectures=["SwinForImageClassification"])
+    else:
+        config = transformers.ResNetConfig(embedding_size=4, hidden_sizes=[4, 8], depths=[1, 1],
+                                           num_labels=3, architectures=["ResNetForImageClassification"])
+    model = load_hf_model({**config.to_dict(), "model_type": kind}, "cpu")
+    inputs = _Inputs.of(model, micro_batch=2, seq=7)
+    args, kwargs = inputs.batch(seed=0, device=torch.device("cpu"))
+    assert args == () and kwargs["pixel_values"].shape[:2] == (2, 3)
+    assert model(**kwargs).loss.numel() == 1
+    assert "heads" not in model_dims(model, config.to_dict())  # Swin's is one a stage

@@ -243,7 +243,9 @@ def read_dims(cfg: dict) -> dict[str, int]:
     """Sizes found under any of their usual names (`_ALIASES`); absent ones are left out."""
     dims = {}
     for key, names in _ALIASES.items():
-        value = next((cfg[n] for n in names if cfg.get(n)), None)
+        # one size: a hierarchical vision model's per-stage lists (Swin's num_heads) are not
+        value = next((cfg[n] for n in names if isinstance(cfg.get(n), (int, float, str))
+                      and not isinstance(cfg[n], bool) and cfg[n]), None)
         if value is not None:
             dims[key] = int(value)
     if "intermediate" not in dims and cfg.get("mlp_ratio") and "hidden" in dims:
@@ -255,7 +257,10 @@ def _token_embedding(model: nn.Module) -> nn.Embedding | None:
     """The embedding of the input tokens: a Hugging Face model names it, else the first one
     (not the largest: a character-level model's position table outnumbers its vocabulary)."""
     named = getattr(model, "get_input_embeddings", None)
-    found = named() if callable(named) else None
+    try:
+        found = named() if callable(named) else None
+    except NotImplementedError:  # a Hugging Face model without token inputs (ResNet)
+        found = None
     if isinstance(found, nn.Embedding):
         return found
     return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
