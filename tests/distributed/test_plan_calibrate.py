@@ -206,3 +206,21 @@ def test_a_synchronising_call_is_net_of_the_slower_ranks_delay(world):
     assert synced_0[1] == pytest.approx(max(own_0, own_1), rel=0.2)
     for wall, delay in (synced_0, synced_1):
         assert 0 < wall - delay < wall
+
+
+def _tiny_swin() -> torch.nn.Module:
+    import transformers
+    config = transformers.SwinConfig(image_size=16, patch_size=4, embed_dim=8, depths=[1, 1],
+                                     num_heads=[2, 2], window_size=2, num_labels=3)
+    return transformers.SwinForImageClassification(config)
+
+
+def test_a_vision_model_is_measured_on_images(tmp_path):
+    """The calibration's forward and backward get the batch the bench and the activation trace
+    give the model (`example_inputs`): images and class labels to a vision model. It fed every
+    Hugging Face model `input_ids`, so a Swin's rank failed ('NoneType' has no 'shape')."""
+    pytest.importorskip("transformers")
+    with torch.device("meta"):
+        shape = shape_of(_tiny_swin())
+    cal = calibrate(_tiny_swin, shape, 2, 16, 1, str(tmp_path), reps=1)
+    assert cal.forward_s > 0 and cal.backward_s > 0

@@ -14,7 +14,8 @@ import torch
 import zeromem
 from gpt import GPT
 from setups import ActivationCensus, hf_tiny_builders
-from zeromem.planning.activation_trace import example_inputs, find_blocks, trace_activations
+from zeromem.planning.activation_trace import (_trace, example_inputs, find_blocks,
+                                                  trace_activations)
 
 MICRO, SEQ, VOCAB = 4, 128, 256
 DTYPES = (torch.float32, torch.bfloat16)
@@ -94,3 +95,29 @@ def test_blocks_are_found_and_enable_names_them():
     assert "6 blocks" in zeromem.checkpointing.enable(GPT())
     with pytest.raises(ValueError, match="Linear"):
         zeromem.checkpointing.enable(torch.nn.Linear(2, 2))
+
+
+class _FallsBack(torch.nn.Module):
+    """Tries an op whose meta kernel refuses fp32 (transformers' experts try
+    `torch._grouped_mm` so), then takes another path, as the real forward may."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.Parameter(torch.randn(2, 8, 8))
+
+    def forward(self, x):
+        try:
+            out = torch._grouped_mm(x, self.experts, offs=torch.tensor([2, 4], dtype=torch.int32))
+        except RuntimeError:
+            out = torch.cat([x[:2] @ self.experts[0], x[2:] @ self.experts[1]])
+        return out.tanh().sum()
+
+
+def test_an_op_the_model_falls_back_from_logs_no_traceback(caplog):
+    """FakeTensorMode logs a traceback for an op its meta kernel refuses before raising it
+    to the model; a model that catches it and loops instead made `zeromem plan` print forty
+    lines of that failure. The trace is quiet, and counts the path taken."""
+    with caplog.at_level("DEBUG"):
+        profile = _trace(_FallsBack(), (torch.randn(4, 8),), {}, torch.float32)
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+    assert profile.saved_bytes > 0

@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -177,6 +179,16 @@ def example_inputs(model: nn.Module, micro_batch: int, seq: int, vocab: int) -> 
     return ((tokens, targets) if target == names[1] else (tokens,)), {}
 
 
+def training_loss(output: Any) -> torch.Tensor:
+    """The loss of a training forward given `example_inputs`: the output itself, or its
+    `.loss` (a Hugging Face model given labels)."""
+    loss = getattr(output, "loss", output)
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        raise ValueError("MODEL's forward must return its loss: a scalar tensor, or an "
+                         "output with `.loss` (a Hugging Face model given labels)")
+    return loss
+
+
 def _images(config: object, micro_batch: int, labelled: bool) -> dict:
     """Random images as the config sizes them (`image_size`, `num_channels`), and a class of
     `num_labels` for each."""
@@ -253,9 +265,23 @@ def _call(function, *args):
     return function(*args)
 
 
+@contextlib.contextmanager
+def _quiet_meta_failures() -> Iterator[None]:
+    """FakeTensorMode logs a traceback for each op its meta kernel refuses, before raising it
+    to the model, which may catch it and take another path (transformers' mixture of experts
+    tries `torch._grouped_mm`, whose meta kernel takes bf16 only, then loops over experts):
+    the plan would print forty lines of a failure that changed nothing."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    before, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = before
+
+
 def _trace(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype) -> ActivationProfile:
     description, blocks = find_blocks(model)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with _quiet_meta_failures(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         args, kwargs = (tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args),
                         {k: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
                          for k, t in kwargs.items()})

@@ -36,14 +36,14 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zeromem.config.rules import resolve_batch
-from zeromem.planning.activation_trace import example_inputs, find_blocks
+from zeromem.planning.activation_trace import example_inputs, find_blocks, training_loss
 from zeromem.planning.calibrate import run_ranks
 from zeromem.planning.model_shapes import build_real, config_dict, model_dims
 
@@ -218,14 +218,6 @@ class _Inputs:
         return tuple(a.to(device) for a in args), {k: v.to(device) for k, v in kwargs.items()}
 
 
-def _loss(output: Any) -> torch.Tensor:
-    loss = getattr(output, "loss", output)
-    if not torch.is_tensor(loss) or loss.numel() != 1:
-        raise ValueError("MODEL's forward must return its loss: a scalar tensor, or an "
-                         "output with `.loss` (a Hugging Face model given labels)")
-    return loss
-
-
 Step = Callable[[list[tuple[tuple, dict]]], float]
 
 
@@ -260,7 +252,7 @@ def _system(system: str, model: nn.Module, config: dict, device: torch.device,
     def engine_step(batches: list[tuple[tuple, dict]]) -> float:
         first = None
         for args, kwargs in batches:
-            loss = _loss(engine(*args, **kwargs))
+            loss = training_loss(engine(*args, **kwargs))
             engine.backward(loss)
             engine.step()
             first = float(loss.detach()) if first is None else first
@@ -294,7 +286,7 @@ def _torch_step(name: str, model: nn.Module, config: dict, device: torch.device,
         first = None
         for k, (args, kwargs) in enumerate(batches):
             with sync(k == len(batches) - 1), autocast():
-                loss = _loss(wrapped(*args, **kwargs))
+                loss = training_loss(wrapped(*args, **kwargs))
             scaled = loss / len(batches)
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
             first = float(loss.detach()) if first is None else first

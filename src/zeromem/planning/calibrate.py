@@ -58,6 +58,7 @@ import torch
 import torch.distributed
 from torch import nn
 
+from zeromem.planning.activation_trace import example_inputs, training_loss
 from zeromem.planning.step_model import FP32, KINDS, Calibration, Link, comm_seconds
 
 if TYPE_CHECKING:  # the planner imports this module; its types are only annotations here
@@ -125,12 +126,6 @@ class Clock:
         value = torch.tensor([seconds], dtype=torch.float64)
         self.comm.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
         return float(value.item())
-
-
-def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    if hasattr(getattr(model, "config", None), "model_type"):  # Hugging Face: labels shift inside
-        return model(input_ids=tokens, labels=tokens).loss
-    return model(tokens, tokens)
 
 
 class ManyParameters(nn.Module):
@@ -252,7 +247,8 @@ class Probe:
         self.clock = Clock(self.comm)
         n = self.comm.world_size
         self.model = what.build()
-        self.tokens = torch.randint(0, max(2, what.vocab), (what.micro_batch, what.seq))
+        # the batch the bench and the activation trace give it (images to a vision model)
+        self.inputs = example_inputs(self.model, what.micro_batch, what.seq, what.vocab)
         self.links = {k: [self._link_op(k, m) for m in what.link_sizes(n)] for k in KINDS}
         self.copy = (torch.ones(self.COPY), torch.empty(self.COPY))
         numel = what.optimizer_numel
@@ -321,10 +317,14 @@ class Probe:
         for h in handles:
             h.wait()
 
+    def _loss(self) -> torch.Tensor:
+        args, kwargs = self.inputs
+        return training_loss(self.model(*args, **kwargs))
+
     def sample_compute(self) -> dict:
         """Seconds of one forward and backward of the model (a benchmark takes one beside
         each step it measures: the compute dominates, and the load moves within seconds)."""
-        seconds = self.clock.seconds(lambda: _loss(self.model, self.tokens).backward(),
+        seconds = self.clock.seconds(lambda: self._loss().backward(),
                                      synchronised=False)
         self.model.zero_grad(set_to_none=True)
         return {"forward_backward": seconds}
@@ -339,7 +339,7 @@ class Probe:
 
         def forward() -> None:
             with torch.no_grad():
-                _loss(self.model, self.tokens)
+                self._loss()
 
         out: dict[str, Any] = {"forward": local(forward), **self.sample_compute()}
         for kind, (small, large) in self.links.items():
