@@ -115,8 +115,9 @@ class _FallsBack(torch.nn.Module):
 
 def test_an_op_the_model_falls_back_from_logs_no_traceback(caplog):
     """FakeTensorMode logs a traceback for an op its meta kernel refuses before raising it
-    to the model; a model that catches it and loops instead made `zeromem plan` print forty
-    lines of that failure. The trace is quiet, and counts the path taken."""
+    (to the model here, which loops instead; to the planner, which says so in one line, in an
+    fp32 plan of a transformers mixture of experts): `zeromem plan` printed forty lines of it.
+    The trace is quiet, and counts the path taken."""
     with caplog.at_level("DEBUG"):
         profile = _trace(_FallsBack(), (torch.randn(4, 8),), {}, torch.float32)
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]

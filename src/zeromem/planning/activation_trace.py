@@ -267,10 +267,10 @@ def _call(function, *args):
 
 @contextlib.contextmanager
 def _quiet_meta_failures() -> Iterator[None]:
-    """FakeTensorMode logs a traceback for each op its meta kernel refuses, before raising it
-    to the model, which may catch it and take another path (transformers' mixture of experts
-    tries `torch._grouped_mm`, whose meta kernel takes bf16 only, then loops over experts):
-    the plan would print forty lines of a failure that changed nothing."""
+    """FakeTensorMode logs a traceback for each op its meta kernel refuses, then raises it: to
+    the model, which may take another path, or out of the trace, which the planner reports in
+    one line before it falls back to the formula (an fp32 plan of a transformers mixture of
+    experts: `torch._grouped_mm`'s meta kernel takes bf16 only). The forty lines said no more."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     before, logger.disabled = logger.disabled, True
     try:
