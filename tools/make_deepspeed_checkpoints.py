@@ -47,27 +47,32 @@ from models import TinyLM, micro_batch  # noqa: E402
 OUT = ROOT / "tests" / "data" / "deepspeed_checkpoints"
 G = 4  # micro-batches per optimizer step, whatever the world size
 SAVE_AT, AFTER = 3, 3
-CASES = [  # (stage, world size, precision, exclude_frozen_parameters)
-    (1, 1, "fp32", False), (2, 2, "fp32", False), (3, 2, "fp32", False),
-    (1, 2, "bf16", False), (2, 1, "bf16", False), (3, 2, "bf16", False),
-    (2, 2, "fp16", False), (3, 2, "fp16", True), (1, 1, "fp32", True),
+# (stage, world size, precision, exclude_frozen_parameters, DeepSpeed's own FusedAdam):
+# torch's AdamW (`torch_adam`) unless the last is True; FusedAdam is what a config without
+# `torch_adam` gets, and its param groups hold keys torch's do not (bias_correction, step)
+CASES = [
+    (1, 1, "fp32", False, False), (2, 2, "fp32", False, False), (3, 2, "fp32", False, False),
+    (1, 2, "bf16", False, False), (2, 1, "bf16", False, False), (3, 2, "bf16", False, False),
+    (2, 2, "fp16", False, False), (3, 2, "fp16", True, False), (1, 1, "fp32", True, False),
+    (2, 2, "bf16", False, True),
 ]
 FP16 = {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 1, "hysteresis": 2,
         "min_loss_scale": 1}
 
 
-def case_name(stage: int, world_size: int, precision: str, exclude_frozen: bool) -> str:
+def case_name(stage: int, world_size: int, precision: str, exclude_frozen: bool,
+              fused_adam: bool) -> str:
     return (f"stage{stage}_ws{world_size}_{precision}"
-            + ("_exclude_frozen" if exclude_frozen else ""))
+            + ("_exclude_frozen" if exclude_frozen else "") + ("_fused_adam" if fused_adam else ""))
 
 
-def ds_config(stage: int, world_size: int, precision: str) -> dict:
+def ds_config(stage: int, world_size: int, precision: str, fused_adam: bool) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": G // world_size,
         "gradient_clipping": 0.05,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01,
-                                                  "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}
+                      | ({} if fused_adam else {"torch_adam": True})},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
                                                      "warmup_num_steps": 5,
                                                      "warmup_type": "linear"}},
@@ -117,7 +122,7 @@ def states(engine) -> dict:
 
 
 def worker(rank: int, world_size: int, port: int, stage: int, precision: str,
-           exclude_frozen: bool, out: str) -> None:
+           exclude_frozen: bool, fused_adam: bool, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -125,7 +130,7 @@ def worker(rank: int, world_size: int, port: int, stage: int, precision: str,
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
-    config = ds_config(stage, world_size, precision)
+    config = ds_config(stage, world_size, precision, fused_adam)
     torch.manual_seed(0)
     model = TinyLM()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -173,14 +178,14 @@ def main() -> None:
     known = {case_name(*case) for case in CASES}
     if wanted - known:
         sys.exit(f"unknown case(s) {sorted(wanted - known)}; known: {sorted(known)}")
-    for stage, world_size, precision, exclude_frozen in CASES:
-        name = case_name(stage, world_size, precision, exclude_frozen)
+    for stage, world_size, precision, exclude_frozen, fused_adam in CASES:
+        name = case_name(stage, world_size, precision, exclude_frozen, fused_adam)
         if wanted and name not in wanted:
             continue
         out = OUT / name
         shutil.rmtree(out, ignore_errors=True)
         mp.spawn(worker, args=(world_size, free_port(), stage, precision, exclude_frozen,
-                               str(out)), nprocs=world_size)
+                               fused_adam, str(out)), nprocs=world_size)
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         print(f"{out.relative_to(ROOT)}: {size / 1024:.1f} KiB")
 

@@ -226,7 +226,12 @@ def _base_state(optim: dict, key: str, path: Path) -> tuple[list[dict], list[dic
 
 
 def _scalar(states: dict) -> dict[str, Any]:
-    return {k: v for k, v in states.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+    """A parameter's scalar states (Adam's step), as torch keeps them: DeepSpeed's FusedAdam
+    counts its step in a Python int, which torch's fused AdamW cannot step from."""
+    out = {k: v for k, v in states.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+    if isinstance(out.get("step"), (int, float)):
+        out["step"] = torch.tensor(float(out["step"]))
+    return out
 
 
 def _assemble_stage12(path: Path, optims: list[dict], shapes: list[dict],
@@ -460,8 +465,11 @@ def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str
     params = dict(opt_config.params) if opt_config else {}
     if has_fused_kernel(cls) and not {"foreach", "fused"} & set(params):
         params["fused"] = True  # as zeromem's optimizer_factory.build_optimizer does
-    groups = [{"params": [torch.zeros(0)],
-               **{k: v for k, v in g.items() if k not in _IMPLEMENTATION}} for g in saved]
+    # the saved options this optimizer has: DeepSpeed's FusedAdam keeps its own (bias_correction,
+    # a step count) beside them, which would make the group unlike the engine's at load
+    known = set(cls([torch.zeros(0)], **params).param_groups[0]) - _IMPLEMENTATION
+    groups = [{"params": [torch.zeros(0)], **{k: v for k, v in g.items() if k in known}}
+              for g in saved]
     optimizer = cls(groups, **params)
     schedule = None
     if sched_config is not None:
