@@ -26,7 +26,7 @@ import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -179,7 +179,7 @@ def example_inputs(model: nn.Module, micro_batch: int, seq: int, vocab: int) -> 
     return ((tokens, targets) if target == names[1] else (tokens,)), {}
 
 
-def training_loss(output: Any) -> torch.Tensor:
+def training_loss(output: object) -> torch.Tensor:
     """The loss of a training forward given `example_inputs`: the output itself, or its
     `.loss` (a Hugging Face model given labels)."""
     loss = getattr(output, "loss", output)
