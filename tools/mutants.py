@@ -8,11 +8,11 @@ Each JSON file is a list of mutants:
 
 For each mutant, in sequence: copy src/ to a fresh temporary directory, apply the
 edit there (the repository is never touched), and run its tests with `pytest -x -q`
-and PYTHONPATH=<copy>/src:tests. PYTHONPATH comes before site-packages, and ranks
-started with multiprocessing's spawn inherit both the environment and sys.path, so
-the copy is imported even in spawned ranks; the runner checks that once, in a
-spawned child, before any mutant runs. A non-zero pytest exit means the mutant
-was caught.
+and PYTHONPATH=<copy>/src:tests. PYTHONPATH comes before site-packages, and the
+test harness's ranks (forked from a server pytest starts, or spawned) inherit both
+the environment and sys.path, so the copy is imported even in ranks; the runner
+checks that once, in a rank started by the harness, before any mutant runs. A
+non-zero pytest exit means the mutant was caught.
 
     python tools/mutants.py [--only NAME ...] [--baseline] [FILE.json ...]
 
@@ -35,21 +35,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 900  # one mutant's tests; a hang the harness does not break counts as caught
 
-# Run in a spawned child (as the test harness starts its ranks): where does zeromem come from?
+# Run in a rank the test harness starts: where does zeromem come from?
 PROBE = """
-import multiprocessing as mp
+from harness import run_distributed
 
-def where(queue):
+def where(rank, world_size):
     import zeromem
-    queue.put(zeromem.__file__)
+    return zeromem.__file__
 
 if __name__ == "__main__":
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    child = ctx.Process(target=where, args=(queue,))
-    child.start()
-    child.join()
-    print(queue.get() if child.exitcode == 0 else f"the spawned child failed ({child.exitcode})")
+    print(run_distributed(where, 1)[0])
 """
 
 
@@ -93,16 +88,16 @@ def copy_src(into: Path) -> Path:
 
 
 def check_import_path() -> None:
-    """Fail unless a spawned child imports zeromem from the copy, not the installed package."""
+    """Fail unless a harness rank imports zeromem from the copy, not the installed package."""
     with tempfile.TemporaryDirectory(prefix="mutant-probe-") as tmp:
         copy = copy_src(Path(tmp))
-        probe = Path(tmp) / "probe.py"  # a file: spawn re-imports the main module by its path
+        probe = Path(tmp) / "probe.py"  # a file: a spawned rank re-imports the main module
         probe.write_text(PROBE)
         out = subprocess.run([sys.executable, str(probe)], env=environment(copy), cwd=tmp,
                              capture_output=True, text=True, timeout=120)
         where = out.stdout.strip()
         if not where.startswith(str(copy / "src")):
-            raise SystemExit(f"a spawned rank imports zeromem from {where or out.stderr!r}, "
+            raise SystemExit(f"a harness rank imports zeromem from {where or out.stderr!r}, "
                              f"not from the mutated copy under {copy}")
 
 
