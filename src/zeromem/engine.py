@@ -308,6 +308,19 @@ class Engine:
 
     __call__ = forward
 
+    # A loop written for DeepSpeed's engine, an nn.Module, switches modes on the engine.
+    def train(self, mode: bool = True) -> Engine:
+        """The wrapped module's train(mode) (dropout, batch statistics); returns the engine."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied.
 

@@ -1,7 +1,7 @@
 """Setups real users have that once gave wrong results (issue 10, items 1, 3, 4 and 7).
 
 - ranks seeded differently: `initialize` broadcasts rank 0's parameters and buffers;
-- evaluation before the first step, on every rank;
+- evaluation before the first step, on every rank (under torch.inference_mode too);
 - stage 3 holds only shards right after `initialize` (bytes of live storages);
 - weights loaded into `engine.module` take effect, at every stage and precision;
 - bf16/fp16 masters start from the user's fp32 values, not their rounding;
@@ -38,10 +38,12 @@ def seeded_differently(rank: int) -> dict:
         for precision in ("fp32", "bf16"):
             engine = zeromem.initialize(build(seed=1 + rank), config(stage, precision))
             init = whole_state(engine)
-            engine.module.eval()  # evaluation before the first step
-            with torch.no_grad():
+            engine.eval()  # evaluation before the first step, the modes switched on the engine
+            # inference_mode (Lightning's validation): stage 3's gathers there make the
+            # buffers the training steps then use
+            with torch.inference_mode() if precision == "fp32" else torch.no_grad():
                 evaluated = engine(batch(99, 0).to(engine.compute_dtype)).float()
-            engine.module.train()
+            engine.train()
             for step in range(3):
                 train_step(engine, step, rank)
             out[stage, precision] = {"init": init, "eval": evaluated, "trained": whole_state(engine)}

@@ -151,6 +151,11 @@ class ShardedUnit:
         return [] if self.secondary_shard is None else [self.secondary_shard]
 
     # -- gather and release --------------------------------------------------
+    # The buffers a gather makes or refills are the parameters training uses next, also
+    # when the gather runs under torch.inference_mode (an evaluation; Lightning's
+    # validation): made there, they would be inference tensors, which keep no version and
+    # which backward refuses to save.
+    @torch.inference_mode(False)
     def unshard(self) -> None:
         """Start gathering the whole flat buffer (async)."""
         if self.state is not GroupState.SHARDED:
