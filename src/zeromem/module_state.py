@@ -27,6 +27,9 @@ Two moments at which they could part (issue 10):
   outermost `load_state_dict` finishes, this rank's part of each captured value
   goes into its master and, at stage 3, into its parameter shard. No collective
   runs, so a load on one rank only changes that rank, as in torch.
+
+A model with a lazy module (`nn.LazyLinear`) whose first forward has not run has
+no values to share yet; `initialize` refuses it by name (`refuse_lazy`).
 """
 from __future__ import annotations
 
@@ -41,6 +44,18 @@ from zeromem.flat import FlatParamGroup, ParamSlot
 
 if TYPE_CHECKING:
     from zeromem.offload.placement import Offload
+
+
+def refuse_lazy(module: nn.Module) -> None:
+    """A lazy module (nn.LazyLinear) has no parameters yet: there is nothing to copy,
+    flatten or shard until its first forward, so say which and what to do."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    lazy = [name for name, t in named if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        more = f" (and {len(lazy) - 1} more)" if len(lazy) > 1 else ""
+        raise ValueError(f"parameter {lazy[0]!r}{more} is not made yet: a lazy module makes its "
+                         "parameters at its first forward; run the model once on a sample "
+                         "batch before initialize")
 
 
 def broadcast_from_rank0(module: nn.Module, comm: Comm) -> None:
