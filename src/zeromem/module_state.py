@@ -49,8 +49,9 @@ if TYPE_CHECKING:
 def refuse_lazy(module: nn.Module) -> None:
     """A lazy module (nn.LazyLinear) has no parameters yet: there is nothing to copy,
     flatten or shard until its first forward, so say which and what to do."""
+    unmade = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
     named = [*module.named_parameters(), *module.named_buffers()]
-    lazy = [name for name, t in named if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    lazy = [name for name, t in named if isinstance(t, unmade)]
     if lazy:
         more = f" (and {len(lazy) - 1} more)" if len(lazy) > 1 else ""
         raise ValueError(f"parameter {lazy[0]!r}{more} is not made yet: a lazy module makes its "
