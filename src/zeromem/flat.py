@@ -38,6 +38,13 @@ from zeromem.ds_attributes import ZeroParamStatus, mark_partitioned
 from zeromem.grad_buffers import GradBuffer, dense
 from zeromem.layout import ShardLayout, gather_chunks, padded_numel, slices_of
 
+# A gradient that comes after its bucket left: each reentrant activation checkpoint runs
+# a backward of its own, so a parameter used in several gets several gradients.
+SECOND_GRADIENT = ("received a second gradient in one backward after its bucket was "
+                   "reduced, as a parameter used in more than one reentrant activation "
+                   "checkpoint does; checkpoint with use_reentrant=False (Hugging Face: "
+                   "gradient_checkpointing_kwargs={'use_reentrant': False}) or zeromem.checkpoint")
+
 
 @dataclass(frozen=True)
 class Sharding:

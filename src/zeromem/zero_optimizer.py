@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from zeromem.flat import FlatParamGroup
+from zeromem.flat import SECOND_GRADIENT, FlatParamGroup
 from zeromem.layout import GATHER_IN_FLIGHT
 
 if TYPE_CHECKING:  # the parts the engine builds and passes in; the planner imports this module
@@ -150,8 +150,7 @@ class ZeroOptimizer:
             group = self.groups[gi]
             if self.comm.launched(gi):
                 name = next(s.name for s in group.slots if s.offset == offset)
-                raise RuntimeError(f"parameter {name!r} received a second gradient in one backward "
-                                   "after its bucket was reduced; use zeromem.checkpoint")
+                raise RuntimeError(f"parameter {name!r} {SECOND_GRADIENT}")
             if self.missing[gi] == len(group.params):  # a bucket starts
                 self.comm.bucket_starts()
             assert param.grad is not None  # a post-accumulate-grad hook

@@ -58,7 +58,7 @@ import torch
 
 from zeromem.hybrid import quantize
 from zeromem.comm import Comm, Pending
-from zeromem.flat import FlatParamGroup, GroupState
+from zeromem.flat import SECOND_GRADIENT, FlatParamGroup, GroupState
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice
 
 
@@ -265,9 +265,7 @@ class ShardedUnit:
         """A gradient after the unit was handed over (a parameter used again, as in
         reentrant activation checkpointing): into the bucket, unless it already left."""
         if self.comm.launched(self.index):
-            raise RuntimeError(f"parameter of unit '{self.name}' received a second gradient "
-                               "in one backward after its bucket was reduced; use "
-                               "zeromem.checkpoint")
+            raise RuntimeError(f"parameter of unit '{self.name}' {SECOND_GRADIENT}")
         self._add_to_bucket(param, first=True)
 
     def _add_to_bucket(self, param: torch.Tensor, first: bool) -> None:
