@@ -36,6 +36,10 @@ __version__ = "0.1.0"
 log = logging.getLogger("zeromem")
 
 
+# What initialize makes (flat buffers the parameters then view, masters, shards) is what
+# training uses: under a caller's torch.inference_mode it would be inference tensors,
+# which autograd refuses to save and in-place updates refuse to change.
+@torch.inference_mode(False)
 def initialize(model: nn.Module, config: dict | str | Path | Config,
                model_parameters: Iterable | None = None,
                optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,

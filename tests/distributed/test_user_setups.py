@@ -213,6 +213,20 @@ def sparse_embedding(rank: int) -> dict:
     return out
 
 
+def initialized_in_inference_mode(rank: int) -> dict:
+    """initialize called inside torch.inference_mode (a script that sets up its engines
+    under its evaluation's context): the engine's buffers are still ones training can use."""
+    out = {}
+    for stage in STAGES:
+        model = mlp()
+        with torch.inference_mode():
+            engine = zeromem.initialize(model, {**config(stage, "fp32"), "optimizer": SGD})
+        for step in range(3):
+            train_step(engine, step, rank)
+        out[stage] = whole_state(engine)
+    return out
+
+
 class SharedBlock(nn.Module):
     """One block used three times, each in a reentrant activation checkpoint (HF's ALBERT
     with gradient_checkpointing, whose default is use_reentrant=True)."""
@@ -358,7 +372,7 @@ CASES = {"seeded": seeded_differently, "storages": storages_after_initialize,
          "evaluators": evaluation_engines, "twice": initialize_twice,
          "sparse": sparse_embedding, "client_optimizers": client_optimizers,
          "16 bits": model_in_16_bits, "schedule_free": schedule_free,
-         "reentrant": reentrant_shared_block}
+         "reentrant": reentrant_shared_block, "inference_mode": initialized_in_inference_mode}
 
 
 @pytest.fixture(scope="module")
@@ -578,3 +592,16 @@ def test_a_second_gradient_after_the_reduction_names_the_parameter_and_the_fix(r
             assert "received a second gradient" in got[stage, True], (rank, got)
             assert "use_reentrant=False" in got[stage, True], (rank, got)
             assert got[stage, False] == "trained", (rank, stage, got)
+
+
+def test_an_engine_initialized_under_inference_mode_trains_like_one_process(ranks):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = torch.cat([batch(step, r) for r in range(WORLD)])
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank, got in enumerate(case(ranks, "inference_mode")):
+        for stage, state in got.items():
+            assert max_diff(state, model.state_dict()) < 1e-6, (rank, stage)
