@@ -475,6 +475,9 @@ class Engine:
             self.training_state(), save_dir, tag, client_state, exclude_frozen_parameters),
             path, self.comm, self.device)
 
+    # The states loaded are the ones training then updates in place: inference tensors
+    # (made under a caller's torch.inference_mode) would refuse that.
+    @torch.inference_mode(False)
     def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
                         trust_client_state: bool = False) -> tuple[str, Any]:

@@ -214,15 +214,23 @@ def sparse_embedding(rank: int) -> dict:
 
 
 def initialized_in_inference_mode(rank: int) -> dict:
-    """initialize called inside torch.inference_mode (a script that sets up its engines
-    under its evaluation's context): the engine's buffers are still ones training can use."""
+    """initialize, and a load_checkpoint, called inside torch.inference_mode (a script that
+    sets up, or restores, under its evaluation's context): what they make is still what
+    training can update. A step is taken, undone by the load, and taken again."""
     out = {}
     for stage in STAGES:
         model = mlp()
         with torch.inference_mode():
             engine = zeromem.initialize(model, {**config(stage, "fp32"), "optimizer": SGD})
-        for step in range(3):
+        for step in range(2):
             train_step(engine, step, rank)
+        path = [tempfile.mkdtemp() if rank == 0 else None]
+        torch.distributed.broadcast_object_list(path)
+        engine.save_checkpoint(path[0])
+        train_step(engine, 2, rank)
+        with torch.inference_mode():
+            engine.load_checkpoint(path[0])
+        train_step(engine, 2, rank)
         out[stage] = whole_state(engine)
     return out
 
@@ -594,7 +602,7 @@ def test_a_second_gradient_after_the_reduction_names_the_parameter_and_the_fix(r
             assert got[stage, False] == "trained", (rank, stage, got)
 
 
-def test_an_engine_initialized_under_inference_mode_trains_like_one_process(ranks):
+def test_engines_set_up_and_restored_under_inference_mode_train_like_one_process(ranks):
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
