@@ -30,14 +30,15 @@ from zeromem.hybrid.hierarchy import build_comm_plan
 from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitoring.monitors import Observers, StepFacts, due
-from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict
+from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict, \
+    materialize_meta
 from zeromem.offload.params import ParamPlacement
 from zeromem.param_states import ParamStates
 from zeromem.offload.staged_masters import StagedMasters
 from zeromem.offload.placement import (OffloadPolicy, SwapSpaces, build_grads, build_offload,
                                        build_params, stage_masters)
 from zeromem.optim.factory import evaluated_groups, optimizer_param_groups, optimizer_state_bytes_per_param
-from zeromem.stage3.partitioned_init import Partitions, materialize_meta
+from zeromem.stage3.partitioned_init import Partitions
 from zeromem.precision import make_scaler
 from zeromem.optim.schedulers import build_scheduler
 from zeromem.stage3.fetch import FetchSchedule, build_stage3

@@ -29,7 +29,9 @@ Two moments at which they could part (issue 10):
   runs, so a load on one rank only changes that rank, as in torch.
 
 A model with a lazy module (`nn.LazyLinear`) whose first forward has not run has
-no values to share yet; `initialize` refuses it by name (`refuse_lazy`).
+no values to share yet; `initialize` refuses it by name (`refuse_lazy`). A model
+built on the meta device gets its values from its modules' `reset_parameters()`
+(`materialize_meta`); one whose tensors none of them set is refused by name.
 """
 from __future__ import annotations
 
@@ -57,6 +59,56 @@ def refuse_lazy(module: nn.Module) -> None:
         raise ValueError(f"parameter {lazy[0]!r}{more} is not made yet: a lazy module makes its "
                          "parameters at its first forward; run the model once on a sample "
                          "batch before initialize")
+
+
+def materialize_meta(module: nn.Module, device: torch.device) -> None:
+    """Give a model built on the meta device real storage, module by module.
+
+    Each module with meta tensors gets `to_empty` on `device` and its own
+    `reset_parameters()`, in module order, so standard layers get the values an
+    ordinary build would under the same seed (custom init schemes are not replayed).
+    A tensor no `reset_parameters()` sets (a norm's ones, a rotary embedding's
+    frequencies, set in a custom module's __init__) would keep whatever memory held:
+    refused by name. The whole model exists once before sharding; to bound memory
+    while building, or for such modules, use `zeromem.Init` instead.
+    """
+    unset = []
+    for prefix, m in module.named_modules():
+        if not any(t.is_meta for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]):
+            continue
+        m.to_empty(device=device, recurse=False)
+        own = [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+        with torch.no_grad():
+            for _, t in own:
+                _mark_unset(t)
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        unset += [f"{prefix}.{name}".lstrip(".") + f" ({type(m).__name__})"
+                  for name, t in own if _still_unset(t, callable(reset))]
+    if unset:
+        more = f" and {len(unset) - 3} more" if len(unset) > 3 else ""
+        raise ValueError(f"{', '.join(unset[:3])}{more}: built on the meta device, and no "
+                         "reset_parameters() gives them values, so they would hold "
+                         "whatever memory held; build the model under zeromem.Init, or "
+                         "give it its values before initialize (model.to_empty(device=...) "
+                         "and your own init)")
+
+
+def _mark_unset(t: torch.Tensor) -> None:
+    """A value no initialisation writes: NaN, or an integer type's minimum."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool and not t.is_complex():
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _still_unset(t: torch.Tensor, was_reset: bool) -> bool:
+    if t.is_floating_point():
+        return bool(t.isnan().any())
+    if t.dtype == torch.bool or t.is_complex():
+        return not was_reset  # no mark to look for: only a reset can have set it
+    return bool((t == torch.iinfo(t.dtype).min).any())
 
 
 def broadcast_from_rank0(module: nn.Module, comm: Comm) -> None:

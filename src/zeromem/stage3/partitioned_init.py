@@ -215,24 +215,6 @@ class Partitions:
 DEFAULT = Partitions()  # the public entry points' table when given none (module docstring)
 
 
-def materialize_meta(module: nn.Module, device: torch.device) -> None:
-    """Give a model built on the meta device real storage, module by module.
-
-    Each module with meta tensors gets `to_empty` on `device` and its own
-    `reset_parameters()`, in module order, so standard layers get the values an
-    ordinary build would under the same seed (custom init schemes are not replayed).
-    The whole model exists once before sharding; to bound memory while building,
-    use `zeromem.Init` instead.
-    """
-    for m in module.modules():
-        own = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
-        if any(t.is_meta for t in own):
-            m.to_empty(device=device, recurse=False)
-            reset = getattr(m, "reset_parameters", None)
-            if callable(reset):
-                reset()
-
-
 class Init:
     """Context in which modules are built with their parameters already partitioned.
 
