@@ -26,7 +26,7 @@ from zeromem.offload.nvme import OffloadError
 from zeromem.stage3 import partitioned_init
 from zeromem.stage3.partitioned_init import GatheredParameters, Init, Partitions
 from zeromem.rank_check import RankMismatchError, check_ranks_agree
-from zeromem.module_state import refuse_lazy
+from zeromem.module_state import refuse_untakeable
 from zeromem.training_state import SchedulerArg
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "checkpoint",
@@ -62,7 +62,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     `partitions`: where `zeromem.Init` put the model's shards, and where
     `GatheredParameters` will find the engine's; by default the one both use by default.
     """
-    refuse_lazy(model)  # on every rank, before anything reads a shape
+    refuse_untakeable(model)  # on every rank, before anything reads a shape
     partitions = partitioned_init.DEFAULT if partitions is None else partitions
     hidden = _hidden_size(model)  # resolves the hidden-size "auto" values, as HF does
     config = _in_models_precision(config, model)

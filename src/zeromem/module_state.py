@@ -29,7 +29,8 @@ Two moments at which they could part (issue 10):
   runs, so a load on one rank only changes that rank, as in torch.
 
 A model with a lazy module (`nn.LazyLinear`) whose first forward has not run has
-no values to share yet; `initialize` refuses it by name (`refuse_lazy`). A model
+no values to share yet, and a complex parameter no place in a real flat buffer;
+`initialize` refuses both by name (`refuse_untakeable`). A model
 built on the meta device gets its values from its modules' `reset_parameters()`
 (`materialize_meta`); one whose tensors none of them set is refused by name.
 """
@@ -48,17 +49,27 @@ if TYPE_CHECKING:
     from zeromem.offload.placement import Offload
 
 
-def refuse_lazy(module: nn.Module) -> None:
-    """A lazy module (nn.LazyLinear) has no parameters yet: there is nothing to copy,
-    flatten or shard until its first forward, so say which and what to do."""
+def refuse_untakeable(module: nn.Module) -> None:
+    """Parameters the engine cannot flatten, named with what to do: a lazy module's
+    (nn.LazyLinear), which do not exist before its first forward, and complex ones (the
+    flat buffers hold real numbers)."""
     unmade = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
     named = [*module.named_parameters(), *module.named_buffers()]
     lazy = [name for name, t in named if isinstance(t, unmade)]
     if lazy:
-        more = f" (and {len(lazy) - 1} more)" if len(lazy) > 1 else ""
-        raise ValueError(f"parameter {lazy[0]!r}{more} is not made yet: a lazy module makes its "
+        raise ValueError(f"parameter {_some(lazy)} is not made yet: a lazy module makes its "
                          "parameters at its first forward; run the model once on a sample "
                          "batch before initialize")
+    complex_ = [name for name, p in module.named_parameters() if p.is_complex()]
+    if complex_:
+        raise ValueError(f"parameter {_some(complex_)} is complex: zeromem flattens real "
+                         "parameters only; hold it as a real tensor whose last dimension is 2 "
+                         "(torch.view_as_real) and view it as complex in forward "
+                         "(torch.view_as_complex)")
+
+
+def _some(names: list[str]) -> str:
+    return f"{names[0]!r}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
 
 
 def materialize_meta(module: nn.Module, device: torch.device) -> None:

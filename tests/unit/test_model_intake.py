@@ -1,7 +1,8 @@
 """Models `initialize` must make whole before it takes them: a lazy module (nn.LazyLinear)
 has no parameters until its first forward, refused by name before anything reads a shape
-(or starts a process group); a model built on the meta device gets its modules'
-`reset_parameters()` values, and a tensor none of them sets is refused by name."""
+(or starts a process group), as is a complex parameter; a model built on the meta device
+gets its modules' `reset_parameters()` values, and a tensor none of them sets is refused
+by name."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 import zeromem
-from zeromem.module_state import materialize_meta, refuse_lazy
+from zeromem.module_state import materialize_meta, refuse_untakeable
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
           "zero_optimization": {"stage": 3}}
@@ -24,7 +25,14 @@ def test_initialize_names_the_parameter_a_lazy_module_has_not_made():
 def test_after_its_first_forward_a_lazy_module_is_taken():
     model = nn.Sequential(nn.LazyLinear(4))
     model(torch.zeros(1, 3))
-    refuse_lazy(model)  # nothing left to make
+    refuse_untakeable(model)  # nothing left to make
+
+
+def test_a_complex_parameter_is_refused_by_name_with_the_real_view_to_use():
+    model = nn.Linear(3, 3)
+    model.register_parameter("spectrum", nn.Parameter(torch.zeros(3, dtype=torch.cfloat)))
+    with pytest.raises(ValueError, match=r"'spectrum' is complex.*torch\.view_as_real"):
+        refuse_untakeable(model)
 
 
 class Norm(nn.Module):
