@@ -9,7 +9,7 @@ import schedulefree
 import torch
 
 from zeromem.config.schema import Config, ConfigError, Unsupported
-from zeromem.optim.factory import check_steps_shards
+from zeromem.optim.factory import check_steps_shards, normalize_param_groups
 from zeromem.optim.muon import ShardedMuon, muon_groups
 from zeromem.optim.optimizers import Adam, Lamb, Lion
 
@@ -337,3 +337,16 @@ def test_an_optimizer_not_known_elementwise_is_warned_about(caplog):
     assert not caplog.records
     check_steps_shards(TunedAdamW(tensors()))
     assert "TunedAdamW steps zeromem's flat 1-D master shards" in caplog.text
+
+
+def test_a_param_group_holding_a_parameter_the_model_does_not_have_is_refused():
+    """Uncertainty weighting's learned log-variance kept beside the model: it failed with a
+    KeyError (an id) at stages 0-2 and was silently never stepped at stage 3."""
+    model = torch.nn.Linear(3, 2)
+    log_var = torch.nn.Parameter(torch.zeros(()))
+    groups = [{"params": list(model.parameters())}, {"params": [log_var], "lr": 0.1}]
+    with pytest.raises(ValueError, match=r"param group 1 holds a parameter of shape \[\] that is "
+                                         r"not the model's.*register it on a module"):
+        normalize_param_groups(model, groups)
+    model.log_var = log_var  # registered: the model's own now
+    assert [len(g["params"]) for g in normalize_param_groups(model, groups)] == [2, 1]

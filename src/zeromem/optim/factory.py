@@ -52,17 +52,33 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
     """Torch-style param groups of trainable parameters, each parameter once.
 
     Parameters of `module` that no group names, or that do not require grad, are
-    frozen: they get no optimizer state, no gradient buffer and no communication.
+    frozen: they get no optimizer state, no gradient buffer and no communication. A
+    group's parameter that is not the module's (a loss's learned weight kept beside the
+    model) is refused by name: nothing would reduce, shard or save it.
     """
     given: list = list(model_parameters) if model_parameters is not None else list(module.parameters())
     raw: list[dict] = given if given and isinstance(given[0], dict) else [{"params": given}]
     groups = [{**group, "params": params} for group, params in trainable_groups(raw)]
+    _refuse_strangers(module, groups)
     seen = {id(p) for g in groups for p in g["params"]}
     for name, p in module.named_parameters():
         if p.requires_grad and id(p) not in seen:
             log.info("parameter %s is in no param group: treated as frozen", name)
             p.requires_grad_(False)
     return groups
+
+
+def _refuse_strangers(module: nn.Module, groups: list[dict]) -> None:
+    owned = {id(p) for p in module.parameters()}
+    strangers = [(gi, list(p.shape)) for gi, g in enumerate(groups) for p in g["params"]
+                 if id(p) not in owned]
+    if strangers:
+        gi, shape = strangers[0]
+        more = f" (and {len(strangers) - 1} more)" if len(strangers) > 1 else ""
+        raise ValueError(f"param group {gi} holds a parameter of shape {shape} that is not the "
+                         f"model's{more}: the engine reduces, shards, steps and saves the "
+                         "model's parameters only; make it one (register it on a module of "
+                         "the model) before initialize")
 
 
 def optimizer_param_groups(config, module: nn.Module, model_parameters: Iterable | None
