@@ -350,3 +350,15 @@ def test_a_param_group_holding_a_parameter_the_model_does_not_have_is_refused():
         normalize_param_groups(model, groups)
     model.log_var = log_var  # registered: the model's own now
     assert [len(g["params"]) for g in normalize_param_groups(model, groups)] == [2, 1]
+
+
+def test_named_parameters_are_taken_as_torchs_optimizers_take_them():
+    """torch 2.6+ optimizers take `model.named_parameters()`, whole or in groups; the
+    engine's model_parameters failed on the pairs ('tuple' has no requires_grad)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    whole = normalize_param_groups(model, model.named_parameters())
+    assert [p for p in whole[0]["params"]] == list(model.parameters())
+    split = normalize_param_groups(model, [{"params": model[0].named_parameters(), "lr": 0.1},
+                                           {"params": model[1].weight}])
+    assert [len(g["params"]) for g in split] == [2, 1] and split[0]["lr"] == 0.1
+    assert not model[1].bias.requires_grad  # in no group: frozen, as before

@@ -58,6 +58,7 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
     """
     given: list = list(model_parameters) if model_parameters is not None else list(module.parameters())
     raw: list[dict] = given if given and isinstance(given[0], dict) else [{"params": given}]
+    raw = [{**group, "params": _tensors(group["params"])} for group in raw]
     groups = [{**group, "params": params} for group, params in trainable_groups(raw)]
     _refuse_strangers(module, groups)
     seen = {id(p) for g in groups for p in g["params"]}
@@ -66,6 +67,14 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
             log.info("parameter %s is in no param group: treated as frozen", name)
             p.requires_grad_(False)
     return groups
+
+
+def _tensors(params: torch.Tensor | Iterable) -> list:
+    """A group's parameters as torch's optimizers take them: one tensor, or an iterable of
+    tensors or of (name, tensor) pairs (`model.named_parameters()`, torch 2.6 and later)."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return [p[1] if isinstance(p, tuple) else p for p in params]
 
 
 def _refuse_strangers(module: nn.Module, groups: list[dict]) -> None:
