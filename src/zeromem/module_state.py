@@ -30,9 +30,9 @@ Two moments at which they could part (issue 10):
 
 A model with a lazy module (`nn.LazyLinear`) whose first forward has not run has
 no values to share yet, and a complex parameter no place in a real flat buffer;
-`initialize` refuses both by name (`refuse_untakeable`). A model
-built on the meta device gets its values from its modules' `reset_parameters()`
-(`materialize_meta`); one whose tensors none of them set is refused by name.
+`initialize` refuses both by name (`refuse_untakeable`). A model built on the meta
+device gets its values from its modules' `reset_parameters()` (`materialize_meta`);
+one whose tensors none of them set is refused by name.
 """
 from __future__ import annotations
 

@@ -59,8 +59,8 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
     given: list = list(model_parameters) if model_parameters is not None else list(module.parameters())
     raw: list[dict] = given if given and isinstance(given[0], dict) else [{"params": given}]
     raw = [{**group, "params": _tensors(group["params"])} for group in raw]
+    _refuse_strangers(module, raw)
     groups = [{**group, "params": params} for group, params in trainable_groups(raw)]
-    _refuse_strangers(module, groups)
     seen = {id(p) for g in groups for p in g["params"]}
     for name, p in module.named_parameters():
         if p.requires_grad and id(p) not in seen:
@@ -80,7 +80,7 @@ def _tensors(params: torch.Tensor | Iterable) -> list:
 def _refuse_strangers(module: nn.Module, groups: list[dict]) -> None:
     owned = {id(p) for p in module.parameters()}
     strangers = [(gi, list(p.shape)) for gi, g in enumerate(groups) for p in g["params"]
-                 if id(p) not in owned]
+                 if p.requires_grad and id(p) not in owned]
     if strangers:
         gi, shape = strangers[0]
         more = f" (and {len(strangers) - 1} more)" if len(strangers) > 1 else ""
