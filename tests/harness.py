@@ -27,15 +27,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Read by the C library as a process starts: a forked rank would keep the server's.
+# Read by the C library as a process starts: a forked rank keeps the server's, which are
+# this process's own (the server starts from them: only a world that keeps them forks).
 _READ_AT_START = ("MALLOC_", "LD_")
 _PRELOADED = ["torch", "torch._dynamo", "torch.distributed", "zeromem"]
 
 
+def _read_at_start() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_START)}
+
+
+_OWN_AT_START = _read_at_start()
+
+
 def _context() -> Any:
-    """The start method for a world: forked from the preloaded server unless the
-    environment carries something a fork cannot take on."""
-    if any(key.startswith(_READ_AT_START) for key in os.environ):
+    """The start method for a world: forked from the preloaded server unless the caller
+    changed something a fork cannot take on (a test that sets MALLOC_*)."""
+    if _read_at_start() != _OWN_AT_START:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOADED)  # read once, when the server first starts
