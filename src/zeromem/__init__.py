@@ -26,12 +26,13 @@ from zeromem.offload.nvme import OffloadError
 from zeromem.stage3 import partitioned_init
 from zeromem.stage3.partitioned_init import GatheredParameters, Init, Partitions
 from zeromem.rank_check import RankMismatchError, check_ranks_agree
+from zeromem.lockstep import RankDivergenceError
 from zeromem.module_state import refuse_untakeable
 from zeromem.training_state import SchedulerArg
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "checkpoint",
            "checkpointing", "Init", "GatheredParameters", "OffloadError", "RankMismatchError",
-           "shutdown"]
+           "RankDivergenceError", "shutdown"]
 __version__ = "0.1.0"
 log = logging.getLogger("zeromem")
 

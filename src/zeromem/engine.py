@@ -28,6 +28,7 @@ from zeromem.distributed import Runtime
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.hybrid.hierarchy import build_comm_plan
 from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
+from zeromem.lockstep import Lockstep
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitoring.monitors import Observers, StepFacts, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict, \
@@ -90,6 +91,8 @@ class Engine:
         self.module = module.to(self.device)
         broadcast_from_rank0(self.module, comm)  # ranks need not be seeded alike
         self.counters = StepCounters(config.batch()[2])
+        # every rank must run the same backwards and collective calls: checked as they start
+        self.lockstep = Lockstep.agree(comm)
         self.scaler = make_scaler(config.fp16)
         self.timers = PhaseTimers(config.wall_clock_breakdown, self.device)
         # this engine's policy and byte ledger, active while its forward/backward run
@@ -287,7 +290,7 @@ class Engine:
         schedule = build_stage3(self.module, self.groups + self.frozen_groups, choice,
                                 self.config, self.plan,
                                 self.offload.params, self.runtime.gather_timeout_s, self.comm,
-                                self.partitions)
+                                self.partitions, self.lockstep)
         self.bucket_sizes["stage3_prefetch_bucket_size"] = schedule.limits.prefetch_numel
         return schedule
 
@@ -328,6 +331,8 @@ class Engine:
         Scaling the loss divides every gradient by N_d before the reduction sums them:
         DeepSpeed's `"prescale_gradients": true`, always (its default, false, divides after)."""
         self._check_trains("backward")
+        self.lockstep.pass_starts(f"backward (micro-step {self.micro_steps + 1}, optimizer "
+                                  f"step {self.global_steps + 1})")
         scale = self.scaler.scale / (self.config.batch()[2] * self.dp_world_size)
         with self.timers("backward"), self.activation_checkpointing.active(), \
                 self.observers.backward(loss):
@@ -472,9 +477,16 @@ class Engine:
                 "rank holds other slices, which one checkpoint directory would mix; "
                 "full_state_dict() gives each model-parallel rank its own")
         path = str(Path(save_dir) / (f"global_step{self.global_steps}" if tag is None else str(tag)))
-        return self.plan.write_once(lambda: checkpoints.save_checkpoint(
-            self.training_state(), save_dir, tag, client_state, exclude_frozen_parameters),
-            path, self.comm, self.device)
+        with self.collective("save_checkpoint"):
+            return self.plan.write_once(lambda: checkpoints.save_checkpoint(
+                self.training_state(), save_dir, tag, client_state, exclude_frozen_parameters),
+                path, self.comm, self.device)
+
+    def collective(self, call: str) -> contextlib.AbstractContextManager[None]:
+        """Around a collective call every rank must make at the same point of the loop:
+        made on some ranks only, it is refused at once, naming what the others did."""
+        return self.lockstep.collective(call, f"(after optimizer step {self.global_steps}, "
+                                              f"micro-step {self.micro_steps})")
 
     # The states loaded are the ones training then updates in place: inference tensors
     # (made under a caller's torch.inference_mode) would refuse that.
@@ -489,16 +501,18 @@ class Engine:
         given no optimizer loads the weights only: it has nothing to put the rest in."""
         if not self.trains:
             load_optimizer_states = load_lr_scheduler_states = False
-        return checkpoints.load_checkpoint(self.training_state(), load_dir, tag,
-                                           load_optimizer_states,
-                                           load_lr_scheduler_states, trust_client_state)
+        with self.collective("load_checkpoint"):
+            return checkpoints.load_checkpoint(self.training_state(), load_dir, tag,
+                                               load_optimizer_states,
+                                               load_lr_scheduler_states, trust_client_state)
 
     def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> str:
         """Compute-dtype weights to save_dir/filename on rank 0; collective."""
-        return self.plan.write_once(lambda: model_weights.save_16bit_model(
-            self.training_state(), save_dir, filename, exclude_frozen_parameters),
-            str(Path(save_dir) / filename), self.comm, self.device)
+        with self.collective("save_16bit_model"):
+            return self.plan.write_once(lambda: model_weights.save_16bit_model(
+                self.training_state(), save_dir, filename, exclude_frozen_parameters),
+                str(Path(save_dir) / filename), self.comm, self.device)
 
     def training_state(self) -> TrainingState:
         """What checkpoints read and restore (checkpoints/save_load.py never sees the engine)."""
@@ -568,7 +582,8 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict (keys as `module.state_dict()`) on rank 0; {} elsewhere."""
-        with self.offload.all_in_memory():  # masters in NVMe files come back for the read
+        with self.collective("full_state_dict"), self.offload.all_in_memory():
+            # masters in NVMe files come back for the read
             whole = gathered_state_dict(self.module, self.groups + self.frozen_groups,
                                         self.plan.shard,
                                         torch.float32, keep=self.comm.rank == 0)

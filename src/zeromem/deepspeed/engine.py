@@ -233,13 +233,14 @@ class DeepSpeedEngine(nn.Module):
         each rank write under the `save_dir` it passed. Scripts that name the
         directory after a clock read on each rank (HelloDeepSpeed does) can pass
         different ones, so rank 0's is used by all."""
-        chosen = broadcast_object(str(save_dir), 0, self.engine.comm.group)
-        if chosen != str(save_dir):
-            log.warning("rank %d: save_checkpoint(%s) writes to rank 0's directory %s",
-                        self.global_rank, save_dir, chosen)
         _refuse_unsupported(save_latest=(save_latest, True))
-        self.engine.save_checkpoint(chosen, tag, client_state if client_state else None,
-                                    exclude_frozen_parameters)
+        with self.engine.collective("save_checkpoint"):  # before its first collective
+            chosen = broadcast_object(str(save_dir), 0, self.engine.comm.group)
+            if chosen != str(save_dir):
+                log.warning("rank %d: save_checkpoint(%s) writes to rank 0's directory %s",
+                            self.global_rank, save_dir, chosen)
+            self.engine.save_checkpoint(chosen, tag, client_state if client_state else None,
+                                        exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
@@ -266,8 +267,9 @@ class DeepSpeedEngine(nn.Module):
         """The whole model's state dict on global rank 0 ({} elsewhere), keys as the model's
         own, trained parameters in the compute dtype; collective. HF's `save_model` calls it
         at stage 3."""
-        return weights_16bit(self.engine.training_state(), exclude_frozen_parameters,
-                             keep=self.engine.comm.rank == 0)
+        with self.engine.collective("_zero3_consolidated_16bit_state_dict"):
+            return weights_16bit(self.engine.training_state(), exclude_frozen_parameters,
+                                 keep=self.engine.comm.rank == 0)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -68,6 +68,7 @@ from zeromem.comm import Comm
 from zeromem.config.schema import Config
 from zeromem.flat import FlatParamGroup, GroupState
 from zeromem.layout import derived_prefetch_numel
+from zeromem.lockstep import Lockstep
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice
 from zeromem.stage3.partitioned_init import Partitions
 from zeromem.stage3.sharded_unit import LiveStats, Phase, ShardedUnit
@@ -186,7 +187,7 @@ class FetchSchedule:
 
     def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, ShardedUnit]],
                  limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None,
-                 placement: ParamPlacement | None = None):
+                 placement: ParamPlacement | None = None, lockstep: Lockstep | None = None):
         # a unit may be gathered by several modules (merged neighbours, a tied parameter)
         self.units = list({id(u): u for _, u in module_units}.values())
         self.placement = placement or ParamsOnDevice()  # told the order of each pass (read-ahead)
@@ -202,6 +203,7 @@ class FetchSchedule:
         self.stats = stats
         self.comm = comm
         self.store = store
+        self.lockstep = lockstep  # the engine's ranks' common log (lockstep.py)
         self.passes = 0
         self.module_stack: list[int] = []
         # orders by kind of pass: ("forward" | "eval" | "backward", training, flags)
@@ -295,6 +297,10 @@ class FetchSchedule:
             self.passes += 1
             if self.store is not None:  # published so a stuck rank can name who diverged
                 self.store.set(f"zeromem/stage3/passes/{self.comm.rank}", str(self.passes))
+            if self.lockstep is not None and self.unit_of_module:  # it gathers: collective
+                mode = "training" if key[1] else "evaluation"
+                grads = "" if torch.is_grad_enabled() else ", without gradients"
+                self.lockstep.pass_starts(f"forward {self.passes} ({mode} mode{grads})")
         self.orders[key] = []
         recorded = self.recorded.get(key)
         self.placement.follow(recorded.units if recorded else None)  # None: a new kind
@@ -545,7 +551,7 @@ class FetchSchedule:
 def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitChoice,
                  config: Config, plan: CommPlan, placement: ParamPlacement,
                  gather_timeout_s: float | None, comm: Comm,
-                 partitions: Partitions) -> FetchSchedule:
+                 partitions: Partitions, lockstep: Lockstep | None = None) -> FetchSchedule:
     """One ShardedUnit per flat group (small ones stay whole: persistent), and their schedule."""
     settings = config.zero_optimization
     index_of = {id(g.params[0]): i for i, g in enumerate(groups)}  # the units' launch order
@@ -564,6 +570,7 @@ def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitCh
     limits = Stage3Limits(placement.prefetch_numel(prefetch, explicit),
                           settings.stage3_max_live_parameters,
                           settings.stage3_max_reuse_distance, gather_timeout_s)
-    schedule = FetchSchedule(module, module_units, limits, live, comm, comm.store, placement)
+    schedule = FetchSchedule(module, module_units, limits, live, comm, comm.store, placement,
+                             lockstep)
     partitions.add_units(schedule.units)  # GatheredParameters finds them there
     return schedule
