@@ -169,7 +169,7 @@ class Engine:
         self.stage3: FetchSchedule | None = None
         if self.unit_choice is None:
             self.zero.hook_parameters()
-            self.partitions.add_groups(self.groups)  # GatheredParameters edits reach masters
+            self.partitions.add_groups(self.groups, self.lockstep)  # GatheredParameters edits reach masters
         else:
             self.stage3 = self._build_stage3(self.unit_choice)
             self.zero.after_gather(self.stage3.refresh)  # persistent units re-gather the new weights

@@ -29,7 +29,8 @@ from zeromem.comm import Comm
 
 RING = 4096  # store keys per engine; far more events than ranks ever drift apart
 
-COLLECTIVE_CALLS = "save_checkpoint, load_checkpoint, save_16bit_model and full_state_dict"
+COLLECTIVE_CALLS = ("save_checkpoint, load_checkpoint, save_16bit_model, full_state_dict and "
+                    "GatheredParameters")
 CALL = "the collective call"
 ADVICE = {True: f"{COLLECTIVE_CALLS} are collectives: call them on every rank at the same "
                 "point (not under `if rank == 0:`; rank 0 alone writes the files)",
@@ -70,11 +71,16 @@ class Lockstep:
         if self._depth == 0:
             self._event(what)
 
+    def call(self, call: str, where: str = "") -> None:
+        """A collective call every rank must make (`call`, at `where`) starts; one made
+        inside another (the checkpoint gathering parameters) is part of it."""
+        if self._depth == 0:
+            self._event(f"{CALL} {call} {where}".rstrip())
+
     @contextlib.contextmanager
     def collective(self, call: str, where: str) -> Iterator[None]:
         """Around a collective call every rank must make (`call`, at `where`)."""
-        if self._depth == 0:
-            self._event(f"{CALL} {call} {where}")
+        self.call(call, where)
         self._depth += 1
         try:
             yield

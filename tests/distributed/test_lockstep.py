@@ -1,7 +1,7 @@
 """A collective call made on some ranks only is refused at once, naming it (lockstep.py).
 
 `if rank == 0: engine.save_checkpoint(...)` (and `full_state_dict`, `save_16bit_model`,
-an evaluation forward at stage 3) left the ranks waiting on each other's collectives
+`GatheredParameters` or an evaluation forward at stage 3) left the ranks waiting on each other's collectives
 until the collective timeout, 10 minutes by default, and then said only that a
 collective timed out. Now the rank that comes second to the point where they part
 raises RankDivergenceError naming both sides, before it enters a collective; its exit
@@ -53,13 +53,17 @@ def rank0_only(rank: int, world_size: int, stage: int, call: str) -> None:
                 engine.full_state_dict()
             elif call == "save_16bit_model":
                 engine.save_16bit_model(directory)
+            elif call == "GatheredParameters":  # to print or save the whole weights
+                with zeromem.GatheredParameters(list(engine.module.parameters())):
+                    pass
             else:  # an evaluation forward on rank 0 alone
                 with torch.no_grad():
                     engine(x)
 
 
 CASES = [(1, "save_checkpoint"), (2, "deepspeed save_checkpoint"), (2, "save_16bit_model"),
-         (3, "save_checkpoint"), (3, "full_state_dict"), (3, "evaluation")]
+         (3, "save_checkpoint"), (3, "full_state_dict"), (3, "GatheredParameters"),
+         (3, "evaluation")]
 
 
 @pytest.mark.parametrize("stage,call", CASES)

@@ -551,7 +551,7 @@ class FetchSchedule:
 def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitChoice,
                  config: Config, plan: CommPlan, placement: ParamPlacement,
                  gather_timeout_s: float | None, comm: Comm,
-                 partitions: Partitions, lockstep: Lockstep | None = None) -> FetchSchedule:
+                 partitions: Partitions, lockstep: Lockstep) -> FetchSchedule:
     """One ShardedUnit per flat group (small ones stay whole: persistent), and their schedule."""
     settings = config.zero_optimization
     index_of = {id(g.params[0]): i for i, g in enumerate(groups)}  # the units' launch order
@@ -572,5 +572,5 @@ def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitCh
                           settings.stage3_max_reuse_distance, gather_timeout_s)
     schedule = FetchSchedule(module, module_units, limits, live, comm, comm.store, placement,
                              lockstep)
-    partitions.add_units(schedule.units)  # GatheredParameters finds them there
+    partitions.add_units(schedule.units, lockstep)  # GatheredParameters finds them there
     return schedule

@@ -39,6 +39,7 @@ from zeromem.config.schema import Config, ConfigError
 from zeromem.ds_attributes import ZeroParamStatus, mark_partitioned
 from zeromem.flat import FlatParamGroup
 from zeromem.layout import ShardLayout
+from zeromem.lockstep import Lockstep
 from zeromem.offload.init_shards import ShardFile, ShardRecord
 
 
@@ -115,18 +116,20 @@ class Partitions:
         self.whole = _WeakById()   # the ones `unshard` made whole, until `reshard`
         self.units = _WeakById()   # parameter -> stage3.ShardedUnit of a live engine
         self.wholes = _WeakById()  # parameter -> FlatParamGroup of a live stage 0-2 engine
+        self.logs = _WeakById()    # parameter -> the Lockstep of the live engine holding it
 
-    def add_units(self, units: Iterable) -> None:
-        """Let `GatheredParameters` find the fetch unit of each stage-3 parameter."""
+    def add_units(self, units: Iterable, lockstep: Lockstep) -> None:
+        """Let `GatheredParameters` find the fetch unit of each stage-3 parameter, and
+        the engine's log its gathers are an event of."""
         for unit in units:
             for p in unit.group.params:
-                self.units[p] = unit
+                self.units[p], self.logs[p] = unit, lockstep
 
-    def add_groups(self, groups: Iterable[FlatParamGroup]) -> None:
+    def add_groups(self, groups: Iterable[FlatParamGroup], lockstep: Lockstep) -> None:
         """Let `GatheredParameters(modifier_rank=...)` find the masters of stage 0-2 parameters."""
         for group in groups:
             for p in group.params:
-                self.wholes[p] = group
+                self.wholes[p], self.logs[p] = group, lockstep
 
     def refuse_taken(self, module: nn.Module) -> None:
         """A second engine on a model whose parameters a live stage-3 engine partitioned
@@ -441,6 +444,8 @@ class GatheredParameters:
         wholes = self.partitions.wholes
         self.wholes = list({id(wholes[p]): wholes[p] for p in params if p in wholes}.values())
         self.loose = [p for p in params if p in self.partitions.shards]
+        logs = self.partitions.logs
+        self.logs = list({id(logs[p]): logs[p] for p in params if p in logs}.values())
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self.comm = self.units[0].comm if self.units else \
@@ -452,6 +457,9 @@ class GatheredParameters:
         if self.modifier_rank is not None:
             for editable in [*self.units, *self.wholes]:
                 editable.check_editable()
+        if self.modifier_rank is not None or any(not u.persistent for u in self.units):
+            for log in self.logs:  # it gathers, or broadcasts on exit: a collective call
+                log.call("GatheredParameters")
         for unit in self.units:
             unit.pin()
         for p in self.loose:
