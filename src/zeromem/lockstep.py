@@ -36,7 +36,8 @@ ADVICE = {True: f"{COLLECTIVE_CALLS} are collectives: call them on every rank at
                 "point (not under `if rank == 0:`; rank 0 alone writes the files)",
           False: "every rank must run the same backwards and, at stage 3, the same forwards "
                  "(a forward gathers parameters from every rank): evaluate on every rank, not "
-                 "under `if rank == 0:`"}
+                 "under `if rank == 0:`, and pass HF's `generate` synced_gpus=True (ranks "
+                 "that stop at different lengths run different numbers of forwards)"}
 
 
 class RankDivergenceError(RuntimeError):
