@@ -290,7 +290,7 @@ class Engine:
         schedule = build_stage3(self.module, self.groups + self.frozen_groups, choice,
                                 self.config, self.plan,
                                 self.offload.params, self.runtime.gather_timeout_s, self.comm,
-                                self.partitions, self.lockstep)
+                                self.partitions, self.lockstep, self.zero.warn_outside_backward)
         self.bucket_sizes["stage3_prefetch_bucket_size"] = schedule.limits.prefetch_numel
         return schedule
 

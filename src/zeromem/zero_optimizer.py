@@ -44,6 +44,7 @@ loss by 1/(N_d * accumulation steps) before backward, so the sums are means.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ from torch import nn
 
 from zeromem.flat import SECOND_GRADIENT, FlatParamGroup
 from zeromem.layout import GATHER_IN_FLIGHT
+
+log = logging.getLogger("zeromem")
 
 if TYPE_CHECKING:  # the parts the engine builds and passes in; the planner imports this module
     from zeromem.hybrid.hierarchy import CommPlan
@@ -131,6 +134,8 @@ class ZeroOptimizer:
         self.gradient_complete = False
         self._boundary = False
         self._in_backward = False  # between start_backward and finish_backward
+        self._backwards = 0  # this engine's backwards so far (warn_outside_backward reads it)
+        self._warned_outside = False
         self.missing: list[int] = [len(g.params) for g in groups]  # `hook_parameters` counts
         self.gathered_callbacks: list[Callable[[], None]] = []
         self.hooks: list = []
@@ -145,9 +150,10 @@ class ZeroOptimizer:
 
     def _hook(self, gi: int, offset: int):
         def on_grad(param: nn.Parameter) -> None:
-            if not self._in_backward:
-                return  # another engine's backward through this module: `_take_left_over`
             group = self.groups[gi]
+            if not self._in_backward:  # another engine's backward through this module:
+                self.warn_outside_backward(param)  # `_take_left_over`; or a plain one
+                return
             if self.comm.launched(gi):
                 name = next(s.name for s in group.slots if s.offset == offset)
                 raise RuntimeError(f"parameter {name!r} {SECOND_GRADIENT}")
@@ -174,6 +180,7 @@ class ZeroOptimizer:
         self.comm.start_reductions(boundary or every_micro)
         self.missing = [len(g.params) for g in self.groups]
         self._in_backward = True
+        self._backwards += 1
 
     def finish_backward(self) -> None:
         """Hand in the buckets no hook completed (unused parameters: stages 0-2; stage-3
@@ -186,6 +193,25 @@ class ZeroOptimizer:
         self._in_backward = False
         self.comm.finish_reductions()
         self.gradient_complete = self._boundary
+
+    def warn_outside_backward(self, param: torch.Tensor) -> None:
+        """A gradient came outside this engine's backward before it ran one of its own:
+        another engine's backward through this module (a GAN whose generator trains
+        first), or, more likely, a loop written for DDP or FSDP2 (`loss.backward()` and a
+        torch optimizer over `model.parameters()`), which would step each rank's own
+        unreduced gradient: ranks train apart, silently. Warned once."""
+        if self._backwards or self._warned_outside:
+            return
+        self._warned_outside = True
+        name = next((s.name for g in self.groups for q, s in zip(g.params, g.slots)
+                     if q is param), "?")
+        log.warning("parameter %r got a gradient outside engine.backward(loss), which this "
+                    "engine has not run yet: zeromem reduces, scales and applies gradients "
+                    "only in engine.backward(loss) and engine.step(); a torch optimizer built "
+                    "over model.parameters() after initialize steps each rank's own gradient "
+                    "(ranks drift apart) and, at stage 3, empty shards. Pass the optimizer to "
+                    "initialize and call engine.backward / engine.step (another engine's "
+                    "backward through this module is fine)", name)
 
     def _take_left_over(self, gi: int) -> None:
         """Gradients still in `param.grad` that no hook of this backward took.

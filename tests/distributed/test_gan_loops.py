@@ -38,6 +38,7 @@ against one process with the whole batch, compared on every rank.
 from __future__ import annotations
 
 import contextlib
+import logging
 import tempfile
 
 import numpy as np
@@ -138,6 +139,26 @@ def zero_config(stage: int, place: str, path: str) -> dict:
 CASES = [(0, ""), (1, ""), (2, ""), (3, ""), (2, "cpu"), (3, "nvme")]
 
 
+class OutsideWarnings(logging.Handler):
+    """zeromem's warnings of a gradient outside engine.backward (a loop written for DDP or
+    FSDP2), while entered."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "outside engine.backward" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+    def __enter__(self) -> list[str]:
+        logging.getLogger("zeromem").addHandler(self)
+        return self.messages
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("zeromem").removeHandler(self)
+
+
 def gan_on_ranks(rank: int, world: int) -> dict:
     out = {}
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -150,9 +171,10 @@ def gan_on_ranks(rank: int, world: int) -> dict:
             cfg = {"train_batch_size": BATCH, **zero_config(stage, place, path)}
             engine_d = zeromem.initialize(disc, cfg, optimizer=sgd)
             engine_g = zeromem.initialize(gen, cfg, optimizer=sgd)
-            losses = torch.tensor(train_gan(gen, disc, engine_g, engine_d, rows))
+            with OutsideWarnings() as warned:
+                losses = torch.tensor(train_gan(gen, disc, engine_g, engine_d, rows))
             torch.distributed.all_reduce(losses)
-            out[stage, place] = {"losses": (losses / world).tolist(),
+            out[stage, place] = {"losses": (losses / world).tolist(), "warned": warned,
                                  "gen": whole(engine_g), "disc": whole(engine_d)}
     return out
 
@@ -242,16 +264,18 @@ def refusals_on_ranks(rank: int, world: int) -> dict:
                 two, head = two_and_head()
                 engine_two = zeromem.initialize(two, cfg, optimizer=sgd)
                 engine_head = zeromem.initialize(head, cfg, optimizer=sgd)
-                if case == "after_backward":
-                    engine_two.backward(two(x).pow(2).mean())
-                    engine_head.backward(head(two.shared(x)).pow(2).mean())
-                else:
-                    two(x).pow(2).mean().backward()
+                with OutsideWarnings() as warned:
+                    if case == "after_backward":
+                        engine_two.backward(two(x).pow(2).mean())
+                        engine_head.backward(head(two.shared(x)).pow(2).mean())
+                    else:
+                        two(x).pow(2).mean().backward()
                 try:
                     engine_two.step()
                     out[stage, place, case] = "stepped"
                 except RuntimeError as error:
                     out[stage, place, case] = str(error)
+                out[stage, place, case, "warned"] = warned
     return out
 
 
@@ -377,6 +401,8 @@ def test_gan_matches_one_process_on_every_rank(runs, stage, place):
         got = got[stage, place]
         np.testing.assert_allclose(got["losses"], want["losses"], atol=1e-5,
                                    err_msg=f"rank {rank}")
+        # the discriminator trains first: the generator's backward through it is no misuse
+        assert got["warned"] == [], (rank, got["warned"])
         for name in ("gen", "disc"):
             for g, w in zip(got[name], want[name]):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6,
@@ -419,6 +445,18 @@ def test_a_gradient_no_engine_backward_took_in_is_refused_at_the_step(runs, stag
         assert "'shared." in late and "no engine.backward took in" in late, (rank, late)
         own = got[stage, place, "own_loss_backward"]
         assert "'own." in own and "engine.backward(loss)" in own, (rank, own)
+        assert got[stage, place, "after_backward", "warned"] == [], rank
+
+
+@pytest.mark.parametrize("stage,place", CASES)
+def test_a_loop_written_for_ddp_or_fsdp2_is_warned_once_at_its_first_backward(runs, stage, place):
+    """`loss.backward()` before the engine ran any backward of its own (then a torch
+    optimizer over model.parameters() would step each rank's own gradient): one warning
+    naming a parameter, whose every gradient comes in outside the engine's backward."""
+    for rank, got in enumerate(runs["refusals"]):
+        warned = got[stage, place, "own_loss_backward", "warned"]
+        assert len(warned) == 1 and "'own." in warned[0], (rank, warned)
+        assert "engine.backward(loss)" in warned[0] and "drift apart" in warned[0], warned[0]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

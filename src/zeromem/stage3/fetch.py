@@ -187,7 +187,8 @@ class FetchSchedule:
 
     def __init__(self, root: nn.Module, module_units: list[tuple[nn.Module, ShardedUnit]],
                  limits: Stage3Limits, stats: LiveStats, comm: Comm, store=None,
-                 placement: ParamPlacement | None = None, lockstep: Lockstep | None = None):
+                 placement: ParamPlacement | None = None, lockstep: Lockstep | None = None,
+                 outside_gradient: Callable[[torch.Tensor], None] | None = None):
         # a unit may be gathered by several modules (merged neighbours, a tied parameter)
         self.units = list({id(u): u for _, u in module_units}.values())
         self.placement = placement or ParamsOnDevice()  # told the order of each pass (read-ahead)
@@ -204,6 +205,7 @@ class FetchSchedule:
         self.comm = comm
         self.store = store
         self.lockstep = lockstep  # the engine's ranks' common log (lockstep.py)
+        self.outside_gradient = outside_gradient  # told of one outside the engine's backward
         self.passes = 0
         self.module_stack: list[int] = []
         # orders by kind of pass: ("forward" | "eval" | "backward", training, flags)
@@ -534,6 +536,8 @@ class FetchSchedule:
         """`param`'s gradient was accumulated: the unit counts it; once every gradient
         of the unit is in its reduce bucket, the whole buffer can go."""
         self._recompute_ended()
+        if unit.phase in (Phase.FORWARD, Phase.EVAL) and self.outside_gradient is not None:
+            self.outside_gradient(param)  # not this engine's backward: it stays in param.grad
         if unit.grad_in(param):
             self._release([unit])
 
@@ -551,7 +555,8 @@ class FetchSchedule:
 def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitChoice,
                  config: Config, plan: CommPlan, placement: ParamPlacement,
                  gather_timeout_s: float | None, comm: Comm,
-                 partitions: Partitions, lockstep: Lockstep) -> FetchSchedule:
+                 partitions: Partitions, lockstep: Lockstep,
+                 outside_gradient: Callable[[torch.Tensor], None]) -> FetchSchedule:
     """One ShardedUnit per flat group (small ones stay whole: persistent), and their schedule."""
     settings = config.zero_optimization
     index_of = {id(g.params[0]): i for i, g in enumerate(groups)}  # the units' launch order
@@ -571,6 +576,6 @@ def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitCh
                           settings.stage3_max_live_parameters,
                           settings.stage3_max_reuse_distance, gather_timeout_s)
     schedule = FetchSchedule(module, module_units, limits, live, comm, comm.store, placement,
-                             lockstep)
+                             lockstep, outside_gradient)
     partitions.add_units(schedule.units, lockstep)  # GatheredParameters finds them there
     return schedule
