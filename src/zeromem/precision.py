@@ -15,8 +15,22 @@ bf16 and fp32 use `NoScaler`.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 log = logging.getLogger("zeromem")
+
+# The parameters whose gradient on this rank holds inf or nan, read only when a message
+# needs them (a pass over the gradients; not for fp16's routine overflows)
+Culprits = Callable[[], list[str]]
+
+
+def _named(culprits: Culprits) -> str:
+    names = culprits()
+    shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more"
+                                                      if len(names) > 8 else "")
+    return f"inf or nan in the gradient of {shown}" if names else \
+        ("no inf or nan in what this rank holds of the gradient: another rank holds it (or, "
+         "on NVMe, the step in backward used that part up)")
 
 
 class LossScaleAtMinimumError(RuntimeError):
@@ -29,9 +43,9 @@ class NoScaler:
     scale = 1.0
     dynamic = False
 
-    def update(self, overflow: bool) -> None:
+    def update(self, overflow: bool, culprits: Culprits = list) -> None:
         if overflow:
-            log.warning("non-finite gradient norm; step skipped")
+            log.warning("non-finite gradient norm; step skipped: %s", _named(culprits))
 
     def state_dict(self) -> dict:
         return {}
@@ -71,15 +85,15 @@ class DynamicScaler:
         self.iteration = 0
         self.last_overflow_iteration = -1
 
-    def update(self, overflow: bool) -> None:
+    def update(self, overflow: bool, culprits: Culprits = list) -> None:
         """Advance the state machine by one optimizer step."""
         if overflow:
             if self.hysteresis_left <= 1:
                 if self.scale <= self.min_scale:
                     raise LossScaleAtMinimumError(
                         f"fp16 gradients overflowed with the loss scale already at its minimum "
-                        f"({self.min_scale:g}); training cannot go on. Lower the learning rate, "
-                        "check the data for inf/nan, or train in bf16.")
+                        f"({self.min_scale:g}); training cannot go on ({_named(culprits)}). "
+                        "Lower the learning rate, check the data for inf/nan, or train in bf16.")
                 self.scale = max(self.scale / self.factor, self.min_scale)
                 log.info("fp16 overflow: loss scale lowered to %g", self.scale)
             else:

@@ -56,6 +56,7 @@ from torch import nn
 
 from zeromem.flat import SECOND_GRADIENT, FlatParamGroup
 from zeromem.layout import GATHER_IN_FLIGHT
+from zeromem.offload.nvme import OffloadError
 
 log = logging.getLogger("zeromem")
 
@@ -252,8 +253,23 @@ class ZeroOptimizer:
             self._predict(clipped=coef < 1.0)
         else:
             self.skip()  # what the boundary backward began (offload/backward_step.py)
-        self.scaler.update(overflow)
+        self.scaler.update(overflow, self.nonfinite_params)
         return overflow
+
+    def nonfinite_params(self) -> list[str]:
+        """The parameters whose part of this rank's reduced gradient holds inf or nan (a
+        gradient on NVMe that the step in backward used up is not read)."""
+        names = []
+        for g in self.groups:
+            try:
+                grad = g.reduced_grad()
+            except OffloadError:  # stepped in the boundary backward and not kept
+                continue
+            for slot in g.slots:
+                start, _, length = g.owned_slice(slot)
+                if length > 0 and not bool(torch.isfinite(grad[start:start + length]).all()):
+                    names.append(slot.name)
+        return names
 
     def _refuse_left_over(self) -> None:
         """A gradient still in `param.grad` at the step came after this engine's last

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
+import tempfile
 
 import pytest
 import torch
@@ -90,7 +92,8 @@ def world() -> dict[str, list]:
     """This file's 2-rank cases in one spawned world (spawning costs more than a case)."""
     return run_together({"tracks": (low_precision_tracks_fp32, ()),
                          "overflow": (overflow_on_one_rank, ()),
-                         "autocast": (torch_autocast_on_ranks, ())}, 2)
+                         "autocast": (torch_autocast_on_ranks, ()),
+                         "nonfinite": (nonfinite_named, ())}, 2)
 
 
 def test_torch_autocast_trains_like_one_process_under_autocast(world):
@@ -161,6 +164,91 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(world):
             assert unchanged, f"stage {stage}: parameters moved on an overflow step"
             assert scale == 128  # 2**8 halved once (hysteresis 1)
             assert skipped == 1 and changed and steps == 2
+
+
+class Poisoned(torch.nn.Module):
+    """`2.bias` alone gets a NaN gradient on a rank whose `poison` is NaN."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+        self.poison = 0.0
+
+    def forward(self, x):
+        return self.net(x).mean() + self.net[2].bias.sum() * self.poison
+
+
+class Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+FP16_FLOOR = {"fp16": {"enabled": True, "initial_scale_power": 0, "min_loss_scale": 1,
+                       "hysteresis": 1}}
+# (stage, precision and where gradients go): on NVMe at stage 3 the step begins in backward
+NONFINITE = [(stage, precision) for stage in range(4) for precision in ("fp32", "fp16")] + \
+    [(2, "fp32 cpu"), (3, "fp32 nvme")]
+
+
+def nonfinite_config(stage: int, precision: str, path: str) -> dict:
+    config = _cfg(stage, FP16_FLOOR if precision == "fp16" else {})
+    place = precision.split()[1:]
+    if place:
+        offload = {"device": place[0], "nvme_path": path}
+        config["zero_optimization"]["offload_optimizer"] = offload
+        if stage == 3:
+            config["zero_optimization"]["offload_param"] = dict(offload)
+    return config
+
+
+def nonfinite_named(rank, world_size):
+    """A NaN in one parameter's gradient on rank 1: what a skipped fp32 step warns, and what
+    fp16's loss-scale floor raises, on each rank (its shard of the gradient, or none)."""
+    out = {}
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    for stage, name in NONFINITE:
+        with tempfile.TemporaryDirectory() as path:
+            model = Poisoned()
+            engine = zeromem.initialize(model, nonfinite_config(stage, name, path))
+            model.poison = float("nan") if rank == 1 else 0.0
+            handler = Warnings()
+            logging.getLogger("zeromem").addHandler(handler)
+            try:
+                engine.backward(engine(x.to(engine.compute_dtype)))
+                engine.step()
+                out[stage, name] = [m for m in handler.messages if "step skipped" in m]
+            except RuntimeError as error:
+                out[stage, name] = [str(error)]
+            finally:
+                logging.getLogger("zeromem").removeHandler(handler)
+                engine.close()  # its swap files go before their directory
+    return out
+
+
+@pytest.mark.parametrize("stage,precision", NONFINITE)
+def test_a_non_finite_gradient_is_named_by_parameter(world, stage, precision):
+    """Each rank names the parameters whose part of its gradient shard holds inf or nan
+    (the NaN is rank 1's, but reduced into every rank's sum), or says it holds none."""
+    named = set()
+    for rank, got in enumerate(world["nonfinite"]):
+        messages = got[stage, precision]
+        assert len(messages) == 1, (rank, messages)
+        message = messages[0]
+        if precision == "fp16":  # the floor: initial_scale_power 0
+            assert "loss scale already at its minimum" in message, message
+        else:
+            assert "non-finite gradient norm; step skipped" in message, message
+        if "'net.2.bias'" in message:
+            named.add(rank)
+        else:
+            assert "another rank holds it" in message and "'net." not in message, (rank, message)
+    # on NVMe at stage 3 the step in backward used the gradient up: nothing to read
+    assert named or precision == "fp32 nvme", "no rank named net.2.bias"
 
 
 def test_wall_clock_breakdown_logs_phase_times(caplog):
