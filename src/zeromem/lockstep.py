@@ -1,17 +1,17 @@
 """Ranks in step: a collective call made on some ranks only is refused at once, by name.
 
-`save_checkpoint`, `load_checkpoint`, `save_16bit_model` and `full_state_dict` are
-collectives, so every rank must call them at the same point of the loop. Called under
-`if rank == 0:` (the mistake DeepSpeed users make most), rank 0's first collective meets
-the other ranks' next gradient reduction: both wait for the collective timeout (10 minutes
-by default) and then say only that a collective timed out.
+`save_checkpoint`, `load_checkpoint`, `save_16bit_model`, `full_state_dict` and (over a
+live engine's parameters) `GatheredParameters` are collectives, so every rank must call
+them at the same point of the loop. Called under `if rank == 0:`, rank 0's first
+collective meets the other ranks' next gradient reduction: both wait for the collective
+timeout (10 minutes by default) and then say only that a collective timed out.
 
 So the ranks of one engine keep a common log of what each of them does, in the store:
 event n of every rank (a backward, a stage-3 forward that gathers, or one of those
-calls) must be the same. The first
-rank at event n writes it; each later one compares (one `compare_set`, a round trip to
-the store, per backward and per call). A rank that finds another event there stops at
-once, naming both, before it starts a collective its peers will never join.
+calls) must be the same. The first rank at event n writes it; each later one compares
+(one `compare_set`, a round trip to the store, per event). A rank that finds another
+event there stops at once, naming both, before it starts a collective its peers will
+never join.
 
 The log is a ring of `RING` keys: a rank more than `RING` events ahead of another (which
 accumulation without collectives could allow) leaves that one unable to compare, never
