@@ -46,16 +46,11 @@ from zeromem.stage3.fetch import FetchSchedule, build_stage3
 from zeromem.stage3.units import UnitCaps, UnitChoice, choose_units
 from zeromem.tensor_parallel import model_parallel_norm
 from zeromem.monitoring.timers import PhaseTimers
-from zeromem.training_state import RngState, SchedulerArg, Stateful, StepCounters, TrainingState
+from zeromem.training_state import BatchSizes, RngState, SchedulerArg, Stateful, StepCounters, \
+    TrainingState
 from zeromem.zero_optimizer import StepSettings, ZeroOptimizer
 
 log = logging.getLogger("zeromem")
-
-
-def _bucket_params(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
-    """Split `params` (already in expected gradient order) into buckets of <= bucket_numel."""
-    return [[params[i] for i in bucket] for bucket in pack_buckets((p.numel() for p in params),
-                                                                   bucket_numel)]
 
 
 class Engine:
@@ -90,7 +85,8 @@ class Engine:
         # The user's dtype is kept until the flat groups read the fp32 masters from it.
         self.module = module.to(self.device)
         broadcast_from_rank0(self.module, comm)  # ranks need not be seeded alike
-        self.counters = StepCounters(config.batch()[2])
+        _, micro, accumulation = config.batch()
+        self.counters = StepCounters(BatchSizes(micro, accumulation, comm.world_size))
         # every rank must run the same backwards and collective calls: checked as they start
         self.lockstep = Lockstep.agree(comm)
         self.scaler = make_scaler(config.fp16)
@@ -255,7 +251,8 @@ class Engine:
         parts = []
         for gi, pg in enumerate(param_groups):
             params = sorted(pg["params"], key=lambda p: -order[id(p)])  # backward runs last-first
-            parts += [(gi, bucket) for bucket in _bucket_params(params, bucket_numel)]
+            buckets = pack_buckets((p.numel() for p in params), bucket_numel)
+            parts += [(gi, [params[i] for i in bucket]) for bucket in buckets]
         return parts
 
     def _frozen_by_dtype(self, module: nn.Module) -> list[list[nn.Parameter]]:
@@ -333,7 +330,8 @@ class Engine:
         self._check_trains("backward")
         self.lockstep.pass_starts(f"backward (micro-step {self.micro_steps + 1}, optimizer "
                                   f"step {self.global_steps + 1})")
-        scale = self.scaler.scale / (self.config.batch()[2] * self.dp_world_size)
+        scale = self.scaler.scale / (self.counters.gradient_accumulation_steps * self.dp_world_size)
+        self.counters.advance_backward()
         with self.timers("backward"), self.activation_checkpointing.active(), \
                 self.observers.backward(loss):
             self.zero.start_backward(self.is_gradient_accumulation_boundary())
@@ -354,6 +352,15 @@ class Engine:
         (Accelerate, before every backward); it decides from then on, not the count."""
         self.counters.announce_boundary(is_boundary)
 
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: the global batch changes by the micro-steps per optimizer step, the
+        micro-batch staying (a batch-size ramp-up); between accumulations only."""
+        self.counters.resize(self.counters.batch.with_train(train_batch_size))
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: the micro-batch changes, the accumulation steps staying."""
+        self.counters.resize(self.counters.batch.with_micro(micro_batch_size))
+
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Called every micro-step; updates the model at the accumulation boundary, then
         steps the scheduler (unless fp16 overflow skipped the update).
@@ -370,7 +377,7 @@ class Engine:
     def _step(self, scheduler: LRScheduler | None, lr_kwargs: dict) -> None:
         self._check_trains("step")
         boundary = self.is_gradient_accumulation_boundary()
-        self.counters.advance_micro()
+        self.counters.advance_micro(boundary)
         if not boundary:
             return
         self._refuse_unfrozen()

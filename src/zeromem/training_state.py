@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import torch
@@ -37,23 +37,72 @@ class Stateful(Protocol):
 SchedulerArg = LRScheduler | Callable[[torch.optim.Optimizer], LRScheduler] | None
 
 
-class StepCounters:
-    """Global, micro and skipped step counts; the engine advances them, checkpoints restore them.
+@dataclass(frozen=True)
+class BatchSizes:
+    """How many samples an optimizer step takes: DeepSpeed's three batch keys."""
 
-    Owns `gradient_accumulation_steps` because where the accumulation boundary
-    falls is a question about the micro-step count, unless the training loop
-    announces it (`announce_boundary`).
+    micro: int  # samples a rank runs in one forward (`train_micro_batch_size_per_gpu`)
+    accumulation: int  # micro-steps per optimizer step (`gradient_accumulation_steps`)
+    ranks: int  # data-parallel ranks
+
+    @property
+    def train(self) -> int:
+        """`train_batch_size`: samples per optimizer step, all ranks together."""
+        return self.micro * self.accumulation * self.ranks
+
+    def with_train(self, train_batch_size: int) -> BatchSizes:
+        """This micro-batch, with the accumulation steps `train_batch_size` takes."""
+        per_micro_step = self.micro * self.ranks
+        if train_batch_size <= 0 or train_batch_size % per_micro_step:
+            raise ValueError(f"train_batch_size {train_batch_size} is not a positive multiple of "
+                             f"micro-batch {self.micro} x {self.ranks} ranks = {per_micro_step}")
+        return replace(self, accumulation=train_batch_size // per_micro_step)
+
+    def with_micro(self, micro_batch_size: int) -> BatchSizes:
+        if micro_batch_size <= 0:
+            raise ValueError(f"train_micro_batch_size_per_gpu {micro_batch_size} is not positive")
+        return replace(self, micro=micro_batch_size)
+
+
+class StepCounters:
+    """Global, micro and skipped step counts, and the batch sizes they count in; the engine
+    advances and resizes them, checkpoints restore them.
+
+    Owns the batch sizes because where the accumulation boundary falls is a question
+    about the micro-steps run since the last one, unless the training loop announces it
+    (`announce_boundary`). Counting from the last boundary, not from the start, keeps
+    every accumulation whole when the batch changes during training (Megatron-DeepSpeed's
+    batch ramp-up calls `set_train_batch_size` before every step).
     """
 
-    def __init__(self, gradient_accumulation_steps: int) -> None:
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+    def __init__(self, batch: BatchSizes) -> None:
+        self.batch = batch
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.global_samples = 0
+        self.window_start = 0  # the micro-step count at the last boundary
+        self.backwards = 0  # in this window; what an announced window counts its samples by
         # Accelerate (under HF's Trainer too) says before each backward whether it ends an
         # accumulation, and calls step() only when it does: the micro-step count then no
         # longer tells. Once announced, the announcement decides, as in DeepSpeed.
         self.announced: bool | None = None
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.accumulation
+
+    def resize(self, batch: BatchSizes) -> None:
+        """Take `batch` from now on. A new accumulation count is refused in the middle of an
+        accumulation: the micro-steps run were scaled by the old one."""
+        if batch.accumulation != self.batch.accumulation and self.mid_accumulation():
+            run = self.micro_steps - self.window_start
+            raise ValueError(
+                f"gradient_accumulation_steps cannot change from {self.batch.accumulation} to "
+                f"{batch.accumulation} in the middle of an accumulation ({run} micro-steps run "
+                "since the last optimizer step): change the batch size before a window's "
+                "first forward")
+        self.batch = batch
 
     def announce_boundary(self, is_boundary: bool) -> None:
         """The training loop's word on the micro-step about to run (DeepSpeed's
@@ -64,34 +113,47 @@ class StepCounters:
         """Whether the micro-step now running ends a gradient accumulation."""
         if self.announced is not None:
             return self.announced
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return self.micro_steps + 1 - self.window_start >= self.batch.accumulation
 
     def mid_accumulation(self) -> bool:
         """Whether some micro-steps of an unfinished accumulation have run."""
         if self.announced is not None:
             return not self.announced
-        return self.micro_steps % self.gradient_accumulation_steps != 0
+        return self.micro_steps != self.window_start
 
-    def advance_micro(self) -> None:
+    def advance_backward(self) -> None:
+        self.backwards += 1
+
+    def advance_micro(self, boundary: bool) -> None:
+        """A `step()` call; `boundary`: it ended an accumulation."""
         self.micro_steps += 1
+        if boundary:
+            self.window_start = self.micro_steps
 
     def advance_global(self, skipped: bool) -> None:
-        """One optimizer step ran (or was skipped on overflow)."""
+        """One optimizer step ran (or was skipped on overflow). Its samples, as DeepSpeed
+        counts them: the batch, or the backwards run when the loop announces boundaries."""
         self.global_steps += 1
         self.skipped_steps += int(skipped)
+        self.global_samples += (self.batch.train if self.announced is None
+                                else self.backwards * self.batch.micro * self.batch.ranks)
+        self.backwards = 0
 
     def state_dict(self) -> dict[str, int]:
         return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                "skipped_steps": self.skipped_steps,
+                "skipped_steps": self.skipped_steps, "global_samples": self.global_samples,
                 "gradient_accumulation_steps": self.gradient_accumulation_steps}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        gas = self.gradient_accumulation_steps
         self.global_steps = state["global_steps"]
         self.skipped_steps = state["skipped_steps"]
         # With another accumulation count the saved micro-step count would misplace boundaries.
-        same = state.get("gradient_accumulation_steps") == self.gradient_accumulation_steps
-        self.micro_steps = (state["micro_steps"] if same
-                            else state["global_steps"] * self.gradient_accumulation_steps)
+        same = state.get("gradient_accumulation_steps") == gas
+        self.micro_steps = state["micro_steps"] if same else state["global_steps"] * gas
+        self.window_start = self.micro_steps - self.micro_steps % gas
+        # a checkpoint written before zeromem counted samples: DeepSpeed's estimate
+        self.global_samples = state.get("global_samples", self.global_steps * self.batch.train)
 
 
 class RngState:

@@ -81,40 +81,85 @@ def test_checkpointed_pieces_are_stateful_and_round_trip():
     """Scaler, scheduler, counters and RNG each offer state_dict / load_state_dict."""
     from zeromem.precision import DynamicScaler, NoScaler, StaticScaler
     from zeromem.optim.schedulers import WarmupLR
-    from zeromem.training_state import RngState, Stateful, StepCounters
+    from zeromem.training_state import BatchSizes, RngState, Stateful, StepCounters
+
+    def counting(accumulation: int) -> StepCounters:
+        return StepCounters(BatchSizes(micro=4, accumulation=accumulation, ranks=2))
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     for thing in (NoScaler(), StaticScaler(8.0), DynamicScaler(), WarmupLR(optimizer, 0.0, 0.1, 5),
-                  StepCounters(2), RngState()):
+                  counting(2), RngState()):
         assert isinstance(thing, Stateful), type(thing).__name__
 
-    counters = StepCounters(gradient_accumulation_steps=2)
+    counters = counting(2)
     for micro in range(7):
         boundary = counters.at_boundary()
-        counters.advance_micro()
+        counters.advance_micro(boundary)
         if boundary:
             counters.advance_global(skipped=micro == 1)
     assert (counters.global_steps, counters.micro_steps, counters.skipped_steps) == (3, 7, 1)
     assert counters.mid_accumulation()
-    same, other = StepCounters(2), StepCounters(4)
+    same, other = counting(2), counting(4)
     same.load_state_dict(counters.state_dict())
     other.load_state_dict(counters.state_dict())
     assert same.micro_steps == 7 and other.micro_steps == 3 * 4  # boundaries kept under 4
+    assert same.mid_accumulation() and not other.mid_accumulation()
+    assert counters.global_samples == same.global_samples == 3 * 16  # skipped steps count too
+    legacy = {k: v for k, v in counters.state_dict().items() if k != "global_samples"}
+    same.load_state_dict(legacy)  # a checkpoint from before samples were counted
+    assert same.global_samples == 3 * 16
 
     # Accelerate's way: a boundary announced before each backward, step() at boundaries only
-    announced = StepCounters(gradient_accumulation_steps=3)
+    announced = counting(3)
     for is_boundary in (False, False, True, False, True):  # a short window last
         announced.announce_boundary(is_boundary)
         assert announced.at_boundary() is is_boundary
         assert announced.mid_accumulation() is not is_boundary  # a save here would warn
+        announced.advance_backward()
         if is_boundary:
-            announced.advance_micro()
+            announced.advance_micro(is_boundary)
             announced.advance_global(skipped=False)
     assert (announced.global_steps, announced.micro_steps) == (2, 2)
     assert not announced.mid_accumulation()
+    assert announced.global_samples == 5 * 4 * 2  # the backwards run, not 2 x the batch
 
     rng = RngState()
     saved = rng.state_dict()
     first = (torch.rand(3), random.random())
     rng.load_state_dict(saved)
     assert torch.equal(torch.rand(3), first[0]) and random.random() == first[1]
+
+
+def test_batch_ramp_up_keeps_each_accumulation_whole():
+    """Megatron-DeepSpeed's ramp-up sets the batch before every step. Counting boundaries
+    from the last one (not micro_steps % accumulation, as DeepSpeed does) keeps each window
+    as long as the batch it was set to: 1, 2, 2, 3, 3 micro-steps here, where DeepSpeed's
+    count would end the first window of 3 after one micro-step (micro_steps 5 -> 6)."""
+    from zeromem.training_state import BatchSizes, StepCounters
+
+    counters = StepCounters(BatchSizes(micro=2, accumulation=1, ranks=2))
+    windows = []
+    for train in (4, 8, 8, 12, 12):
+        counters.resize(counters.batch.with_train(train))
+        run = 1
+        while not counters.at_boundary():
+            counters.advance_backward()
+            counters.advance_micro(False)
+            run += 1
+        counters.advance_backward()
+        counters.advance_micro(True)
+        counters.advance_global(skipped=False)
+        windows.append(run)
+    assert windows == [1, 2, 2, 3, 3]
+    assert counters.global_samples == 4 + 8 + 8 + 12 + 12
+
+    counters.advance_micro(False)  # a window begun: its micro-step was scaled by 1/3
+    with pytest.raises(ValueError, match="from 3 to 4 in the middle of an accumulation"):
+        counters.resize(counters.batch.with_train(16))
+    counters.resize(counters.batch.with_micro(1))  # a smaller micro-batch keeps the window
+    assert counters.batch.train == 1 * 3 * 2
+    with pytest.raises(ValueError, match="train_batch_size -2 is not a positive multiple"):
+        counters.batch.with_train(-2)
+    with pytest.raises(ValueError, match="train_batch_size 7 is not a positive multiple of "
+                                         r"micro-batch 1 x 2 ranks = 2"):
+        counters.batch.with_train(7)

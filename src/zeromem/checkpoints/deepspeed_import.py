@@ -367,6 +367,7 @@ def _manifest(ds: DeepSpeedState, tag: str) -> dict:
     optimizer, scheduler = _optimizer_and_schedule(ds, config)
     gas = int(config.get("gradient_accumulation_steps", 1) or 1)
     global_steps = int(ds.model_states.get("global_steps", 0))
+    samples = ds.model_states.get("global_samples")  # DeepSpeed's count, when it saved one
     first = next(iter(ds.params.values()))
     state_keys = sorted(k for k in first if k != "master")
     return {
@@ -375,7 +376,8 @@ def _manifest(ds: DeepSpeedState, tag: str) -> dict:
         "dtypes": {"compute": _compute_dtype(config), "master": "float32",
                    "optimizer": {k: "float32" for k in state_keys}},
         "counters": {"global_steps": global_steps, "micro_steps": global_steps * gas,
-                     "skipped_steps": int(ds.model_states.get("skipped_steps", 0))},
+                     "skipped_steps": int(ds.model_states.get("skipped_steps", 0)),
+                     "global_samples": samples if samples is None else int(samples)},
         "params": {name: {"shape": list(s["master"].shape), "param_group": ds.param_group[name],
                           "scalar_state": encode(ds.scalars[ds.param_group[name]],
                                                  "optimizer state")}

@@ -103,6 +103,7 @@ class Counters(_Strict):
     global_steps: Count
     micro_steps: Count
     skipped_steps: Count
+    global_samples: Count | None = None  # absent from checkpoints of zeromem before 2026-12
 
 
 class Param(_Strict):

@@ -187,10 +187,13 @@ _COUNTS = ("global_steps", "micro_steps", "skipped_steps")
 def counters_state(counters: StepCounters) -> dict[str, int]:
     """The manifest's `counters` (its top-level `gradient_accumulation_steps` is the rest)."""
     state = counters.state_dict()
-    return {k: state[k] for k in _COUNTS}
+    return {k: state[k] for k in (*_COUNTS, "global_samples")}
 
 
 def restore_counters(counters: StepCounters, manifest: dict) -> None:
-    counters.load_state_dict({**{k: manifest["counters"][k] for k in _COUNTS},
+    saved = manifest["counters"]
+    counters.load_state_dict({**{k: saved[k] for k in _COUNTS},
+                              **({"global_samples": saved["global_samples"]}
+                                 if saved.get("global_samples") is not None else {}),
                               "gradient_accumulation_steps":
                                   manifest["gradient_accumulation_steps"]})

@@ -131,13 +131,23 @@ class DeepSpeedEngine(nn.Module):
 
     # -- getters ---------------------------------------------------------------
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.engine.config.batch()[1]
+        return self.engine.counters.batch.micro
 
     def gradient_accumulation_steps(self) -> int:
-        return self.engine.config.batch()[2]
+        return self.engine.counters.batch.accumulation
 
     def train_batch_size(self) -> int:
-        return self.engine.config.batch()[0]
+        return self.engine.counters.batch.train
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """The global batch changes by the accumulation steps (Megatron-DeepSpeed's batch
+        ramp-up calls this before every step); see `Engine.set_train_batch_size`."""
+        self.engine.set_train_batch_size(train_batch_size)
+        self.tput_timer.batch_size = self.train_batch_size()
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        self.engine.set_train_micro_batch_size(micro_batch_size)
+        self.tput_timer.batch_size = self.train_batch_size()
 
     def zero_optimization_stage(self) -> int:
         return self.engine.zero_stage
@@ -191,7 +201,7 @@ class DeepSpeedEngine(nn.Module):
 
     @property
     def global_samples(self) -> int:
-        return self.engine.global_steps * self.train_batch_size()
+        return self.engine.counters.global_samples
 
     @property
     def skipped_steps(self) -> int:

@@ -103,9 +103,8 @@ class FlopsProfiler:
         iteration = sum(latency.values())
         return {
             "step": config.flops_profiler.profile_step, "world_size": self.comm.world_size,
-            "micro_batch": config.train_micro_batch_size_per_gpu,
-            "samples": int(config.train_micro_batch_size_per_gpu or 0)
-            * int(config.gradient_accumulation_steps or 0),
+            "micro_batch": self.counters.batch.micro,
+            "samples": self.counters.batch.micro * self.counters.batch.accumulation,
             "params": self.psi, "fwd_flops": fwd, "fwd_macs": fwd / 2, "bwd_flops": bwd,
             "latency_s": {**latency, "iteration": iteration},
             "deepspeed_estimate_flops": (3 + self.config.recompute_fwd_factor) * fwd,

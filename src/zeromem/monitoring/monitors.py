@@ -144,7 +144,7 @@ class Observers:
         self.flops = (FlopsProfiler(config, comm, device, psi, counters)
                       if config.flops_profiler.enabled else None)
         self.throughput = config.timers.throughput
-        self._mark = (time.perf_counter(), 0)  # (clock, global step) at the last log line
+        self._mark = (time.perf_counter(), 0)  # (clock, samples trained) at the last log line
         if config.dump_state and self.rank == 0:
             log.info("zeromem config (dump_state):\n%s", config.describe())
 
@@ -180,7 +180,7 @@ class Observers:
             loss = loss / self.comm.world_size
         if self.rank != 0:
             return
-        samples = self.counters.global_steps * int(self.config.train_batch_size or 0)
+        samples = self.counters.global_samples
         events: list[Event] = [("Train/Samples/train_loss", float(loss), samples),
                                ("Train/Samples/lr", float(facts.lr[0]), samples)]
         if self.config.fp16.enabled:
@@ -202,11 +202,11 @@ class Observers:
         if self.throughput.enabled:
             if self.throughput.synchronized and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            now, steps = time.perf_counter(), self.counters.global_steps
+            now, samples = time.perf_counter(), self.counters.global_samples
             then, before = self._mark
-            self._mark = (now, steps)
-            if steps > before and now > then:
-                rate = (steps - before) * int(self.config.train_batch_size or 0) / (now - then)
+            self._mark = (now, samples)
+            if samples > before and now > then:
+                rate = (samples - before) / (now - then)
                 text += f", {rate:.1f} samples/s"
         if self.config.memory_breakdown and facts.memory is not None:
             text += f"\n{facts.memory}"
