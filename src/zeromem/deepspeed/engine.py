@@ -15,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..checkpoints.consolidate import LATEST, available_tags
 from ..checkpoints.model_weights import weights_16bit
 from ..engine import Engine
 from . import utils
@@ -255,8 +257,10 @@ class DeepSpeedEngine(nn.Module):
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str, Any]:
-        """(path, client_state). `load_module_only` keeps the optimizer and scheduler as they are.
+                        load_module_only: bool = False) -> tuple[str | None, Any]:
+        """(path, client_state); (None, None) where `load_dir` holds no checkpoint (no
+        `latest`, no tag), as DeepSpeed answers. `load_module_only` keeps the optimizer
+        and scheduler as they are.
 
         Loading is strict either way: every trained parameter and buffer must be in the
         checkpoint. The one leniency DeepSpeed users pass `load_module_strict=False` for,
@@ -265,8 +269,16 @@ class DeepSpeedEngine(nn.Module):
         unexpected is still an error naming the key."""
         if load_module_only:
             load_optimizer_states = load_lr_scheduler_states = False
-        path, client_state = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states,
-                                                         load_lr_scheduler_states)
+        with self.engine.collective("load_checkpoint"):
+            if tag is None and not broadcast_object(_holds_checkpoints(load_dir), 0,
+                                                    self.engine.comm.group):
+                # DeepSpeed's answer, which "resume if there is one" scripts test for
+                # (OpenRLHF, Lightning); a directory with tags but no `latest` is an error
+                log.warning("load_checkpoint: no checkpoint in %s (no 'latest' file, no tags); "
+                            "nothing loaded", load_dir)
+                return None, None
+            path, client_state = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states,
+                                                             load_lr_scheduler_states)
         return path, client_state if client_state is not None else {}
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -280,6 +292,16 @@ class DeepSpeedEngine(nn.Module):
         with self.engine.collective("_zero3_consolidated_16bit_state_dict"):
             return weights_16bit(self.engine.training_state(), exclude_frozen_parameters,
                                  keep=self.engine.comm.rank == 0)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                       ) -> dict[str, torch.Tensor]:
+        """DeepSpeed 0.17's name for the above, which OpenRLHF's `save_model` calls at stage 3.
+        As DeepSpeed's, it answers only where the weights are partitioned."""
+        if self.zero_optimization_stage() != 3:
+            raise ValueError(f"_consolidated_16bit_state_dict: at ZeRO stage "
+                             f"{self.zero_optimization_stage()} the weights are not partitioned; "
+                             "module.state_dict() holds them whole (as in DeepSpeed)")
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -314,6 +336,11 @@ class DeepSpeedEngine(nn.Module):
     @property
     def is_compiled(self) -> bool:
         return self.__dict__.get("_compiled", False)
+
+
+def _holds_checkpoints(load_dir) -> bool:
+    root = Path(load_dir)
+    return (root / LATEST).is_file() or bool(available_tags(root))
 
 
 def _refuse_unsupported(**given: tuple[Any, Any]) -> None:
