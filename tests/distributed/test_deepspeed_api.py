@@ -438,45 +438,6 @@ def _checkpointing_group_from_mpu(deepspeed, rank, world_size, tmp) -> None:
         deepspeed.checkpointing.configure(None)
 
 
-def _consolidated_names(deepspeed, rank, world_size, tmp) -> None:
-    """OpenRLHF saves a stage-3 model through DeepSpeed 0.17's `_consolidated_16bit_state_dict`:
-    the same weights as HF's `_zero3_consolidated_16bit_state_dict`, on rank 0; refused
-    below stage 3, as DeepSpeed refuses it."""
-    engine, *_ = deepspeed.initialize(model=_net(), config=_cfg(
-        3, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0}))
-    _train(engine, 2)
-    newer = engine._consolidated_16bit_state_dict()
-    older = engine._zero3_consolidated_16bit_state_dict()
-    assert newer.keys() == older.keys() == ({"0.weight", "0.bias", "2.weight", "2.bias"}
-                                            if rank == 0 else set())
-    for key in newer:
-        assert torch.equal(newer[key], older[key]) and newer[key].numel() > 0, key
-    below, *_ = deepspeed.initialize(model=_net(), config=_cfg(2))
-    with pytest.raises(ValueError, match="at ZeRO stage 2 the weights are not partitioned"):
-        below._consolidated_16bit_state_dict()
-
-
-def _resume_if_there_is_one(deepspeed, rank, world_size, tmp) -> None:
-    """OpenRLHF and Lightning load from a directory that may hold no checkpoint yet and test
-    for DeepSpeed's (None, None); a directory with a tag but no `latest` is still refused."""
-    from zeromem.checkpoints.save_load import CheckpointError
-
-    engine, *_ = deepspeed.initialize(model=_net(), config=_cfg(2))
-    _train(engine, 1)
-    before = [p.detach().clone() for p in engine.module.parameters()]
-    os.makedirs(os.path.join(tmp, "empty"), exist_ok=True)
-    for where in ("empty", "absent"):
-        assert engine.load_checkpoint(os.path.join(tmp, where)) == (None, None), where
-    assert all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
-    engine.save_checkpoint(os.path.join(tmp, "unnamed"), tag="one")
-    deepspeed.comm.barrier()
-    if rank == 0:
-        os.remove(os.path.join(tmp, "unnamed", "latest"))
-    deepspeed.comm.barrier()
-    with pytest.raises(CheckpointError, match="no 'latest' file .*tags found: \\['one'\\]"):
-        engine.load_checkpoint(os.path.join(tmp, "unnamed"))
-
-
 def _cases(rank: int, world_size: int, tmp: str) -> None:
     import zeromem.deepspeed as deepspeed
     _client_optimizers(deepspeed, rank, world_size, tmp)
@@ -489,8 +450,6 @@ def _cases(rank: int, world_size: int, tmp: str) -> None:
     _leaf_modules(deepspeed, rank, world_size, tmp)
     _stepping_the_returned_optimizer(deepspeed, rank, world_size, tmp)
     _checkpointing_group_from_mpu(deepspeed, rank, world_size, tmp)
-    _consolidated_names(deepspeed, rank, world_size, tmp)
-    _resume_if_there_is_one(deepspeed, rank, world_size, tmp)
 
 
 def test_deepspeed_api_surface(tmp_path):

@@ -216,17 +216,23 @@ def test_auto_from_hidden_size():
     assert resolved.train_micro_batch_size_per_gpu == 4
 
 
-def test_auto_from_hidden_size_without_it_is_rejected():
-    message = load_error({"zero_optimization": {"reduce_bucket_size": "auto"}})
-    assert "zero_optimization.reduce_bucket_size" in message and "hidden_size" in message
+def test_other_zero_sizes_and_placements_auto_are_zeromem_defaults():
+    """OpenRLHF hands "auto" sizes straight to deepspeed.initialize, which drops them: each
+    is left unset, so zeromem's default (derived from the model, for the buckets) applies."""
+    auto = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
+            "stage3_max_live_parameters", "stage3_param_persistence_threshold")
+    zero = Config.load({"zero_optimization": {"stage": 3, **{k: "auto" for k in auto},
+                                              "offload_param": {"device": "auto"}}}
+                       ).zero_optimization
+    assert not zero.model_fields_set & set(auto) and zero.offload_param.device == "none"
+    assert zero.stage == 3 and zero.sub_group_size == Config().zero_optimization.sub_group_size
 
 
 @pytest.mark.parametrize("data, key", [
     ({"gradient_clipping": "auto"}, "gradient_clipping"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "optimizer.params.lr"),
     ({"fp16": {"enabled": "auto"}}, "fp16.enabled"),
-    ({"zero_optimization": {"allgather_bucket_size": "auto"}},
-     "zero_optimization.allgather_bucket_size"),
+    ({"zero_optimization": {"stage": "auto"}}, "zero_optimization.stage"),
 ])
 def test_underivable_auto_is_rejected_not_dropped(data, key):
     message = load_error(data, hidden_size=64)

@@ -8,7 +8,8 @@ Kept apart from the block models so each can be read alone; nothing here imports
 - key aliases and legacy renames: the renaming tables of the blocks, the generic rename
   step every block runs before validation, and DeepSpeed's deprecated `cpu_offload*` keys;
 - "auto" values: the Hugging Face placeholder, resolved where it can be derived (the batch
-  keys, the hidden-size keys) and refused elsewhere;
+  keys, the hidden-size keys), zeromem's default for other ZeRO sizes and placements, and
+  refused where a default would change what is trained;
 - the batch triple: train = micro x gas x world_size, by DeepSpeed's rules.
 """
 
@@ -212,8 +213,11 @@ def _canonical_zero_key(key: str) -> str:
 def resolve_auto(data: dict, hidden_size: int | None, path: str = "") -> tuple[dict, list[str]]:
     """Copy of `data` with every "auto" resolved; also the dotted paths that were derived.
 
-    Batch keys are dropped (the batch rules derive them); hidden-size keys are computed;
-    anything else is an error, because DeepSpeed would silently fall back to a default.
+    Batch keys are dropped (the batch rules derive them); hidden-size keys are computed
+    when the hidden size is known; other `zero_optimization` keys (sizes, placements) are
+    dropped, so zeromem's defaults apply, as DeepSpeed's do. Anything else (the stage,
+    precision, clipping, optimizer and scheduler values) changes what is trained, and there
+    a silent default would surprise: an error.
     """
     resolved: dict[str, object] = {}
     derived: list[str] = []
@@ -226,23 +230,24 @@ def resolve_auto(data: dict, hidden_size: int | None, path: str = "") -> tuple[d
             resolved[key] = value
         elif dotted in BATCH_KEYS:
             derived.append(dotted)
-        elif path == "zero_optimization." and _canonical_zero_key(key) in _AUTO_FROM_HIDDEN:
+        elif (path == "zero_optimization." and hidden_size is not None
+              and _canonical_zero_key(key) in _AUTO_FROM_HIDDEN):
             canonical = _canonical_zero_key(key)
-            text, rule = _AUTO_FROM_HIDDEN[canonical]
-            if hidden_size is None:
-                raise ConfigError(f'{dotted} is "auto", which is derived from the model as {text}; '
-                                  "pass Config.load(..., hidden_size=...) or give a number")
-            resolved[key] = rule(hidden_size)
+            resolved[key] = _AUTO_FROM_HIDDEN[canonical][1](hidden_size)
             derived.append(path + canonical)
+        elif dotted.startswith("zero_optimization.") and dotted != "zero_optimization.stage":
+            # a sizing or placement choice: zeromem's own default, where DeepSpeed takes its
+            # own (OpenRLHF writes "auto" for several and hands the config straight to
+            # deepspeed.initialize, which drops them)
+            logger.info('%s is "auto": zeromem\'s default', dotted)
         elif dotted == "gradient_clipping":
             raise ConfigError('gradient_clipping is "auto", which HF Transformers fills from '
                               "TrainingArguments.max_grad_norm; zeromem has no such source, "
                               "so give a number (0.0 turns clipping off)")
         else:
             raise ConfigError(f'{dotted} is "auto", a Hugging Face placeholder zeromem cannot '
-                              "derive (only the batch keys and, given hidden_size, "
-                              "reduce_bucket_size, stage3_prefetch_bucket_size and "
-                              "stage3_param_persistence_threshold can be); give an explicit value")
+                              "fill (only the batch keys and zero_optimization's sizes and "
+                              "placements can be); give an explicit value")
     return resolved, derived
 
 
