@@ -321,6 +321,17 @@ class FlatParamGroup:
         if self._state is GroupState.GATHERED:  # WHOLE: the shard is a view of `part`
             self._param_shard.copy_(part)
 
+    def whole_edited(self) -> bool:
+        """Whether this rank's part of the gathered whole buffer differs from the shard it was
+        gathered from: an edit (GATHERED). False where the shard is not in the same memory
+        (offload_param), which the comparison would have to copy."""
+        self._assert_in_states(GroupState.GATHERED)
+        assert self._full is not None  # GATHERED holds the whole buffer
+        part = self._full[self.shard_offset:self.shard_offset + self.shard_numel]
+        shard = self._param_shard
+        return part.shape == shard.shape and part.device == shard.device and \
+            not torch.equal(part, shard)
+
     def check_editable(self) -> None:
         """An edit of the whole buffer can reach the master: refused before it is made where
         the master lives in a swap file (NVMe, 16-bit compute: empty here between steps),

@@ -153,10 +153,65 @@ def _resume_if_there_is_one(rank: int, tmp: str) -> dict:
     return {"done": True}
 
 
+def _ema(rank: int) -> dict:
+    """OpenRLHF's `moving_average` at ZeRO-3: the EMA model (an engine with no optimizer) is
+    updated inside GatheredParameters over [param, param_ema]. Without `modifier_rank` (as
+    OpenRLHF writes it) the update is dropped at the end of the block, by DeepSpeed silently,
+    here with a warning on every rank; with `modifier_rank=0` (OpenRLHF's pending fix) it
+    is kept. Reading alone, or editing inside an outer block that keeps it, warns nothing."""
+    import warnings
+
+    import zeromem.deepspeed as deepspeed
+    from zeromem.deepspeed.zero import ZeroParamStatus
+
+    model, *_ = deepspeed.initialize(model=_net(), config=_sgd(3))
+    eval_config = {"train_micro_batch_size_per_gpu": MICRO,
+                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    ema, *_ = deepspeed.initialize(model=_net(), config=eval_config)
+    _train(model, rank, 1)
+
+    def whole(engine) -> list[torch.Tensor]:
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().clone() for p in params]
+
+    def moving_average(beta: float, **modifier) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for param, param_ema in zip(model.module.parameters(), ema.module.parameters()):
+                fetch = [p for p in (param, param_ema)
+                         if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+                with deepspeed.zero.GatheredParameters(fetch, enabled=len(fetch) > 0, **modifier):
+                    param_ema.data.copy_((1 - beta) * param.data + beta * param_ema.data)
+        return [str(w.message) for w in caught]
+
+    trained, start = whole(model), whole(ema)
+    dropped = moving_average(0.5)
+    after_dropped = whole(ema)
+    kept = moving_average(0.5, modifier_rank=0)
+    after_kept = whole(ema)
+    quantized, *_ = deepspeed.initialize(model=_net(), config={
+        **eval_config, "zero_optimization": {**eval_config["zero_optimization"],
+                                             "zero_quantized_weights": True}})
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        whole(model)  # reading only
+        whole(quantized)  # qwZ gathers an approximation of the shard: not an edit
+        params = list(ema.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            with deepspeed.zero.GatheredParameters(params):  # the outer block keeps it
+                params[0].data.zero_()
+    return {"dropped": dropped, "unchanged": max(float((a - b).abs().max())
+                                                 for a, b in zip(after_dropped, start)),
+            "kept": kept, "kept_error": max(float((a - (0.5 * t + 0.5 * s)).abs().max())
+                                            for a, t, s in zip(after_kept, trained, start)),
+            "quiet": [str(w.message) for w in quiet], "zeroed": float(whole(ema)[0].abs().max())}
+
+
 def _cases(rank: int, world_size: int, tmp: str) -> dict:
     return run_cases(rank, world_size, {
         "stage2": lambda r: _strategy(2, r), "stage3": lambda r: _strategy(3, r),
-        "consolidated": _consolidated_names,
+        "consolidated": _consolidated_names, "ema": _ema,
         "resume": lambda r: _resume_if_there_is_one(r, tmp)})
 
 
@@ -179,3 +234,12 @@ def test_consolidated_16bit_state_dict_is_the_zero3_one(ranks):
 
 def test_load_from_a_directory_without_checkpoints_is_none(ranks):
     assert all(result["done"] for result in case(ranks, "resume"))
+
+
+def test_ema_edits_without_modifier_rank_are_dropped_with_a_warning(ranks):
+    for rank, result in enumerate(case(ranks, "ema")):
+        assert result["dropped"] and all(f"rank {rank}: parameters of" in m and
+                                         "without modifier_rank" in m for m in result["dropped"])
+        assert result["unchanged"] == 0.0, rank  # as in DeepSpeed
+        assert not result["kept"] and result["kept_error"] < 1e-6, rank
+        assert not result["quiet"] and result["zeroed"] == 0.0, (rank, result["quiet"])

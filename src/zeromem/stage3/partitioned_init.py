@@ -23,6 +23,7 @@ nothing beneath them reads it.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Iterable
@@ -466,10 +467,26 @@ class GatheredParameters:
             self.partitions.unshard(p, self.comm)
         return self
 
+    def _warn_discarded_edits(self) -> None:
+        """Edits made inside the block without `modifier_rank` are dropped on exit, as
+        DeepSpeed drops them; said, since DeepSpeed says nothing (OpenRLHF's EMA at ZeRO-3
+        never moved that way). Only the outermost block drops them; each rank tells of its
+        own part."""
+        edited = [u.name for u in self.units if u.pins == 1 and u.edited()]
+        if edited:
+            more = f" and {len(edited) - 4} more" if len(edited) > 4 else ""
+            warnings.warn(
+                f"rank {self.comm.rank}: parameters of {', '.join(map(repr, edited[:4]))}{more} changed "
+                "inside GatheredParameters without modifier_rank: the change is dropped when "
+                "the block ends (as in DeepSpeed). Pass modifier_rank=0 to keep rank 0's "
+                "edit on every rank", stacklevel=3)
+
     def __exit__(self, *exc) -> None:
         if not self.enabled:
             return
         src = self.modifier_rank
+        if src is None:
+            self._warn_discarded_edits()
         for unit in self.units:
             if src is not None:
                 self.comm.broadcast(unit.full, src)

@@ -208,6 +208,12 @@ class ShardedUnit:
     def check_editable(self) -> None:
         self.group.check_editable()
 
+    def edited(self) -> bool:
+        """This rank's part of the whole buffer changed since the gather (GatheredParameters
+        edits it). Not told under qwZ, whose gather is an approximation of the shard."""
+        return self.state is GroupState.GATHERED and self.gather.weight_bits is None and \
+            self.group.whole_edited()
+
     def adopt_whole(self) -> None:
         """Make the (edited) whole buffer the truth (flat.py), in the shard's own place too:
         host memory, or params.swp, written now (a shard changed outside a step)."""
