@@ -5,7 +5,6 @@ import pytest
 import torch
 from torch import nn
 
-from zeromem.engine import _bucket_params
 from zeromem.planning.shape_memory import reduce_buckets
 from zeromem.layout import (ShardLayout, gather_chunks, pack_buckets, padded_numel,
                             peak_in_flight, slices_of)
@@ -60,7 +59,9 @@ def test_pack_buckets_is_greedy_and_never_empty():
 
 def test_planner_buckets_are_the_engines():
     params = [nn.Parameter(torch.zeros(n)) for n in (5, 2, 7, 1, 3)]
-    engine_sizes = [sum(p.numel() for p in b) for b in _bucket_params(params[::-1], 8)]
+    backward = params[::-1]  # the engine packs its buckets in backward's order
+    engine_sizes = [sum(backward[i].numel() for i in b)
+                    for b in pack_buckets((p.numel() for p in backward), 8)]
     assert reduce_buckets(tuple(p.numel() for p in params), 8) == engine_sizes == [4, 7, 7]
 
 
