@@ -189,10 +189,11 @@ def _wrong_type(value):
     return ["big"] if value is None else "big"
 
 
-# Fields a manifest may lack: their default is the strict reading (frozen_parameters_excluded:
-# False, every frozen parameter must be in the checkpoint), so manifests written before the
-# field existed still load, and removing it can only make a load refuse more.
-OPTIONAL_FIELDS = {("frozen_parameters_excluded",)}
+# Fields a manifest may lack, so that manifests written before the field existed still load:
+# frozen_parameters_excluded's default is the strict reading (False: every frozen parameter
+# must be in the checkpoint), so removing it can only make a load refuse more; a missing
+# counters.global_samples is DeepSpeed's estimate (global steps x the batch).
+OPTIONAL_FIELDS = {("frozen_parameters_excluded",), ("counters", "global_samples")}
 
 
 def _manifest_cases(manifest: dict) -> dict:
