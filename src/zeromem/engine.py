@@ -36,6 +36,7 @@ from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered
 from zeromem.offload.params import ParamPlacement
 from zeromem.param_states import ParamStates
 from zeromem.offload.staged_masters import StagedMasters
+from zeromem.offload.states import StatesOffload, chosen_kinds, state_tensors
 from zeromem.offload.placement import (OffloadPolicy, SwapSpaces, build_grads, build_offload,
                                        build_params, stage_masters)
 from zeromem.optim.factory import evaluated_groups, optimizer_param_groups, optimizer_state_bytes_per_param
@@ -90,6 +91,7 @@ class Engine:
         # every rank must run the same backwards and collective calls: checked as they start
         self.lockstep = Lockstep.agree(comm)
         self.scaler = make_scaler(config.fp16)
+        self.states = StatesOffload(self.device)  # offload_states: host copies until reloaded
         self.timers = PhaseTimers(config.wall_clock_breakdown, self.device)
         # this engine's policy and byte ledger, active while its forward/backward run
         self.activation_checkpointing = activations.for_engine(config.activation_checkpointing)
@@ -417,6 +419,19 @@ class Engine:
             raise RuntimeError(f"{call}(): this engine was given no optimizer (no 'optimizer' "
                                "block in the config, none passed to initialize), so it evaluates "
                                "only, as DeepSpeed's does; give it one to train")
+        self.states.check_loaded(f"{call}()")
+
+    def offload_states(self, include: Iterable[str] | None = None, pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's: the states `include` names leave device memory until `reload_states`
+        (offload/states.py); backward, step and checkpoints wait for the reload."""
+        self._check_trains("offload_states")
+        tensors = state_tensors(chosen_kinds(include), self.groups, self.optimizer,
+                                self.offload.policy)
+        self.states.offload(tensors, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self.states.reload(non_blocking)
 
     def zero_grad(self) -> None:
         self.zero.zero_grad()
@@ -523,6 +538,7 @@ class Engine:
 
     def training_state(self) -> TrainingState:
         """What checkpoints read and restore (checkpoints/save_load.py never sees the engine)."""
+        self.states.check_loaded("a checkpoint")
         stateful: dict[str, Stateful] = {"counters": self.counters, "scaler": self.scaler, "rng": RngState()}
         if self.lr_scheduler is not None:
             stateful["lr_scheduler"] = self.lr_scheduler

@@ -29,6 +29,7 @@ from .optimizer import DeepSpeedZeroOptimizer
 from .parameter_offload import ParameterOffload
 from .comm import broadcast_object
 from .timer import ThroughputTimer
+from .zero import offloads_to_host
 
 log = logging.getLogger("zeromem")
 
@@ -311,6 +312,16 @@ class DeepSpeedEngine(nn.Module):
     # -- reports and teardown ----------------------------------------------------
     def memory_report(self):
         return self.engine.memory_report()
+
+    def offload_states(self, include=None, device: str = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Model states to host memory until `reload_states` (`Engine.offload_states`);
+        OpenRLHF's colocated RLHF calls it through `engine.optimizer` between steps."""
+        if offloads_to_host(device):
+            self.engine.offload_states(include, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self.engine.reload_states(non_blocking)
 
     def empty_partition_cache(self) -> None:
         """Give back the memory of gathered stage-3 parameters (DeepSpeed-Chat and OpenRLHF

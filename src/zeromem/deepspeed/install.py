@@ -81,6 +81,8 @@ def _submodules() -> dict[str, dict[str, object]]:
             "ZeroParamStatus": zero.ZeroParamStatus,
             "zero_wrapper_for_fp_tensor_constructor": _identity_constructor_wrapper,
             "_orig_torch_arange": torch.arange},
+        "runtime.zero.offload_config": {"OffloadDeviceEnum": zero.OffloadDeviceEnum,
+                                        "OffloadStateTypeEnum": zero.OffloadStateTypeEnum},
         "runtime.utils": {"see_memory_usage": runtime_utils.see_memory_usage},
         "runtime.zero.stage3": {name: getattr(estimators, name) for name in (
             "estimate_zero3_model_states_mem_needs_all_live",

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from ..engine import Engine
+from .zero import offloads_to_host
 
 
 class DeepSpeedZeroOptimizer(torch.optim.Optimizer):
@@ -52,6 +53,15 @@ class DeepSpeedZeroOptimizer(torch.optim.Optimizer):
     def eval(self) -> None:
         """A schedule-free optimizer's eval mode: the parameters become its average."""
         self._engine.set_optimizer_mode("eval")
+
+    def offload_states(self, include=None, device: str = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's ZeRO optimizer's, which OpenRLHF calls: the engine's (offload/states.py)."""
+        if offloads_to_host(device):
+            self._engine.offload_states(include, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self._engine.reload_states(non_blocking)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_inner"):  # torch's constructor adds its placeholder group first

@@ -6,6 +6,7 @@ names (`config_dict_or_path`, `data_parallel_group`, `fwd_module`) onto zeromem'
 """
 from __future__ import annotations
 
+import enum
 import logging
 
 from torch import nn
@@ -53,6 +54,37 @@ class GatheredParameters(partition.GatheredParameters):
         super().__init__(params, modifier_rank=modifier_rank, enabled=enabled)
 
 
+class OffloadDeviceEnum(str, enum.Enum):
+    """DeepSpeed's `runtime.zero.offload_config.OffloadDeviceEnum` (`offload_states`' device)."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class OffloadStateTypeEnum(str, enum.Enum):
+    """DeepSpeed's state kinds for `offload_states(include=...)` (offload/states.py)."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
+def offloads_to_host(device) -> bool:
+    """`offload_states(device=...)`: True for the host; "none" moves nothing (logged, as
+    DeepSpeed); anything else is refused, as DeepSpeed refuses NVMe there."""
+    where = str(getattr(device, "value", device))
+    if where == "none":
+        log.warning("offload_states(device=none): nothing moved, as in DeepSpeed")
+        return False
+    if where != "cpu":
+        raise ValueError(f"offload_states(device={where!r}): only the host (\"cpu\") holds "
+                         "offloaded states, as in DeepSpeed")
+    return True
+
+
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """DeepSpeed's way to say that `module`'s forward uses `parameter`, which another module
     owns (HF's wav2vec2 / HuBERT positional convolution registers its weight-norm
@@ -65,4 +97,4 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
 
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
-           "unregister_external_parameter"]
+           "unregister_external_parameter", "OffloadDeviceEnum", "OffloadStateTypeEnum"]
