@@ -42,6 +42,20 @@ def _openrlhf_config(stage: int) -> dict:
             "train_micro_batch_size_per_gpu": MICRO, "train_batch_size": MICRO * GAS * WORLD}
 
 
+def _openrlhf_eval_config(stage: int) -> dict:
+    """OpenRLHF's `get_eval_ds_config(offload=False, stage=stage, param_dtype="fp32")`, for
+    its reference and reward models (no optimizer), with the batch keys its strategy sets."""
+    zero = {"stage": stage, "stage3_max_live_parameters": "auto",
+            "stage3_max_reuse_distance": "auto", "stage3_param_persistence_threshold": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "offload_param": {"device": "none", "pin_memory": True}}
+    return {"steps_per_print": 100, "zero_optimization": zero, "bf16": {"enabled": False},
+            "fp16": {"enabled": False}, "gradient_clipping": 1.0, "prescale_gradients": False,
+            "wall_clock_breakdown": False, "compile": {"deepcompile": False},
+            "tensor_parallel": {"autotp_size": 1},
+            "train_micro_batch_size_per_gpu": MICRO, "train_batch_size": MICRO * GAS * WORLD}
+
+
 def _sgd(stage: int) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
@@ -93,6 +107,27 @@ def _strategy(stage: int, rank: int) -> dict:
     assert isinstance(engine, deepspeed.DeepSpeedEngine)
     _train(engine, rank)
     return {"state": whole_state(engine.engine), "lr": scheduler.get_last_lr()}
+
+
+def _reference_models(rank: int) -> dict:
+    """`DeepspeedStrategy._ds_init_eval_model`: a frozen reference model at stage 0 (what
+    OpenRLHF's eval config says below stage 3) and at 3; its outputs are the plain model's."""
+    import zeromem.deepspeed as deepspeed
+
+    torch.manual_seed(0)
+    plain = _net()
+    x = _batch(0, 0, rank)
+    with torch.no_grad():
+        want = plain(x)
+    got = {}
+    for stage in (0, 3):
+        torch.manual_seed(rank)  # rank 0's weights (seed 0, as `plain`) reach every rank
+        engine, *_ = deepspeed.initialize(model=_net(), config=_openrlhf_eval_config(stage),
+                                          args={"local_rank": 0}, dist_init_required=True)
+        engine.eval()
+        with torch.no_grad():
+            got[stage] = float((engine(x) - want).abs().max())
+    return got
 
 
 def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -211,7 +246,7 @@ def _ema(rank: int) -> dict:
 def _cases(rank: int, world_size: int, tmp: str) -> dict:
     return run_cases(rank, world_size, {
         "stage2": lambda r: _strategy(2, r), "stage3": lambda r: _strategy(3, r),
-        "consolidated": _consolidated_names, "ema": _ema,
+        "consolidated": _consolidated_names, "ema": _ema, "reference": _reference_models,
         "resume": lambda r: _resume_if_there_is_one(r, tmp)})
 
 
@@ -226,6 +261,11 @@ def test_openrlhf_config_and_optimizer_train_as_one_process(ranks, stage):
     for rank, result in enumerate(case(ranks, f"stage{stage}")):
         assert max_diff(result["state"], reference) < 1e-6, rank
         assert result["lr"] == pytest.approx(lr), rank
+
+
+def test_openrlhf_reference_models_answer_as_the_plain_model(ranks):
+    for rank, result in enumerate(case(ranks, "reference")):
+        assert result == {0: 0.0, 3: 0.0}, rank
 
 
 def test_consolidated_16bit_state_dict_is_the_zero3_one(ranks):
