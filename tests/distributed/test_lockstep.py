@@ -1,7 +1,8 @@
 """A collective call made on some ranks only is refused at once, naming it (lockstep.py).
 
 `if rank == 0: engine.save_checkpoint(...)` (and `full_state_dict`, `save_16bit_model`,
-`GatheredParameters` or an evaluation forward at stage 3) left the ranks waiting on each other's collectives
+`GatheredParameters`, an evaluation forward or a submodule called alone at stage 3) left
+the ranks waiting on each other's collectives
 until the collective timeout, 10 minutes by default, and then said only that a
 collective timed out. Now the rank that comes second to the point where they part
 raises RankDivergenceError naming both sides, before it enters a collective; its exit
@@ -56,6 +57,9 @@ def rank0_only(rank: int, world_size: int, stage: int, call: str) -> None:
             elif call == "GatheredParameters":  # to print or save the whole weights
                 with zeromem.GatheredParameters(list(engine.module.parameters())):
                     pass
+            elif call == "submodule":  # an encoder run alone (generate), on rank 0 only
+                with torch.no_grad():
+                    engine.module[0](x)
             else:  # an evaluation forward on rank 0 alone
                 with torch.no_grad():
                     engine(x)
@@ -63,7 +67,7 @@ def rank0_only(rank: int, world_size: int, stage: int, call: str) -> None:
 
 CASES = [(1, "save_checkpoint"), (2, "deepspeed save_checkpoint"), (2, "save_16bit_model"),
          (3, "save_checkpoint"), (3, "full_state_dict"), (3, "GatheredParameters"),
-         (3, "evaluation")]
+         (3, "evaluation"), (3, "submodule")]
 
 
 @pytest.mark.parametrize("stage,call", CASES)
@@ -72,7 +76,8 @@ def test_a_collective_call_on_rank_0_alone_is_named_at_once(stage, call):
         run_distributed(rank0_only, WORLD, stage, call, timeout_s=TIMEOUT_S)
     named = [line for line in str(failed.value).splitlines() if "RankDivergenceError:" in line]
     assert named, str(failed.value)[-3000:]
-    name = "without gradients" if call == "evaluation" else call.split()[-1]
+    name = {"evaluation": "without gradients",
+            "submodule": "a gather of '0' outside a forward"}.get(call, call.split()[-1])
     assert name in named[0] and "rank 0" in named[0], named[0]
 
 

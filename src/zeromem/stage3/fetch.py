@@ -343,7 +343,8 @@ class FetchSchedule:
 
     def _follow_order(self, units: list[ShardedUnit]) -> None:
         if not self.in_pass:  # a submodule called on its own (an encoder-decoder's generate
-            for unit in units:  # runs its encoder so): gathered on demand, nothing recorded
+            self._gathers_outside_a_pass(units)  # runs its encoder so): gathered on demand,
+            for unit in units:  # nothing recorded
                 self._wait(unit)
             return
         expected = self.recorded.get(self.pass_kind)
@@ -358,6 +359,15 @@ class FetchSchedule:
             self._wait(unit)
         if self.on_track:
             self._prefetch()
+
+    def _gathers_outside_a_pass(self, units: list[ShardedUnit]) -> None:
+        """Gathers outside the root's forward are collective calls too: an event of the
+        ranks' log (lockstep.py), so that a submodule called on one rank alone is named at
+        once, not after the gather timeout. Units already whole gather nothing."""
+        sharded = [unit.name for unit in units if unit.state is GroupState.SHARDED]
+        if sharded and self.lockstep is not None:
+            self.lockstep.pass_starts(f"a gather of {', '.join(map(repr, sharded))} outside "
+                                      "a forward of the model (a submodule called on its own)")
 
     def _wait(self, unit: ShardedUnit) -> None:
         try:
