@@ -197,12 +197,11 @@ def map_cpu_offload(data: Any) -> Any:
 # ---------------------------------------------------------------- "auto" values
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-# zero_optimization keys whose "auto" HF Transformers derives from the model's hidden
-# size: key -> (rule as text, rule).
-_AUTO_FROM_HIDDEN: dict[str, tuple[str, Callable[[int], int]]] = {
-    "reduce_bucket_size": ("hidden_size**2", lambda h: h * h),
-    "stage3_prefetch_bucket_size": ("0.9 * hidden_size**2", lambda h: int(0.9 * h * h)),
-    "stage3_param_persistence_threshold": ("10 * hidden_size", lambda h: 10 * h),
+# zero_optimization keys whose "auto" HF Transformers derives from the model's hidden size
+_AUTO_FROM_HIDDEN: dict[str, Callable[[int], int]] = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
 }
 
 
@@ -233,7 +232,7 @@ def resolve_auto(data: dict, hidden_size: int | None, path: str = "") -> tuple[d
         elif (path == "zero_optimization." and hidden_size is not None
               and _canonical_zero_key(key) in _AUTO_FROM_HIDDEN):
             canonical = _canonical_zero_key(key)
-            resolved[key] = _AUTO_FROM_HIDDEN[canonical][1](hidden_size)
+            resolved[key] = _AUTO_FROM_HIDDEN[canonical](hidden_size)
             derived.append(path + canonical)
         elif dotted.startswith("zero_optimization.") and dotted != "zero_optimization.stage":
             # a sizing or placement choice: zeromem's own default, where DeepSpeed takes its
