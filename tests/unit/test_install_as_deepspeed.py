@@ -86,12 +86,16 @@ from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.compression.helper import recursive_getattr, recursive_setattr  # DeepSpeed-Chat
 from deepspeed.utils.module_utils import recursive_getattr as getattr_now  # its new home
 from deepspeed import get_accelerator  # DeepSpeed-Chat's main.py
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum  # OpenRLHF
+from deepspeed.pipe import PipelineModule, LayerSpec, TiedLayerSpec  # Megatron-DeepSpeed
+from deepspeed.runtime.pipe.engine import PipelineEngine
 import deepspeed
 import zeromem.deepspeed.estimators, zeromem.deepspeed.runtime_utils, zeromem.deepspeed.utils.zero_to_fp32
 import zeromem.deepspeed.utils.logging, zeromem.deepspeed.checkpointing
 import zeromem.deepspeed.utils.module_utils, zeromem.deepspeed.accelerator
 import zeromem.ds_attributes
 import sys
+import torch
 own = {name: sys.modules[f"zeromem.deepspeed.ops.{name}"] for name in ("adam", "adagrad", "lion")}
 print(DeepSpeedCPUAdam is own["adam"].DeepSpeedCPUAdam, FusedAdam is own["adam"].FusedAdam,
       DeepSpeedCPUAdagrad is own["adagrad"].DeepSpeedCPUAdagrad,
@@ -113,9 +117,12 @@ print(DeepSpeedCPUAdam is own["adam"].DeepSpeedCPUAdam, FusedAdam is own["adam"]
       isinstance(DeepSpeedOptimizer, type),
       recursive_getattr is getattr_now is zeromem.deepspeed.utils.module_utils.recursive_getattr,
       recursive_setattr is zeromem.deepspeed.utils.module_utils.recursive_setattr,
-      get_accelerator is zeromem.deepspeed.accelerator.get_accelerator)
+      get_accelerator is zeromem.deepspeed.accelerator.get_accelerator,
+      OffloadStateTypeEnum.optim_states == "optim_states" and OffloadDeviceEnum.cpu == "cpu",
+      PipelineEngine is deepspeed.PipelineEngine is zeromem.deepspeed.pipe.PipelineEngine,
+      issubclass(TiedLayerSpec, LayerSpec) and issubclass(PipelineModule, torch.nn.Module))
 """)
-    assert seen == " ".join(["True"] * 19)
+    assert seen == " ".join(["True"] * 22)
 
 
 def test_see_memory_usage_logs_when_forced(caplog):
@@ -143,3 +150,18 @@ def test_recursive_attributes_reach_submodules_by_dotted_name():
     assert model[0][0] is new
     recursive_setattr(model, "extra", new)
     assert model.extra is new
+
+
+def test_building_a_pipeline_is_refused_by_name():
+    """Megatron-DeepSpeed subclasses `deepspeed.pipe.PipelineModule` at import and asks
+    `isinstance(model, deepspeed.PipelineEngine)`: both work; building a pipeline is refused."""
+    import pytest
+
+    from zeromem.deepspeed.pipe import LayerSpec, PipelineModule
+
+    class GPTModelPipe(PipelineModule):  # defined at import, as Megatron-DeepSpeed's is
+        pass
+
+    for build in (GPTModelPipe, lambda: LayerSpec(object), zeromem.deepspeed.PipelineEngine):
+        with pytest.raises(NotImplementedError, match="no pipeline parallelism"):
+            build()

@@ -36,16 +36,18 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import initialize as _native_initialize
 from ..optim.factory import refuse_whole_parameter, trainable_groups
-from . import accelerator, checkpointing, comm, moe, ops, utils, zero
+from . import accelerator, checkpointing, comm, moe, ops, pipe, utils, zero
 from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
 from .init import init_distributed
 from .install import install_as_deepspeed
+from .pipe import PipelineEngine
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
-           "get_accelerator",
+           "PipelineEngine", "get_accelerator",
            "install_as_deepspeed",
-           "accelerator", "comm", "zero", "checkpointing", "moe", "ops", "utils", "__version__"]
+           "accelerator", "comm", "zero", "checkpointing", "moe", "ops", "pipe", "utils",
+           "__version__"]
 __version__ = "0.16.0+zeromem"  # the DeepSpeed API level this surface follows
 
 log = logging.getLogger("zeromem")

@@ -68,10 +68,12 @@ def _submodules() -> dict[str, dict[str, object]]:
     from . import estimators, runtime_utils, zero
     from .utils import module_utils
     from .engine import DeepSpeedEngine
+    from .pipe import PipelineEngine
 
     return {
         "runtime": {},
         "runtime.engine": {"DeepSpeedEngine": DeepSpeedEngine},
+        "runtime.pipe": {}, "runtime.pipe.engine": {"PipelineEngine": PipelineEngine},
         "runtime.lr_schedules": {"VALID_LR_SCHEDULES": list(_LR_SCHEDULES)},
         "runtime.base_optimizer": {"DeepSpeedOptimizer": _DeepSpeedOptimizer,
                                    "ZeROOptimizer": _DeepSpeedOptimizer},
@@ -151,7 +153,8 @@ def install_as_deepspeed() -> None:
     _refuse_if_too_late()
     for dotted, attributes in _submodules().items():
         _register(surface, dotted, attributes)
-    for alias in ("accelerator", "comm", "zero", "checkpointing", "moe", "ops", "utils"):  # real modules
+    for alias in ("accelerator", "comm", "zero", "checkpointing", "moe", "ops", "pipe",
+                  "utils"):  # real modules
         sys.modules[f"{NAME}.{alias}"] = getattr(surface, alias)
     for alias in ("moe.utils", "ops.adam", "ops.adagrad", "ops.lion", "utils.zero_to_fp32",
                   "utils.logging", "utils.module_utils"):
