@@ -86,8 +86,7 @@ class Engine:
         # The user's dtype is kept until the flat groups read the fp32 masters from it.
         self.module = module.to(self.device)
         broadcast_from_rank0(self.module, comm)  # ranks need not be seeded alike
-        _, micro, accumulation = config.batch()
-        self.counters = StepCounters(BatchSizes(micro, accumulation, comm.world_size))
+        self.counters = StepCounters(BatchSizes(*config.batch()[1:], ranks=comm.world_size))
         # every rank must run the same backwards and collective calls: checked as they start
         self.lockstep = Lockstep.agree(comm)
         self.scaler = make_scaler(config.fp16)
@@ -426,9 +425,8 @@ class Engine:
         """DeepSpeed's: the states `include` names leave device memory until `reload_states`
         (offload/states.py); backward, step and checkpoints wait for the reload."""
         self._check_trains("offload_states")
-        tensors = state_tensors(chosen_kinds(include), self.groups, self.optimizer,
-                                self.offload.policy)
-        self.states.offload(tensors, pin_memory, non_blocking)
+        self.states.offload(state_tensors(chosen_kinds(include), self.groups, self.optimizer,
+                                          self.offload.policy), pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         self.states.reload(non_blocking)
@@ -439,20 +437,8 @@ class Engine:
             p.grad = None  # parameters outside the flat groups too
 
     def set_optimizer_mode(self, mode: str) -> None:
-        """A schedule-free optimizer's `train()` or `eval()` (Accelerate calls them for HF's
-        Trainer; `mode` names one): they move its masters between the point gradients are
-        taken at and the average to evaluate, and the parameters follow, as in one process.
-        An optimizer without them: nothing."""
-        switch = getattr(self.optimizer, mode, None)
-        if not callable(switch):
-            return
-        if self.offload.masters.where == "nvme":
-            raise NotImplementedError(
-                f"optimizer.{mode}(): {type(self.optimizer).__name__} moves every master at "
-                "once, and with offload_optimizer on NVMe they are read and written a "
-                "sub-group at a time in the step only; offload them to \"cpu\" instead")
-        switch()
-        self.zero.masters_changed()
+        """A schedule-free optimizer's `train()` or `eval()` (zero_optimizer.py)."""
+        self.zero.set_optimizer_mode(mode)
 
     # -- attributes ---------------------------------------------------------
     @property

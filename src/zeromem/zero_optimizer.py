@@ -102,6 +102,7 @@ class ZeroOptimizer:
         self.optimizer = optimizer
         self.scaler = scaler
         self.settings = settings
+        self.masters_where = masters.where  # "device", "host" or "nvme"
         # the norm's square of a group, and its sum over the model-parallel group (TP only)
         self.square: Callable[[FlatParamGroup], torch.Tensor] = \
             _own_square if mp_norm is None else mp_norm.square
@@ -331,6 +332,22 @@ class ZeroOptimizer:
             g.zero_grad()
             for p in g.params:
                 p.grad = None
+
+    def set_optimizer_mode(self, mode: str) -> None:
+        """A schedule-free optimizer's `train()` or `eval()` (Accelerate calls them for HF's
+        Trainer; `mode` names one): they move its masters between the point gradients are
+        taken at and the average to evaluate, and the parameters follow, as in one process.
+        An optimizer without them: nothing."""
+        switch = getattr(self.optimizer, mode, None)
+        if not callable(switch):
+            return
+        if self.masters_where == "nvme":
+            raise NotImplementedError(
+                f"optimizer.{mode}(): {type(self.optimizer).__name__} moves every master at "
+                "once, and with offload_optimizer on NVMe they are read and written a "
+                "sub-group at a time in the step only; offload them to \"cpu\" instead")
+        switch()
+        self.masters_changed()
 
     def masters_changed(self) -> None:
         """Masters were written outside a step: the compute-dtype parameters follow them."""
