@@ -2,9 +2,10 @@
 
 `Config.load()` is the one entry point. It reads a dict, JSON file or Config; maps legacy
 key names (warning where DeepSpeed deprecated them); resolves Hugging Face "auto" values
-that can be derived and rejects the rest; validates every block with unknown keys
-forbidden ("did you mean ...?"); resolves the batch triple train = micro x gas x
-world_size once the world size is known; and refuses features in `NOT_BUILT`.
+(derived, or zeromem's default for ZeRO sizes; rules.py) and rejects the rest; validates
+every block with unknown keys forbidden ("did you mean ...?"); resolves the batch triple
+train = micro x gas x world_size once the world size is known; and refuses features in
+`NOT_BUILT`.
 
 Defaults are DeepSpeed's *code* defaults, which differ from its docs in places
 (gradient_clipping 0.0 = off, stage3_prefetch_bucket_size 5e7). Integer fields accept
