@@ -88,8 +88,8 @@ class StatesOffload:
     def offload(self, tensors: Iterable[torch.Tensor], pin_memory: bool,
                 non_blocking: bool) -> None:
         """Copy each storage of `tensors` on the device to host memory, then free it. The
-        caching allocator reuses freed device memory in stream order, after the copy."""
-        self.check_loaded("offload_states")
+        caching allocator reuses freed device memory in stream order, after the copy. (The
+        engine refuses a second offload before the reload: `check_loaded`.)"""
         pin = pin_memory and self.device.type == "cuda"
         seen: set[int] = set()
         for tensor in tensors:
