@@ -5,7 +5,8 @@ Needs DeepSpeed (a test-data tool, never a zeromem dependency); on CPU:
     python3 -m venv .venv-ds && .venv-ds/bin/pip install torch==2.13.0 deepspeed
     DS_ACCELERATOR=cpu .venv-ds/bin/python tools/make_deepspeed_checkpoints.py [CASE ...]
 
-(CASE: a directory name below, e.g. stage2_ws2_fp16; default: every case.)
+(CASE: a directory name below, e.g. stage2_ws2_fp16; default: every case.) With
+`--universal-only` the existing checkpoints are converted again, not remade.
 
 For each case (ZeRO stage, world size, precision, whether `save_checkpoint` was given
 `exclude_frozen_parameters=True`) it trains `tests/models.py`'s TinyLM (whose `frozen`
@@ -26,6 +27,11 @@ checkpoint, trains AFTER more steps and records, in `<case>/expected.json`:
   short `loss_scale_window`, so that skips, hysteresis and growth all happen around
   the save.
 
+Each checkpoint is then converted by DeepSpeed's `ds_to_universal`, as its users run it:
+the universal checkpoint lands beside it (`global_step3_universal`, `latest_universal`).
+`--inject_missing_state` stands in for the `universal_checkpoint_info` that only
+Megatron-DeepSpeed's models save.
+
 DeepSpeed copies its conversion script into every checkpoint; it is removed here.
 """
 from __future__ import annotations
@@ -34,6 +40,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -173,8 +180,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def make_universal(out: Path) -> None:
+    """DeepSpeed's ds_to_universal on the checkpoint in `out`: `<tag>_universal` beside it."""
+    tag = (out / "latest").read_text().strip()
+    shutil.rmtree(out / f"{tag}_universal", ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                    "--input_folder", str(out / tag), "--output_folder", str(out / f"{tag}_universal"),
+                    "--inject_missing_state", "--num_extract_workers", "1",
+                    "--num_merge_workers", "1"], check=True, stdout=subprocess.DEVNULL)
+
+
 def main() -> None:
-    wanted = set(sys.argv[1:])
+    args = sys.argv[1:]
+    universal_only = "--universal-only" in args
+    wanted = set(args) - {"--universal-only"}
     known = {case_name(*case) for case in CASES}
     if wanted - known:
         sys.exit(f"unknown case(s) {sorted(wanted - known)}; known: {sorted(known)}")
@@ -183,9 +202,11 @@ def main() -> None:
         if wanted and name not in wanted:
             continue
         out = OUT / name
-        shutil.rmtree(out, ignore_errors=True)
-        mp.spawn(worker, args=(world_size, free_port(), stage, precision, exclude_frozen,
-                               fused_adam, str(out)), nprocs=world_size)
+        if not universal_only:
+            shutil.rmtree(out, ignore_errors=True)
+            mp.spawn(worker, args=(world_size, free_port(), stage, precision, exclude_frozen,
+                                   fused_adam, str(out)), nprocs=world_size)
+        make_universal(out)
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         print(f"{out.relative_to(ROOT)}: {size / 1024:.1f} KiB")
 

@@ -512,7 +512,8 @@ class Engine:
         with self.collective("load_checkpoint"):
             return checkpoints.load_checkpoint(self.training_state(), load_dir, tag,
                                                load_optimizer_states,
-                                               load_lr_scheduler_states, trust_client_state)
+                                               load_lr_scheduler_states, trust_client_state,
+                                               self.config.checkpoint.load_universal)
 
     def save_16bit_model(self, save_dir, filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> str:

@@ -5,7 +5,9 @@ The checkpoints under tests/data/deepspeed_checkpoints were saved by real DeepSp
 tools/make_deepspeed_checkpoints.py), with the losses DeepSpeed's run had on every
 micro-batch after the save. Each is loaded by `engine.load_checkpoint` at 1 and 2 ranks
 and stages 1, 2 and 3, trained on the same micro-batches, and its losses compared with
-DeepSpeed's on every rank.
+DeepSpeed's on every rank. Each case is resumed twice: from the checkpoint, and from
+the universal checkpoint DeepSpeed's `ds_to_universal` made of it, beside it
+(`checkpoint.load_universal`, as Megatron-DeepSpeed's `--universal-checkpoint` sets).
 
 fp16 cases also check the dynamic loss scaler: right after the load it is DeepSpeed's
 saved state, and each following step runs with DeepSpeed's loss scale and lr and is
@@ -20,6 +22,7 @@ at most 4.6e-4; the fp16 model and loss-scaled gradients round likewise).
 """
 from __future__ import annotations
 
+import itertools
 import shutil
 from pathlib import Path
 
@@ -45,10 +48,14 @@ def bad_directories(tmp: Path) -> dict[str, str]:
     damaged = tmp / "damaged"
     shutil.copytree(src, damaged)
     (damaged / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    (damaged / "global_step3_universal" / "zero" / "fc2.weight" / "exp_avg.pt").unlink()
+    (damaged / "latest_universal").unlink()  # the directory names the damaged ZeRO checkpoint
     foreign = tmp / "foreign"
     foreign.mkdir()
     (foreign / "pytorch_model.bin").write_bytes(b"")
     return {str(damaged): r"lacks the optimizer states of rank\(s\) \[1\]",
+            str(damaged / "global_step3_universal"): r"fc2.weight holds the states "
+                                                     r"\['exp_avg_sq', 'master'\]",
             str(foreign): "neither a zeromem checkpoint .* nor a DeepSpeed one.*pytorch_model.bin "
                           "looks like a weights file"}
 
@@ -65,36 +72,55 @@ def refuse(engine, bad: dict[str, str]) -> None:
 
 
 def resume_all(rank: int, world_size: int, bad: dict[str, str]) -> list[tuple[str, int, float]]:
-    """(case, stage, worst loss difference) of every case resumed at every stage; then the
-    bad directories are refused."""
+    """(case, stage, worst loss difference) of every case resumed at every stage, from the
+    checkpoint and from its universal form; then the bad directories are refused."""
     results = []
-    for name in CASES:
+    for name, universal, stage in itertools.product(CASES, (False, True), (1, 2, 3)):
         path, expected = deepspeed_case(name)
         gas = expected["micro_batches_per_step"] // world_size
-        for stage in (1, 2, 3):
-            engine = zeromem.initialize(model(expected, rank),
-                                        deepspeed_resume_config(expected, stage, world_size))
-            loaded, client_state = engine.load_checkpoint(path)
-            assert loaded == str(path / "global_step3") and client_state is None
-            assert engine.global_steps == expected["save_at"]
-            first_lr = expected["lrs"][0] if "lrs" in expected else 1e-3 + 0.4 * 9e-3
-            # DeepSpeed's WarmupLR at last_batch_iteration 2 gives its next step min + 2/5 (max - min)
-            assert engine.get_lr() == pytest.approx([first_lr])
-            if "scaler" in expected:
-                assert engine.scaler.state_dict() == {
-                    ours: expected["scaler"][theirs] for ours, theirs in SCALER.items()}
-            trace: list = []
-            curve = deepspeed_curve(engine, rank, world_size, expected, trace)
-            if "loss_scales" in expected:
-                assert trace == [(scale, pytest.approx(lr), skipped) for scale, lr, skipped in zip(
-                    expected["loss_scales"], expected["lrs"], expected["skipped"])], (name, stage)
-            mine = [want[rank * gas:(rank + 1) * gas] for want in expected["losses"]]
-            worst = max(abs(a - b) for got, want in zip(curve, mine) for a, b in zip(got, want))
-            results.append((name, stage, worst))
-            assert worst <= TOLERANCE[expected["precision"]], (name, stage, rank, curve, mine)
-            assert engine.global_steps == expected["save_at"] + len(expected["losses"])
+        config = deepspeed_resume_config(expected, stage, world_size)
+        config["checkpoint"] = {"load_universal": universal}
+        engine = zeromem.initialize(model(expected, rank), config)
+        loaded, client_state = engine.load_checkpoint(path)
+        tag = "global_step3_universal" if universal else "global_step3"
+        assert loaded == str(path / tag) and client_state is None
+        assert engine.global_steps == expected["save_at"]
+        first_lr = expected["lrs"][0] if "lrs" in expected else 1e-3 + 0.4 * 9e-3
+        # DeepSpeed's WarmupLR at last_batch_iteration 2 gives its next step min + 2/5 (max - min)
+        assert engine.get_lr() == pytest.approx([first_lr])
+        if "scaler" in expected:
+            assert engine.scaler.state_dict() == {
+                ours: expected["scaler"][theirs] for ours, theirs in SCALER.items()}
+        trace: list = []
+        curve = deepspeed_curve(engine, rank, world_size, expected, trace)
+        if "loss_scales" in expected:
+            assert trace == [(scale, pytest.approx(lr), skipped) for scale, lr, skipped in zip(
+                expected["loss_scales"], expected["lrs"], expected["skipped"])], (name, stage)
+        mine = [want[rank * gas:(rank + 1) * gas] for want in expected["losses"]]
+        worst = max(abs(a - b) for got, want in zip(curve, mine) for a, b in zip(got, want))
+        results.append((f"{name}{' (universal)' if universal else ''}", stage, worst))
+        assert worst <= TOLERANCE[expected["precision"]], (name, stage, rank, curve, mine)
+        assert engine.global_steps == expected["save_at"] + len(expected["losses"])
     refuse(engine, bad)
+    resume_through_deepspeeds_api(Path(next(iter(bad))).parent, rank, world_size)
     return results
+
+
+def resume_through_deepspeeds_api(tmp: Path, rank: int, world_size: int) -> None:
+    """DeepSpeed's `load_checkpoint` answers (None, None) for a directory with nothing to
+    resume; one whose only pointer is `latest_universal` has a checkpoint to resume."""
+    import zeromem.deepspeed as deepspeed
+
+    path, expected = deepspeed_case("stage2_ws2_fp32")
+    only_universal = tmp / "only_universal"
+    if rank == 0 and not only_universal.exists():
+        shutil.copytree(path, only_universal, ignore=shutil.ignore_patterns("latest"))
+    deepspeed.comm.barrier()
+    config = deepspeed_resume_config(expected, 2, world_size)
+    engine, *_ = deepspeed.initialize(model=model(expected, rank), config=config)
+    loaded, client_state = engine.load_checkpoint(str(only_universal))
+    assert loaded == str(only_universal / "global_step3_universal") and client_state == {}
+    assert engine.global_steps == expected["save_at"]
 
 
 def model(expected: dict, rank: int) -> TinyLM:

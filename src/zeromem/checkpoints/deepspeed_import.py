@@ -20,6 +20,17 @@ How the partitions tile the parameters:
   ceil(numel / world size) elements (the last padded); rank r's flat buffer is its
   piece of each parameter in `param_shapes` order, over all groups.
 
+A universal checkpoint (DeepSpeed's `ds_to_universal`, tag directory `<tag>_universal`)
+keeps the same model states files and, instead of the per-rank optimizer files, each
+trained parameter's full states:
+
+    <tag>/zero/<name>/fp32.pt, exp_avg.pt, ...       the whole tensor ({"param": it, ...}
+                                                      at stages 1-2)
+    <tag>/zero/<name>/step.pt                         stages 1-2: its optimizer step
+    <tag>/zero/optimizer_state.pt                     the optimizer's options, loss scaler
+                                                      and ZeRO stage; at stage 3 rank 0's
+                                                      whole optimizer file (its step)
+
 fp16 runs: every optimizer file holds the ZeRO optimizer's loss scaler (`loss_scaler`,
 a pickled DeepSpeed `DynamicLossScaler` or static `LossScaler`), the same on every rank;
 its scale, hysteresis and step counts become zeromem's scaler state (`precision.py`
@@ -56,7 +67,7 @@ import torch
 
 from zeromem.checkpoints.consolidate import (FORMAT, VERSION, encode, prepare_tmp, publish,
                                              rank_file_name, write_latest, write_manifest)
-from zeromem.checkpoints.formats import deepspeed_location, describe_directory
+from zeromem.checkpoints.formats import deepspeed_location, describe_directory, is_universal
 from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec, write_safetensors
 
 log = logging.getLogger("zeromem")
@@ -91,6 +102,13 @@ _SAFE_GLOBALS: list[tuple[Callable[..., Any], str]] = [
 
 def load_pt(path: Path) -> dict:
     """A DeepSpeed `.pt` file, unpickled without running code (weights_only + allowlist)."""
+    data = _load_object(path)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a {type(data).__name__}, not DeepSpeed's dict")
+    return data
+
+
+def _load_object(path: Path) -> object:
     try:
         with torch.serialization.safe_globals(list[Any](_SAFE_GLOBALS)):
             data = torch.load(path, map_location="cpu", weights_only=True)
@@ -103,8 +121,6 @@ def load_pt(path: Path) -> dict:
     except (RuntimeError, OSError, EOFError, ValueError) as error:
         raise CheckpointError(f"{path} is not a readable torch checkpoint (damaged or "
                               f"truncated?): {str(error).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds a {type(data).__name__}, not DeepSpeed's dict")
     return data
 
 
@@ -144,9 +160,11 @@ class DeepSpeedState:
     model_states: dict = field(repr=False)      # rank 0's model states file (counters, config)
 
 
-def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None) -> DeepSpeedState:
-    """Read the DeepSpeed ZeRO checkpoint at `load_dir` (tag: `tag` or `latest`) whole."""
-    where = deepspeed_location(load_dir, tag)
+def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
+                   universal: bool = False) -> DeepSpeedState:
+    """Read the DeepSpeed ZeRO checkpoint at `load_dir` whole (tag: `tag`, else the one
+    `latest` names, or `latest_universal` if `universal`; see `formats.deepspeed_location`)."""
+    where = deepspeed_location(load_dir, tag, universal)
     if where is None:
         raise CheckpointError(describe_directory(load_dir))
     path = where[0] / where[1]
@@ -157,14 +175,21 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None) -> DeepS
     if model.get("mp_world_size", 1) != 1:
         raise CheckpointError(f"{path}: saved with model (tensor) parallelism "
                               f"{model['mp_world_size']}; the import reads mp_world_size 1 only")
-    optim_files = _optim_files(path, world_size)
-    optims = [_need(load_pt(f), "optimizer_state_dict", f) for f in optim_files]
+    if is_universal(path):
+        optim_files = [path / "zero" / "optimizer_state.pt"]
+        optims = [load_pt(optim_files[0])]
+    else:
+        optim_files = _optim_files(path, world_size)
+        optims = [_need(load_pt(f), "optimizer_state_dict", f) for f in optim_files]
     stage = int(_need(optims[0], "zero_stage", optim_files[0]))
     if (stage == 3) != stage3:
         raise CheckpointError(f"{path}: optimizer files say ZeRO stage {stage} but the model "
                               f"states are laid out for stage {3 if stage3 else '1-2'}")
     shapes = [dict(group) for group in _need(model, "param_shapes", path / "model_states")]
-    if stage3:
+    if is_universal(path):
+        params, scalars, groups = _assemble_universal(path, optims[0], shapes, stage)
+        frozen = _frozen_stage3(path, model, world_size) if stage3 else {}
+    elif stage3:
         params, scalars, groups = _assemble_stage3(path, optims, shapes, world_size)
         frozen = _frozen_stage3(path, model, world_size)
     else:
@@ -277,12 +302,72 @@ def _assemble_stage3(path: Path, optims: list[dict], shapes: list[dict],
             params[name] = {k: torch.cat([r[k][offset:offset + piece] for r in per_rank])[:numel]
                             .view(shape).clone() for k in keys}
             offset += piece
-    scalars = [_scalar(_base_state(optims[0], "optimizer_state_dict", path)[0][0])] * len(shapes)
-    groups = _base_state(optims[0], "optimizer_state_dict", path)[1]
+    return (params, *_stage3_options(path, optims[0], len(shapes)))
+
+
+def _stage3_options(path: Path, optim: dict, count: int) -> tuple[list, list]:
+    """(scalar states, options) of each of the `count` groups: stage 3 saves one torch param
+    group holding every parameter, and the same step for all."""
+    states, groups = _base_state(optim, "optimizer_state_dict", path)
     if len({repr({k: v for k, v in g.items() if k != "params"}) for g in groups}) > 1:
         raise CheckpointError(f"{path}: a stage-3 checkpoint with several optimizer param groups "
                               "is not supported by the import")
-    return params, scalars, groups[:1] * len(shapes)
+    return [_scalar(states[0])] * count, groups[:1] * count
+
+
+def _assemble_universal(path: Path, optim: dict, shapes: list[dict],
+                        stage: int) -> tuple[dict, list, list]:
+    """Each parameter's states from its own files (`zero/<name>/<state>.pt`), whole already."""
+    params = {name: _universal_states(path / "zero", name, shape)
+              for group in shapes for name, shape in group.items()}
+    kinds = {name: sorted(states) for name, states in params.items()}
+    first, expected = next(iter(kinds.items()), ("", []))
+    for name, found in kinds.items():
+        if found != expected:
+            raise CheckpointError(f"{path / 'zero' / name} holds the states {found}, but "
+                                  f"{first}'s hold {expected}: the checkpoint is damaged")
+    if stage == 3:  # no step files: the step is in rank 0's optimizer state, saved whole
+        return (params, *_stage3_options(path, optim, len(shapes)))
+    scalars = [_universal_step(path / "zero" / next(iter(group)) / "step.pt") if group else {}
+               for group in shapes]
+    return params, scalars, list(_need(optim, "param_groups", path / "zero" / "optimizer_state.pt"))
+
+
+def _universal_states(zero: Path, name: str, shape) -> dict[str, torch.Tensor]:
+    """{"master": fp32.pt's tensor, <state>: <state>.pt's tensor, ...} of parameter `name`."""
+    folder = zero / name
+    if name in ("", ".", "..") or "/" in name or "\\" in name or not folder.is_dir():
+        raise CheckpointError(f"{zero} has no folder for parameter {name!r}, which the model "
+                              "states list: the universal checkpoint is incomplete")
+    files = {f.stem: f for f in folder.iterdir() if f.suffix == ".pt" and f.stem != "step"}
+    if "fp32" not in files:
+        raise CheckpointError(f"{folder} has no fp32.pt (the parameter's fp32 master): the "
+                              "universal checkpoint is damaged")
+    states = {}
+    for kind, file in sorted(files.items()):
+        saved = _load_object(file)  # stage 3 writes the tensor bare, stages 1-2 in a dict
+        tensor = _need(saved, "param", file) if isinstance(saved, dict) else saved
+        if not torch.is_tensor(tensor) or tensor.numel() != math.prod(shape):
+            raise CheckpointError(f"{file} holds {_described(tensor)}, where the model states "
+                                  f"give {name!r} the shape {list(shape)}")
+        states["master" if kind == "fp32" else kind] = tensor.float().reshape(shape).clone()
+    return states
+
+
+def _universal_step(file: Path) -> dict[str, Any]:
+    """A stage-1/2 parameter's optimizer step ({} where its optimizer keeps none)."""
+    if not file.is_file():
+        return {}
+    step = _load_object(file)
+    if isinstance(step, bool) or not (isinstance(step, (int, float)) or
+                                      torch.is_tensor(step) and step.dim() == 0):
+        raise CheckpointError(f"{file} holds {_described(step)}, not an optimizer step")
+    return _scalar({"step": step})
+
+
+def _described(value: object) -> str:
+    return (f"a tensor of shape {list(value.shape)}" if torch.is_tensor(value)
+            else f"a {type(value).__name__}")
 
 
 def _split(path: Path, group: dict, flat: dict[str, torch.Tensor],

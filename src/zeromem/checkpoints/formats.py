@@ -3,9 +3,15 @@
 `load_checkpoint` reads zeromem's own format (`<tag>/manifest.json`) and imports
 DeepSpeed's ZeRO format (`<tag>/mp_rank_00_model_states.pt` or, at stage 3,
 `<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt`, beside
-`[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`; see `deepspeed_import`). A
-directory in neither gets an error listing what it holds, so that a wrong path, a
-Hugging Face model directory or a consolidated weights file is recognised at once.
+`[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`, or, in a universal checkpoint,
+beside `zero/`; see `deepspeed_import`). A directory in neither gets an error listing
+what it holds, so that a wrong path, a Hugging Face model directory or a consolidated
+weights file is recognised at once.
+
+DeepSpeed's `ds_to_universal` writes the universal checkpoint of tag T as a sibling
+tag (T_universal) and names it in `latest_universal`, leaving `latest` as it was;
+DeepSpeed reads `latest_universal` where the config sets `checkpoint.load_universal`.
+zeromem does the same, and reads the other pointer where the one asked for is absent.
 """
 from __future__ import annotations
 
@@ -13,29 +19,50 @@ import os
 from pathlib import Path
 
 LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"
 DEEPSPEED_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
-def deepspeed_location(load_dir: str | os.PathLike, tag: str | None) -> tuple[Path, str] | None:
+def deepspeed_location(load_dir: str | os.PathLike, tag: str | None,
+                       universal: bool = False) -> tuple[Path, str] | None:
     """(root, tag) of the DeepSpeed checkpoint at `load_dir`, or None if it holds none.
 
     `load_dir` is either the directory DeepSpeed saved into (tag from `tag` or its
-    `latest` file) or one tag's directory itself.
+    pointer file: `latest_universal` first if `universal`, else `latest`) or one tag's
+    directory itself.
     """
     root = Path(load_dir)
     if _has_deepspeed_files(root) and tag is None:
         return root.parent, root.name
     if tag is None:
-        latest = root / LATEST
-        if not latest.is_file():
-            return None
-        try:
-            tag = latest.read_text().strip()
-        except (OSError, UnicodeDecodeError):
+        tag = _pointed_tag(root, universal)
+        if tag is None:
             return None
     if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
         return None
     return (root, tag) if _has_deepspeed_files(root / tag) else None
+
+
+def _pointed_tag(root: Path, universal: bool) -> str | None:
+    """The tag `root`'s pointer file names: the one `universal` asks for, else the other."""
+    names = (LATEST_UNIVERSAL, LATEST) if universal else (LATEST, LATEST_UNIVERSAL)
+    for name in names:
+        if (root / name).is_file():
+            try:
+                return (root / name).read_text().strip()
+            except (OSError, UnicodeDecodeError):
+                return None
+    return None
+
+
+def holds_pointer(root: Path) -> bool:
+    """Whether `root` has a `latest` or `latest_universal` file (a checkpoint to resume)."""
+    return any((root / name).is_file() for name in (LATEST, LATEST_UNIVERSAL))
+
+
+def is_universal(path: Path) -> bool:
+    """Whether the DeepSpeed tag directory `path` is a universal checkpoint (`zero/`)."""
+    return (path / "zero" / "optimizer_state.pt").is_file()
 
 
 def _has_deepspeed_files(path: Path) -> bool:
@@ -64,8 +91,9 @@ def _directory_hint(names: list[str]) -> str:
         return ("; it looks like a Hugging Face model directory: load it with from_pretrained "
                 "before zeromem.initialize")
     if "zero/" in names:
-        return ("; it looks like a DeepSpeed universal checkpoint, which zeromem does not read: "
-                "load the ZeRO checkpoint it was converted from")
+        return ("; it looks like a DeepSpeed universal checkpoint without its model states "
+                "file (mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt, "
+                "which ds_to_universal copies beside zero/)")
     for name in names:
         hint = _file_hint(name)
         if hint:

@@ -325,11 +325,12 @@ class _Staged:
 def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str | None = None,
                     load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True,
-                    trust_client_state: bool = False) -> tuple[str, Any]:
+                    trust_client_state: bool = False, universal: bool = False) -> tuple[str, Any]:
     """Load a checkpoint into the engine's `state`, under any world size, stage or bucket size;
     collective.
 
-    `tag` defaults to the one `latest` names. Every file is checked against its
+    `tag` defaults to the one `latest` names (`latest_universal` first if `universal`,
+    DeepSpeed's `checkpoint.load_universal`). Every file is checked against its
     checksum and the manifest against the model, and everything is read into host
     memory, before anything changes: on any error (a `CheckpointError` naming the
     file or parameter, raised on every rank) the state is as it was. Returns
@@ -341,11 +342,12 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
     `trust_client_state=True` for client state holding other objects, and only
     for checkpoints you wrote yourself.
 
-    A DeepSpeed ZeRO checkpoint (stages 1-3, `checkpoints/deepspeed_import.py`) is
-    imported first, by each rank into a private temporary directory, then loaded
-    the same way; the returned path is DeepSpeed's tag directory.
+    A DeepSpeed ZeRO checkpoint (stages 1-3, or its universal form;
+    `checkpoints/deepspeed_import.py`) is imported first, by each rank into a private
+    temporary directory, then loaded the same way; the returned path is DeepSpeed's tag
+    directory.
     """
-    where = deepspeed_location(load_dir, tag)
+    where = deepspeed_location(load_dir, tag, universal)
     if where is not None:
         return _load_deepspeed(state, where, load_optimizer_states, load_lr_scheduler_states)
     return _load(state, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,

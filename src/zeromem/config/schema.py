@@ -252,7 +252,7 @@ class CheckpointConfig(_Block):
     """`checkpoint`: checkpoint save/load behaviour."""
 
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"  # check tags agree across ranks
-    load_universal: Bool = False  # load a world-size-independent checkpoint
+    load_universal: Bool = False  # resume from latest_universal (ds_to_universal) before latest
     use_node_local_storage: Bool = False  # every node writes its own copy
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
 

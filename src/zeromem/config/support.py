@@ -55,6 +55,7 @@ READ: dict[str, tuple[str, ...]] = {
         "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
         "number_checkpoints", "synchronize_checkpoint_boundary", "profile")},
     "checkpoint.tag_validation": ("checkpoints.agreement",),
+    "checkpoint.load_universal": ("engine",),
     **{f"zero_optimization.{key}": ("config.cluster", "hybrid.hierarchy") for key in (
         "mics_shard_size", "zero_hpz_partition_size", "zero_quantized_weights",
         "zero_quantized_gradients")},
@@ -100,8 +101,6 @@ REFUSED = {
     "zero_optimization.load_from_fp32_weights": "checkpoints always restore the fp32 masters; "
                                                 "masters rebuilt from 16-bit weights would lose "
                                                 "precision",
-    "checkpoint.load_universal": "DeepSpeed universal checkpoints cannot be read; zeromem's own "
-                                 "checkpoints load under any world size or stage",
     "checkpoint.use_node_local_storage": "checkpoints need one directory every rank can read "
                                          "(shared storage); per-node copies could not be "
                                          "loaded back",

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoints.consolidate import LATEST, available_tags
+from ..checkpoints.consolidate import available_tags
+from ..checkpoints.formats import holds_pointer
 from ..checkpoints.model_weights import weights_16bit
 from ..engine import Engine
 from . import utils
@@ -351,7 +352,7 @@ class DeepSpeedEngine(nn.Module):
 
 def _holds_checkpoints(load_dir) -> bool:
     root = Path(load_dir)
-    return (root / LATEST).is_file() or bool(available_tags(root))
+    return holds_pointer(root) or bool(available_tags(root))
 
 
 def _refuse_unsupported(**given: tuple[Any, Any]) -> None:

@@ -1,0 +1,138 @@
+"""DeepSpeed universal checkpoints (`ds_to_universal`) read without a process group.
+
+Every case under tests/data/deepspeed_checkpoints holds DeepSpeed's checkpoint
+(`global_step3`, `latest`) and, beside it, what DeepSpeed 0.19.8's `ds_to_universal`
+made of it (`global_step3_universal`, `latest_universal`;
+tools/make_deepspeed_checkpoints.py). The conversion only lays the same numbers out
+per parameter, so reading either must give the same state, bit for bit; resuming
+from it is tests/distributed/test_deepspeed_resume.py.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case
+from zeromem.checkpoints.deepspeed_import import DeepSpeedState, import_deepspeed, read_deepspeed
+from zeromem.checkpoints.tensor_files import CheckpointError
+
+CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir() if (p / "expected.json").is_file())
+
+
+def same_state(a: DeepSpeedState, b: DeepSpeedState) -> None:
+    assert a.params.keys() == b.params.keys()
+    for name, states in a.params.items():
+        assert states.keys() == b.params[name].keys(), name
+        for kind, tensor in states.items():
+            assert torch.equal(tensor, b.params[name][kind]), (name, kind)
+    assert a.module_tensors.keys() == b.module_tensors.keys()
+    assert all(torch.equal(t, b.module_tensors[k]) for k, t in a.module_tensors.items())
+    assert repr(a.scalars) == repr(b.scalars)  # Adam's step, as tensors
+    assert a.param_groups == b.param_groups and a.param_group == b.param_group
+    assert (a.stage, a.world_size, a.state_dict_keys, a.aliases, a.loss_scaler) == \
+        (b.stage, b.world_size, b.state_dict_keys, b.aliases, b.loss_scaler)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_universal_checkpoint_reads_as_the_checkpoint_it_was_made_from(name):
+    path, expected = deepspeed_case(name)
+    original = read_deepspeed(path)
+    universal = read_deepspeed(path, universal=True)
+    assert original.path.name == "global_step3"
+    assert universal.path.name == "global_step3_universal"
+    assert universal.stage == expected["stage"] and universal.world_size == expected["world_size"]
+    same_state(original, universal)
+    # a stage-3 universal checkpoint keeps no frozen parameters under zero/: they come from
+    # the model states files, as in the checkpoint it was made from
+    assert ("frozen.weight" in universal.module_tensors) != \
+        bool(expected.get("exclude_frozen_parameters"))
+
+
+def copy_case(tmp_path: Path, name: str = "stage2_ws2_fp32") -> Path:
+    src, _ = deepspeed_case(name)
+    shutil.copytree(src, tmp_path / name)
+    return tmp_path / name
+
+
+def test_the_pointer_file_read_follows_load_universal(tmp_path):
+    """DeepSpeed reads `latest_universal` under checkpoint.load_universal, else `latest`;
+    where only one is there, zeromem reads that one."""
+    root = copy_case(tmp_path)
+    assert read_deepspeed(root).path.name == "global_step3"
+    assert read_deepspeed(root, universal=True).path.name == "global_step3_universal"
+    (root / "latest").unlink()
+    assert read_deepspeed(root).path.name == "global_step3_universal"
+    (root / "latest").write_text("global_step3")
+    (root / "latest_universal").unlink()
+    assert read_deepspeed(root, universal=True).path.name == "global_step3"
+    # the tag named, or its directory given, wins over either pointer
+    assert read_deepspeed(root, "global_step3_universal").path.name == "global_step3_universal"
+    assert read_deepspeed(root / "global_step3_universal").path.name == "global_step3_universal"
+    out = Path(import_deepspeed(root, tmp_path / "out", "global_step3_universal"))
+    assert out.name == "global_step3_universal" and (out / "manifest.json").is_file()
+
+
+def universal_copy(tmp_path: Path, name: str = "stage2_ws2_fp32") -> Path:
+    return copy_case(tmp_path, name) / "global_step3_universal"
+
+
+def refused(tag: Path, match: str, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=match):
+        import_deepspeed(tag.parent, tmp_path / "out", tag.name)
+    assert not (tmp_path / "out" / "latest").exists()
+
+
+def test_damaged_universal_checkpoints_are_refused_by_name(tmp_path):
+    tag = universal_copy(tmp_path / "a")
+    (tag / "zero" / "fc1.weight" / "exp_avg_sq.pt").unlink()
+    refused(tag, r"fc1.weight holds the states \['exp_avg', 'master'\], but embed.weight's hold "
+                 r"\['exp_avg', 'exp_avg_sq', 'master'\]", tmp_path)
+
+    tag = universal_copy(tmp_path / "b", "stage3_ws2_fp32")
+    shutil.rmtree(tag / "zero" / "fc2.bias")
+    refused(tag, "no folder for parameter 'fc2.bias'", tmp_path)
+
+    tag = universal_copy(tmp_path / "c")
+    (tag / "zero" / "fc1.bias" / "fp32.pt").unlink()
+    refused(tag, r"fc1.bias has no fp32.pt", tmp_path)
+
+    tag = universal_copy(tmp_path / "d", "stage3_ws2_bf16")  # bare tensors at stage 3
+    torch.save(torch.zeros(3), tag / "zero" / "fc1.weight" / "exp_avg.pt")
+    refused(tag, r"exp_avg.pt holds a tensor of shape \[3\], where the model states give "
+                 r"'fc1.weight' the shape \[7, 10\]", tmp_path)
+
+    tag = universal_copy(tmp_path / "e")
+    torch.save({"step": 3}, tag / "zero" / "embed.weight" / "step.pt")
+    refused(tag, "step.pt holds a dict, not an optimizer step", tmp_path)
+
+    tag = universal_copy(tmp_path / "f")
+    file = tag / "zero" / "sometimes.weight" / "fp32.pt"
+    file.write_bytes(file.read_bytes()[:100])
+    refused(tag, "sometimes.weight/fp32.pt is not a readable torch checkpoint", tmp_path)
+
+    tag = universal_copy(tmp_path / "g")
+    (tag / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="universal checkpoint without its model states"):
+        import_deepspeed(tag, tmp_path / "out")  # the tag's directory given as the checkpoint
+
+
+class _Opens:
+    """Unpickled without the allowlist, this would create a file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def test_code_in_a_universal_checkpoint_is_never_run(tmp_path):
+    tag = universal_copy(tmp_path)
+    marker = tmp_path / "ran"
+    torch.save({"param": torch.zeros(7, 10), "cat_dim": _Opens(marker)},
+               tag / "zero" / "fc1.weight" / "exp_avg.pt")
+    refused(tag, "could run code.*global io.open is not allowed", tmp_path)
+    assert not marker.exists()
