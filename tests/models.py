@@ -1,6 +1,7 @@
 """Small models, a single-process reference trainer and gradient / storage probes shared by the tests."""
 from __future__ import annotations
 
+import enum
 import gc
 import time
 
@@ -42,6 +43,13 @@ class TinyLM(nn.Module):
             h = h + self.sometimes(h)
         logits = self.head(h)                       # (B, T, vocab)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class PositionEmbeddingType(enum.Enum):
+    """As Megatron-DeepSpeed's (megatron/model/enums.py), whose saved `args` hold one: the
+    client state of tools/make_deepspeed_checkpoints.py's `_client_state` case."""
+    absolute = 1
+    rotary = 2
 
 
 def micro_batch(step: int, rank: int, micro: int, batch: int = 4, seq: int = 5, vocab: int = 13):

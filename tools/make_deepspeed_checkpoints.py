@@ -9,7 +9,8 @@ Needs DeepSpeed (a test-data tool, never a zeromem dependency); on CPU:
 `--universal-only` the existing checkpoints are converted again, not remade.
 
 For each case (ZeRO stage, world size, precision, whether `save_checkpoint` was given
-`exclude_frozen_parameters=True`) it trains `tests/models.py`'s TinyLM (whose `frozen`
+`exclude_frozen_parameters=True`, which Adam, whether it carries Megatron-DeepSpeed's
+client state) it trains `tests/models.py`'s TinyLM (whose `frozen`
 layer has requires_grad False)
 with real DeepSpeed (gloo) for SAVE_AT optimizer steps on `micro_batch` data, saves a
 checkpoint, trains AFTER more steps and records, in `<case>/expected.json`:
@@ -36,20 +37,23 @@ DeepSpeed copies its conversion script into every checkpoint; it is removed here
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import torch
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from models import TinyLM, micro_batch  # noqa: E402
+from models import PositionEmbeddingType, TinyLM, micro_batch  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "deepspeed_checkpoints"
 G = 4  # micro-batches per optimizer step, whatever the world size
@@ -57,20 +61,35 @@ SAVE_AT, AFTER = 3, 3
 # (stage, world size, precision, exclude_frozen_parameters, DeepSpeed's own FusedAdam):
 # torch's AdamW (`torch_adam`) unless the last is True; FusedAdam is what a config without
 # `torch_adam` gets, and its param groups hold keys torch's do not (bias_correction, step)
+# and whether the save carries Megatron-DeepSpeed's client state (`CLIENT_STATE`)
 CASES = [
-    (1, 1, "fp32", False, False), (2, 2, "fp32", False, False), (3, 2, "fp32", False, False),
-    (1, 2, "bf16", False, False), (2, 1, "bf16", False, False), (3, 2, "bf16", False, False),
-    (2, 2, "fp16", False, False), (3, 2, "fp16", True, False), (1, 1, "fp32", True, False),
-    (2, 2, "bf16", False, True),
+    (1, 1, "fp32", False, False, False), (2, 2, "fp32", False, False, False),
+    (3, 2, "fp32", False, False, False), (1, 2, "bf16", False, False, False),
+    (2, 1, "bf16", False, False, False), (3, 2, "bf16", False, False, False),
+    (2, 2, "fp16", False, False, False), (3, 2, "fp16", True, False, False),
+    (1, 1, "fp32", True, False, False), (2, 2, "bf16", False, True, False),
+    (3, 2, "bf16", False, False, True),
 ]
 FP16 = {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 1, "hysteresis": 2,
         "min_loss_scale": 1}
 
 
 def case_name(stage: int, world_size: int, precision: str, exclude_frozen: bool,
-              fused_adam: bool) -> str:
+              fused_adam: bool, client_state: bool) -> str:
     return (f"stage{stage}_ws{world_size}_{precision}"
-            + ("_exclude_frozen" if exclude_frozen else "") + ("_fused_adam" if fused_adam else ""))
+            + ("_exclude_frozen" if exclude_frozen else "") + ("_fused_adam" if fused_adam else "")
+            + ("_client_state" if client_state else ""))
+
+
+def megatron_client_state() -> dict:
+    """What Megatron-DeepSpeed passes `save_checkpoint` as client_state (megatron/checkpointing.py):
+    its argparse arguments, the iteration and every generator's state (numpy's among them)."""
+    args = argparse.Namespace(consumed_train_samples=48, params_dtype=torch.bfloat16,
+                              position_embedding_type=PositionEmbeddingType.rotary)
+    return {"args": args, "checkpoint_version": 3.0, "iteration": SAVE_AT, "tokens": 4096,
+            "rng_state": [{"random_rng_state": random.getstate(),
+                           "np_rng_state": numpy.random.get_state(),
+                           "torch_rng_state": torch.get_rng_state()}]}
 
 
 def ds_config(stage: int, world_size: int, precision: str, fused_adam: bool) -> dict:
@@ -129,7 +148,7 @@ def states(engine) -> dict:
 
 
 def worker(rank: int, world_size: int, port: int, stage: int, precision: str,
-           exclude_frozen: bool, fused_adam: bool, out: str) -> None:
+           exclude_frozen: bool, fused_adam: bool, client_state: bool, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -145,7 +164,8 @@ def worker(rank: int, world_size: int, port: int, stage: int, precision: str,
     gas = G // world_size
     for step in range(SAVE_AT):
         train(engine, rank, gas, step)
-    engine.save_checkpoint(out, exclude_frozen_parameters=exclude_frozen)
+    engine.save_checkpoint(out, exclude_frozen_parameters=exclude_frozen,
+                           client_state=megatron_client_state() if client_state else {})
     saved = states(engine)
     fp16: dict = {"loss_scales": [], "skipped": [], "lrs": []}
     if precision == "fp16":
@@ -165,6 +185,9 @@ def worker(rank: int, world_size: int, port: int, stage: int, precision: str,
         expected = {"stage": stage, "world_size": world_size, "precision": precision,
                     "save_at": SAVE_AT, "micro_batches_per_step": G, "config": config,
                     "exclude_frozen_parameters": exclude_frozen,
+                    **({"client_state": {"iteration": SAVE_AT, "checkpoint_version": 3.0,
+                                         "tokens": 4096, "args.consumed_train_samples": 48}}
+                       if client_state else {}),
                     "losses": curve, "states": saved, **(fp16 if precision == "fp16" else {}),
                     "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__}
         (Path(out) / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
@@ -187,7 +210,8 @@ def make_universal(out: Path) -> None:
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                     "--input_folder", str(out / tag), "--output_folder", str(out / f"{tag}_universal"),
                     "--inject_missing_state", "--num_extract_workers", "1",
-                    "--num_merge_workers", "1"], check=True, stdout=subprocess.DEVNULL)
+                    "--num_merge_workers", "1"], check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})  # client state's classes
 
 
 def main() -> None:
@@ -197,15 +221,15 @@ def main() -> None:
     known = {case_name(*case) for case in CASES}
     if wanted - known:
         sys.exit(f"unknown case(s) {sorted(wanted - known)}; known: {sorted(known)}")
-    for stage, world_size, precision, exclude_frozen, fused_adam in CASES:
-        name = case_name(stage, world_size, precision, exclude_frozen, fused_adam)
+    for stage, world_size, precision, exclude_frozen, fused_adam, client_state in CASES:
+        name = case_name(stage, world_size, precision, exclude_frozen, fused_adam, client_state)
         if wanted and name not in wanted:
             continue
         out = OUT / name
         if not universal_only:
             shutil.rmtree(out, ignore_errors=True)
             mp.spawn(worker, args=(world_size, free_port(), stage, precision, exclude_frozen,
-                                   fused_adam, str(out)), nprocs=world_size)
+                                   fused_adam, client_state, str(out)), nprocs=world_size)
         make_universal(out)
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         print(f"{out.relative_to(ROOT)}: {size / 1024:.1f} KiB")

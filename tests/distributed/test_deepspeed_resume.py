@@ -83,7 +83,13 @@ def resume_all(rank: int, world_size: int, bad: dict[str, str]) -> list[tuple[st
         engine = zeromem.initialize(model(expected, rank), config)
         loaded, client_state = engine.load_checkpoint(path)
         tag = "global_step3_universal" if universal else "global_step3"
-        assert loaded == str(path / tag) and client_state is None
+        assert loaded == str(path / tag)
+        # DeepSpeed's client state, the caller's (Megatron-DeepSpeed's here) among it
+        assert client_state["ds_version"] == expected["deepspeed_version"]
+        for key, want in expected.get("client_state", {}).items():
+            owner, _, attribute = key.partition(".")
+            got = client_state[owner]
+            assert (getattr(got, attribute) if attribute else got) == want, key
         assert engine.global_steps == expected["save_at"]
         first_lr = expected["lrs"][0] if "lrs" in expected else 1e-3 + 0.4 * 9e-3
         # DeepSpeed's WarmupLR at last_batch_iteration 2 gives its next step min + 2/5 (max - min)
@@ -119,7 +125,8 @@ def resume_through_deepspeeds_api(tmp: Path, rank: int, world_size: int) -> None
     config = deepspeed_resume_config(expected, 2, world_size)
     engine, *_ = deepspeed.initialize(model=model(expected, rank), config=config)
     loaded, client_state = engine.load_checkpoint(str(only_universal))
-    assert loaded == str(only_universal / "global_step3_universal") and client_state == {}
+    assert loaded == str(only_universal / "global_step3_universal")
+    assert client_state["ds_version"] == expected["deepspeed_version"]
     assert engine.global_steps == expected["save_at"]
 
 
@@ -143,6 +150,7 @@ def test_deepspeed_checkpoints_cover_stages_and_precisions():
     # DeepSpeed's own FusedAdam (a config without torch_adam), whose param groups keep a
     # step and bias_correction: its checkpoints failed to load until stop 42
     assert any("torch_adam" not in c["config"]["optimizer"]["params"] for c in cases)
+    assert any("client_state" in c for c in cases)  # Megatron-DeepSpeed's
     fp16 = [c for c in cases if c["precision"] == "fp16"]
     # the saved scaler is mid-hysteresis, and the steps after the save skip, halve and keep
     assert all(c["scaler"]["cur_hysteresis"] == 1 and any(c["skipped"]) for c in fp16)

@@ -1,4 +1,5 @@
-"""DeepSpeed universal checkpoints (`ds_to_universal`) read without a process group.
+"""DeepSpeed universal checkpoints (`ds_to_universal`), and the client state DeepSpeed
+checkpoints carry, read without a process group.
 
 Every case under tests/data/deepspeed_checkpoints holds DeepSpeed's checkpoint
 (`global_step3`, `latest`) and, beside it, what DeepSpeed 0.19.8's `ds_to_universal`
@@ -15,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from models import PositionEmbeddingType
 from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case
-from zeromem.checkpoints.deepspeed_import import DeepSpeedState, import_deepspeed, read_deepspeed
+from zeromem.checkpoints.deepspeed_import import (DeepSpeedState, ForeignObject, import_deepspeed,
+                                                  load_pt, read_deepspeed)
 from zeromem.checkpoints.tensor_files import CheckpointError
 
 CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir() if (p / "expected.json").is_file())
@@ -135,4 +138,51 @@ def test_code_in_a_universal_checkpoint_is_never_run(tmp_path):
     torch.save({"param": torch.zeros(7, 10), "cat_dim": _Opens(marker)},
                tag / "zero" / "fc1.weight" / "exp_avg.pt")
     refused(tag, "could run code.*global io.open is not allowed", tmp_path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("universal", [False, True])
+def test_client_state_comes_back_as_deepspeed_returns_it(universal):
+    """Megatron-DeepSpeed's client state (argparse args holding an enum, numpy's generator
+    state) loads, its objects as inert stand-ins; DeepSpeed 0.19.8's load_checkpoint returned
+    the same keys for this checkpoint (measured when it was made)."""
+    path, expected = deepspeed_case("stage3_ws2_bf16_client_state")
+    ds = read_deepspeed(path, universal=universal)
+    client = ds.client_state()
+    assert sorted(client) == ["args", "buffer_names", "checkpoint_parallel_dimensions",
+                              "checkpoint_version", "ds_config", "ds_version",
+                              "frozen_param_fragments", "frozen_param_shapes", "global_samples",
+                              "iteration", "param_shapes", "rng_state", "shared_params", "tokens"]
+    want = expected["client_state"]
+    assert (client["iteration"], client["checkpoint_version"], client["tokens"]) == \
+        (want["iteration"], want["checkpoint_version"], want["tokens"])
+    args = client["args"]
+    assert isinstance(args, ForeignObject) and args.global_name == "argparse.Namespace"
+    assert args.consumed_train_samples == want["args.consumed_train_samples"]
+    assert args.params_dtype == torch.bfloat16
+    embedding = args.position_embedding_type  # models.PositionEmbeddingType.rotary, not built
+    assert not isinstance(embedding, PositionEmbeddingType) and embedding.args == (2,)
+    assert torch.is_tensor(client["rng_state"][0]["torch_rng_state"])
+    assert isinstance(client["rng_state"][0]["np_rng_state"][1], ForeignObject)
+    same_state(read_deepspeed(deepspeed_case("stage3_ws2_bf16")[0], universal=universal), ds)
+
+
+def test_foreign_objects_only_in_the_client_state(tmp_path):
+    """In the client state an unknown object is a stand-in (nothing runs); in a key the
+    import reads it is refused, naming the key."""
+    tag = copy_case(tmp_path, "stage3_ws2_fp32") / "global_step3"
+    marker = tmp_path / "ran"
+    for rank in (0, 1):
+        file = tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        model = load_pt(file, read=())
+        model["mine"] = {"epoch": 2, "opener": _Opens(marker)}
+        torch.save(model, file)
+    client = read_deepspeed(tag.parent).client_state()
+    assert client["mine"]["epoch"] == 2 and not marker.exists()
+    assert client["mine"]["opener"].args == (str(marker), "w")
+    model["frozen_param_fragments"]["frozen.bias"] = _Opens(marker)
+    torch.save(model, tag / "zero_pp_rank_1_mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match="rank_1_mp_rank_00_model_states.pt holds objects "
+                       "that could run code.*io.open is not allowed in 'frozen_param_fragments'"):
+        read_deepspeed(tag.parent)
     assert not marker.exists()

@@ -46,7 +46,12 @@ schedule continues where DeepSpeed's stopped: DeepSpeed's `last_batch_iteration`
 
 Loading runs no code from the files: every `.pt` is read with `torch.load(weights_only=True)`
 and an allowlist of the three DeepSpeed classes its optimizer files pickle, rebuilt as
-inert stand-ins (`_SAFE_GLOBALS`); anything else is refused with the global's name.
+inert stand-ins (`_SAFE_GLOBALS`); anything else is refused with the global's name, except
+in the client state. `save_checkpoint(client_state=...)` writes the caller's objects into
+the model states file, and `load_checkpoint` hands them back (`DeepSpeedState.client_state`):
+there, objects of other classes (Megatron-DeepSpeed's argparse arguments and numpy generator
+states) become `ForeignObject`s, which hold what was pickled (attributes, arguments) and
+run nothing. A key the import reads holding one is refused as before.
 """
 from __future__ import annotations
 
@@ -92,6 +97,27 @@ class _FragmentAddress(_Record):
     pass
 
 
+class ForeignObject(_Record):
+    """Stand-in for an object of a class outside the allowlist, in a checkpoint's client state:
+    what was pickled (its attributes; `args`, `state` where the pickle gave those), nothing run.
+    `global_name` names the class it stands for (a subclass per name)."""
+
+    global_name = ""
+
+    def __init__(self, *args: object) -> None:
+        if args:
+            self.args = args
+
+    def __setstate__(self, state: object) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.state = state
+
+    def __repr__(self) -> str:
+        return f"ForeignObject[{self.global_name}]({vars(self)})"
+
+
 _SAFE_GLOBALS: list[tuple[Callable[..., Any], str]] = [
     (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
@@ -100,37 +126,61 @@ _SAFE_GLOBALS: list[tuple[Callable[..., Any], str]] = [
 ]
 
 
-def load_pt(path: Path) -> dict:
-    """A DeepSpeed `.pt` file, unpickled without running code (weights_only + allowlist)."""
-    data = _load_object(path)
+def load_pt(path: Path, read: tuple[str, ...] | None = None) -> dict:
+    """A DeepSpeed `.pt` file, unpickled without running code (weights_only + allowlist).
+
+    `read`: the file holds client state, and these are the keys the import reads. Objects
+    outside the allowlist become `ForeignObject`s; in a key of `read` they are refused."""
+    data = _load_object(path, foreign=read is not None)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not DeepSpeed's dict")
+    for key in read or ():
+        found = _first_foreign(data.get(key))
+        if found is not None:
+            raise CheckpointError(_could_run_code(path, [found.global_name], f" in {key!r}"))
     return data
 
 
-def _load_object(path: Path) -> object:
+def _load_object(path: Path, foreign: bool = False) -> object:
+    allowed = list[Any](_SAFE_GLOBALS)
+    if foreign:
+        allowed += [(type(name, (ForeignObject,), {"global_name": name}), name)
+                    for name in _unknown_globals(path)]
     try:
-        with torch.serialization.safe_globals(list[Any](_SAFE_GLOBALS)):
+        with torch.serialization.safe_globals(allowed):
             data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        unsafe = _unsafe_globals(path)
-        raise CheckpointError(
-            f"{path} holds objects that could run code when loaded ({', '.join(unsafe) or error}"
-            "); zeromem reads DeepSpeed checkpoints only with the few DeepSpeed classes they "
-            "need, never arbitrary globals") from None
+        raise CheckpointError(_could_run_code(path, _unknown_globals(path), "", error)) from None
     except (RuntimeError, OSError, EOFError, ValueError) as error:
         raise CheckpointError(f"{path} is not a readable torch checkpoint (damaged or "
                               f"truncated?): {str(error).splitlines()[0]}") from None
     return data
 
 
-def _unsafe_globals(path: Path) -> list[str]:
+def _could_run_code(path: Path, names: list[str], where: str, error: object = "") -> str:
+    found = ", ".join(f"global {name} is not allowed" for name in names) or error
+    return (f"{path} holds objects that could run code when loaded ({found}{where}); zeromem "
+            "reads DeepSpeed checkpoints only with the few DeepSpeed classes they need, never "
+            "arbitrary globals")
+
+
+def _unknown_globals(path: Path) -> list[str]:
     allowed = {name for _, name in _SAFE_GLOBALS}
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # noqa: BLE001 - only used to word the error
+    except Exception:  # noqa: BLE001 - the load that follows reports the damage
         return []
-    return [f"global {g} is not allowed" for g in found if g not in allowed]
+    return [name for name in found if name not in allowed]
+
+
+def _first_foreign(value: object) -> ForeignObject | None:
+    if isinstance(value, ForeignObject):
+        return value
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple)):
+        return next((f for f in map(_first_foreign, value) if f is not None), None)
+    return None
 
 
 def _need(data: dict, key: str, path: Path) -> Any:
@@ -159,6 +209,21 @@ class DeepSpeedState:
     loss_scaler: dict[str, Any]                 # the attributes of DeepSpeed's loss scaler
     model_states: dict = field(repr=False)      # rank 0's model states file (counters, config)
 
+    def client_state(self) -> dict[str, Any]:
+        """What DeepSpeed's `load_checkpoint` returns as client state: the model states keys
+        it does not keep for itself, `save_checkpoint`'s client_state among them."""
+        return {k: v for k, v in self.model_states.items() if k not in _DEEPSPEED_OWN}
+
+
+# the model states keys DeepSpeed's load_checkpoint (0.19.8) keeps out of the client state
+_DEEPSPEED_OWN = frozenset({"module", "skipped_steps", "global_steps", "dp_world_size",
+                            "mp_world_size", "data_sampler", "random_ltd", "lr_scheduler",
+                            "optimizer"})
+# the model states keys the import reads: no ForeignObject may stand in them
+_MODEL_KEYS = ("module", "param_shapes", "frozen_param_shapes", "shared_params", "lr_scheduler",
+               "ds_config", "global_steps", "global_samples", "skipped_steps", "dp_world_size",
+               "mp_world_size")
+
 
 def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
                    universal: bool = False) -> DeepSpeedState:
@@ -170,7 +235,8 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
     path = where[0] / where[1]
     model_file = path / "mp_rank_00_model_states.pt"
     stage3 = not model_file.is_file()
-    model = load_pt(path / "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage3 else model_file)
+    model = load_pt(path / "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage3 else model_file,
+                    read=_MODEL_KEYS)
     world_size = model.get("dp_world_size", 1)
     if model.get("mp_world_size", 1) != 1:
         raise CheckpointError(f"{path}: saved with model (tensor) parallelism "
@@ -392,7 +458,8 @@ def _frozen_stage3(path: Path, model: dict, world_size: int) -> dict[str, torch.
     if not shapes:
         return {}
     files = [path / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)]
-    fragments = [dict(_need(load_pt(f), "frozen_param_fragments", f)) for f in files]
+    fragments = [dict(_need(load_pt(f, read=("frozen_param_fragments",)),
+                            "frozen_param_fragments", f)) for f in files]
     return {name: torch.cat([f[name].flatten() for f in fragments])[:math.prod(shape)]
             .view(shape).clone() for name, shape in shapes.items()}
 
@@ -405,8 +472,13 @@ def import_deepspeed(src: str | os.PathLike, dst: str | os.PathLike,
 
     No process group needed. The result (`dst/<tag>`, `dst/latest`) loads with
     `engine.load_checkpoint(dst)` at any world size and stage. Returns its directory.
+    The client state stays behind: `read_deepspeed(src).client_state()` reads it.
     """
-    ds = read_deepspeed(src, tag)
+    return write_imported(read_deepspeed(src, tag), dst)
+
+
+def write_imported(ds: DeepSpeedState, dst: str | os.PathLike) -> str:
+    """`ds` written as a one-rank zeromem checkpoint under `dst`; its directory."""
     out_tag = ds.path.name
     root, tmp = Path(dst), Path(dst) / f".tmp-{out_tag}"
     prepare_tmp(root, tmp)

@@ -344,8 +344,8 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
 
     A DeepSpeed ZeRO checkpoint (stages 1-3, or its universal form;
     `checkpoints/deepspeed_import.py`) is imported first, by each rank into a private
-    temporary directory, then loaded the same way; the returned path is DeepSpeed's tag
-    directory.
+    temporary directory, then loaded the same way; it returns DeepSpeed's tag directory and
+    the client state DeepSpeed's `load_checkpoint` would (`DeepSpeedState.client_state`).
     """
     where = deepspeed_location(load_dir, tag, universal)
     if where is not None:
@@ -356,15 +356,20 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
 
 def _load_deepspeed(state: TrainingState, where: tuple[Path, str], load_optimizer_states: bool,
                     load_lr_scheduler_states: bool) -> tuple[str, Any]:
-    from zeromem.checkpoints.deepspeed_import import import_deepspeed
+    from zeromem.checkpoints.deepspeed_import import (DeepSpeedState, read_deepspeed,
+                                                      write_imported)
 
     root, tag = where
     with tempfile.TemporaryDirectory(prefix="zeromem-deepspeed-") as tmp:
-        collective(state, f"importing DeepSpeed checkpoint {root / tag}",
-                   lambda: import_deepspeed(root, tmp, tag))
+        def imported() -> DeepSpeedState:
+            ds = read_deepspeed(root, tag)
+            write_imported(ds, tmp)
+            return ds
+
+        ds = collective(state, f"importing DeepSpeed checkpoint {root / tag}", imported)
         _load(state, tmp, tag, load_optimizer_states, load_lr_scheduler_states, False,
               shown=root)
-    return str(root / tag), None
+    return str(root / tag), ds.client_state()
 
 
 def _load(state: TrainingState, load_dir, tag: str | None, load_optimizer_states: bool,
