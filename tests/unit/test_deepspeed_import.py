@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from models import TinyLM
-from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case
+from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case, inert
 from zeromem.checkpoints.consolidate import consolidate, load_consolidated, resolve_checkpoint
 from zeromem.checkpoints.deepspeed_import import import_deepspeed, load_pt
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader
@@ -124,18 +124,6 @@ def test_damaged_deepspeed_checkpoints_are_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match="fewer than the parameters.*'extra.weight'"):
         import_deepspeed(tag.parent, tmp_path / "out")
     assert not (tmp_path / "out" / "latest").exists()
-
-
-def inert(data):
-    """`load_pt`'s stand-ins for DeepSpeed objects as plain dicts, so that torch.save can
-    write them back loadable."""
-    if type(data).__module__ == "zeromem.checkpoints.deepspeed_import":
-        return dict(vars(data))
-    if isinstance(data, dict):
-        return type(data)((k, inert(v)) for k, v in data.items())
-    if isinstance(data, (list, tuple)):
-        return type(data)(inert(v) for v in data)
-    return data
 
 
 def test_fp16_checkpoint_without_its_loss_scaler_is_refused(tmp_path):

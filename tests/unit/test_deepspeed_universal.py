@@ -10,6 +10,7 @@ from it is tests/distributed/test_deepspeed_resume.py.
 """
 from __future__ import annotations
 
+import argparse
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from models import PositionEmbeddingType
-from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case
+from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case, inert
 from zeromem.checkpoints.deepspeed_import import (DeepSpeedState, ForeignObject, import_deepspeed,
                                                   load_pt, read_deepspeed)
 from zeromem.checkpoints.tensor_files import CheckpointError
@@ -186,3 +187,12 @@ def test_foreign_objects_only_in_the_client_state(tmp_path):
                        "that could run code.*io.open is not allowed in 'frozen_param_fragments'"):
         read_deepspeed(tag.parent)
     assert not marker.exists()
+    # optimizer files hold no client state: any object outside the allowlist is refused
+    tag = copy_case(tmp_path / "optim", "stage2_ws2_fp32") / "global_step3"
+    file = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    optim = load_pt(file, read=())
+    optim["note"] = argparse.Namespace(epoch=2)
+    torch.save(inert(optim), file)
+    with pytest.raises(CheckpointError, match="rank_1_mp_rank_00_optim_states.pt holds objects "
+                       "that could run code.*argparse.Namespace is not allowed"):
+        read_deepspeed(tag.parent)
