@@ -105,6 +105,15 @@ def deepspeed_case(name: str) -> tuple:
     return path, json.loads((path / "expected.json").read_text())
 
 
+def deepspeed_param_groups(model, expected: dict) -> list:
+    """The param groups the DeepSpeed run trained `model` with (HF Trainer's two, in the
+    cases that recorded them; else one)."""
+    named = dict(model.named_parameters())
+    groups = expected.get("param_groups") or [{"params": [n for n, p in named.items()
+                                                          if p.requires_grad]}]
+    return [{**g, "params": [named[n] for n in g["params"]]} for g in groups]
+
+
 def inert(data):
     """`load_pt`'s stand-ins for DeepSpeed objects as plain dicts, so that torch.save can
     write them back loadable."""

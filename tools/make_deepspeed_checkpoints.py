@@ -46,6 +46,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy
 import torch
@@ -58,27 +59,40 @@ from models import PositionEmbeddingType, TinyLM, micro_batch  # noqa: E402
 OUT = ROOT / "tests" / "data" / "deepspeed_checkpoints"
 G = 4  # micro-batches per optimizer step, whatever the world size
 SAVE_AT, AFTER = 3, 3
-# (stage, world size, precision, exclude_frozen_parameters, DeepSpeed's own FusedAdam):
-# torch's AdamW (`torch_adam`) unless the last is True; FusedAdam is what a config without
-# `torch_adam` gets, and its param groups hold keys torch's do not (bias_correction, step)
-# and whether the save carries Megatron-DeepSpeed's client state (`CLIENT_STATE`)
+
+
+class Case(NamedTuple):
+    stage: int
+    world_size: int
+    precision: str
+    exclude_frozen: bool = False  # save_checkpoint(exclude_frozen_parameters=True)
+    # DeepSpeed's own FusedAdam (what a config without `torch_adam` gets; its param groups
+    # hold keys torch's do not: bias_correction, step) instead of torch's AdamW
+    fused_adam: bool = False
+    client_state: bool = False  # the save carries Megatron-DeepSpeed's client state
+    # HF Trainer's param groups (weights decayed, biases not), which stage 3 splits into
+    # sub-groups (a large model's do at the default sub_group_size)
+    two_groups: bool = False
+
+    @property
+    def name(self) -> str:
+        flags = [flag for flag, on in (("exclude_frozen", self.exclude_frozen),
+                                       ("fused_adam", self.fused_adam),
+                                       ("client_state", self.client_state),
+                                       ("two_groups", self.two_groups)) if on]
+        return "_".join([f"stage{self.stage}_ws{self.world_size}_{self.precision}", *flags])
+
+
 CASES = [
-    (1, 1, "fp32", False, False, False), (2, 2, "fp32", False, False, False),
-    (3, 2, "fp32", False, False, False), (1, 2, "bf16", False, False, False),
-    (2, 1, "bf16", False, False, False), (3, 2, "bf16", False, False, False),
-    (2, 2, "fp16", False, False, False), (3, 2, "fp16", True, False, False),
-    (1, 1, "fp32", True, False, False), (2, 2, "bf16", False, True, False),
-    (3, 2, "bf16", False, False, True),
+    Case(1, 1, "fp32"), Case(2, 2, "fp32"), Case(3, 2, "fp32"), Case(1, 2, "bf16"),
+    Case(2, 1, "bf16"), Case(3, 2, "bf16"), Case(2, 2, "fp16"),
+    Case(3, 2, "fp16", exclude_frozen=True), Case(1, 1, "fp32", exclude_frozen=True),
+    Case(2, 2, "bf16", fused_adam=True), Case(3, 2, "bf16", client_state=True),
+    Case(2, 2, "fp32", two_groups=True), Case(3, 2, "fp32", two_groups=True),
 ]
+DECAY = 0.1  # the decayed group's weight decay in two_groups cases (0.01 otherwise)
 FP16 = {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 1, "hysteresis": 2,
         "min_loss_scale": 1}
-
-
-def case_name(stage: int, world_size: int, precision: str, exclude_frozen: bool,
-              fused_adam: bool, client_state: bool) -> str:
-    return (f"stage{stage}_ws{world_size}_{precision}"
-            + ("_exclude_frozen" if exclude_frozen else "") + ("_fused_adam" if fused_adam else "")
-            + ("_client_state" if client_state else ""))
 
 
 def megatron_client_state() -> dict:
@@ -132,23 +146,54 @@ def train(engine, rank: int, gas: int, step: int) -> list[float]:
 
 
 def states(engine) -> dict:
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_fp32_param
 
     out = {}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
         out[name] = {"master": fingerprint(safe_get_full_fp32_param(p)),
-                     "exp_avg": fingerprint(safe_get_full_optimizer_state(p, "exp_avg")),
-                     "exp_avg_sq": fingerprint(safe_get_full_optimizer_state(p, "exp_avg_sq"))}
+                     "exp_avg": fingerprint(full_optimizer_state(engine, p, "exp_avg")),
+                     "exp_avg_sq": fingerprint(full_optimizer_state(engine, p, "exp_avg_sq"))}
     steps = {float(s["step"]) for s in engine.optimizer.optimizer.state.values()}
     assert len(steps) == 1, steps
     out["__step__"] = steps.pop()
     return out
 
 
-def worker(rank: int, world_size: int, port: int, stage: int, precision: str,
-           exclude_frozen: bool, fused_adam: bool, client_state: bool, out: str) -> None:
+def full_optimizer_state(engine, p: torch.Tensor, key: str) -> torch.Tensor:
+    """DeepSpeed's `safe_get_full_optimizer_state`, or, where its fragment map came out empty
+    (stages 1-2: a rank whose partition of a param group is padded, as HF Trainer's bias group
+    is here), the same read from the optimizer's flat state directly."""
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    try:
+        return safe_get_full_optimizer_state(p, key)
+    except ValueError:
+        mapping = p._hp_mapping
+        full = torch.zeros(p.numel(), dtype=torch.float32)
+        if mapping is not None:
+            flat = engine.optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
+            state = engine.optimizer.optimizer.state[flat][key]
+            hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+            full.narrow(0, lp.start, lp.numel).copy_(state.narrow(0, hp.start, hp.numel))
+        dist.all_reduce(full, group=p._dp_group)
+        return full.view(p.shape)
+
+
+def param_groups(model: TinyLM, two_groups: bool) -> list[dict]:
+    """The optimizer's param groups, by parameter name: one, or HF Trainer's two (its
+    `get_decay_parameter_names`: no weight decay for biases)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if not two_groups:
+        return [{"params": names}]
+    return [{"params": [n for n in names if not n.endswith("bias")], "weight_decay": DECAY},
+            {"params": [n for n in names if n.endswith("bias")], "weight_decay": 0.0}]
+
+
+def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
+    stage, precision = case.stage, case.precision
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -156,16 +201,21 @@ def worker(rank: int, world_size: int, port: int, stage: int, precision: str,
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
-    config = ds_config(stage, world_size, precision, fused_adam)
+    config = ds_config(stage, world_size, precision, case.fused_adam)
+    if case.two_groups:  # stage 3 splits each group into sub-groups of about 100 elements
+        config["zero_optimization"]["sub_group_size"] = 100
     torch.manual_seed(0)
     model = TinyLM()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config)
+    groups = param_groups(model, case.two_groups)
+    named = dict(model.named_parameters())
+    engine, *_ = deepspeed.initialize(
+        model=model, config=config,
+        model_parameters=[{**g, "params": [named[n] for n in g["params"]]} for g in groups])
     gas = G // world_size
     for step in range(SAVE_AT):
         train(engine, rank, gas, step)
-    engine.save_checkpoint(out, exclude_frozen_parameters=exclude_frozen,
-                           client_state=megatron_client_state() if client_state else {})
+    engine.save_checkpoint(out, exclude_frozen_parameters=case.exclude_frozen,
+                           client_state=megatron_client_state() if case.client_state else {})
     saved = states(engine)
     fp16: dict = {"loss_scales": [], "skipped": [], "lrs": []}
     if precision == "fp16":
@@ -184,10 +234,11 @@ def worker(rank: int, world_size: int, port: int, stage: int, precision: str,
         config["gradient_accumulation_steps"] = G
         expected = {"stage": stage, "world_size": world_size, "precision": precision,
                     "save_at": SAVE_AT, "micro_batches_per_step": G, "config": config,
-                    "exclude_frozen_parameters": exclude_frozen,
+                    "exclude_frozen_parameters": case.exclude_frozen,
                     **({"client_state": {"iteration": SAVE_AT, "checkpoint_version": 3.0,
                                          "tokens": 4096, "args.consumed_train_samples": 48}}
-                       if client_state else {}),
+                       if case.client_state else {}),
+                    **({"param_groups": groups} if case.two_groups else {}),
                     "losses": curve, "states": saved, **(fp16 if precision == "fp16" else {}),
                     "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__}
         (Path(out) / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
@@ -218,18 +269,17 @@ def main() -> None:
     args = sys.argv[1:]
     universal_only = "--universal-only" in args
     wanted = set(args) - {"--universal-only"}
-    known = {case_name(*case) for case in CASES}
+    known = {case.name for case in CASES}
     if wanted - known:
         sys.exit(f"unknown case(s) {sorted(wanted - known)}; known: {sorted(known)}")
-    for stage, world_size, precision, exclude_frozen, fused_adam, client_state in CASES:
-        name = case_name(stage, world_size, precision, exclude_frozen, fused_adam, client_state)
-        if wanted and name not in wanted:
+    for case in CASES:
+        if wanted and case.name not in wanted:
             continue
-        out = OUT / name
+        out = OUT / case.name
         if not universal_only:
             shutil.rmtree(out, ignore_errors=True)
-            mp.spawn(worker, args=(world_size, free_port(), stage, precision, exclude_frozen,
-                                   fused_adam, client_state, str(out)), nprocs=world_size)
+            mp.spawn(worker, args=(case.world_size, free_port(), case, str(out)),
+                     nprocs=case.world_size)
         make_universal(out)
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         print(f"{out.relative_to(ROOT)}: {size / 1024:.1f} KiB")

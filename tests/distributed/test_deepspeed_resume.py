@@ -5,9 +5,12 @@ The checkpoints under tests/data/deepspeed_checkpoints were saved by real DeepSp
 tools/make_deepspeed_checkpoints.py), with the losses DeepSpeed's run had on every
 micro-batch after the save. Each is loaded by `engine.load_checkpoint` at 1 and 2 ranks
 and stages 1, 2 and 3, trained on the same micro-batches, and its losses compared with
-DeepSpeed's on every rank. Each case is resumed twice: from the checkpoint, and from
-the universal checkpoint DeepSpeed's `ds_to_universal` made of it, beside it
-(`checkpoint.load_universal`, as Megatron-DeepSpeed's `--universal-checkpoint` sets).
+DeepSpeed's on every rank. Two cases trained HF Trainer's two param groups (weights
+decayed, biases not; split by stage 3 into three sub-groups), and one saved
+Megatron-DeepSpeed's client state, which must come back. Each case is resumed twice:
+from the checkpoint, and from the universal checkpoint DeepSpeed's `ds_to_universal` made
+of it, beside it (`checkpoint.load_universal`, as Megatron-DeepSpeed's
+`--universal-checkpoint` sets).
 
 fp16 cases also check the dynamic loss scaler: right after the load it is DeepSpeed's
 saved state, and each following step runs with DeepSpeed's loss scale and lr and is
@@ -33,7 +36,8 @@ import zeromem
 from harness import run_distributed
 from models import TinyLM
 from zeromem.checkpoints.tensor_files import CheckpointError
-from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case, deepspeed_curve, deepspeed_resume_config
+from setups import (DEEPSPEED_CHECKPOINTS, deepspeed_case, deepspeed_curve,
+                    deepspeed_param_groups, deepspeed_resume_config)
 
 CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir() if (p / "expected.json").is_file())
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-3}
@@ -80,7 +84,9 @@ def resume_all(rank: int, world_size: int, bad: dict[str, str]) -> list[tuple[st
         gas = expected["micro_batches_per_step"] // world_size
         config = deepspeed_resume_config(expected, stage, world_size)
         config["checkpoint"] = {"load_universal": universal}
-        engine = zeromem.initialize(model(expected, rank), config)
+        built = model(expected, rank)
+        engine = zeromem.initialize(built, config,
+                                    model_parameters=deepspeed_param_groups(built, expected))
         loaded, client_state = engine.load_checkpoint(path)
         tag = "global_step3_universal" if universal else "global_step3"
         assert loaded == str(path / tag)
@@ -93,7 +99,7 @@ def resume_all(rank: int, world_size: int, bad: dict[str, str]) -> list[tuple[st
         assert engine.global_steps == expected["save_at"]
         first_lr = expected["lrs"][0] if "lrs" in expected else 1e-3 + 0.4 * 9e-3
         # DeepSpeed's WarmupLR at last_batch_iteration 2 gives its next step min + 2/5 (max - min)
-        assert engine.get_lr() == pytest.approx([first_lr])
+        assert engine.get_lr() == pytest.approx([first_lr] * len(engine.optimizer.param_groups))
         if "scaler" in expected:
             assert engine.scaler.state_dict() == {
                 ours: expected["scaler"][theirs] for ours, theirs in SCALER.items()}

@@ -196,3 +196,30 @@ def test_foreign_objects_only_in_the_client_state(tmp_path):
     with pytest.raises(CheckpointError, match="rank_1_mp_rank_00_optim_states.pt holds objects "
                        "that could run code.*argparse.Namespace is not allowed"):
         read_deepspeed(tag.parent)
+
+
+@pytest.mark.parametrize("universal", [False, True])
+@pytest.mark.parametrize("name", ["stage2_ws2_fp32_two_groups", "stage3_ws2_fp32_two_groups"])
+def test_param_groups_are_deepspeeds(name, universal):
+    """HF Trainer's two param groups (weights decayed, biases not): each parameter lands in
+    its group with its options. Stage 3 lists each group's sub-groups; a checkpoint whose
+    groups and sub-groups disagree is refused."""
+    path, expected = deepspeed_case(name)
+    ds = read_deepspeed(path, universal=universal)
+    assert len(ds.param_groups) == len(ds.scalars) == 2
+    for want in expected["param_groups"]:
+        for param in want["params"]:
+            assert ds.param_groups[ds.param_group[param]]["weight_decay"] == want["weight_decay"]
+    assert all(float(s["step"]) == expected["save_at"] for s in ds.scalars)
+
+
+def test_stage3_sub_groups_that_no_param_group_holds_are_refused(tmp_path):
+    tag = copy_case(tmp_path, "stage3_ws2_fp32_two_groups") / "global_step3"
+    for rank in (0, 1):
+        file = tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        optim = load_pt(file)
+        optim["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][1]["params"] = []
+        torch.save(inert(optim), file)
+    with pytest.raises(CheckpointError, match=r"param groups hold the sub-groups \[0, 1\], but the "
+                                              "model states list 3"):
+        read_deepspeed(tag.parent)

@@ -263,7 +263,8 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
         frozen = {}
     module = dict(_need(model, "module", path / "model_states"))
     shared = dict(model.get("shared_params") or {})
-    param_group = {name: gi for gi, group in enumerate(shapes) for name in group}
+    owner = _stage3_owners(path, optims[0], len(shapes)) if stage3 else range(len(shapes))
+    param_group = {name: owner[i] for i, group in enumerate(shapes) for name in group}
     module_tensors = {k: v for k, v in module.items() if k not in param_group and k not in shared}
     module_tensors.update(frozen)
     return DeepSpeedState(path, stage, world_size, params, param_group, scalars, groups,
@@ -368,17 +369,26 @@ def _assemble_stage3(path: Path, optims: list[dict], shapes: list[dict],
             params[name] = {k: torch.cat([r[k][offset:offset + piece] for r in per_rank])[:numel]
                             .view(shape).clone() for k in keys}
             offset += piece
-    return (params, *_stage3_options(path, optims[0], len(shapes)))
+    return (params, *_stage3_options(path, optims[0]))
 
 
-def _stage3_options(path: Path, optim: dict, count: int) -> tuple[list, list]:
-    """(scalar states, options) of each of the `count` groups: stage 3 saves one torch param
-    group holding every parameter, and the same step for all."""
+def _stage3_options(path: Path, optim: dict) -> tuple[list, list]:
+    """(scalar states, options) of each torch param group. Stage 3 splits each group into
+    sub-groups (`sub_group_size`), each with its own flat tensor and optimizer state, which
+    the group's `params` list; their steps are equal."""
     states, groups = _base_state(optim, "optimizer_state_dict", path)
-    if len({repr({k: v for k, v in g.items() if k != "params"}) for g in groups}) > 1:
-        raise CheckpointError(f"{path}: a stage-3 checkpoint with several optimizer param groups "
-                              "is not supported by the import")
-    return [_scalar(states[0])] * count, groups[:1] * count
+    return [_scalar(states[g["params"][0]]) if g.get("params") else {} for g in groups], groups
+
+
+def _stage3_owners(path: Path, optim: dict, count: int) -> list[int]:
+    """The torch param group of each of the `count` sub-groups, in `param_shapes` order."""
+    _, groups = _base_state(optim, "optimizer_state_dict", path)
+    owner = {index: gi for gi, group in enumerate(groups) for index in group.get("params", [])}
+    if sorted(owner) != list(range(count)):
+        raise CheckpointError(f"{path}: the optimizer's param groups hold the sub-groups "
+                              f"{sorted(owner)}, but the model states list {count}: the files "
+                              "are not of one checkpoint")
+    return [owner[i] for i in range(count)]
 
 
 def _assemble_universal(path: Path, optim: dict, shapes: list[dict],
@@ -393,7 +403,7 @@ def _assemble_universal(path: Path, optim: dict, shapes: list[dict],
             raise CheckpointError(f"{path / 'zero' / name} holds the states {found}, but "
                                   f"{first}'s hold {expected}: the checkpoint is damaged")
     if stage == 3:  # no step files: the step is in rank 0's optimizer state, saved whole
-        return (params, *_stage3_options(path, optim, len(shapes)))
+        return (params, *_stage3_options(path, optim))
     scalars = [_universal_step(path / "zero" / next(iter(group)) / "step.pt") if group else {}
                for group in shapes]
     return params, scalars, list(_need(optim, "param_groups", path / "zero" / "optimizer_state.pt"))
