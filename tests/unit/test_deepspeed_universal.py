@@ -11,9 +11,11 @@ from it is tests/distributed/test_deepspeed_resume.py.
 from __future__ import annotations
 
 import argparse
+import random
 import shutil
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -144,9 +146,9 @@ def test_code_in_a_universal_checkpoint_is_never_run(tmp_path):
 
 @pytest.mark.parametrize("universal", [False, True])
 def test_client_state_comes_back_as_deepspeed_returns_it(universal):
-    """Megatron-DeepSpeed's client state (argparse args holding an enum, numpy's generator
-    state) loads, its objects as inert stand-ins; DeepSpeed 0.19.8's load_checkpoint returned
-    the same keys for this checkpoint (measured when it was made)."""
+    """Megatron-DeepSpeed's client state (argparse args holding an enum, every generator's
+    state) loads: the args as inert stand-ins, numpy's state as arrays numpy takes back.
+    DeepSpeed 0.19.8's load_checkpoint returned the same keys for this checkpoint."""
     path, expected = deepspeed_case("stage3_ws2_bf16_client_state")
     ds = read_deepspeed(path, universal=universal)
     client = ds.client_state()
@@ -163,8 +165,15 @@ def test_client_state_comes_back_as_deepspeed_returns_it(universal):
     assert args.params_dtype == torch.bfloat16
     embedding = args.position_embedding_type  # models.PositionEmbeddingType.rotary, not built
     assert not isinstance(embedding, PositionEmbeddingType) and embedding.args == (2,)
-    assert torch.is_tensor(client["rng_state"][0]["torch_rng_state"])
-    assert isinstance(client["rng_state"][0]["np_rng_state"][1], ForeignObject)
+    rng = client["rng_state"][0]  # what Megatron-DeepSpeed restores its generators from
+    assert torch.is_tensor(rng["torch_rng_state"])
+    kept = numpy.random.get_state()
+    try:
+        numpy.random.set_state(rng["np_rng_state"])  # a real array: numpy takes it back
+        random.setstate(rng["random_rng_state"])
+    finally:
+        numpy.random.set_state(kept)
+    assert rng["np_rng_state"][1].dtype == numpy.uint32 and rng["np_rng_state"][1].shape == (624,)
     same_state(read_deepspeed(deepspeed_case("stage3_ws2_bf16")[0], universal=universal), ds)
 
 

@@ -49,9 +49,10 @@ and an allowlist of the three DeepSpeed classes its optimizer files pickle, rebu
 inert stand-ins (`_SAFE_GLOBALS`); anything else is refused with the global's name, except
 in the client state. `save_checkpoint(client_state=...)` writes the caller's objects into
 the model states file, and `load_checkpoint` hands them back (`DeepSpeedState.client_state`):
-there, objects of other classes (Megatron-DeepSpeed's argparse arguments and numpy generator
-states) become `ForeignObject`s, which hold what was pickled (attributes, arguments) and
-run nothing. A key the import reads holding one is refused as before.
+there, numpy arrays are rebuilt (numpy's own data constructors, as torch documents for
+weights_only loads), and objects of other classes (Megatron-DeepSpeed's argparse arguments)
+become `ForeignObject`s, which hold what was pickled (attributes, arguments) and run
+nothing. A key the import reads holding one is refused as before.
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy
+import numpy.dtypes
 import torch
 
 from zeromem.checkpoints.consolidate import (FORMAT, VERSION, encode, prepare_tmp, publish,
@@ -144,8 +147,10 @@ def load_pt(path: Path, read: tuple[str, ...] | None = None) -> dict:
 def _load_object(path: Path, foreign: bool = False) -> object:
     allowed = list[Any](_SAFE_GLOBALS)
     if foreign:
+        allowed += _numpy_globals()
+        known = {name for _, name in allowed}
         allowed += [(type(name, (ForeignObject,), {"global_name": name}), name)
-                    for name in _unknown_globals(path)]
+                    for name in _unknown_globals(path) if name not in known]
     try:
         with torch.serialization.safe_globals(allowed):
             data = torch.load(path, map_location="cpu", weights_only=True)
@@ -155,6 +160,21 @@ def _load_object(path: Path, foreign: bool = False) -> object:
         raise CheckpointError(f"{path} is not a readable torch checkpoint (damaged or "
                               f"truncated?): {str(error).splitlines()[0]}") from None
     return data
+
+
+def _numpy_globals() -> list[tuple[Callable[..., Any], str]]:
+    """numpy's array and dtype constructors under the names its pickles use (numpy 1 and 2):
+    data constructors, which torch's weights_only documentation allowlists for numpy arrays.
+    Generator states in a client state (Megatron-DeepSpeed's `np_rng_state`) stay arrays."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    dtypes = [(cls, f"numpy.dtypes.{name}") for name, cls in vars(numpy.dtypes).items()
+              if isinstance(cls, type) and issubclass(cls, numpy.dtype)]
+    return [(_reconstruct, "numpy._core.multiarray._reconstruct"),
+            (_reconstruct, "numpy.core.multiarray._reconstruct"),
+            (numpy.ndarray, "numpy.ndarray"), (numpy.dtype, "numpy.dtype"), *dtypes]
 
 
 def _could_run_code(path: Path, names: list[str], where: str, error: object = "") -> str:
