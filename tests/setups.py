@@ -117,7 +117,7 @@ def deepspeed_param_groups(model, expected: dict) -> list:
 def inert(data):
     """`load_pt`'s stand-ins for DeepSpeed objects as plain dicts, so that torch.save can
     write them back loadable."""
-    if type(data).__module__ == "zeromem.checkpoints.deepspeed_import":
+    if type(data).__module__ == "zeromem.checkpoints.deepspeed_pickles":
         return dict(vars(data))
     if isinstance(data, dict):
         return type(data)((k, inert(v)) for k, v in data.items())

@@ -204,6 +204,7 @@ ANY_ALLOWED = {
     ("checkpoints/state.py", "scaler_state"): "JSON values",
     ("checkpoints/state.py", "scheduler_state"): "JSON values",
     ("checkpoints/hf_export.py", "output_dtype"): "a transformers config (an optional package)",
+    ("checkpoints/deepspeed_pickles.py", "need"): "a value of an unpickled file: what DeepSpeed saved",
     ("offload/nvme_optimizer.py", "SwappedState.get"): "a dict's interface (torch's optimizer.state)",
 }
 

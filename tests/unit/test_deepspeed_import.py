@@ -17,7 +17,8 @@ import torch
 from models import TinyLM
 from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case, inert
 from zeromem.checkpoints.consolidate import consolidate, load_consolidated, resolve_checkpoint
-from zeromem.checkpoints.deepspeed_import import import_deepspeed, load_pt
+from zeromem.checkpoints.deepspeed_import import import_deepspeed
+from zeromem.checkpoints.deepspeed_pickles import load_pt
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader
 from zeromem.cli import main
 

@@ -21,8 +21,8 @@ import torch
 
 from models import PositionEmbeddingType
 from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case, inert
-from zeromem.checkpoints.deepspeed_import import (DeepSpeedState, ForeignObject, import_deepspeed,
-                                                  load_pt, read_deepspeed)
+from zeromem.checkpoints.deepspeed_import import DeepSpeedState, import_deepspeed, read_deepspeed
+from zeromem.checkpoints.deepspeed_pickles import ForeignObject, load_pt
 from zeromem.checkpoints.tensor_files import CheckpointError
 
 CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir() if (p / "expected.json").is_file())

@@ -44,22 +44,14 @@ which the ordinary loader then reads at any world size and stage. The learning-r
 schedule continues where DeepSpeed's stopped: DeepSpeed's `last_batch_iteration` i
 (-1 before its first step) is zeromem's `last_epoch` i + 1 (`optim/schedulers.py`).
 
-Loading runs no code from the files: every `.pt` is read with `torch.load(weights_only=True)`
-and an allowlist of the three DeepSpeed classes its optimizer files pickle, rebuilt as
-inert stand-ins (`_SAFE_GLOBALS`); anything else is refused with the global's name, except
-in the client state. `save_checkpoint(client_state=...)` writes the caller's objects into
-the model states file, and `load_checkpoint` hands them back (`DeepSpeedState.client_state`):
-there, numpy arrays are rebuilt (numpy's own data constructors, as torch documents for
-weights_only loads), and objects of other classes (Megatron-DeepSpeed's argparse arguments)
-become `ForeignObject`s, which hold what was pickled (attributes, arguments) and run
-nothing. A key the import reads holding one is refused as before.
+Loading runs no code from the files (`deepspeed_pickles.py`); a checkpoint's client state
+comes back as DeepSpeed's `load_checkpoint` returns it (`DeepSpeedState.client_state`).
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
-import pickle
 import re
 import shutil
 import tempfile
@@ -67,147 +59,19 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-import numpy
-import numpy.dtypes
 import torch
 
 from zeromem.checkpoints.consolidate import (FORMAT, VERSION, encode, prepare_tmp, publish,
                                              rank_file_name, write_latest, write_manifest)
+from zeromem.checkpoints.deepspeed_pickles import LossScalerRecord, load_object, load_pt, need
 from zeromem.checkpoints.formats import deepspeed_location, describe_directory, is_universal
 from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec, write_safetensors
 
 log = logging.getLogger("zeromem")
 
 __all__ = ["import_deepspeed", "read_deepspeed"]
-
-
-# ---------------------------------------------------------------- reading .pt files safely
-
-class _Record:
-    """Stand-in for a pickled DeepSpeed object: its attributes, nothing callable."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({vars(self)})"
-
-
-class _LossScaler(_Record):
-    pass
-
-
-class _FragmentAddress(_Record):
-    pass
-
-
-class ForeignObject(_Record):
-    """Stand-in for an object of a class outside the allowlist, in a checkpoint's client state:
-    what was pickled (its attributes; `args`, `state` where the pickle gave those), nothing run.
-    `global_name` names the class it stands for (a subclass per name)."""
-
-    global_name = ""
-
-    def __init__(self, *args: object) -> None:
-        if args:
-            self.args = args
-
-    def __setstate__(self, state: object) -> None:
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.state = state
-
-    def __repr__(self) -> str:
-        return f"ForeignObject[{self.global_name}]({vars(self)})"
-
-
-_SAFE_GLOBALS: list[tuple[Callable[..., Any], str]] = [
-    (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-    (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-    (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
-    (int, "deepspeed.runtime.zero.config.ZeroStageEnum"),  # an int Enum: rebuilt as its int
-]
-
-
-def load_pt(path: Path, read: tuple[str, ...] | None = None) -> dict:
-    """A DeepSpeed `.pt` file, unpickled without running code (weights_only + allowlist).
-
-    `read`: the file holds client state, and these are the keys the import reads. Objects
-    outside the allowlist become `ForeignObject`s; in a key of `read` they are refused."""
-    data = _load_object(path, foreign=read is not None)
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds a {type(data).__name__}, not DeepSpeed's dict")
-    for key in read or ():
-        found = _first_foreign(data.get(key))
-        if found is not None:
-            raise CheckpointError(_could_run_code(path, [found.global_name], f" in {key!r}"))
-    return data
-
-
-def _load_object(path: Path, foreign: bool = False) -> object:
-    allowed = list[Any](_SAFE_GLOBALS)
-    if foreign:
-        allowed += _numpy_globals()
-        known = {name for _, name in allowed}
-        allowed += [(type(name, (ForeignObject,), {"global_name": name}), name)
-                    for name in _unknown_globals(path) if name not in known]
-    try:
-        with torch.serialization.safe_globals(allowed):
-            data = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise CheckpointError(_could_run_code(path, _unknown_globals(path), "", error)) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as error:
-        raise CheckpointError(f"{path} is not a readable torch checkpoint (damaged or "
-                              f"truncated?): {str(error).splitlines()[0]}") from None
-    return data
-
-
-def _numpy_globals() -> list[tuple[Callable[..., Any], str]]:
-    """numpy's array and dtype constructors under the names its pickles use (numpy 1 and 2):
-    data constructors, which torch's weights_only documentation allowlists for numpy arrays.
-    Generator states in a client state (Megatron-DeepSpeed's `np_rng_state`) stay arrays."""
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy 1
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    dtypes = [(cls, f"numpy.dtypes.{name}") for name, cls in vars(numpy.dtypes).items()
-              if isinstance(cls, type) and issubclass(cls, numpy.dtype)]
-    return [(_reconstruct, "numpy._core.multiarray._reconstruct"),
-            (_reconstruct, "numpy.core.multiarray._reconstruct"),
-            (numpy.ndarray, "numpy.ndarray"), (numpy.dtype, "numpy.dtype"), *dtypes]
-
-
-def _could_run_code(path: Path, names: list[str], where: str, error: object = "") -> str:
-    found = ", ".join(f"global {name} is not allowed" for name in names) or error
-    return (f"{path} holds objects that could run code when loaded ({found}{where}); zeromem "
-            "reads DeepSpeed checkpoints only with the few DeepSpeed classes they need, never "
-            "arbitrary globals")
-
-
-def _unknown_globals(path: Path) -> list[str]:
-    allowed = {name for _, name in _SAFE_GLOBALS}
-    try:
-        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # noqa: BLE001 - the load that follows reports the damage
-        return []
-    return [name for name in found if name not in allowed]
-
-
-def _first_foreign(value: object) -> ForeignObject | None:
-    if isinstance(value, ForeignObject):
-        return value
-    if isinstance(value, dict):
-        value = [*value.keys(), *value.values()]
-    if isinstance(value, (list, tuple)):
-        return next((f for f in map(_first_foreign, value) if f is not None), None)
-    return None
-
-
-def _need(data: dict, key: str, path: Path) -> Any:
-    if key not in data:
-        raise CheckpointError(f"{path} is damaged or not a DeepSpeed ZeRO checkpoint: it has no "
-                              f"{key!r} (keys: {sorted(map(str, data))[:10]})")
-    return data[key]
 
 
 # ---------------------------------------------------------------- the checkpoint, assembled
@@ -266,12 +130,12 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
         optims = [load_pt(optim_files[0])]
     else:
         optim_files = _optim_files(path, world_size)
-        optims = [_need(load_pt(f), "optimizer_state_dict", f) for f in optim_files]
-    stage = int(_need(optims[0], "zero_stage", optim_files[0]))
+        optims = [need(load_pt(f), "optimizer_state_dict", f) for f in optim_files]
+    stage = int(need(optims[0], "zero_stage", optim_files[0]))
     if (stage == 3) != stage3:
         raise CheckpointError(f"{path}: optimizer files say ZeRO stage {stage} but the model "
                               f"states are laid out for stage {3 if stage3 else '1-2'}")
-    shapes = [dict(group) for group in _need(model, "param_shapes", path / "model_states")]
+    shapes = [dict(group) for group in need(model, "param_shapes", path / "model_states")]
     if is_universal(path):
         params, scalars, groups = _assemble_universal(path, optims[0], shapes, stage)
         frozen = _frozen_stage3(path, model, world_size) if stage3 else {}
@@ -281,7 +145,7 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
     else:
         params, scalars, groups = _assemble_stage12(path, optims, shapes, optim_files)
         frozen = {}
-    module = dict(_need(model, "module", path / "model_states"))
+    module = dict(need(model, "module", path / "model_states"))
     shared = dict(model.get("shared_params") or {})
     owner = _stage3_owners(path, optims[0], len(shapes)) if stage3 else range(len(shapes))
     param_group = {name: owner[i] for i, group in enumerate(shapes) for name in group}
@@ -296,7 +160,7 @@ def _loss_scaler(optims: list[dict], files: list[Path]) -> dict[str, Any]:
     """The attributes of the loss scaler every rank saved (the same on all; {} if none)."""
     scalers = [o.get("loss_scaler") for o in optims]
     for scaler, file in zip(scalers, files):
-        if scaler is not None and not isinstance(scaler, _LossScaler):
+        if scaler is not None and not isinstance(scaler, LossScalerRecord):
             raise CheckpointError(f"{file}: 'loss_scaler' is a {type(scaler).__name__}, not "
                                   "DeepSpeed's LossScaler or DynamicLossScaler")
     states = [vars(s) if s is not None else {} for s in scalers]
@@ -330,10 +194,10 @@ def _optim_files(path: Path, world_size: int) -> list[Path]:
 
 def _base_state(optim: dict, key: str, path: Path) -> tuple[list[dict], list[dict]]:
     """(per-group tensor states, per-group options) of the torch optimizer inside."""
-    base = _need(optim, key, path)
+    base = need(optim, key, path)
     if isinstance(base, list):  # elastic checkpoint: per-group states, padding removed
         return base, []
-    state = _need(base, "state", path)
+    state = need(base, "state", path)
     return [state[i] for i in sorted(state)], list(base.get("param_groups", []))
 
 
@@ -352,7 +216,7 @@ def _assemble_stage12(path: Path, optims: list[dict], shapes: list[dict],
     params: dict[str, dict[str, torch.Tensor]] = {}
     scalars = []
     for gi, group in enumerate(shapes):
-        parts = [_need(o, "single_partition_of_fp32_groups", f)[gi] for o, f in zip(optims, files)]
+        parts = [need(o, "single_partition_of_fp32_groups", f)[gi] for o, f in zip(optims, files)]
         flat = {"master": torch.cat([p.float() for p in parts])}
         states = [b[0][gi] for b in bases]
         for key in sorted(k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0):
@@ -371,7 +235,7 @@ def _assemble_stage3(path: Path, optims: list[dict], shapes: list[dict],
         file = path / f"rank {rank}"
         states, groups = _base_state(optim, "optimizer_state_dict", file)
         flat = {"master": torch.cat([t.float().flatten()
-                                     for t in _need(optim, "fp32_flat_groups", file)])}
+                                     for t in need(optim, "fp32_flat_groups", file)])}
         for key in sorted(k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0):
             flat[key] = torch.cat([s[key].float().flatten() for s in states])
         per_rank.append(flat)
@@ -426,7 +290,7 @@ def _assemble_universal(path: Path, optim: dict, shapes: list[dict],
         return (params, *_stage3_options(path, optim))
     scalars = [_universal_step(path / "zero" / next(iter(group)) / "step.pt") if group else {}
                for group in shapes]
-    return params, scalars, list(_need(optim, "param_groups", path / "zero" / "optimizer_state.pt"))
+    return params, scalars, list(need(optim, "param_groups", path / "zero" / "optimizer_state.pt"))
 
 
 def _universal_states(zero: Path, name: str, shape) -> dict[str, torch.Tensor]:
@@ -441,8 +305,8 @@ def _universal_states(zero: Path, name: str, shape) -> dict[str, torch.Tensor]:
                               "universal checkpoint is damaged")
     states = {}
     for kind, file in sorted(files.items()):
-        saved = _load_object(file)  # stage 3 writes the tensor bare, stages 1-2 in a dict
-        tensor = _need(saved, "param", file) if isinstance(saved, dict) else saved
+        saved = load_object(file)  # stage 3 writes the tensor bare, stages 1-2 in a dict
+        tensor = need(saved, "param", file) if isinstance(saved, dict) else saved
         if not torch.is_tensor(tensor) or tensor.numel() != math.prod(shape):
             raise CheckpointError(f"{file} holds {_described(tensor)}, where the model states "
                                   f"give {name!r} the shape {list(shape)}")
@@ -454,7 +318,7 @@ def _universal_step(file: Path) -> dict[str, Any]:
     """A stage-1/2 parameter's optimizer step ({} where its optimizer keeps none)."""
     if not file.is_file():
         return {}
-    step = _load_object(file)
+    step = load_object(file)
     if isinstance(step, bool) or not (isinstance(step, (int, float)) or
                                       torch.is_tensor(step) and step.dim() == 0):
         raise CheckpointError(f"{file} holds {_described(step)}, not an optimizer step")
@@ -488,7 +352,7 @@ def _frozen_stage3(path: Path, model: dict, world_size: int) -> dict[str, torch.
     if not shapes:
         return {}
     files = [path / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)]
-    fragments = [dict(_need(load_pt(f, read=("frozen_param_fragments",)),
+    fragments = [dict(need(load_pt(f, read=("frozen_param_fragments",)),
                             "frozen_param_fragments", f)) for f in files]
     return {name: torch.cat([f[name].flatten() for f in fragments])[:math.prod(shape)]
             .view(shape).clone() for name, shape in shapes.items()}
