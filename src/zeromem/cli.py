@@ -262,7 +262,8 @@ def _import_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", metavar="SRC", help="directory DeepSpeed's save_checkpoint wrote "
                                                    "(or one of its tag directories)")
     parser.add_argument("dst", metavar="DST", help="zeromem checkpoint directory to write")
-    parser.add_argument("--tag", help="DeepSpeed tag (default: the one `latest` names)")
+    parser.add_argument("--tag", help="DeepSpeed tag, a universal one (`ds_to_universal`) too "
+                                      "(default: the one `latest` names, else `latest_universal`)")
 
 
 def _run_import_deepspeed(args: argparse.Namespace) -> int:
@@ -323,8 +324,8 @@ COMMANDS: dict[str, Command] = {
     "consolidate": Command("write a checkpoint's full fp32 state dict, or with --hf a Hugging Face "
                            "model directory (no GPU, no process group)",
                            _consolidate_arguments, _run_consolidate),
-    "import-deepspeed": Command("convert a DeepSpeed ZeRO checkpoint (stages 1-3) into a zeromem "
-                                "one, loadable at any world size and stage",
+    "import-deepspeed": Command("convert a DeepSpeed ZeRO checkpoint (stages 1-3, or universal) "
+                                "into a zeromem one, loadable at any world size and stage",
                                 _import_deepspeed_arguments, _run_import_deepspeed),
     "launch": Command("start a training script's ranks as DeepSpeed's `deepspeed` launcher does "
                       "(same flags, --local_rank=N, `import deepspeed` gives zeromem), on torchrun",

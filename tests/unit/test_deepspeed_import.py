@@ -75,6 +75,9 @@ def test_cli_imports_and_reports_foreign_directories(tmp_path, capsys):
     assert main(["import-deepspeed", str(src), str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "global_step3" / "manifest.json").is_file()
     assert main(["import-deepspeed", str(src / "global_step3"), str(tmp_path / "out2")]) == 0
+    assert main(["import-deepspeed", str(src), str(tmp_path / "out3"),
+                 "--tag", "global_step3_universal"]) == 0  # its universal form
+    assert (tmp_path / "out3" / "global_step3_universal" / "manifest.json").is_file()
     assert main(["import-deepspeed", str(tmp_path / "out"), str(tmp_path / "again")]) == 2
     assert "neither a zeromem checkpoint" not in capsys.readouterr().out
     assert main(["import-deepspeed", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
