@@ -114,6 +114,16 @@ def deepspeed_param_groups(model, expected: dict) -> list:
     return [{**g, "params": [named[n] for n in g["params"]]} for g in groups]
 
 
+class Opens:
+    """Pickled into a checkpoint, this would create a file if it were unpickled unchecked."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
 def inert(data):
     """`load_pt`'s stand-ins for DeepSpeed objects as plain dicts, so that torch.save can
     write them back loadable."""

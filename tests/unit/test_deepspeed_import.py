@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from models import TinyLM
-from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case, inert
+from setups import DEEPSPEED_CHECKPOINTS, Opens, deepspeed_case, inert
 from zeromem.checkpoints.consolidate import consolidate, load_consolidated, resolve_checkpoint
 from zeromem.checkpoints.deepspeed_import import import_deepspeed
 from zeromem.checkpoints.deepspeed_pickles import load_pt
@@ -142,22 +142,12 @@ def test_fp16_checkpoint_without_its_loss_scaler_is_refused(tmp_path):
     assert not (tmp_path / "out" / "latest").exists()
 
 
-class _Opens:
-    """Unpickled without the allowlist, this would create a file."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (str(self.path), "w"))
-
-
 def test_code_in_a_deepspeed_checkpoint_is_never_run(tmp_path):
     tag = damaged_copy(tmp_path, "stage3_ws2_fp32")
     marker = tmp_path / "ran"
     file = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     model = load_pt(file)
-    model["lr_scheduler"] = _Opens(marker)
+    model["lr_scheduler"] = Opens(marker)
     torch.save(model, file)
     with pytest.raises(CheckpointError, match="could run code.*global io.open is not allowed"):
         import_deepspeed(tag.parent, tmp_path / "out")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from models import PositionEmbeddingType
-from setups import DEEPSPEED_CHECKPOINTS, deepspeed_case, inert
+from setups import DEEPSPEED_CHECKPOINTS, Opens, deepspeed_case, inert
 from zeromem.checkpoints.deepspeed_import import DeepSpeedState, import_deepspeed, read_deepspeed
 from zeromem.checkpoints.deepspeed_pickles import ForeignObject, load_pt
 from zeromem.checkpoints.tensor_files import CheckpointError
@@ -125,20 +125,10 @@ def test_damaged_universal_checkpoints_are_refused_by_name(tmp_path):
         import_deepspeed(tag, tmp_path / "out")  # the tag's directory given as the checkpoint
 
 
-class _Opens:
-    """Unpickled without the allowlist, this would create a file."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (str(self.path), "w"))
-
-
 def test_code_in_a_universal_checkpoint_is_never_run(tmp_path):
     tag = universal_copy(tmp_path)
     marker = tmp_path / "ran"
-    torch.save({"param": torch.zeros(7, 10), "cat_dim": _Opens(marker)},
+    torch.save({"param": torch.zeros(7, 10), "cat_dim": Opens(marker)},
                tag / "zero" / "fc1.weight" / "exp_avg.pt")
     refused(tag, "could run code.*global io.open is not allowed", tmp_path)
     assert not marker.exists()
@@ -185,12 +175,12 @@ def test_foreign_objects_only_in_the_client_state(tmp_path):
     for rank in (0, 1):
         file = tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
         model = load_pt(file, read=())
-        model["mine"] = {"epoch": 2, "opener": _Opens(marker)}
+        model["mine"] = {"epoch": 2, "opener": Opens(marker)}
         torch.save(model, file)
     client = read_deepspeed(tag.parent).client_state()
     assert client["mine"]["epoch"] == 2 and not marker.exists()
     assert client["mine"]["opener"].args == (str(marker), "w")
-    model["frozen_param_fragments"]["frozen.bias"] = _Opens(marker)
+    model["frozen_param_fragments"]["frozen.bias"] = Opens(marker)
     torch.save(model, tag / "zero_pp_rank_1_mp_rank_00_model_states.pt")
     with pytest.raises(CheckpointError, match="rank_1_mp_rank_00_model_states.pt holds objects "
                        "that could run code.*io.open is not allowed in 'frozen_param_fragments'"):
