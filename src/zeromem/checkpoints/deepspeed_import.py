@@ -125,7 +125,8 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
     if model.get("mp_world_size", 1) != 1:
         raise CheckpointError(f"{path}: saved with model (tensor) parallelism "
                               f"{model['mp_world_size']}; the import reads mp_world_size 1 only")
-    if is_universal(path):
+    universal_layout = is_universal(path)
+    if universal_layout:
         optim_files = [path / "zero" / "optimizer_state.pt"]
         optims = [load_pt(optim_files[0])]
     else:
@@ -136,7 +137,7 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
         raise CheckpointError(f"{path}: optimizer files say ZeRO stage {stage} but the model "
                               f"states are laid out for stage {3 if stage3 else '1-2'}")
     shapes = [dict(group) for group in need(model, "param_shapes", path / "model_states")]
-    if is_universal(path):
+    if universal_layout:
         params, scalars, groups = _assemble_universal(path, optims[0], shapes, stage)
         frozen = _frozen_stage3(path, model, world_size) if stage3 else {}
     elif stage3:
