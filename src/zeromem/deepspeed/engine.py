@@ -276,8 +276,8 @@ class DeepSpeedEngine(nn.Module):
                                                     self.engine.comm.group):
                 # DeepSpeed's answer, which "resume if there is one" scripts test for
                 # (OpenRLHF, Lightning); a directory with tags but no `latest` is an error
-                log.warning("load_checkpoint: no checkpoint in %s (no 'latest' file, no tags); "
-                            "nothing loaded", load_dir)
+                log.warning("load_checkpoint: no checkpoint in %s (no 'latest' or "
+                            "'latest_universal' file, no tags); nothing loaded", load_dir)
                 return None, None
             path, client_state = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states,
                                                              load_lr_scheduler_states)
