@@ -10,9 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zeromem.offload.budget import DEEP_DEPTH, MIN_DEEP_SUB_GROUP, PoolSize, size_optimizer_pool
+from zeromem.config.schema import Config
+from zeromem.offload.budget import (DEEP_DEPTH, MIN_DEEP_SUB_GROUP, MIN_SUB_GROUP, PoolSize,
+                                    size_optimizer_pool)
 from zeromem.offload.nvme import ALIGN, AsyncIO, BufferPool, IOHandle, SwapFile, aligned_empty
 from zeromem.offload.params_nvme import ShardBuffers
+from zeromem.offload.placement import OffloadPolicy
 from zeromem.offload.sub_groups import ShardSpec, layout_optimizer, plan_sub_groups
 from zeromem.planning.host_memory import OffloadBufferSizes, offload_breakdown
 
@@ -28,6 +31,22 @@ def test_plan_sub_groups_covers_shards_within_param_groups():
         assert pieces[0][0] == 0 and sum(n for _, n in pieces) == g.shard_numel
         assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))
     assert [sg.numel for sg in subs] == [40, 40, 40, 40, 27]  # 50+30 and 7+100 elements
+
+
+def test_sub_group_size_zero_cuts_the_smallest_sub_groups():
+    """Axolotl's ZeRO-3 configs set `sub_group_size: 0`, which DeepSpeed takes as every
+    parameter a sub-group of its own: with the optimizer on NVMe, zeromem cuts its smallest
+    sub-groups (before stop 47 the config was refused; a 0 reaching the cut never ends)."""
+    config = Config.load({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "sub_group_size": 0,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})
+    policy = OffloadPolicy.from_config(config)
+    assert policy.sub_group_size == MIN_SUB_GROUP
+    layout = layout_optimizer([ShardSpec(0, 3 * MIN_SUB_GROUP + 5)], states=2,
+                              master_in_file=True, grads_in_file=True, budget_bytes=64 << 20,
+                              params_pool_bytes=0, sub_group_size=policy.sub_group_size,
+                              buffer_count=None)
+    assert [sg.numel for sg in layout.sub_groups] == [MIN_SUB_GROUP] * 3 + [5]
 
 
 def test_the_pool_holds_no_buffer_a_step_cannot_use():

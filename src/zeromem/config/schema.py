@@ -155,7 +155,9 @@ class ZeroConfig(_Block):
     overlap_comm: Bool | None = None  # overlap grad reduction with backward; None = stage == 3
     load_from_fp32_weights: Bool = True  # initialise fp32 masters from the checkpoint's copy
     elastic_checkpoint: Bool = False  # no longer supported by DeepSpeed
-    sub_group_size: Int = Field(1_000_000_000, ge=1)  # elements per optimizer-step tile
+    # elements per optimizer-step tile; 0 (Axolotl's ZeRO-3 configs): the smallest tiles, as
+    # in DeepSpeed, where each parameter is then a sub-group of its own
+    sub_group_size: Int = Field(1_000_000_000, ge=0)
     stage3_prefetch_bucket_size: Int = Field(50_000_000, ge=0)  # param elements fetched ahead
     stage3_param_persistence_threshold: Int = Field(100_000, ge=0)  # smaller params stay whole
     stage3_model_persistence_threshold: Int = Field(sys.maxsize, ge=0)  # cap on whole elements

@@ -56,13 +56,13 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 
 from zeromem.config.schema import (AioConfig, Config, ConfigError, OffloadOptimizerConfig,
-                                   OffloadParamConfig, OptimizerConfig)
+                                   OffloadParamConfig, OptimizerConfig, ZeroConfig)
 from zeromem.flat import FlatParamGroup, Sharding
 from zeromem.grad_buffers import ContiguousShards, ShardAccumulated, WholeAllReduced, WholeScattered
 from zeromem.offload.grad_file import GradFile, ShardToFile
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice, ParamsOnHost
 from zeromem.offload.params_nvme import ParamsOnNvme
-from zeromem.offload.budget import pool_unit_numel
+from zeromem.offload.budget import MIN_SUB_GROUP, pool_unit_numel
 from zeromem.offload.nvme import AsyncIO, IOStats, OffloadError, SwapSpace
 from zeromem.offload.staged_masters import StagedMasters
 from zeromem.offload.masters import (CPU_KERNEL, HostGrads, MastersOnDevice, MastersOnHost,
@@ -105,7 +105,7 @@ class OffloadPolicy:
         """From `zero_optimization.offload_optimizer` / `offload_param` and the host budget."""
         zero = config.zero_optimization
         opt, par = zero.offload_optimizer, zero.offload_param
-        sub = int(zero.sub_group_size) if "sub_group_size" in zero.model_fields_set else None
+        sub = _sub_group_size(zero) if "sub_group_size" in zero.model_fields_set else None
         buffers = opt.buffer_count if opt is not None and "buffer_count" in opt.model_fields_set \
             else None
         own = config.zeromem
@@ -138,6 +138,13 @@ def _given(block: Block | None, key: str) -> Block:
     if block is None:
         raise ConfigError(f"{key}: offload asked of a block the config does not set")
     return block
+
+
+def _sub_group_size(zero: ZeroConfig) -> int:
+    """The config's sub_group_size; its 0 (every parameter a sub-group of its own in
+    DeepSpeed: the smallest tiles) is the smallest sub-group zeromem cuts, whose requests
+    still keep a drive busy."""
+    return int(zero.sub_group_size) or MIN_SUB_GROUP
 
 
 def _pin(block: OffloadBlock | None) -> bool:
