@@ -26,6 +26,13 @@ import sys
 from pathlib import Path
 
 CORPUS = Path(__file__).resolve().parent / "data" / "ds_config_corpus"
+# the folders of the configs fine-tuning frameworks ship for HF's Trainer
+# (tests/distributed/test_hf_trainer.py trains with those that load), and those that do
+# not: AutoTP (refused: zeromem does not shard layers itself) and LLaMA-Factory's fp8
+# example (two top-level keys DeepSpeed does not have)
+FRAMEWORKS = ("axolotl", "LLaMA-Factory", "LLaVA", "ms-swift", "FastChat", "InternVL")
+FRAMEWORKS_NOT_LOADING = {"LLaMA-Factory/examples/deepspeed/ds_z2_autotp_config.json": "refused",
+                          "LLaMA-Factory/examples/deepspeed/ds_z3_fp8_config.json": "other"}
 
 FILL = r"""
 import json, sys, tempfile, warnings
@@ -72,6 +79,10 @@ print(json.dumps(out))
 
 def corpus_files() -> list[Path]:
     return sorted(CORPUS.rglob("*.json"))
+
+
+def framework_files() -> list[Path]:
+    return [path for path in corpus_files() if path.relative_to(CORPUS).parts[0] in FRAMEWORKS]
 
 
 def _has_auto(value) -> bool:

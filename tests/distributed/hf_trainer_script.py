@@ -3,6 +3,7 @@ test_hf_trainer.py, which compares what each mode writes to OUT):
 
     torchrun --nproc-per-node 2 hf_trainer_script.py ddp OUT        # reference: plain DDP Trainer
     torchrun --nproc-per-node 2 hf_trainer_script.py zeromem OUT    # the same runs through zeromem
+    torchrun --nproc-per-node 2 hf_trainer_script.py frameworks OUT # fine-tuning frameworks' configs
 
 `zeromem` mode calls `install_as_deepspeed()` before importing transformers, then
 runs HF's own ds_config_zero2.json (losses, save_model, resume_from_checkpoint)
@@ -10,7 +11,8 @@ and ds_config_zero3.json (the model loaded by `from_pretrained` under `zero.Init
 then again with both offloads on NVMe; then `evaluate()` alone, which builds the
 engine with no optimizer; then PEFT LoRA on the model loaded under Init), an
 Accelerate loop with a DeepSpeed plugin, TRL's generation under ZeRO-3 between
-training steps, and TRL's GRPOTrainer. Rank 0 writes JSON results.
+training steps, and TRL's GRPOTrainer. `frameworks` mode trains, through zeromem too, with
+each DeepSpeed config of FRAMEWORKS. Rank 0 writes JSON results.
 
 The Trainer accumulates GAS micro-batches per step, as its users mostly do: an epoch
 of 16 micro-batches a rank ends in a window of one (Accelerate announces each boundary
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
-if MODE == "zeromem":
+if MODE in ("zeromem", "frameworks"):
     import zeromem.deepspeed
 
     zeromem.deepspeed.install_as_deepspeed()  # the one switch: before transformers is imported
@@ -36,6 +38,35 @@ import transformers  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
+CORPUS = Path(__file__).parent.parent / "data" / "ds_config_corpus"
+# The DeepSpeed configs fine-tuning frameworks ship for the Trainer (ds_config_corpus/README.md),
+# those that load, by who builds the optimizer and schedule: HF (no optimizer block: HF's AdamW
+# over its two param groups, HF's schedule), or the config's AdamW over every parameter with
+# HF's schedule (no scheduler block) or the config's WarmupLR
+FRAMEWORKS = {
+    "hf": ["axolotl/deepspeed_configs/" + name for name in (
+        "zero1.json", "zero1_torch_compile.json", "zero2.json", "zero2_torch_compile.json",
+        "zero3.json", "zero3_bf16.json", "zero3_bf16_cpuoffload_all.json",
+        "zero3_bf16_cpuoffload_params.json")]
+    + ["LLaMA-Factory/examples/deepspeed/" + name for name in (
+        "ds_z0_config.json", "ds_z2_config.json", "ds_z2_offload_config.json",
+        "ds_z3_config.json", "ds_z3_offload_config.json")]
+    + ["LLaVA/scripts/zero2.json", "LLaVA/scripts/zero3.json"]
+    + ["ms-swift/swift/config/" + name for name in (
+        "zero0.json", "zero1.json", "zero2.json", "zero2_offload.json", "zero3.json",
+        "zero3_offload.json")]
+    + ["FastChat/playground/deepspeed_config_s2.json",
+       "FastChat/playground/deepspeed_config_s3.json"],
+    "config_adamw": ["InternVL/" + name for name in (
+        "internvl_chat/zero_stage1_config.json", "internvl_chat/zero_stage2_config.json",
+        "internvl_chat/zero_stage3_config.json", "internvl_chat/zero_stage3_config_100b.json",
+        "internvl_chat/zero_stage3_config_100b_1e7_offload.json",
+        "internvl_chat/zero_stage3_config_100b_1e8.json",
+        "internvl_chat/zero_stage3_config_34b.json", "internvl_chat/zero_stage3_config_70b.json",
+        "internvl_chat_gpt_oss/zero_stage1_config.json",
+        "internvl_chat_gpt_oss/zero_stage3_config.json")],
+    "config_adamw_warmup": ["LLaVA/scripts/zero3_offload.json"],
+}
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 2, 6, 1e-2
 GAS, SAMPLES = 3, 64  # 2 ranks x BATCH: 16 micro-batches a rank, 6 steps (5 x 3, then 1)
 # HF's own optimizer and schedule (a config without them): warmup then linear decay, and
@@ -110,7 +141,8 @@ def training_args(name: str, deepspeed: str | None, arguments: type = transforme
 
 
 def train(name: str, deepspeed: str | None, resume: str | None = None,
-          hf_optimizer: bool = False, data: Dataset | None = None, **extra) -> dict:
+          hf_optimizer: bool = False, data: Dataset | None = None,
+          reference: Callable[[torch.nn.Module], tuple] | None = None, **extra) -> dict:
     """One Trainer run: per-step losses, gradient norms and lr, parameter elements this rank
     holds after `from_pretrained`, and the trainer (for saving). `hf_optimizer`: the DDP
     Trainer builds its own optimizer and schedule, as HF does for a config without them."""
@@ -120,7 +152,8 @@ def train(name: str, deepspeed: str | None, resume: str | None = None,
     own = deepspeed is not None or hf_optimizer
     trainer = transformers.Trainer(model=model, args=args,
                                    train_dataset=Tokens(SAMPLES) if data is None else data,
-                                   optimizers=(None, None) if own else ddp_optimizers(model))
+                                   optimizers=(None, None) if own else
+                                   (reference or ddp_optimizers)(model))
     trainer.train(resume_from_checkpoint=resume)
     logged = {key: {h["step"]: h[key] for h in trainer.state.log_history if key in h}
               for key in ("loss", "grad_norm", "learning_rate")}
@@ -439,6 +472,42 @@ def deepspeed_as_hf_sees_it() -> dict:
             "engine": deepspeed.DeepSpeedEngine is zeromem.deepspeed.DeepSpeedEngine}
 
 
+def one_group(schedule: str) -> Callable[[torch.nn.Module], tuple]:
+    """The DDP reference of a config's AdamW: every parameter in one group, HF_SCHEDULE's
+    weight decay on all (biases too, as DeepSpeed builds it from `model_parameters`), with
+    HF's schedule ("hf") or DeepSpeed's WarmupLR over HF_SCHEDULE's 2 warmup steps ("warmup":
+    lr 0 for two steps, then `learning_rate`, as `ddp_optimizers`)."""
+    def build(model: torch.nn.Module) -> tuple:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR,
+                                      weight_decay=HF_SCHEDULE["weight_decay"])
+        if schedule == "warmup":
+            return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step > 1))
+        return optimizer, transformers.get_linear_schedule_with_warmup(
+            optimizer, HF_SCHEDULE["warmup_steps"], STEPS)
+    return build
+
+
+def framework_configs() -> dict:
+    """Each framework config as its users run it: the Trainer with HF_SCHEDULE's arguments,
+    bf16 where the config turns it on itself (HF refuses `bf16: true` beside `--bf16` off).
+    {config: losses, gradient norms, lrs}; a config equal to one run before is not rerun."""
+    done: dict[str, dict] = {}
+    results = {}
+    for kind, names in FRAMEWORKS.items():
+        for name in names:
+            text = json.dumps(json.loads((CORPUS / name).read_text()), sort_keys=True)
+            if text not in done:
+                # without a GPU, TrainingArguments takes bf16 only beside use_cpu
+                bf16 = {"bf16": True, "use_cpu": True} \
+                    if json.loads(text).get("bf16", {}).get("enabled") is True else {}
+                run = train(f"framework_{len(done)}", str(CORPUS / name), **bf16, **HF_SCHEDULE)
+                done[text] = {key: run[key] for key in ("losses", "grad_norms", "lrs")}
+                del run
+                gc.collect()
+            results[name] = {"kind": kind, **done[text]}
+    return results
+
+
 def write(name: str, data) -> None:
     if RANK == 0:
         (OUT / f"{name}.json").write_text(json.dumps(data))
@@ -446,11 +515,18 @@ def write(name: str, data) -> None:
 
 def main() -> None:
     torch.distributed.init_process_group("gloo")
+    if MODE == "frameworks":
+        write("frameworks", framework_configs())
+        return
     if MODE == "ddp":
         ddp = train("ddp", None)
         own = train("ddp_hf_optimizer", None, hf_optimizer=True, **HF_SCHEDULE)
         compiled = train("ddp_compile", None, **COMPILE)
         ragged = train("ddp_ragged", None, data=RaggedTokens(SAMPLES))
+        config_adamw = {kind: train(f"ddp_{kind}", None, reference=one_group(schedule),
+                                    **HF_SCHEDULE)
+                        for kind, schedule in (("config_adamw", "hf"),
+                                               ("config_adamw_warmup", "warmup"))}
         write("ddp", {"losses": ddp["losses"], "grad_norms": ddp["grad_norms"],
                       "hf_optimizer": {k: own[k] for k in ("losses", "grad_norms", "lrs")},
                       "late_install": late_install(), "lora": lora("ddp_lora", None),
@@ -458,7 +534,9 @@ def main() -> None:
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
                       "grpo": grpo("ddp_grpo", None), "seq2seq": seq2seq("ddp_seq2seq", None),
                       "eval_loss": evaluate("ddp_eval", None),
-                      "schedule_free": schedule_free("ddp_schedule_free", None)})
+                      "schedule_free": schedule_free("ddp_schedule_free", None),
+                      **{kind: {k: run[k] for k in ("losses", "grad_norms", "lrs")}
+                         for kind, run in config_adamw.items()}})
         return
     zero2 = str(CONFIGS / "ds_config_zero2.json")
     run = train("zero2", zero2, save_strategy="steps", save_steps=3)

@@ -4,9 +4,10 @@ Two torchrun worlds of 2 gloo ranks run `hf_trainer_script.py`: a plain DDP Trai
 (the reference) and the same Trainer with HF's own ds_config_zero2.json /
 ds_config_zero3.json (their "auto" values filled by HF; zero3 also with both offloads
 on NVMe), `resume_from_checkpoint`, `save_model`, stage 3's `from_pretrained` under
-`zero.Init`, and an Accelerate loop with a DeepSpeed plugin. Every run accumulates
-gradients over several micro-batches, as Trainer users do. Tiny GPT-2 from a config;
-nothing is downloaded.
+`zero.Init`, and an Accelerate loop with a DeepSpeed plugin. A third world runs the
+DeepSpeed configs fine-tuning frameworks ship (tests/data/ds_config_corpus). Every run
+accumulates gradients over several micro-batches, as Trainer users do. Tiny GPT-2 from a
+config; nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
+import config_corpus  # noqa: E402
 from launch import torchrun  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -34,6 +36,13 @@ def runs(tmp_path_factory) -> tuple[Path, dict, dict]:
     torchrun(SCRIPT, "zeromem", out)
     return out, json.loads((out / "ddp.json").read_text()), \
         json.loads((out / "zeromem.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def frameworks(runs) -> dict:
+    """{config: its run} for the fine-tuning frameworks' configs (a third torchrun world)."""
+    torchrun(SCRIPT, "frameworks", runs[0])
+    return json.loads((runs[0] / "frameworks.json").read_text())
 
 
 def _max_difference(a: dict, b: dict) -> float:
@@ -195,3 +204,34 @@ def test_install_after_hf_decided_is_refused(runs):
     """Installed after transformers chose its DeepSpeed glue, HF would wrap zeromem's engine
     without recognising it (and save `module.` keys that load as random weights)."""
     assert "transformers.integrations.deepspeed" in runs[1]["late_install"]
+
+
+# bf16 (Axolotl's configs that turn it on themselves) against the fp32 DDP Trainer: DeepSpeed
+# 0.19.8 on the same runs is 1.5e-4 from it (losses) and 4.8e-4 (gradient norms, relative)
+BF16_LOSS, BF16_NORM = 2e-3, 1e-2
+
+
+def test_fine_tuning_frameworks_configs_train_as_the_ddp_trainer(runs, frameworks):
+    """The DeepSpeed configs Axolotl, LLaMA-Factory, LLaVA, ms-swift, FastChat and InternVL
+    ship (every one that loads), each through HF's Trainer as their users run it, train as
+    the DDP Trainer with the same optimizer and schedule: HF's AdamW and schedule where the
+    config has no optimizer block, else the config's AdamW over all parameters. Axolotl's
+    ZeRO-3 configs (`sub_group_size: 0`) were refused before stop 47.
+
+    Where the engine steps the schedule (the config's optimizer), HF logs each step's lr
+    after that step, as it does with DeepSpeed (measured with DeepSpeed 0.19.8): the next
+    step's lr of the DDP Trainer."""
+    expected = {str(p.relative_to(config_corpus.CORPUS)) for p in config_corpus.framework_files()}
+    assert set(frameworks) == expected - set(config_corpus.FRAMEWORKS_NOT_LOADING)
+    for name, run in frameworks.items():
+        ddp = runs[1]["hf_optimizer" if run["kind"] == "hf" else run["kind"]]
+        config = json.loads((config_corpus.CORPUS / name).read_text())
+        bf16 = config.get("bf16", {}).get("enabled") is True
+        assert len(run["losses"]) == 6, name
+        assert _max_difference(run["losses"], ddp["losses"]) < (BF16_LOSS if bf16 else TOLERANCE), name
+        norms = max(abs(run["grad_norms"][k] / ddp["grad_norms"][k] - 1) for k in ddp["grad_norms"])
+        assert norms < (BF16_NORM if bf16 else TOLERANCE), name
+        got, want = ([r["lrs"][str(step)] for step in range(1, 7)] for r in (run, ddp))
+        if run["kind"] != "hf":
+            got, want = got[:-1], want[1:]  # the last is past the DDP run's end
+        assert got == want, name
