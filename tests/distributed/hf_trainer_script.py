@@ -192,6 +192,27 @@ def evaluate(name: str, deepspeed: str | None) -> float:
     return trainer.evaluate()["eval_loss"]
 
 
+def best_model(name: str, deepspeed: str | None) -> dict:
+    """`load_best_model_at_end`: evaluated and saved every 2 steps, the Trainer reloads the
+    best checkpoint when training ends (under DeepSpeed through `engine.load_checkpoint`
+    on the live engine) and evaluates it again. The evaluation set is the training data, so
+    its loss falls; "best" is the highest (`greater_is_better`), so that the best
+    checkpoint is the first, not the weights training ended with."""
+    args = training_args(name, deepspeed, eval_strategy="steps", eval_steps=2,
+                         save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                         metric_for_best_model="loss", greater_is_better=True,
+                         per_device_eval_batch_size=BATCH)
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(SAMPLES),
+                                   eval_dataset=Tokens(4 * BATCH),
+                                   optimizers=(None, None) if deepspeed else ddp_optimizers(model))
+    trainer.train()
+    return {"evaluated": {h["step"]: h["eval_loss"] for h in trainer.state.log_history
+                          if "eval_loss" in h},
+            "best": Path(trainer.state.best_model_checkpoint).name,
+            "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
 class Reversed(Tokens):
     """Sequence to sequence: the target is the source reversed."""
 
@@ -535,6 +556,7 @@ def main() -> None:
                       "grpo": grpo("ddp_grpo", None), "seq2seq": seq2seq("ddp_seq2seq", None),
                       "eval_loss": evaluate("ddp_eval", None),
                       "schedule_free": schedule_free("ddp_schedule_free", None),
+                      "best_model": best_model("ddp_best_model", None),
                       **{kind: {k: run[k] for k in ("losses", "grad_norms", "lrs")}
                          for kind, run in config_adamw.items()}})
         return
@@ -572,6 +594,7 @@ def main() -> None:
                       "single_process": single_process_losses(),
                       "trl_reference": trl_reference(),
                       "seq2seq": seq2seq("zero3_seq2seq", str(CONFIGS / "ds_config_zero3.json")),
+                      "best_model": best_model("zero3_best_model", str(CONFIGS / "ds_config_zero3.json")),
                       "schedule_free": schedule_free(
                           "zero3_schedule_free", keeping_the_optimizer(CONFIGS / "ds_config_zero3.json"))})
 

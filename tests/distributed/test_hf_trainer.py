@@ -80,6 +80,17 @@ def test_schedule_free_adamw_trains_and_evaluates_as_the_ddp_trainer(runs):
     assert abs(zero["eval_loss"] - ddp["eval_loss"]) < TOLERANCE
 
 
+def test_load_best_model_at_end_reloads_the_best_checkpoint(runs):
+    """`load_best_model_at_end` (evaluated and saved every 2 steps) on HF's zero3 config:
+    when training ends HF loads the best checkpoint into the live engine; the evaluation
+    after it is the best checkpoint's, as with the DDP Trainer, and not the last step's."""
+    ddp, zero = runs[1]["best_model"], runs[2]["best_model"]
+    assert ddp["best"] == zero["best"] == "checkpoint-2"
+    assert _max_difference(zero["evaluated"], ddp["evaluated"]) < TOLERANCE
+    assert abs(zero["eval_loss"] - ddp["evaluated"]["2"]) < TOLERANCE
+    assert abs(ddp["evaluated"]["2"] - ddp["evaluated"]["6"]) > 100 * TOLERANCE  # it reloaded
+
+
 def test_resume_from_checkpoint_continues_the_run(runs):
     ddp, zero = runs[1]["losses"], runs[2]
     resumed = {k: v for k, v in zero["zero2_resumed"].items() if int(k) > 3}  # steps 4-6 re-run
