@@ -5,8 +5,10 @@
                                                              # batch, gradients clipped to CLIP
 
 Run by test_accelerate_launch.py. SGD with momentum, no clipping, ranks seeded apart
-before the model is built from its own seed. Writes OUT/<mode>.json on rank 0: the
-loss of every step (the mean over ranks) and what the Accelerator ran on.
+before the model is built from its own seed. The launched run saves its state
+(`accelerator.save_state`) after SAVE_AT steps; a fresh model then resumes from it
+(`load_state`). Writes OUT/<mode>.json on rank 0: the loss of every step (the mean over
+ranks), the resumed run's, and what the Accelerator ran on.
 """
 import json
 import os
@@ -18,6 +20,7 @@ from torch import nn
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 STEPS, BATCH, RANKS = 6, 2, 2
+SAVE_AT = 3  # `accelerator.save_state` after this step, then resumed from it
 
 
 def model() -> nn.Module:
@@ -45,28 +48,50 @@ def reference(clip: float) -> dict:
     return {"losses": losses}
 
 
-def launched() -> dict:
+def prepared() -> tuple:
+    """A fresh Accelerator (the launcher's config), and the model, optimizer and loader it
+    prepared."""
     from accelerate import Accelerator, PartialState
+    from accelerate.state import AcceleratorState
 
-    torch.manual_seed(100 + int(os.environ["RANK"]))  # ranks' own seeds differ
+    AcceleratorState._reset_state(reset_partial_state=True)
     PartialState(backend="gloo")  # on a CPU Accelerate finds no backend itself (GPUs: NCCL)
     accelerator = Accelerator()
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     loader = torch.utils.data.DataLoader(data(), batch_size=BATCH)
-    net, opt, loader = accelerator.prepare(net, opt, loader)
+    return accelerator, *accelerator.prepare(net, opt, loader)
+
+
+def train(accelerator, net, opt, loader, save_at: int | None = None) -> list[float]:
+    """The loop; with `save_at`, `accelerator.save_state` after that many steps."""
     losses = []
-    for x, y in loader:
+    for step, (x, y) in enumerate(loader, 1):
         loss = nn.functional.mse_loss(net(x), y)
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
+        if step == save_at:
+            accelerator.save_state(str(OUT / "state"))
+    return losses
+
+
+def launched() -> dict:
+    torch.manual_seed(100 + int(os.environ["RANK"]))  # ranks' own seeds differ
+    accelerator, net, opt, loader = prepared()
+    losses = train(accelerator, net, opt, loader, save_at=SAVE_AT)
     plugin = accelerator.state.deepspeed_plugin
+    # resumed as Accelerate's examples resume: a fresh model, `load_state`, the data loader
+    # past the saved steps
+    again, *fresh = prepared()
+    again.load_state(str(OUT / "state"))
+    resumed = train(again, *fresh[:2], again.skip_first_batches(fresh[2], SAVE_AT))
     # Accelerate writes DeepSpeed's gradient_clipping itself ("auto": 1.0): the reference
     # clips as the engine did
     return {"losses": losses, "engine": type(net).__module__, "clip": net.gradient_clipping(),
-            "stage": plugin.zero_stage if plugin else None, "ranks": accelerator.num_processes}
+            "stage": plugin.zero_stage if plugin else None, "ranks": accelerator.num_processes,
+            "resumed": resumed}
 
 
 result = reference(float(sys.argv[3])) if MODE == "reference" else launched()

@@ -3,7 +3,8 @@
 The job is started as TRL's and Accelerate's recipes start it: an Accelerate config
 file whose `distributed_type: DEEPSPEED` block (modelled on TRL's
 examples/accelerate_configs/deepspeed_zero3.yaml) chooses ZeRO-3, and a script with
-no DeepSpeed in it. Its losses must equal one process's on the same global batch.
+no DeepSpeed in it. Its losses must equal one process's on the same global batch, and
+so must those of a run resumed from its `accelerator.save_state`.
 """
 from __future__ import annotations
 
@@ -56,3 +57,7 @@ def test_accelerate_config_runs_zero3_on_zeromem(tmp_path):
     assert (ours["engine"], ours["stage"], ours["ranks"], ours["clip"]) == (
         "zeromem.deepspeed.engine", 3, 2, 1.0)
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-7)
+    # `accelerator.save_state` / `load_state` (DeepSpeed's save_checkpoint / load_checkpoint
+    # under the tag "pytorch_model"): the momentum and the model come back
+    assert ours["resumed"] == pytest.approx(reference["losses"][3:], rel=1e-5, abs=1e-7)
+    assert sorted(os.listdir(tmp_path / "state"))[:2] == ["latest", "pytorch_model"]
