@@ -243,8 +243,10 @@ class Engine:
         """(param group index, parameters) of each flat group to build; at stage 3 `frozen`
         parameters' units too, each list of them as param group `len(param_groups)` on."""
         if sharding.params:  # one group per fetch unit and param group (stage3/units.py)
+            leaves = self.config.zero_optimization.leaf_module.modules(self.module)
             self.unit_choice = choose_units(self.module, param_groups, fetch_units,
-                                            self._unit_caps(), self.partitions.full_numel, frozen)
+                                            self._unit_caps(), self.partitions.full_numel, frozen,
+                                            leaves)
             self.fetch_unit_report = self.unit_choice.report
             return self.unit_choice.parts
         order = {id(p): i for i, p in enumerate(self.module.parameters())}

@@ -377,20 +377,27 @@ class _Experts(nn.Module):
 
 def _leaf_modules(deepspeed, rank, world_size, tmp) -> None:
     """`deepspeed.utils.set_z3_leaf_modules(model, [MoEBlock])`, as MoE recipes (and
-    Accelerate's transformer_moe_cls_names) call it: each block is gathered whole, so ranks
-    whose samples pick different experts still gather the same units, and train as one
-    process on both ranks' batches."""
+    Accelerate's transformer_moe_cls_names) call it, or the config's
+    `zero_optimization.leaf_module` (DeepSpeed 0.18 on; refused before stop 47): each block
+    is gathered whole, so ranks whose samples pick different experts still gather the same
+    units, and train as one process on both ranks' batches."""
     def net():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(4, 4), _Experts(), nn.Linear(4, 2))
-    model, plain = net(), net()
-    leaves = deepspeed.utils.set_z3_leaf_modules(model, [_Experts])
-    assert leaves == [model[1]] and deepspeed.utils.get_z3_leaf_modules(model) == leaves
-    engine, *_ = deepspeed.initialize(model=model, config=_cfg(3, zero_optimization={
-        "stage": 3, "stage3_param_persistence_threshold": 0}))
-    assert "_Experts" in engine.engine.fetch_unit_report
-    spread = 1 + torch.arange(world_size).view(-1, 1, 1)  # the ranks' gates pick apart
-    _beside_one_process(engine, plain, rank, lambda: torch.randn(world_size, 2, 4) * spread)
+    # units merged up to 16 elements only: without the leaf each expert is a unit of its
+    # own, and ranks picking different experts pair their gathers up wrongly
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 16}
+    for leaf_module in (None, {"classes": "_Experts"}, {"names": ["1"]}):
+        model, plain = net(), net()
+        if leaf_module is None:
+            leaves = deepspeed.utils.set_z3_leaf_modules(model, [_Experts])
+            assert leaves == [model[1]] and deepspeed.utils.get_z3_leaf_modules(model) == leaves
+        engine, *_ = deepspeed.initialize(model=model, config=_cfg(3, zero_optimization={
+            **zero, **({} if leaf_module is None else {"leaf_module": leaf_module})}))
+        assert [line.split()[-1] for line in engine.engine.fetch_unit_report.splitlines()
+                if " leaf " in line] == ["1"]  # the block, whole
+        spread = 1 + torch.arange(world_size).view(-1, 1, 1)  # the ranks' gates pick apart
+        _beside_one_process(engine, plain, rank, lambda: torch.randn(world_size, 2, 4) * spread)
     with pytest.raises(ValueError, match="no module of class"):
         deepspeed.utils.set_z3_leaf_modules(net(), ["NoSuchBlock"])
 

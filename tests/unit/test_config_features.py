@@ -34,7 +34,6 @@ SAMPLES = {
     "managed_gradient_accumulation": (True, False),
     "hybrid_engine.inference_tp_size": (1, 2),  # inside a block that is a feature itself
     "zero_optimization.zenflow": (None, {"topk_ratio": 0.1, "update_interval": 4}),
-    "zero_optimization.leaf_module": ({"classes": [], "names": []}, {"classes": ["Block"]}),
     "zero_optimization.allgather_sequential": (False, True),
     "zero_optimization.stage3_allgather_sequential": (False, True),
     "zero_optimization.enable_sanity_checks": (False, True),

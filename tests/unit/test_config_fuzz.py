@@ -26,7 +26,10 @@ from zeromem.config.schema import (Config, ConfigError, OptimizerConfig, _optimi
 HUGE = 10**400
 # Values the fuzz would call wrong that a key takes on purpose: Infinity is "never print"
 # (what HF Accelerate passes), and otherwise steps_per_print is a positive whole number.
-VALID = {"steps_per_print": [math.inf], "torch_autocast.lower_precision_safe_modules": [None]}
+VALID = {"steps_per_print": [math.inf], "torch_autocast.lower_precision_safe_modules": [None],
+         # one name given bare is a list of one, as DeepSpeed reads it
+         **{f"zero_optimization.leaf_module.{key}": ["0.9"]
+            for key in ("classes", "names", "name_suffixes")}}
 # Blocks whose leaves only validate next to a required sibling.
 CONTEXT = {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}
 

@@ -86,10 +86,6 @@ def _autotp_on(key: str, block: Any) -> bool:
     return size > 1
 
 
-def _leaf_modules_on(key: str, block: Any) -> bool:
-    return any(_object(key, block).values())
-
-
 # ---------------------------------------------------------------- the registry
 
 @dataclass(frozen=True)
@@ -176,8 +172,6 @@ FEATURES: tuple[Feature, ...] = (
     Feature("zero_optimization.zenflow", "ZenFlow", "it updates the important gradient columns "
             "on the GPU and the rest asynchronously on the CPU; zeromem's offload steps every "
             "element every step", present),
-    Feature("zero_optimization.leaf_module", "ZeRO-3 leaf modules", "give the module classes "
-            "gathered as one unit as fetch_units= to zeromem.initialize", _leaf_modules_on),
     Feature("zero_optimization.allgather_sequential", "sequential stage-3 all-gather",
             "stage 3 gathers one fetch unit at a time already", differs_from(False), "warn"),
     Feature("zero_optimization.stage3_allgather_sequential", "sequential stage-3 all-gather",

@@ -32,6 +32,7 @@ from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, Validation
 from zeromem.config.cluster import ClusterConfig, check_zeropp
 from zeromem.config import features
 from zeromem.config.extras import Extras
+from zeromem.config.leaf_modules import LeafModuleConfig
 from zeromem.config.optimizer_blocks import (OptimizerConfig, SchedulerConfig,  # noqa: F401 (re-exported)
                                              _optimizer_params_model, _scheduler_params_model)
 from zeromem.config.rules import (AIO_RENAMED, BATCH_KEYS, TOP_LEVEL_RENAMED, ZERO_RENAMED,
@@ -182,6 +183,7 @@ class ZeroConfig(_Block):
     legacy_stage1: Bool = False
     offload_param: OffloadParamConfig | None = None  # stage 3 only
     offload_optimizer: OffloadOptimizerConfig | None = None  # stages 1-3
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)  # stage 3
 
     @model_validator(mode="before")
     @classmethod

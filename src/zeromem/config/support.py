@@ -42,6 +42,8 @@ READ: dict[str, tuple[str, ...]] = {
         "stage3_param_persistence_threshold", "stage3_max_live_parameters",
         "stage3_max_reuse_distance")},
     "zero_optimization.sub_group_size": ("offload.placement",),
+    **{f"zero_optimization.leaf_module.{key}": ("config.leaf_modules",) for key in (
+        "classes", "names", "name_suffixes")},
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("checkpoints.model_weights",),
     **{f"zero_optimization.offload_{block}.{key}": ("offload.placement",) for block in ("param", "optimizer")
        for key in ("device", "nvme_path", "pin_memory", "buffer_count")},

@@ -158,10 +158,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     dp_group, mp_group = _groups_of(mpu)
     factory, model_parameters = _optimizer_factory(optimizer, model_parameters)
     resolved = _resolve_config(args, config, config_params)
-    # modules flagged by utils.set_z3_leaf_modules (MoE blocks) are gathered as one unit each
-    leaves = tuple({type(m): None for m in utils.get_z3_leaf_modules(model)})
     native = _native_initialize(model, resolved, model_parameters=model_parameters,
-                                optimizer=factory, lr_scheduler=lr_scheduler, fetch_units=leaves,
+                                optimizer=factory, lr_scheduler=lr_scheduler,
                                 dp_group=dp_group, mp_group=mp_group)
     engine = DeepSpeedEngine(native, resolved if isinstance(resolved, dict) else None)
     loader = (_training_dataloader(engine, training_data, collate_fn)

@@ -31,6 +31,11 @@ amortise it, in three passes over the module tree (ZeRO paper section 5.3 fetche
    persistent): one reduce-scatter and one all-gather a step for several of them
    (`merge_persistent`).
 
+Leaf modules (`zero_optimization.leaf_module`, and DeepSpeed's `set_z3_leaf_modules`;
+config/leaf_modules.py) are never split: a leaf outside a block is a unit of its own (the
+default policy may merge it with neighbours, never cut it), so a sparse MoE block's
+experts, which each rank runs as its data picks, are gathered together on every rank.
+
 With `fetch_units` (module classes) the user's choice wins: every instance of
 those classes is one unit, the rest go to the module owning them, nothing is
 merged. Either way every trainable parameter is in exactly one unit, and a unit
@@ -97,17 +102,20 @@ def _trainable(p: nn.Parameter) -> bool:
 def plan_fetch_units(root: nn.Module, unit_classes: tuple[type, ...] = (),
                      caps: UnitCaps = UnitCaps(),
                      numel_of: Callable[[nn.Parameter], int] = nn.Parameter.numel,
-                     sharded: Callable[[nn.Parameter], bool] = _trainable) -> list[UnitPlan]:
+                     sharded: Callable[[nn.Parameter], bool] = _trainable,
+                     leaves: Sequence[nn.Module] = ()) -> list[UnitPlan]:
     """The fetch units of `root`, in module order; each parameter `sharded` names (by
     default the trainable ones) in exactly one.
 
     `caps` bound a merged unit (nothing is merged when `unit_classes` are given);
     `numel_of` counts a parameter whole (`Partitions.full_numel` for a model built
-    under `Init`)."""
+    under `Init`); `leaves` are never split (the default policy's)."""
     if not unit_classes:
-        units = unmerged_units(root, numel_of, sharded)
+        units = unmerged_units(root, numel_of, sharded, leaves)
         return merge_persistent(coalesce(units, default_target(units, caps)), caps)
     claim = _Claims(_holders(root), numel_of, sharded)
+    for module in leaves:  # first: nothing below a leaf is a unit of its own
+        claim.take(module, recurse=True, kind="leaf")
     for module in root.modules():
         if isinstance(module, unit_classes) and module is not root:
             claim.take(module, recurse=True, kind="user")
@@ -118,10 +126,12 @@ def plan_fetch_units(root: nn.Module, unit_classes: tuple[type, ...] = (),
 
 def unmerged_units(root: nn.Module,
                    numel_of: Callable[[nn.Parameter], int] = nn.Parameter.numel,
-                   sharded: Callable[[nn.Parameter], bool] = _trainable) -> list[UnitPlan]:
-    """The default policy's units before coalescing: blocks, then each module's own."""
+                   sharded: Callable[[nn.Parameter], bool] = _trainable,
+                   leaves: Sequence[nn.Module] = ()) -> list[UnitPlan]:
+    """The default policy's units before coalescing: blocks and leaves, then each
+    module's own."""
     claim = _Claims(_holders(root), numel_of, sharded)
-    _claim_blocks(root, claim)
+    _claim_blocks(root, claim, {id(m) for m in leaves})
     return claim.units
 
 
@@ -179,15 +189,18 @@ def _is_repeated(module: nn.Module) -> bool:
     return len(module) >= 2 and len(kinds) == 1
 
 
-def _claim_blocks(module: nn.Module, claim: _Claims) -> None:
-    """Pre-order: a module's own parameters, then its children (blocks whole)."""
+def _claim_blocks(module: nn.Module, claim: _Claims, leaves: set[int]) -> None:
+    """Pre-order: a module's own parameters, then its children (blocks and leaves whole)."""
+    if id(module) in leaves:
+        claim.take(module, recurse=True, kind="leaf")
+        return
     claim.take(module, recurse=False, kind="module")
     repeated = _is_repeated(module)
     for child in module.children():
         if repeated:
             claim.take(child, recurse=True, kind="block")
         else:
-            _claim_blocks(child, claim)
+            _claim_blocks(child, claim, leaves)
 
 
 def merge_runs(numels: Sequence[int], shared: Sequence[bool], target_numel: int) -> list[range]:
@@ -283,7 +296,8 @@ class UnitChoice:
 
 def choose_units(module: nn.Module, param_groups: list[dict], fetch_units: tuple[type, ...],
                  caps: UnitCaps, full_numel: Callable[[nn.Parameter], int],
-                 frozen: Sequence[Sequence[nn.Parameter]] = ()) -> UnitChoice:
+                 frozen: Sequence[Sequence[nn.Parameter]] = (),
+                 leaves: Sequence[nn.Module] = ()) -> UnitChoice:
     """The fetch units of `module`, split by optimizer param group: the engine builds one
     flat group per part, before the stage-3 units (fetch.py `build_stage3`) exist.
 
@@ -300,13 +314,13 @@ def choose_units(module: nn.Module, param_groups: list[dict], fetch_units: tuple
     frozen_ids = {id(p) for ps in frozen for p in ps}
     for kept in ((lambda p: id(p) in group_of and id(p) not in frozen_ids),  # (an evaluating
                  (lambda p: id(p) in frozen_ids)):                          # engine's frozen too)
-        plans = plan_fetch_units(module, fetch_units, caps, full_numel, kept)
+        plans = plan_fetch_units(module, fetch_units, caps, full_numel, kept, leaves)
         for plan in plans:
             for gi in sorted({group_of[id(p)] for p in plan.params}):
                 parts.append((gi, [p for p in plan.params if group_of[id(p)] == gi]))
                 modules.append(plan.modules)
         if plans:
-            target = default_target(unmerged_units(module, full_numel, kept), caps)
+            target = default_target(unmerged_units(module, full_numel, kept, leaves), caps)
             reports.append(describe(plans, names, fetch_units, target))
     report = "\nfrozen parameters: ".join(reports)
     log.info("%s", report)

@@ -23,6 +23,7 @@ module).
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 from torch import nn
@@ -131,31 +132,65 @@ def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if z3_leaf_module(m)]
 
 
-def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: list) -> list[nn.Module]:
-    """Flag every module of `model` whose class is in `leaf_module_classes` (classes or class
-    names), as MoE recipes do for their sparse blocks (Accelerate: `transformer_moe_cls_names`):
-    its experts, which each rank runs in its own order, are gathered together on entry, so
-    ranks routing differently still gather the same units. Returns the modules flagged."""
-    return _flag_classes(model, leaf_module_classes, True)
+def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: list,
+                        raise_if_not_found: bool = True) -> list[nn.Module]:
+    """Flag every module of `model` whose class is in `leaf_module_classes` (classes, or
+    class names, short or module-qualified), as MoE recipes do for their sparse blocks
+    (Accelerate: `transformer_moe_cls_names`): its experts, which each rank runs in its own
+    order, are gathered together on entry, so ranks routing differently still gather the
+    same units. Returns the modules flagged."""
+    return _flag_classes(model, leaf_module_classes, True, raise_if_not_found)
 
 
-def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: list) -> list[nn.Module]:
-    return _flag_classes(model, leaf_module_classes, False)
+def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: list,
+                          raise_if_not_found: bool = True) -> list[nn.Module]:
+    return _flag_classes(model, leaf_module_classes, False, raise_if_not_found)
 
 
-def _flag_classes(model: nn.Module, classes: list, flag: bool) -> list[nn.Module]:
+def set_z3_leaf_modules_by_name(model: nn.Module, module_names: list[str], flag: bool = True,
+                                raise_if_not_found: bool = True
+                                ) -> tuple[list[nn.Module], list[str]]:
+    """Flag the modules named (as `named_modules()` names them): (modules, names not found)."""
+    return _flag_named(model, module_names, flag, raise_if_not_found, lambda name, key: name == key)
+
+
+def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: list[str],
+                                  flag: bool = True, raise_if_not_found: bool = True
+                                  ) -> tuple[list[nn.Module], list[str]]:
+    """Flag the modules whose names end so: (modules, suffixes that matched none)."""
+    return _flag_named(model, module_name_suffixes, flag, raise_if_not_found, str.endswith)
+
+
+def _flag_classes(model: nn.Module, classes: list, flag: bool,
+                  raise_if_not_found: bool) -> list[nn.Module]:
     if not all(isinstance(c, (type, str)) for c in classes):
         raise TypeError(f"leaf_module_classes must be classes or class names, got {classes}")
-    found = [m for m in model.modules()
-             if any(type(m) is c or type(m).__name__ == c for c in classes)]
-    if not found:
+
+    def named(m: nn.Module, c: type | str) -> bool:
+        if isinstance(c, type):
+            return isinstance(m, c)
+        return c in (type(m).__name__, f"{type(m).__module__}.{type(m).__qualname__}")
+    found = [m for m in model.modules() if any(named(m, c) for c in classes)]
+    if not found and raise_if_not_found:
         raise ValueError(f"no module of class {classes} in {type(model).__name__}")
     for m in found:
         set_z3_leaf_module(m, flag)
     return found
 
 
+def _flag_named(model: nn.Module, keys: list[str], flag: bool, raise_if_not_found: bool,
+                matches: Callable[[str, str], bool]) -> tuple[list[nn.Module], list[str]]:
+    found = {id(m): m for name, m in model.named_modules() if any(matches(name, k) for k in keys)}
+    missing = [k for k in keys if not any(matches(name, k) for name, _ in model.named_modules())]
+    if missing and raise_if_not_found:
+        raise ValueError(f"no module named {missing} in {type(model).__name__}")
+    for m in found.values():
+        set_z3_leaf_module(m, flag)
+    return list(found.values()), missing
+
+
 __all__ = ["logger", "log_dist", "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
+           "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
            "z3_leaf_module", "set_z3_leaf_module", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
            "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
            "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_grad",
