@@ -213,3 +213,20 @@ class StorageTracker(TorchDispatchMode):
             held = now
             time.sleep(0.01)
         return held
+
+
+class SparseExperts(nn.Module):
+    """A sparse MoE block: each sample goes to the expert its gate picks, so the experts a
+    rank runs, and their order, depend on its data."""
+
+    def __init__(self, width: int = 4, experts: int = 3):
+        super().__init__()
+        self.gate = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+
+    def forward(self, x):
+        choice = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i in choice.unique().tolist():  # only the experts some sample chose
+            out[choice == i] = self.experts[i](x[choice == i])
+        return x + out

@@ -13,6 +13,11 @@ calls) must be the same. The first rank at event n writes it; each later one com
 event there stops at once, naming both, before it starts a collective its peers will
 never join.
 
+Each event also carries the stage-3 gathers this rank launched since its last one, in
+order (a count and a checksum: `LiveStats.take_order`): ranks whose all-gathers paired up
+different parameters (experts picked by each rank's own data) are stopped at their next
+event, before a step applies what those gathers computed.
+
 The log is a ring of `RING` keys: a rank more than `RING` events ahead of another (which
 accumulation without collectives could allow) leaves that one unable to compare, never
 wrongly refused.
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -40,6 +45,14 @@ ADVICE = {True: f"{COLLECTIVE_CALLS} are collectives: call them on every rank at
                  "that stop at different lengths run different numbers of forwards)"}
 
 
+GATHER_ADVICE = ("every rank must gather the same parameters in the same order, as each "
+                 "all-gather pairs with the peers' call at the same position (the parameters "
+                 "it filled hold other parameters' values): a module that runs some of its "
+                 "submodules as its data decides (a sparse MoE block's experts) must be "
+                 "gathered whole: make it a leaf module (zero_optimization.leaf_module, or "
+                 "deepspeed.utils.set_z3_leaf_modules)")
+
+
 class RankDivergenceError(RuntimeError):
     """Ranks of one engine did different things at the same point: one of them made a
     collective call the others did not."""
@@ -55,6 +68,7 @@ class Lockstep:
         self._events = 0
         self._seen = [""] * ring  # what each slot held after this rank's last event there
         self._depth = 0  # collective calls entered: one inside another is not an event
+        self._gathers: Callable[[], str] = str  # the stage-3 gathers since the last event
 
     @classmethod
     def agree(cls, comm: Comm) -> Lockstep:
@@ -65,6 +79,11 @@ class Lockstep:
         token = [secrets.token_hex(8)]
         dist.broadcast_object_list(token, group=comm.group, group_src=0)
         return cls(comm.store, f"zeromem/lockstep/{token[0]}", comm.global_rank)
+
+    def watch(self, gathers: Callable[[], str]) -> None:
+        """Each event from now on carries `gathers()`: the stage-3 gathers launched since
+        the last one (`LiveStats.take_order`)."""
+        self._gathers = gathers
 
     def pass_starts(self, what: str) -> None:
         """A pass whose collectives every rank runs starts: a backward (its reductions), or
@@ -90,17 +109,25 @@ class Lockstep:
 
     def _event(self, what: str) -> None:
         n, self._events = self._events, self._events + 1
+        gathered = self._gathers()
         if self._store is None:
             return
         slot, key = n % len(self._seen), f"{self._key}/{n % len(self._seen)}"
-        mine, seen = f"{n}|{self._rank}|{what}", self._seen[slot]
+        mine, seen = f"{n}|{self._rank}|{gathered}|{what}", self._seen[slot]
         if seen and int(seen.split("|", 1)[0]) >= n:  # a rank this far ahead lapped the ring:
             found = self._store.get(key).decode()     # read it, never write over its event
         else:  # written only if it still holds what it did at this rank's last visit
             found = self._store.compare_set(key, seen, mine).decode()
         self._seen[slot] = found
-        index, rank, theirs = found.split("|", 2)
-        if int(index) == n and theirs != what:
+        index, rank, their_gathers, theirs = found.split("|", 3)
+        if int(index) != n:
+            return
+        if theirs != what:
             raise RankDivergenceError(
                 f"ranks diverged at event {n + 1} of this engine: rank {self._rank} runs {what}, "
                 f"where rank {rank} ran {theirs}: {ADVICE[CALL in what + theirs]}")
+        if their_gathers != gathered:
+            raise RankDivergenceError(
+                f"ranks diverged before event {n + 1} of this engine ({what}): since the event "
+                f"before, rank {self._rank} launched {gathered or 'no gathers'}, where rank "
+                f"{rank} launched {their_gathers or 'no gathers'}: {GATHER_ADVICE}")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from harness import run_distributed
+from models import SparseExperts
 
 
 def _cfg(stage: int, gas: int = 1, **extra) -> dict:
@@ -358,23 +359,6 @@ def _empty_partition_cache(deepspeed, rank, world_size, tmp) -> None:
             torch.testing.assert_close(full[key], value, rtol=0, atol=1e-6, msg=key)
 
 
-class _Experts(nn.Module):
-    """A sparse MoE block: each sample goes to the expert its gate picks, so the experts a
-    rank runs, and their order, depend on its data."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = nn.Linear(4, 3)
-        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
-
-    def forward(self, x):
-        choice = self.gate(x).argmax(-1)
-        out = torch.zeros_like(x)
-        for i in choice.unique().tolist():  # only the experts some sample chose
-            out[choice == i] = self.experts[i](x[choice == i])
-        return x + out
-
-
 def _leaf_modules(deepspeed, rank, world_size, tmp) -> None:
     """`deepspeed.utils.set_z3_leaf_modules(model, [MoEBlock])`, as MoE recipes (and
     Accelerate's transformer_moe_cls_names) call it, or the config's
@@ -383,14 +367,14 @@ def _leaf_modules(deepspeed, rank, world_size, tmp) -> None:
     units, and train as one process on both ranks' batches."""
     def net():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(4, 4), _Experts(), nn.Linear(4, 2))
+        return nn.Sequential(nn.Linear(4, 4), SparseExperts(), nn.Linear(4, 2))
     # units merged up to 16 elements only: without the leaf each expert is a unit of its
     # own, and ranks picking different experts pair their gathers up wrongly
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 16}
-    for leaf_module in (None, {"classes": "_Experts"}, {"names": ["1"]}):
+    for leaf_module in (None, {"classes": "SparseExperts"}, {"names": ["1"]}):
         model, plain = net(), net()
         if leaf_module is None:
-            leaves = deepspeed.utils.set_z3_leaf_modules(model, [_Experts])
+            leaves = deepspeed.utils.set_z3_leaf_modules(model, [SparseExperts])
             assert leaves == [model[1]] and deepspeed.utils.get_z3_leaf_modules(model) == leaves
         engine, *_ = deepspeed.initialize(model=model, config=_cfg(3, zero_optimization={
             **zero, **({} if leaf_module is None else {"leaf_module": leaf_module})}))

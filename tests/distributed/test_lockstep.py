@@ -22,6 +22,7 @@ from torch import nn
 import zeromem
 import zeromem.deepspeed as zeromem_deepspeed
 from harness import free_port, run_distributed
+from models import SparseExperts
 from zeromem.lockstep import Lockstep, RankDivergenceError
 
 WORLD = 2
@@ -79,6 +80,57 @@ def test_a_collective_call_on_rank_0_alone_is_named_at_once(stage, call):
     name = {"evaluation": "without gradients",
             "submodule": "a gather of '0' outside a forward"}.get(call, call.split()[-1])
     assert name in named[0] and "rank 0" in named[0], named[0]
+
+
+def experts_apart(rank: int, world_size: int) -> None:
+    """A sparse MoE block at stage 3 that is no leaf module: rank 0's samples all pick
+    expert 0, rank 1's expert 1, so each rank gathers one expert unit, not the same one, and
+    the two all-gathers pair up (before stop 47 each filled its expert with the other's
+    shards, silently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SparseExperts(), nn.Linear(4, 2))
+    with torch.no_grad():  # the gate picks expert 0 for x[0] > 0, expert 1 below
+        model[0].gate.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [-1.0, 0, 0, 0], [0, 0, 0, 0]]))
+        model[0].gate.bias.zero_()
+    engine = zeromem.initialize(model, {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        # merged up to 16 elements only: each expert (20) a unit of its own
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "reduce_bucket_size": 16}})
+    for step in range(2):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        x[:, 0] = x[:, 0].abs() * (1 - 2 * rank)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+
+
+def test_ranks_that_gathered_different_experts_are_stopped_before_the_step():
+    """The backward after the forward is refused on the second rank to reach it, naming the
+    gathers each launched and the leaf module that would make them agree."""
+    with pytest.raises(AssertionError) as failed:
+        run_distributed(experts_apart, WORLD, timeout_s=TIMEOUT_S)
+    named = [line for line in str(failed.value).splitlines() if "RankDivergenceError:" in line]
+    assert named, str(failed.value)[-3000:]
+    assert "before event 2 of this engine (backward (micro-step 1, optimizer step 1))" in named[0]
+    assert "launched 3 gathers (order" in named[0] and "leaf_module" in named[0], named[0]
+
+
+def test_sides_that_gathered_differently_are_refused_at_the_next_event():
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=10))
+    sides = [Lockstep(store, "gathers", rank) for rank in range(2)]
+    orders = ["3 gathers (order 0000abcd)"] * 2
+    for rank, side in enumerate(sides):
+        side.watch(lambda rank=rank: orders[rank])
+        side.pass_starts("backward 1")  # the same gathers: agreed
+    orders[1] = "3 gathers (order 1111abcd)"
+    sides[0].pass_starts("forward 2")
+    with pytest.raises(RankDivergenceError) as refused:
+        sides[1].pass_starts("forward 2")
+    message = str(refused.value)
+    assert "before event 2 of this engine (forward 2): since the event before, rank 1 launched " \
+           "3 gathers (order 1111abcd), where rank 0 launched 3 gathers (order 0000abcd)" in message
+    assert "zero_optimization.leaf_module" in message, message
 
 
 def test_sides_that_agree_pass_and_the_second_to_differ_names_both():

@@ -6,32 +6,17 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
+
 from torch import nn
 
+from models import SparseExperts
 from zeromem.config.schema import Config
 from zeromem.deepspeed import utils
 from zeromem.stage3.units import UnitCaps, plan_fetch_units, unmerged_units
 
 
-class Experts(nn.Module):
-    """A sparse MoE block: each sample goes to the expert its gate picks."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = nn.Linear(4, 3)
-        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
-
-    def forward(self, x):
-        choice = self.gate(x).argmax(-1)
-        out = torch.zeros_like(x)
-        for i in choice.unique().tolist():
-            out[choice == i] = self.experts[i](x[choice == i])
-        return x + out
-
-
 def model() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(4, 4), Experts(), nn.Linear(4, 2))
+    return nn.Sequential(nn.Linear(4, 4), SparseExperts(), nn.Linear(4, 2))
 
 
 def leaves(block: dict | None, root: nn.Module) -> list[nn.Module]:
@@ -41,8 +26,8 @@ def leaves(block: dict | None, root: nn.Module) -> list[nn.Module]:
 
 
 @pytest.mark.parametrize("block, expected", [
-    ({"classes": ["Experts"]}, ["1"]),
-    ({"classes": f"{Experts.__module__}.Experts"}, ["1"]),  # module-qualified, given bare
+    ({"classes": ["SparseExperts"]}, ["1"]),
+    ({"classes": f"{SparseExperts.__module__}.SparseExperts"}, ["1"]),  # qualified, given bare
     ({"classes": ["Linear"]}, ["0", "1.gate", "1.experts.0", "1.experts.1", "1.experts.2", "2"]),
     ({"names": ["1.gate", "2"]}, ["1.gate", "2"]),
     ({"name_suffixes": ["experts.1", "2"]}, ["1.experts.1", "1.experts.2", "2"])])
@@ -68,18 +53,18 @@ def test_deepspeeds_default_leaves_are_hugging_faces_moe_blocks(caplog):
 
 def test_a_name_that_matches_nothing_is_warned_about(caplog):
     with caplog.at_level(logging.WARNING, "zeromem"):
-        assert leaves({"names": ["2.experts"], "classes": ["Experts"]}, model())
+        assert leaves({"names": ["2.experts"], "classes": ["SparseExperts"]}, model())
     assert "['2.experts'] match no module" in caplog.text
 
 
 def test_deepspeeds_flags_make_leaves_and_unflagging_undoes_them():
     root = model()
-    assert utils.set_z3_leaf_modules(root, ["Experts"]) == [root[1]]
+    assert utils.set_z3_leaf_modules(root, ["SparseExperts"]) == [root[1]]
     assert leaves(None, root) == [root[1]]
     found, missing = utils.set_z3_leaf_modules_by_name(root, ["2", "9"], raise_if_not_found=False)
     assert found == [root[2]] and missing == ["9"]
     assert leaves(None, root) == [root[1], root[2]]
-    utils.unset_z3_leaf_modules(root, [Experts])
+    utils.unset_z3_leaf_modules(root, [SparseExperts])
     utils.set_z3_leaf_modules_by_suffix(root, ["2"], flag=False)
     assert leaves(None, root) == []
     with pytest.raises(ValueError, match="no module named"):

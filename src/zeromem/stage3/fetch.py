@@ -571,6 +571,7 @@ def build_stage3(module: nn.Module, groups: list[FlatParamGroup], choice: UnitCh
     settings = config.zero_optimization
     index_of = {id(g.params[0]): i for i, g in enumerate(groups)}  # the units' launch order
     live = LiveStats()
+    lockstep.watch(live.take_order)  # the ranks' log compares the order of their gathers
     module_units = []
     for modules, (_, params) in zip(choice.modules, choice.parts):
         index = index_of[id(params[0])]

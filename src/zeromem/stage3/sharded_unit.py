@@ -50,6 +50,7 @@ Ledger kinds: `all_gather_forward`, `all_gather_eval` (no_grad forwards),
 from __future__ import annotations
 
 import enum
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -73,15 +74,35 @@ class GatherPolicy:
 
 
 class LiveStats:
-    """Gathered parameter elements alive now and at peak (stage3_max_live_parameters)."""
+    """Gathered parameter elements alive now and at peak (stage3_max_live_parameters), and
+    the gathers launched since `take_order` last asked, in their order.
+
+    Each rank's k-th all-gather pairs with its peers' k-th: ranks that gather different
+    units (a sparse MoE block's experts, each rank running those its data picks) would
+    fill them with each other's shards, silently, when the sizes agree. So the engine's
+    ranks compare that order at each event of their common log (lockstep.py)."""
 
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        self._launched = 0
+        self._digest = 0
 
     def add(self, numel: int) -> None:
         self.live += numel
         self.peak = max(self.peak, self.live)
+
+    def launched(self, index: int, numel: int) -> None:
+        """The gather of unit `index` (`numel` elements whole) starts."""
+        self.add(numel)
+        self._launched += 1
+        self._digest = zlib.crc32(index.to_bytes(4, "little"), self._digest)
+
+    def take_order(self) -> str:
+        """The gathers launched since the last call, in words, and start counting anew."""
+        text = f"{self._launched} gathers (order {self._digest:08x})" if self._launched else ""
+        self._launched = self._digest = 0
+        return text
 
 
 class Phase(enum.Enum):
@@ -163,7 +184,7 @@ class ShardedUnit:
         g = self.group
         self.placement.fetch(g, self)  # offload_param: the shard comes from host or NVMe first
         full = g.begin_gather()  # the group's own buffer, regrown (flat.py says why)
-        self.stats.add(g.padded_numel)
+        self.stats.launched(self.index, g.padded_numel)
         # Backward's saved views of this buffer check its version: refilling it with the
         # same values is not the in-place change that check guards against (also `_finish`).
         with torch.autograd._unsafe_preserve_version_counter(full):
