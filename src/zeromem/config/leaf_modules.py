@@ -29,6 +29,12 @@ DEFAULT_CLASSES = (
 )
 
 
+def class_named(module: nn.Module, name: str) -> bool:
+    """Is `module`'s class the one `name` names (its name or module-qualified name)?"""
+    cls = type(module)
+    return name in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+
+
 def _listed(value: Any) -> Any:
     return [value] if isinstance(value, str) else value  # one name given bare, as DeepSpeed takes it
 
@@ -51,9 +57,7 @@ class LeafModuleConfig(_Block):
         classes match nothing in most models)."""
         found, used = [], set()
         for name, module in root.named_modules():
-            cls = type(module)
-            hits = [c for c in self.classes
-                    if c in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")]
+            hits = [c for c in self.classes if class_named(module, c)]
             hits += [n for n in self.names if n == name]
             hits += [s for s in self.name_suffixes if name.endswith(s)]
             if hits or getattr(module, "_z3_leaf", False):

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ...config.leaf_modules import class_named
 from ...param_states import GRAD, MASTER, ParamStates
 from .logging import log_dist, logger
 
@@ -166,11 +167,8 @@ def _flag_classes(model: nn.Module, classes: list, flag: bool,
     if not all(isinstance(c, (type, str)) for c in classes):
         raise TypeError(f"leaf_module_classes must be classes or class names, got {classes}")
 
-    def named(m: nn.Module, c: type | str) -> bool:
-        if isinstance(c, type):
-            return isinstance(m, c)
-        return c in (type(m).__name__, f"{type(m).__module__}.{type(m).__qualname__}")
-    found = [m for m in model.modules() if any(named(m, c) for c in classes)]
+    found = [m for m in model.modules()
+             if any(isinstance(m, c) if isinstance(c, type) else class_named(m, c) for c in classes)]
     if not found and raise_if_not_found:
         raise ValueError(f"no module of class {classes} in {type(model).__name__}")
     for m in found:
@@ -180,8 +178,9 @@ def _flag_classes(model: nn.Module, classes: list, flag: bool,
 
 def _flag_named(model: nn.Module, keys: list[str], flag: bool, raise_if_not_found: bool,
                 matches: Callable[[str, str], bool]) -> tuple[list[nn.Module], list[str]]:
-    found = {id(m): m for name, m in model.named_modules() if any(matches(name, k) for k in keys)}
-    missing = [k for k in keys if not any(matches(name, k) for name, _ in model.named_modules())]
+    named = list(model.named_modules())
+    found = {id(m): m for name, m in named if any(matches(name, k) for k in keys)}
+    missing = [k for k in keys if not any(matches(name, k) for name, _ in named)]
     if missing and raise_if_not_found:
         raise ValueError(f"no module named {missing} in {type(model).__name__}")
     for m in found.values():
