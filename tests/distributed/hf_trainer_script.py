@@ -12,7 +12,8 @@ then again with both offloads on NVMe; then `evaluate()` alone, which builds the
 engine with no optimizer; then PEFT LoRA on the model loaded under Init), an
 Accelerate loop with a DeepSpeed plugin, TRL's generation under ZeRO-3 between
 training steps, and TRL's GRPOTrainer. `frameworks` mode trains, through zeromem too, with
-each DeepSpeed config of FRAMEWORKS. Rank 0 writes JSON results.
+each DeepSpeed config the fine-tuning frameworks ship (tests/config_corpus.py). Rank 0
+writes JSON results.
 
 The Trainer accumulates GAS micro-batches per step, as its users mostly do: an epoch
 of 16 micro-batches a rank ends in a window of one (Accelerate announces each boundary
@@ -37,36 +38,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the corpus's helper
+import config_corpus  # noqa: E402
+
 CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
-CORPUS = Path(__file__).parent.parent / "data" / "ds_config_corpus"
-# The DeepSpeed configs fine-tuning frameworks ship for the Trainer (ds_config_corpus/README.md),
-# those that load, by who builds the optimizer and schedule: HF (no optimizer block: HF's AdamW
-# over its two param groups, HF's schedule), or the config's AdamW over every parameter with
-# HF's schedule (no scheduler block) or the config's WarmupLR
-FRAMEWORKS = {
-    "hf": ["axolotl/deepspeed_configs/" + name for name in (
-        "zero1.json", "zero1_torch_compile.json", "zero2.json", "zero2_torch_compile.json",
-        "zero3.json", "zero3_bf16.json", "zero3_bf16_cpuoffload_all.json",
-        "zero3_bf16_cpuoffload_params.json")]
-    + ["LLaMA-Factory/examples/deepspeed/" + name for name in (
-        "ds_z0_config.json", "ds_z2_config.json", "ds_z2_offload_config.json",
-        "ds_z3_config.json", "ds_z3_offload_config.json")]
-    + ["LLaVA/scripts/zero2.json", "LLaVA/scripts/zero3.json"]
-    + ["ms-swift/swift/config/" + name for name in (
-        "zero0.json", "zero1.json", "zero2.json", "zero2_offload.json", "zero3.json",
-        "zero3_offload.json")]
-    + ["FastChat/playground/deepspeed_config_s2.json",
-       "FastChat/playground/deepspeed_config_s3.json"],
-    "config_adamw": ["InternVL/" + name for name in (
-        "internvl_chat/zero_stage1_config.json", "internvl_chat/zero_stage2_config.json",
-        "internvl_chat/zero_stage3_config.json", "internvl_chat/zero_stage3_config_100b.json",
-        "internvl_chat/zero_stage3_config_100b_1e7_offload.json",
-        "internvl_chat/zero_stage3_config_100b_1e8.json",
-        "internvl_chat/zero_stage3_config_34b.json", "internvl_chat/zero_stage3_config_70b.json",
-        "internvl_chat_gpt_oss/zero_stage1_config.json",
-        "internvl_chat_gpt_oss/zero_stage3_config.json")],
-    "config_adamw_warmup": ["LLaVA/scripts/zero3_offload.json"],
-}
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 2, 6, 1e-2
 GAS, SAMPLES = 3, 64  # 2 ranks x BATCH: 16 micro-batches a rank, 6 steps (5 x 3, then 1)
 # HF's own optimizer and schedule (a config without them): warmup then linear decay, and
@@ -508,24 +483,38 @@ def one_group(schedule: str) -> Callable[[torch.nn.Module], tuple]:
     return build
 
 
+def framework_kind(config: dict) -> str:
+    """Who builds the optimizer and schedule: HF (no optimizer block: HF's AdamW over its two
+    param groups, HF's schedule), or the config's AdamW over every parameter, with HF's
+    schedule (no scheduler block) or the config's WarmupLR."""
+    if "optimizer" not in config:
+        return "hf"
+    return "config_adamw_warmup" if "scheduler" in config else "config_adamw"
+
+
 def framework_configs() -> dict:
-    """Each framework config as its users run it: the Trainer with HF_SCHEDULE's arguments,
-    bf16 where the config turns it on itself (HF refuses `bf16: true` beside `--bf16` off).
-    {config: losses, gradient norms, lrs}; a config equal to one run before is not rerun."""
+    """Each DeepSpeed config a fine-tuning framework ships (config_corpus.framework_files)
+    that loads, as its users run it: the Trainer with HF_SCHEDULE's arguments, bf16 where
+    the config turns it on itself (HF refuses `bf16: true` beside `--bf16` off).
+    {config: its kind, losses, gradient norms, lrs}; a config equal to one run before is
+    not rerun."""
     done: dict[str, dict] = {}
     results = {}
-    for kind, names in FRAMEWORKS.items():
-        for name in names:
-            text = json.dumps(json.loads((CORPUS / name).read_text()), sort_keys=True)
-            if text not in done:
-                # without a GPU, TrainingArguments takes bf16 only beside use_cpu
-                bf16 = {"bf16": True, "use_cpu": True} \
-                    if json.loads(text).get("bf16", {}).get("enabled") is True else {}
-                run = train(f"framework_{len(done)}", str(CORPUS / name), **bf16, **HF_SCHEDULE)
-                done[text] = {key: run[key] for key in ("losses", "grad_norms", "lrs")}
-                del run
-                gc.collect()
-            results[name] = {"kind": kind, **done[text]}
+    for path in config_corpus.framework_files():
+        name = str(path.relative_to(config_corpus.CORPUS))
+        if name in config_corpus.FRAMEWORKS_NOT_LOADING:
+            continue
+        config = json.loads(path.read_text())
+        text = json.dumps(config, sort_keys=True)
+        if text not in done:
+            # without a GPU, TrainingArguments takes bf16 only beside use_cpu
+            bf16 = {"bf16": True, "use_cpu": True} \
+                if config.get("bf16", {}).get("enabled") is True else {}
+            run = train(f"framework_{len(done)}", str(path), **bf16, **HF_SCHEDULE)
+            done[text] = {key: run[key] for key in ("losses", "grad_norms", "lrs")}
+            del run
+            gc.collect()
+        results[name] = {"kind": framework_kind(config), **done[text]}
     return results
 
 

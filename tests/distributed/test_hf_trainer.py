@@ -234,6 +234,8 @@ def test_fine_tuning_frameworks_configs_train_as_the_ddp_trainer(runs, framework
     step's lr of the DDP Trainer."""
     expected = {str(p.relative_to(config_corpus.CORPUS)) for p in config_corpus.framework_files()}
     assert set(frameworks) == expected - set(config_corpus.FRAMEWORKS_NOT_LOADING)
+    kinds = [run["kind"] for run in frameworks.values()]  # InternVL's and LLaVA's offload one
+    assert (kinds.count("config_adamw"), kinds.count("config_adamw_warmup")) == (10, 1)
     for name, run in frameworks.items():
         ddp = runs[1]["hf_optimizer" if run["kind"] == "hf" else run["kind"]]
         config = json.loads((config_corpus.CORPUS / name).read_text())
