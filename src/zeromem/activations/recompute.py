@@ -196,9 +196,13 @@ class ActivationCheckpointing:
                            "model-parallel group: data-parallel ranks hold different activations, "
                            "so there is no replicated copy to split (see DESIGN.md, note on Pa)")
 
+    # Never traced, as DeepSpeed's checkpoint: compiled, the segment's forward let inductor
+    # reuse its output's buffer, which the next segment had stored as its input.
+    @torch._disable_dynamo
     def checkpoint(self, function: Callable, *args: Any, preserve_rng_state: bool = True,
                    **kwargs: Any) -> Any:
-        """Checkpoint `function(*args, **kwargs)` under this object's policy."""
+        """Checkpoint `function(*args, **kwargs)` under this object's policy; inside a
+        `torch.compile`d module it runs eagerly (a graph break)."""
         if not torch.is_grad_enabled():
             return function(*args, **kwargs)  # nothing will backpropagate: keep nothing
         segment = _Segment(function, args, kwargs, self.store, preserve_rng_state)
