@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterable, cast
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from zeromem import torch_backward
 from zeromem.activations import recompute as activations
 from zeromem.checkpoints import model_weights
 from zeromem.checkpoints import save_load as checkpoints
@@ -180,6 +181,10 @@ class Engine:
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         # monitors, comms_logger, flops_profiler, throughput, dump_state (monitoring/monitors.py)
         self.observers = Observers(config, comm, self.device, self.psi, self.counters)
+        # `loss.backward()` through the forward's outputs opens this engine's backward
+        self.output_hooks = torch_backward.OutputHooks(
+            [p for g in self.groups for p in g.params], self._opens_torch_backward)
+        self._loss_scaled = False  # engine.scale(loss) came before that backward (fp16)
 
     def _make_scheduler(self, lr_scheduler: SchedulerArg) -> LRScheduler | None:
         """A factory `optimizer -> scheduler`, a ready scheduler, or the config's `scheduler`."""
@@ -308,7 +313,10 @@ class Engine:
             if self.config.torch_autocast.enabled else contextlib.nullcontext()
         with self.timers("forward"), self.activation_checkpointing.active(), \
                 self.observers.forward(), autocast:
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        if self.trains and torch.is_grad_enabled():
+            self.output_hooks.watch(out)  # a `loss.backward()` of the caller's opens a backward
+        return out
 
     __call__ = forward
 
@@ -329,23 +337,53 @@ class Engine:
         """Backpropagate `loss` with 1/(accumulation steps x N_d) and the loss scale applied.
 
         Scaling the loss divides every gradient by N_d before the reduction sums them:
-        DeepSpeed's `"prescale_gradients": true`, always (its default, false, divides after)."""
+        DeepSpeed's `"prescale_gradients": true`, always (its default, false, divides after).
+        `loss.backward()` on what the engine's forward returned does the same
+        (torch_backward.py), the gradients scaled as they are taken in."""
+        scale = self.scaler.scale / (self.counters.gradient_accumulation_steps * self.dp_world_size)
+        with self._backward_pass(loss, grad_factor=1.0), self.activation_checkpointing.active(), \
+                torch_backward.engine_task() as mark:
+            mark(loss.float() * scale).backward(retain_graph=retain_graph)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the fp16 loss scale, for `engine.scale(loss).backward()` (DeepSpeed's):
+        with fp16, `loss.backward()` without it is refused, its gradients would underflow."""
+        self._loss_scaled = True
+        return loss * self.scaler.scale
+
+    @contextlib.contextmanager
+    def _backward_pass(self, loss: torch.Tensor | None, grad_factor: float) -> Iterator[None]:
+        """One backward's bookkeeping: counted, the reductions started, and at the end the
+        buckets no gradient completed handed in; gradients are taken in times `grad_factor`."""
         self._check_trains("backward")
         self.lockstep.pass_starts(f"backward (micro-step {self.micro_steps + 1}, optimizer "
                                   f"step {self.global_steps + 1})")
-        scale = self.scaler.scale / (self.counters.gradient_accumulation_steps * self.dp_world_size)
         self.counters.advance_backward()
-        with self.timers("backward"), self.activation_checkpointing.active(), \
-                self.observers.backward(loss):
-            self.zero.start_backward(self.is_gradient_accumulation_boundary())
+        with self.timers("backward"), self.observers.backward(loss):
+            self.zero.start_backward(self.is_gradient_accumulation_boundary(), grad_factor)
             if self.stage3 is not None:
-                self.stage3.start_pass("backward")
-            (loss.float() * scale).backward(retain_graph=retain_graph)
+                self.stage3.start_pass("backward", grad_factor)
+            yield
             if self.stage3 is not None:
                 self.stage3.finish_backward()  # units with unused parameters hand over
             self.zero.finish_backward()
             if self.stage3 is not None:
                 self.stage3.finish_pass()
+
+    def _opens_torch_backward(self) -> Callable[[], None]:
+        """A `loss.backward()` of the caller's reached the outputs (torch_backward.py): the
+        backward opens, gradients taken in times 1/(accumulation steps x N_d); returns its
+        close, which autograd calls when that backward ends."""
+        if self.scaler.scale != 1.0 and not self._loss_scaled:
+            raise RuntimeError(
+                "loss.backward() on this engine's output with fp16: the gradients need the "
+                f"loss scale ({self.scaler.scale:g}) to stay representable; call "
+                "engine.scale(loss).backward() or engine.backward(loss)")
+        self._loss_scaled = False
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._backward_pass(
+            None, 1.0 / (self.counters.gradient_accumulation_steps * self.dp_world_size)))
+        return stack.close
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.counters.at_boundary()

@@ -141,6 +141,7 @@ class ZeroOptimizer:
         self.missing: list[int] = [len(g.params) for g in groups]  # `hook_parameters` counts
         self.gathered_callbacks: list[Callable[[], None]] = []
         self.hooks: list = []
+        self.grad_factor = 1.0  # this backward's, `start_backward`
 
     # -- backward: reduce -------------------------------------------------------
     def hook_parameters(self) -> None:
@@ -162,6 +163,8 @@ class ZeroOptimizer:
             if self.missing[gi] == len(group.params):  # a bucket starts
                 self.comm.bucket_starts()
             assert param.grad is not None  # a post-accumulate-grad hook
+            if self.grad_factor != 1.0:
+                param.grad.mul_(self.grad_factor)
             group.add_grad(offset, param.grad)
             param.grad = None
             self.missing[gi] -= 1
@@ -173,8 +176,11 @@ class ZeroOptimizer:
         """Call `callback()` each time the updated parameter shards were all-gathered."""
         self.gathered_callbacks.append(callback)
 
-    def start_backward(self, boundary: bool) -> None:
-        """Called before each backward; `boundary` marks the last micro-step of a step."""
+    def start_backward(self, boundary: bool, grad_factor: float = 1.0) -> None:
+        """Called before each backward; `boundary` marks the last micro-step of a step.
+        Gradients are taken in times `grad_factor` (not 1 where the engine could not scale
+        the loss: a `loss.backward()` of the caller's, torch_backward.py)."""
+        self.grad_factor = grad_factor
         self.start_placement(boundary)  # offloaded: host copies of reduced grads at the boundary
         self._boundary = boundary
         self.gradient_complete = False
@@ -212,7 +218,8 @@ class ZeroOptimizer:
                     "only in engine.backward(loss) and engine.step(); a torch optimizer built "
                     "over model.parameters() after initialize steps each rank's own gradient "
                     "(ranks drift apart) and, at stage 3, empty shards. Pass the optimizer to "
-                    "initialize and call engine.backward / engine.step (another engine's "
+                    "initialize, call the engine rather than the module (loss.backward() on "
+                    "its outputs is then its backward) and engine.step() (another engine's "
                     "backward through this module is fine)", name)
 
     def _take_left_over(self, gi: int) -> None:
@@ -281,8 +288,10 @@ class ZeroOptimizer:
                 if p.grad is not None:
                     raise RuntimeError(
                         f"step(): parameter {slot.name!r} has a gradient that no "
-                        "engine.backward took in: a loss.backward() of its own (call "
-                        "engine.backward(loss) instead), or another engine's backward through "
+                        "engine.backward took in: a loss.backward() through the module "
+                        "called directly (call the engine, engine(batch), whose outputs' "
+                        "backward is the engine's; or engine.backward(loss)), or another "
+                        "engine's backward through "
                         "this module after this engine's last one (zeromem counts it at this "
                         "engine's next backward: call step() before that backward, or "
                         "zero_grad() on the module to drop it)")

@@ -429,6 +429,32 @@ def _checkpointing_group_from_mpu(deepspeed, rank, world_size, tmp) -> None:
         deepspeed.checkpointing.configure(None)
 
 
+def _pytorch_style_backward(deepspeed, rank, world_size, tmp) -> None:
+    """DeepSpeed 0.18+: `loss.backward()` (or `engine.scale(loss).backward()`) on the
+    engine's output, then `engine.step()`, trains as `engine.backward(loss)`; which returns
+    the loss divided by the accumulation steps, as DeepSpeed's does."""
+    for stage in (2, 3):
+        weights = []
+        for style in ("engine", "torch", "scaled"):
+            engine, *_ = deepspeed.initialize(model=_net(), config=_cfg(stage, gas=2))
+            for i in range(4):
+                torch.manual_seed(100 + 10 * i + rank)  # ranks see different batches
+                loss = engine(torch.randn(2, 4)).square().mean()
+                if style == "engine":
+                    returned = engine.backward(loss)
+                    torch.testing.assert_close(returned, loss / 2)
+                else:
+                    (loss if style == "torch" else engine.scale(loss)).backward()
+                engine.step()
+            assert engine.global_steps == 2, (stage, style)
+            params = list(engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(params):  # compared on every rank
+                weights.append([p.detach().clone() for p in params])
+        for other in weights[1:]:
+            for got, want in zip(other, weights[0]):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-7, msg=f"stage {stage}")
+
+
 def _cases(rank: int, world_size: int, tmp: str) -> None:
     import zeromem.deepspeed as deepspeed
     _client_optimizers(deepspeed, rank, world_size, tmp)
@@ -441,6 +467,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> None:
     _leaf_modules(deepspeed, rank, world_size, tmp)
     _stepping_the_returned_optimizer(deepspeed, rank, world_size, tmp)
     _checkpointing_group_from_mpu(deepspeed, rank, world_size, tmp)
+    _pytorch_style_backward(deepspeed, rank, world_size, tmp)
 
 
 def test_deepspeed_api_surface(tmp_path):

@@ -122,6 +122,11 @@ def mutated(tree: ast.Module, names: set[str], owners: set[str]) -> set[str]:
     return names & (hits - {None})  # type: ignore[operator]
 
 
+# The one exception, and why: autograd's graph tasks belong to the process, and a backward
+# one engine started may run through another engine's outputs (torch_backward.py).
+SHARED_ALLOWED = {"torch_backward.py: ENGINE_TASKS"}
+
+
 def test_no_shared_container_is_mutated():
     found = []
     for name, tree in modules().items():
@@ -131,6 +136,7 @@ def test_no_shared_container_is_mutated():
             shared = containers(cls.body)
             found += [f"{name}: {cls.name}.{x}"
                       for x in mutated(tree, shared, {"self", "cls", cls.name})]
+    found = sorted(set(found) - SHARED_ALLOWED)
     assert not found, f"module- or class-level containers mutated (process-wide state): {found}"
 
 

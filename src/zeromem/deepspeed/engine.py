@@ -81,13 +81,20 @@ class DeepSpeedEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss=False,
                  retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backpropagate `loss`; `scale_wrt_gas=False` skips the 1/accumulation-steps factor."""
+        """Backpropagate `loss`; `scale_wrt_gas=False` skips the 1/accumulation-steps factor.
+        Returns the loss as DeepSpeed does: divided by the accumulation steps unless that
+        factor was skipped."""
         if not allreduce_gradients:
             raise NotImplementedError("backward(allreduce_gradients=False) is not supported")
         self._log_loss(loss)
         gas = self.gradient_accumulation_steps()
         self.engine.backward(loss if scale_wrt_gas else loss * gas, retain_graph=retain_graph)
-        return loss
+        return loss / gas if scale_wrt_gas else loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's: `engine.scale(loss).backward()`, the fp16 loss scale applied, for a
+        loop that calls backward itself (any precision: the factor is 1 without fp16)."""
+        return self.engine.scale(loss)
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """A micro-step; at the accumulation boundary the optimizer (and scheduler) step."""

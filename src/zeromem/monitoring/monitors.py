@@ -153,9 +153,10 @@ class Observers:
         """A context around the engine's forward (the flops profiler counts in it)."""
         return self.flops.phase("forward") if self.flops is not None else _nothing()
 
-    def backward(self, loss: torch.Tensor):
-        """A context around the engine's backward of `loss`."""
-        if self.monitoring:
+    def backward(self, loss: torch.Tensor | None):
+        """A context around the engine's backward of `loss` (None: a `loss.backward()` of
+        the caller's, whose loss the engine never sees)."""
+        if self.monitoring and loss is not None:
             self.losses.append(loss.detach().float().reshape(()))
         return self.flops.phase("backward") if self.flops is not None else _nothing()
 

@@ -206,6 +206,7 @@ class FetchSchedule:
         self.store = store
         self.lockstep = lockstep  # the engine's ranks' common log (lockstep.py)
         self.outside_gradient = outside_gradient  # told of one outside the engine's backward
+        self.grad_factor = 1.0  # this backward's (`start_pass`)
         self.passes = 0
         self.module_stack: list[int] = []
         # orders by kind of pass: ("forward" | "eval" | "backward", training, flags)
@@ -284,11 +285,13 @@ class FetchSchedule:
             self.idle_hooked = False
 
     # -- passes ------------------------------------------------------------
-    def start_pass(self, kind: str | tuple) -> None:
+    def start_pass(self, kind: str | tuple, grad_factor: float = 1.0) -> None:
         """Begin a pass ("backward", or a forward's full key): reset the position in its order.
 
-        A backward is keyed like the forward before it (same mode and flags, same branch).
+        A backward is keyed like the forward before it (same mode and flags, same branch);
+        its gradients are taken in times `grad_factor` (zero_optimizer.py `start_backward`).
         """
+        self.grad_factor = grad_factor
         key = ("backward", *self.pass_kind[1:]) if kind == "backward" else tuple(kind)
         self.pass_kind, self.position, self.on_track = key, 0, key in self.recorded
         self.frontier, self.in_pass = 0, True
@@ -548,6 +551,8 @@ class FetchSchedule:
         self._recompute_ended()
         if unit.phase in (Phase.FORWARD, Phase.EVAL) and self.outside_gradient is not None:
             self.outside_gradient(param)  # not this engine's backward: it stays in param.grad
+        elif self.grad_factor != 1.0 and unit.phase is Phase.BACKWARD and param.grad is not None:
+            param.grad.mul_(self.grad_factor)
         if unit.grad_in(param):
             self._release([unit])
 
