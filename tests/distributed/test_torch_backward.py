@@ -142,14 +142,19 @@ def fp16_on_ranks(rank: int, world: int) -> dict:
 
 
 def input_gradient_on_ranks(rank: int, world: int) -> dict:
-    """`torch.autograd.grad` through the outputs (a gradient penalty) is no backward of the
-    engine's: the input's gradient is the module's, unscaled, and nothing is counted."""
+    """`torch.autograd.grad` through the outputs is no backward of the engine's: by the
+    input (a gradient penalty, stage 3) or by a parameter (stage 2, where it is whole), the
+    gradient is the module's, unscaled, and nothing is counted."""
     rows = slice(rank * MICRO // world, (rank + 1) * MICRO // world)
-    engine = zeromem.initialize(model(), config(3, "fp32"), optimizer=sgd)
     x, y = batch(0, 0)
     x = x[rows].clone().requires_grad_()
-    grad, = torch.autograd.grad(objective(engine(x, y[rows])), x)
-    return {"grad": grad.numpy(), "backwards": engine.counters.backwards}
+    engine = zeromem.initialize(model(), config(3, "fp32"), optimizer=sgd)
+    by_input, = torch.autograd.grad(objective(engine(x, y[rows])), x)
+    backwards = engine.counters.backwards
+    engine = zeromem.initialize(model(), config(2, "fp32"), optimizer=sgd)
+    by_param, = torch.autograd.grad(objective(engine(x, y[rows])), engine.module.head.weight)
+    return {"by_input": by_input.numpy(), "by_param": by_param.numpy(),
+            "backwards": backwards + engine.counters.backwards}
 
 
 class Recomputed(nn.Module):
@@ -253,8 +258,10 @@ def test_autograd_grad_through_the_outputs_is_not_a_backward_of_the_engine(runs)
     for rank, got in enumerate(runs["input_grad"]):
         rows = slice(rank * MICRO // WORLD, (rank + 1) * MICRO // WORLD)
         xr = x[rows].clone().requires_grad_()
-        want, = torch.autograd.grad(objective(module(xr, y[rows])), xr)
-        torch.testing.assert_close(torch.from_numpy(got["grad"]), want, msg=f"rank {rank}")
+        by_input, by_param = torch.autograd.grad(objective(module(xr, y[rows])),
+                                                 [xr, module.head.weight])
+        torch.testing.assert_close(torch.from_numpy(got["by_input"]), by_input, msg=f"rank {rank}")
+        torch.testing.assert_close(torch.from_numpy(got["by_param"]), by_param, msg=f"rank {rank}")
         assert got["backwards"] == 0, rank  # no backward of the engine's opened
 
 
