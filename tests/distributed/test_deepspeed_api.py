@@ -62,6 +62,7 @@ def _getters_and_module(deepspeed, rank, world_size, tmp) -> None:
             engine.bfloat16_enabled()) == (1, False, False)
     assert (engine.global_rank, engine.world_size, engine.local_rank) == (rank, world_size, rank)
     assert engine.get_mom() == [0.5]
+    assert (engine.optimizer_name(), engine.wall_clock_breakdown(), opt.cur_scale) == ("sgd", False, 1.0)
     seen = [int(v) for (batch,) in loader for v in batch[:, 0] // 2]
     assert len(seen) == 8 // world_size and len(set(seen)) == len(seen)
     everyone = [None] * world_size

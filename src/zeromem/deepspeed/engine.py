@@ -180,6 +180,15 @@ class DeepSpeedEngine(nn.Module):
     def steps_per_print(self) -> int | float:  # Infinity: never
         return self.engine.config.steps_per_print
 
+    def wall_clock_breakdown(self) -> bool:
+        return bool(self.engine.config.wall_clock_breakdown)
+
+    def optimizer_name(self) -> str | None:
+        """The config's optimizer type in lower case, as DeepSpeed names it ("adamw",
+        "lamb"); None when the client built the optimizer."""
+        block = self.engine.config.optimizer
+        return block.type.lower() if block is not None else None
+
     @property
     def config(self) -> Any:
         """The config as given to `initialize` (a dict, as DeepSpeed's `engine.config`; HF

@@ -44,6 +44,11 @@ class DeepSpeedZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.zero_grad()
 
+    @property
+    def cur_scale(self) -> float:
+        """The loss scale now (DeepSpeed's fp16 optimizers' name; 1 without fp16)."""
+        return self._engine.loss_scale
+
     def train(self) -> None:
         """A schedule-free optimizer's train mode: its masters move back to where gradients
         are taken, the parameters with them (Accelerate calls it; DeepSpeed 0.19.8 moved the
