@@ -12,6 +12,8 @@ from torch import nn
 from models import SparseExperts
 from zeromem.config.schema import Config
 from zeromem.deepspeed import utils
+from zeromem.planning.model_shapes import shape_of
+from zeromem.planning.planner import predict_memory
 from zeromem.stage3.units import UnitCaps, plan_fetch_units, unmerged_units
 
 
@@ -91,3 +93,23 @@ def test_the_fetch_units_never_split_a_leaf(user):
         assert len({whole[id(p)] for p in expert_params}) == 1
         assert units[whole[id(expert_params[0])]].kind == "leaf"
         assert set(whole) == {id(p) for p in root.parameters()}
+
+
+def test_the_planner_keeps_a_leaf_whole_as_the_engine_does():
+    """`shape_of` (and `predict_memory`, from the config's `leaf_module`) merges the units
+    the engine builds: the leaf one unit, in the engine's group order."""
+    root = model()
+    order = {id(p): i for i, p in enumerate(root.parameters())}
+    caps = UnitCaps(bucket_numel=30)  # neighbours merge up to 30 elements; the leaf is 75
+    for leaf in ([], [root[1]]):
+        units = plan_fetch_units(root, caps=caps, leaves=leaf)
+        engine = [u.numel for u in sorted(units, key=lambda u: -min(order[id(p)] for p in u.params))]
+        assert list(shape_of(root, leaves=leaf).with_unit_caps(caps).unit_numels) == engine, leaf
+    assert 75 in engine  # gate 15 + three experts 20 each, one unit
+    zero = {"stage": 3, "reduce_bucket_size": 30, "stage3_param_persistence_threshold": 0}
+    whole, split = (predict_memory(root, {"train_micro_batch_size_per_gpu": 1,
+                                          "zero_optimization": {**zero, **leaf}}, 2, "gloo", "cpu")
+                    for leaf in ({"leaf_module": {"classes": ["SparseExperts"]}}, {}))
+    assert (whole.groups, split.groups) == (3, 5)  # the leaf one flat group, as in the engine
+    utils.set_z3_leaf_modules(root, [SparseExperts])  # DeepSpeed's flag: a leaf by default
+    assert list(shape_of(root).with_unit_caps(caps).unit_numels) == engine

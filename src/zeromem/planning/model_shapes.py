@@ -17,10 +17,12 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import nn
 
+from zeromem.config.leaf_modules import LeafModuleConfig
 from zeromem.optim.muon import uses_muon
 from zeromem.planning.shape_memory import ModelShape, UnmergedUnit, merged_unit_numels
 from zeromem.stage3.units import UnitCaps, unmerged_units
@@ -283,12 +285,17 @@ def model_dims(model: nn.Module, cfg: dict | None = None) -> dict[str, int]:
 
 
 def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
-             bucket_numel: int | None = None, **overrides: int | None) -> ModelShape:
+             bucket_numel: int | None = None, leaves: Sequence[nn.Module] | None = None,
+             **overrides: int | None) -> ModelShape:
     """The planner's view of `model`: parameter sizes, fetch units and dimensions.
 
     Dimensions come from `overrides`, then `cfg` (a model config), then the modules.
     `bucket_numel`: the run's reduce_bucket_size, which caps merged fetch units.
+    `leaves`: the run's ZeRO-3 leaf modules, never split between units (by default those
+    of `zero_optimization.leaf_module`'s defaults, DeepSpeed's MoE blocks).
     """
+    if leaves is None:
+        leaves = LeafModuleConfig().modules(model)
     dims = {**model_dims(model, cfg), **{k: v for k, v in overrides.items() if v}}
     hidden = dims.get("hidden") or 1
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
@@ -303,7 +310,8 @@ def shape_of(model: nn.Module, cfg: dict | None = None, name: str = "",
 
     def units(trainable: bool) -> tuple[UnmergedUnit, ...]:
         """Frozen parameters get units of their own (stage3/units.py `choose_units`)."""
-        plans = unmerged_units(model, sharded=lambda p: p.requires_grad == trainable)
+        plans = unmerged_units(model, sharded=lambda p: p.requires_grad == trainable,
+                               leaves=leaves)
         return tuple(UnmergedUnit(min(order[id(p)] for p in u.params), u.numel, u.shared)
                      for u in plans)
 

@@ -106,8 +106,9 @@ def predict_memory(model: nn.Module | ModelShape, config: dict | str | Config,
     `backend` (which sizes the communication buffers) computing on `device`: "cuda" (GPUs),
     or "cpu" (this machine, where the engine keeps an fp32 gradient once, not on the
     device and again on the host)."""
-    shape = model if isinstance(model, ModelShape) else shape_of(model)
     cfg = Config.load(config, world_size=n_d)
+    shape = model if isinstance(model, ModelShape) else \
+        shape_of(model, leaves=cfg.zero_optimization.leaf_module.modules(model))
     widths = widths_for(cfg, shape)
     # fetch units merged as the engine merges them under this config; then the prefetch
     # depth the engine derives from the largest of them
