@@ -23,6 +23,7 @@ from zeromem.engine import Engine
 from zeromem.hybrid.hierarchy import node_layout
 from zeromem.config.support import check_supported_keys
 from zeromem.offload.nvme import OffloadError
+from zeromem.optim.factory import client_optimizer_factory
 from zeromem.stage3 import partitioned_init
 from zeromem.stage3.partitioned_init import GatheredParameters, Init, Partitions
 from zeromem.rank_check import RankMismatchError, check_ranks_agree
@@ -43,7 +44,8 @@ log = logging.getLogger("zeromem")
 @torch.inference_mode(False)
 def initialize(model: nn.Module, config: dict | str | Path | Config,
                model_parameters: Iterable | None = None,
-               optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
+               optimizer: Callable[[list[dict]], torch.optim.Optimizer] | torch.optim.Optimizer
+               | None = None,
                lr_scheduler: SchedulerArg = None,
                dp_group: dist.ProcessGroup | None = None,
                fetch_units: tuple[type, ...] = (),
@@ -54,7 +56,9 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     Creates the default process group from torchrun's environment when none
     exists; with neither, trains as world size 1. `optimizer` is an optional
     factory `param_groups -> torch.optim.Optimizer` applied to the engine's fp32
-    master shards; by default the config's `optimizer` block is used.
+    master shards, or an optimizer built over the model's parameters (as for DDP or
+    FSDP2), whose class, settings and param groups are then applied to them; step the
+    engine, not that optimizer. By default the config's `optimizer` block is used.
     `fetch_units` (stage 3): module classes whose instances are gathered as one
     unit (e.g. a transformer block); by default repeated blocks, small neighbours merged
     (stage3/units.py; the choice is `engine.fetch_unit_report`).
@@ -64,6 +68,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config,
     `GatheredParameters` will find the engine's; by default the one both use by default.
     """
     refuse_untakeable(model)  # on every rank, before anything reads a shape
+    optimizer, model_parameters = client_optimizer_factory(optimizer, model_parameters)
     partitions = partitioned_init.DEFAULT if partitions is None else partitions
     hidden = _hidden_size(model)  # resolves the hidden-size "auto" values, as HF does
     config = _in_models_precision(config, model)

@@ -248,6 +248,20 @@ def client_optimizers(rank: int) -> dict:
                 engine.backward(engine(batch(step, rank)).pow(2).mean())
                 engine.step()
             out[name, stage] = whole_state(engine.engine)  # the zeromem engine inside
+            # zeromem's own initialize takes it too, and an FSDP2 loop: the caller's
+            # backward on the engine's output, the engine's step (the optimizer's refuses)
+            model = mlp()
+            client = make(param_groups(model))
+            native = zeromem.initialize(model, config(stage, "fp32"), optimizer=client)
+            for step in range(3):
+                native(batch(step, rank)).pow(2).mean().backward()
+                native.step()
+            out[name, stage, "native"] = whole_state(native)
+            try:
+                client.step()
+                out[name, stage, "client step"] = "accepted"
+            except RuntimeError as error:
+                out[name, stage, "client step"] = str(error)
     for name, make in {"Adafactor": torch.optim.Adafactor, "LBFGS": torch.optim.LBFGS,
                        "Muon": torch.optim.Muon}.items():
         model = mlp()
@@ -492,6 +506,8 @@ def test_torchs_elementwise_client_optimizers_match_one_process_on_every_rank(ra
         for rank, per_rank in enumerate(got):
             for stage in (0, 2, 3):
                 assert max_diff(per_rank[name, stage], want) < 1e-6, (name, rank, stage)
+                assert max_diff(per_rank[name, stage, "native"], want) < 1e-6, (name, rank, stage)
+                assert "call engine.step()" in per_rank[name, stage, "client step"], (name, rank)
 
 
 def test_whole_parameter_client_optimizers_are_refused_before_the_model_is_touched(ranks):

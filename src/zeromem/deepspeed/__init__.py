@@ -23,11 +23,8 @@ Hugging Face Trainer and Accelerate import `deepspeed` themselves: call
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
-from collections import defaultdict
-from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -35,7 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import initialize as _native_initialize
-from ..optim.factory import refuse_whole_parameter, trainable_groups
+from ..optim.factory import client_optimizer_factory
 from . import accelerator, checkpointing, comm, moe, ops, pipe, utils, zero
 from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
@@ -78,37 +75,6 @@ def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
     if not isinstance(value, dict):
         return value
     return json.loads(json.dumps(value))  # a copy (Accelerate's steps_per_print inf survives)
-
-
-def _optimizer_factory(optimizer: Any, model_parameters: Any) -> tuple[Callable | None, Any]:
-    """zeromem builds the optimizer over its own master shards: turn a client one into a factory.
-
-    A ready `torch.optim.Optimizer` is stepped over the masters (`_over_masters`) with its
-    own param groups, `model_parameters` aside, as DeepSpeed does; a callable is already
-    a factory. One that needs whole parameters is refused here, before `initialize`
-    partitions anything.
-    """
-    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer, model_parameters
-    refuse_whole_parameter(optimizer)  # before the model is touched
-    return partial(_over_masters, optimizer), optimizer.param_groups
-
-
-def _over_masters(client: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
-    """The client's optimizer over zeromem's master shards (`groups`, one per client group
-    that trains something, in order): a copy of it whose param groups are the client's own
-    group dicts, their parameters replaced by the masters (DeepSpeed puts its fp32
-    partitions there too). A scheduler built over the client before `initialize` (HF's
-    Trainer and DeepSpeed-Chat do so) then keeps setting the lr this optimizer reads."""
-    optimizer = copy.copy(client)  # its class and defaults (torch's Optimizer copies as
-    optimizer.param_groups, optimizer.state = [], defaultdict(dict)  # those, groups, state)
-    sources = [group for group, _ in trainable_groups(client.param_groups)]
-    for source, group in zip(sources, groups, strict=True):
-        source["params"] = group["params"]
-        optimizer.add_param_group(source)
-    # The client never steps: its schedulers would warn at their first step that it had not
-    client._opt_called = True  # type: ignore[attr-defined]  # torch's LRScheduler check
-    return optimizer
 
 
 def _groups_of(mpu: Any) -> tuple[Any, Any]:
@@ -156,7 +122,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise NotImplementedError("deepspeed.initialize: mesh_param= is not supported")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     dp_group, mp_group = _groups_of(mpu)
-    factory, model_parameters = _optimizer_factory(optimizer, model_parameters)
+    factory, model_parameters = client_optimizer_factory(optimizer, model_parameters)
     resolved = _resolve_config(args, config, config_params)
     native = _native_initialize(model, resolved, model_parameters=model_parameters,
                                 optimizer=factory, lr_scheduler=lr_scheduler,

@@ -6,8 +6,11 @@ into the user's param groups so per-group options keep their meaning.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
+from collections import defaultdict
+from functools import partial
 from typing import Callable, Iterable
 
 import torch
@@ -239,3 +242,49 @@ def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
     if isinstance(optimizer, torch.optim.SGD):
         return 4 if defaults.get("momentum") else 0
     return 8
+
+
+def client_optimizer_factory(optimizer: object, model_parameters: Iterable | None
+                             ) -> tuple[Callable | None, Iterable | None]:
+    """zeromem builds the optimizer over its own master shards: turn a client one into a factory
+    (`zeromem.initialize` and DeepSpeed's `initialize` both take either).
+
+    A ready `torch.optim.Optimizer` is stepped over the masters (`over_masters`) with its
+    own param groups, `model_parameters` aside, as DeepSpeed does; a callable is already
+    a factory. One that needs whole parameters is refused here, before `initialize`
+    partitions anything.
+    """
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer, model_parameters  # type: ignore[return-value]  # a factory, or None
+    refuse_whole_parameter(optimizer)  # before the model is touched
+    # An FSDP2 loop steps the optimizer it built: over the module's parameters, whose
+    # gradients the engine takes, that step would silently change nothing. A scheduler
+    # built over it before (HF's Trainer) still sets the lr the engine's copy reads: torch's
+    # mark keeps it from warning that the step it wrapped was replaced.
+    refusing = partial(_stepped_by_the_engine, type(optimizer).__name__)
+    refusing._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = refusing  # type: ignore[method-assign, assignment]
+    return partial(over_masters, optimizer), optimizer.param_groups
+
+
+def _stepped_by_the_engine(name: str, *args: object, **kwargs: object) -> None:
+    raise RuntimeError(f"{name}.step(): this optimizer was given to initialize, which steps "
+                       "a copy of it over the engine's master shards; call engine.step() "
+                       "(with DeepSpeed's API, also the optimizer initialize returned)")
+
+
+def over_masters(client: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """The client's optimizer over zeromem's master shards (`groups`, one per client group
+    that trains something, in order): a copy of it whose param groups are the client's own
+    group dicts, their parameters replaced by the masters (DeepSpeed puts its fp32
+    partitions there too). A scheduler built over the client before `initialize` (HF's
+    Trainer and DeepSpeed-Chat do so) then keeps setting the lr this optimizer reads."""
+    optimizer = copy.copy(client)  # its class and defaults (torch's Optimizer copies as
+    optimizer.param_groups, optimizer.state = [], defaultdict(dict)  # those, groups, state)
+    sources = [group for group, _ in trainable_groups(client.param_groups)]
+    for source, group in zip(sources, groups, strict=True):
+        source["params"] = group["params"]
+        optimizer.add_param_group(source)
+    # The client never steps: its schedulers would warn at their first step that it had not
+    client._opt_called = True  # type: ignore[attr-defined]  # torch's LRScheduler check
+    return optimizer

@@ -3,7 +3,7 @@
 Scripts build them before `initialize` (DeepSpeed-Chat's `FusedAdam` / `DeepSpeedCPUAdam`),
 and Accelerate swaps a torch optimizer for `DeepSpeedCPUAdam` / `DeepSpeedCPUAdagrad` when
 the optimizer is offloaded. zeromem then steps them over its master shards like any client
-optimizer (`zeromem.deepspeed._over_masters`); DeepSpeed's C++/CUDA kernels are not needed.
+optimizer (`zeromem.optim.factory.over_masters`); DeepSpeed's C++/CUDA kernels are not needed.
 """
 from . import adagrad, adam, lion
 
