@@ -15,6 +15,7 @@ what it sees, and the tests compare all ranks, not rank 0 only.
 """
 from __future__ import annotations
 
+import logging
 import tempfile
 
 import pytest
@@ -331,11 +332,52 @@ def schedule_free(rank: int) -> dict:
     return out
 
 
+class Warnings(logging.Handler):
+    """zeromem's warnings, while entered."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> list[str]:
+        logging.getLogger("zeromem").addHandler(self)
+        return self.messages
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("zeromem").removeHandler(self)
+
+
+def stage3_state_dict(rank: int) -> dict:
+    """`engine.module.state_dict()` at stage 3 holds empty shards, as in DeepSpeed: saved, it
+    would not be the model. Warned once; not inside GatheredParameters (whole there), and
+    not by the engine's own checkpoint, which reads the module's keys."""
+    out = {}
+    with tempfile.TemporaryDirectory() as own:
+        path = [own]
+        torch.distributed.broadcast_object_list(path)  # rank 0's: a checkpoint is one directory
+        engine = zeromem.initialize(mlp(), config(3, "fp32"))
+        with Warnings() as warned:
+            engine.save_checkpoint(path[0])
+            out["checkpoint"] = list(warned)
+            params = list(engine.module.parameters())
+            with zeromem.GatheredParameters(params):
+                out["gathered"] = [tuple(v.shape) for v in engine.module.state_dict().values()]
+            out["gathered warned"] = list(warned)
+            out["sharded"] = [tuple(v.shape) for v in engine.module.state_dict().values()]
+            engine.module.state_dict()
+            out["warned"] = list(warned)
+    return out
+
+
 CASES = {"seeded": seeded_differently, "storages": storages_after_initialize,
          "loads": loads_into_module, "modifier": gathered_modifier, "drift": drift_from_fp32,
          "evaluators": evaluation_engines, "twice": initialize_twice,
          "sparse": sparse_embedding, "client_optimizers": client_optimizers,
-         "16 bits": model_in_16_bits, "schedule_free": schedule_free}
+         "16 bits": model_in_16_bits, "schedule_free": schedule_free,
+         "stage3 state_dict": stage3_state_dict}
 
 
 @pytest.fixture(scope="module")
@@ -547,3 +589,11 @@ def test_a_schedule_free_optimizer_switches_modes_as_in_one_process(ranks):
             tol = 3e-3 if precision == "bf16" else 1e-6  # (bf16: below the x - y gap, 5e-3)
             for phase, state, expected in zip(("trained", "eval", "train again"), got[name], want):
                 assert max_diff(state, expected) < tol, (rank, name, phase)
+
+
+def test_a_stage3_state_dict_of_empty_shards_is_warned_about_once(ranks):
+    whole = [tuple(v.shape) for v in mlp().state_dict().values()]
+    for rank, got in enumerate(case(ranks, "stage3 state_dict")):
+        assert got["checkpoint"] == [] and got["gathered warned"] == [], rank
+        assert got["gathered"] == whole and all(0 in shape for shape in got["sharded"]), rank
+        assert len(got["warned"]) == 1 and "GatheredParameters" in got["warned"][0], got["warned"]
