@@ -33,7 +33,7 @@ from zeromem.lockstep import Lockstep
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitoring.monitors import Observers, StepFacts, due
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict, \
-    materialize_meta
+    materialize_meta, warn_sharded_state_dict
 from zeromem.offload.params import ParamPlacement
 from zeromem.param_states import ParamStates
 from zeromem.offload.staged_masters import StagedMasters
@@ -170,6 +170,7 @@ class Engine:
             self.partitions.add_groups(self.groups, self.lockstep)  # GatheredParameters edits reach masters
         else:
             self.stage3 = self._build_stage3(self.unit_choice)
+            warn_sharded_state_dict(self.module)  # state_dict() of empty shards: said once
             self.zero.after_gather(self.stage3.refresh)  # persistent units re-gather the new weights
         self.load_hooks = LoadIntoMasters(self.module, self.groups + self.frozen_groups,
                                           self.offload)

@@ -28,6 +28,10 @@ Two moments at which they could part (issue 10):
   goes into its master and, at stage 3, into its parameter shard. No collective
   runs, so a load on one rank only changes that rank, as in torch.
 
+- At stage 3, `engine.module.state_dict()` outside a gather holds each rank's empty
+  shards, as in DeepSpeed: saved, it would not be the model. `warn_sharded_state_dict`
+  says so once, naming what gives the model.
+
 A model with a lazy module (`nn.LazyLinear`) whose first forward has not run has
 no values to share yet, and a complex parameter no place in a real flat buffer;
 `initialize` refuses both by name (`refuse_untakeable`). A model built on the meta
@@ -36,6 +40,7 @@ one whose tensors none of them set is refused by name.
 """
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -47,6 +52,8 @@ from zeromem.flat import FlatParamGroup, ParamSlot
 
 if TYPE_CHECKING:
     from zeromem.offload.placement import Offload
+
+log = logging.getLogger("zeromem")
 
 
 def refuse_untakeable(module: nn.Module) -> None:
@@ -192,6 +199,27 @@ class LoadIntoMasters:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def warn_sharded_state_dict(module: nn.Module) -> None:
+    """Warn once when `module.state_dict()` holds partitioned parameters' empty shards.
+    Not inside a gather (whole then), nor with `keep_vars=True` (the parameters
+    themselves: zeromem's checkpoints and HF's export read the keys so). HF's Trainer,
+    PEFT and TRL take it knowingly and gather, or warn, themselves: an error would stop
+    them."""
+    said: list[bool] = []
+
+    def taken(root: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        if said or any(isinstance(v, nn.Parameter) for v in state_dict.values()):
+            return
+        if not any(p.numel() == 0 and getattr(p, "ds_numel", 0) for p in root.parameters()):
+            return
+        said.append(True)
+        log.warning("state_dict() of a ZeRO-3 module outside a gather: its partitioned "
+                    "parameters are this rank's empty shards (size 0), not the model. Take "
+                    "it inside zeromem.GatheredParameters(list(module.parameters())), or use "
+                    "engine.full_state_dict() or engine.save_16bit_model(dir) (on every rank)")
+    module.register_state_dict_post_hook(taken)
 
 
 def gathered_params(groups: list[FlatParamGroup], comm: Comm, dtype: torch.dtype,

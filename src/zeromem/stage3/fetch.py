@@ -54,7 +54,6 @@ built (units.py `choose_units`).
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
@@ -74,8 +73,6 @@ from zeromem.offload.params import ParamPlacement, ParamsOnDevice
 from zeromem.stage3.partitioned_init import Partitions
 from zeromem.stage3.sharded_unit import LiveStats, Phase, ShardedUnit
 from zeromem.stage3.units import UnitChoice
-
-log = logging.getLogger("zeromem")
 
 if TYPE_CHECKING:  # the engine builds the plan and passes it in
     from zeromem.hybrid.hierarchy import CommPlan
@@ -226,9 +223,7 @@ class FetchSchedule:
         self.busy = False  # inside our own hooks: the tracer must not see our tensor ops
         self.root = root
         self.persistent_released = False  # `release_all` dropped them since the last forward
-        self.handles = [root.register_forward_pre_hook(self._start_forward, with_kwargs=True),
-                        root.register_state_dict_post_hook(partial(self._state_dict_taken))]
-        self.said_state_dict = False
+        self.handles = [root.register_forward_pre_hook(self._start_forward, with_kwargs=True)]
         # Modules that gather something are hooked for good; the others only while the
         # tracer needs to know which module runs (each hook costs a few microseconds).
         self.module_hooks: dict[int, list] = {}
@@ -241,22 +236,6 @@ class FetchSchedule:
                              for p in unit.group.params if p.requires_grad]  # (not an
             # evaluating engine's frozen ones: they get no gradient)
         self.refresh()
-
-    def _state_dict_taken(self, module: nn.Module, state_dict: dict, prefix: str,
-                          local_metadata: dict) -> None:
-        """`module.state_dict()` outside a gather holds this rank's empty shards: saved, it
-        would not be the model (a DeepSpeed user's classic loss). Warned once; HF and PEFT
-        take it knowingly and gather, or warn, themselves. Not with `keep_vars=True` (the
-        parameters themselves, as zeromem's checkpoints read the keys)."""
-        if self.said_state_dict or any(isinstance(v, nn.Parameter) for v in state_dict.values()):
-            return
-        if not any(p.numel() == 0 and getattr(p, "ds_numel", 0) for p in module.parameters()):
-            return
-        self.said_state_dict = True
-        log.warning("state_dict() of a ZeRO-3 module outside a gather: its partitioned "
-                    "parameters are this rank's empty shards (size 0), not the model. Take "
-                    "it inside zeromem.GatheredParameters(list(module.parameters())), or use "
-                    "engine.full_state_dict() or engine.save_16bit_model(dir) (on every rank)")
 
     def refresh(self) -> None:
         """After the optimizer step: persistent units re-gather, the others drop to shards."""
