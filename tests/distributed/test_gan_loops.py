@@ -38,7 +38,6 @@ against one process with the whole batch, compared on every rank.
 from __future__ import annotations
 
 import contextlib
-import logging
 import tempfile
 
 import numpy as np
@@ -48,6 +47,7 @@ from torch import nn
 
 import zeromem
 from harness import run_together
+from logs import ZeromemWarnings
 
 WORLD = 2
 BATCH = 8  # global: each rank has 4
@@ -143,26 +143,6 @@ def zero_config(stage: int, place: str, path: str) -> dict:
 CASES = [(0, ""), (1, ""), (2, ""), (3, ""), (2, "cpu"), (3, "nvme")]
 
 
-class OutsideWarnings(logging.Handler):
-    """zeromem's warnings of a gradient outside engine.backward (a loop written for DDP or
-    FSDP2), while entered."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "outside engine.backward" in record.getMessage():
-            self.messages.append(record.getMessage())
-
-    def __enter__(self) -> list[str]:
-        logging.getLogger("zeromem").addHandler(self)
-        return self.messages
-
-    def __exit__(self, *exc) -> None:
-        logging.getLogger("zeromem").removeHandler(self)
-
-
 def gan_on_ranks(rank: int, world: int, through_engines: bool = False) -> dict:
     out = {}
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -175,7 +155,7 @@ def gan_on_ranks(rank: int, world: int, through_engines: bool = False) -> dict:
             cfg = {"train_batch_size": BATCH, **zero_config(stage, place, path)}
             engine_d = zeromem.initialize(disc, cfg, optimizer=sgd)
             engine_g = zeromem.initialize(gen, cfg, optimizer=sgd)
-            with OutsideWarnings() as warned:
+            with ZeromemWarnings("outside engine.backward") as warned:
                 losses = torch.tensor(train_gan(gen, disc, engine_g, engine_d, rows,
                                                 through_engines))
             torch.distributed.all_reduce(losses)
@@ -269,7 +249,7 @@ def refusals_on_ranks(rank: int, world: int) -> dict:
                 two, head = two_and_head()
                 engine_two = zeromem.initialize(two, cfg, optimizer=sgd)
                 engine_head = zeromem.initialize(head, cfg, optimizer=sgd)
-                with OutsideWarnings() as warned:
+                with ZeromemWarnings("outside engine.backward") as warned:
                     if case == "after_backward":
                         engine_two.backward(two(x).pow(2).mean())
                         engine_head.backward(head(two.shared(x)).pow(2).mean())

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import tempfile
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 import zeromem
 from harness import run_together
+from logs import ZeromemWarnings
 from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
 
 
@@ -179,15 +179,6 @@ class Poisoned(torch.nn.Module):
         return self.net(x).mean() + self.net[2].bias.sum() * self.poison
 
 
-class Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 FP16_FLOOR = {"fp16": {"enabled": True, "initial_scale_power": 0, "min_loss_scale": 1,
                        "hysteresis": 1}}
 # (stage, precision and where gradients go): on NVMe at stage 3 the step begins in backward
@@ -216,16 +207,14 @@ def nonfinite_named(rank, world_size):
             model = Poisoned()
             engine = zeromem.initialize(model, nonfinite_config(stage, name, path))
             model.poison = float("nan") if rank == 1 else 0.0
-            handler = Warnings()
-            logging.getLogger("zeromem").addHandler(handler)
             try:
-                engine.backward(engine(x.to(engine.compute_dtype)))
-                engine.step()
-                out[stage, name] = [m for m in handler.messages if "step skipped" in m]
+                with ZeromemWarnings("step skipped") as skipped:
+                    engine.backward(engine(x.to(engine.compute_dtype)))
+                    engine.step()
+                out[stage, name] = skipped
             except RuntimeError as error:
                 out[stage, name] = [str(error)]
             finally:
-                logging.getLogger("zeromem").removeHandler(handler)
                 engine.close()  # its swap files go before their directory
     return out
 

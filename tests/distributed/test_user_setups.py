@@ -15,7 +15,6 @@ what it sees, and the tests compare all ranks, not rank 0 only.
 """
 from __future__ import annotations
 
-import logging
 import tempfile
 
 import pytest
@@ -25,6 +24,7 @@ from torch import nn
 import zeromem
 import zeromem.deepspeed as zeromem_deepspeed
 from harness import run_distributed
+from logs import ZeromemWarnings
 from zeromem.param_states import MASTER
 from models import TinyLM, micro_batch
 from user_cases import PRECISIONS, SGD, STAGES, WORLD, batch, build, case, config, max_diff, mlp, \
@@ -332,24 +332,6 @@ def schedule_free(rank: int) -> dict:
     return out
 
 
-class Warnings(logging.Handler):
-    """zeromem's warnings, while entered."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> list[str]:
-        logging.getLogger("zeromem").addHandler(self)
-        return self.messages
-
-    def __exit__(self, *exc) -> None:
-        logging.getLogger("zeromem").removeHandler(self)
-
-
 def stage3_state_dict(rank: int) -> dict:
     """`engine.module.state_dict()` at stage 3 holds empty shards, as in DeepSpeed: saved, it
     would not be the model. Warned once; not inside GatheredParameters (whole there), and
@@ -359,7 +341,7 @@ def stage3_state_dict(rank: int) -> dict:
         path = [own]
         torch.distributed.broadcast_object_list(path)  # rank 0's: a checkpoint is one directory
         engine = zeromem.initialize(mlp(), config(3, "fp32"))
-        with Warnings() as warned:
+        with ZeromemWarnings() as warned:
             engine.save_checkpoint(path[0])
             out["checkpoint"] = list(warned)
             params = list(engine.module.parameters())
