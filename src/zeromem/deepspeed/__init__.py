@@ -32,7 +32,6 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import initialize as _native_initialize
-from ..optim.factory import client_optimizer_factory
 from . import accelerator, checkpointing, comm, moe, ops, pipe, utils, zero
 from .accelerator import get_accelerator
 from .engine import DeepSpeedEngine
@@ -122,10 +121,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise NotImplementedError("deepspeed.initialize: mesh_param= is not supported")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     dp_group, mp_group = _groups_of(mpu)
-    factory, model_parameters = client_optimizer_factory(optimizer, model_parameters)
     resolved = _resolve_config(args, config, config_params)
     native = _native_initialize(model, resolved, model_parameters=model_parameters,
-                                optimizer=factory, lr_scheduler=lr_scheduler,
+                                optimizer=optimizer, lr_scheduler=lr_scheduler,
                                 dp_group=dp_group, mp_group=mp_group)
     engine = DeepSpeedEngine(native, resolved if isinstance(resolved, dict) else None)
     loader = (_training_dataloader(engine, training_data, collate_fn)
