@@ -32,6 +32,7 @@ from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.lockstep import Lockstep
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitoring.monitors import Observers, StepFacts, due
+from zeromem.module_dtypes import cast_module
 from zeromem.module_state import LoadIntoMasters, broadcast_from_rank0, gathered_state_dict, \
     materialize_meta, warn_sharded_state_dict
 from zeromem.offload.params import ParamPlacement
@@ -130,8 +131,7 @@ class Engine:
         self.groups = [g for g in built if g.trains]
         self.frozen_groups = [g for g in built if not g.trains]  # stage 3: sharded, not trained
         self.partitions.materialize(self.module.parameters(), self.comm)  # frozen, built under Init
-        if config.casts_module:  # frozen parameters and buffers, as DeepSpeed's module.bfloat16()
-            self.module.to(dtype=self.compute_dtype)
+        cast_module(self.module, config)  # frozen parameters, buffers (module_dtypes.py)
         self.psi = sum(g.numel for g in self.groups)
         # parameters outside the flat groups, which `zero_grad` clears too: listed once, as a
         # walk of the module tree at every step costs about a millisecond on a deep model

@@ -42,12 +42,18 @@ SAMPLES = {
     "bf16.bf16_optimizer_states": (False, True),
     "bf16.check_grad_overflow": (True, False),
     "data_types.param_dtype": (None, "bf16"),
-    "data_types.buffer_dtype": (None, "fp32"),
+    "disable_python_gc": (False, True),
+    "vocabulary_size": (50304, 50257),  # warned only when not a multiple of 8, as DeepSpeed
+    "zero_optimization.compute_grad_norm": (True, False),
+    "zero_optimization.parameter_alignment": (False, True),
+    "zero_optimization.offload_optimizer.super_offload": (False, True),
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": (0.8, 0.9),
     "optimizer.legacy_fusion": (False, True),
     "checkpoint.writer": (None, {"type": "fast", "io_buffer_size": 1e9}),
     "checkpoint.checkpoint_serialization": (True, False),
 }
-CONTEXT = {"optimizer": {"type": "AdamW"}}  # blocks a nested key needs besides itself
+# blocks a nested key needs besides itself
+CONTEXT = {"optimizer": {"type": "AdamW"}, "offload_optimizer": {"device": "cpu"}}
 
 
 def with_value(key: str, value) -> dict:

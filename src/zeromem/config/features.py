@@ -168,7 +168,27 @@ FEATURES: tuple[Feature, ...] = (
     Feature("managed_gradient_accumulation", "client-managed accumulation boundaries",
             "the engine steps every gradient_accumulation_steps micro-steps; it does not take "
             "the boundary from the client", differs_from(True)),
+    Feature("disable_python_gc", "Python GC control", "zeromem leaves Python's automatic "
+            "garbage collection as it is: call gc.disable() yourself, and gc.collect() (DeepSpeed's "
+            "engine.collect_python_gc()) where your loop allows", differs_from(False), "warn"),
+    Feature("vocabulary_size", "vocabulary alignment check", "DeepSpeed reads it only to warn "
+            "that a vocabulary size not a multiple of 8 may use tensor cores poorly: pad the "
+            "embedding", lambda key, value: isinstance(value, int) and value % 8 != 0, "warn"),
     # nested in blocks the schema models
+    Feature("zero_optimization.compute_grad_norm", "skipping the gradient norm", "the global "
+            "gradient norm is computed every step: a step whose gradients hold inf or nan is "
+            "skipped by it, and get_global_grad_norm() reports it (one all-reduce of a scalar)",
+            differs_from(True), "warn"),
+    Feature("zero_optimization.parameter_alignment", "16-byte parameter alignment", "zeromem "
+            "packs each flat group's parameters end to end (torch's kernels take unaligned views); "
+            "the padding would only add memory", differs_from(False), "warn"),
+    Feature("zero_optimization.offload_optimizer.super_offload", "SuperOffload", "it schedules "
+            "ZeRO-Offload's CPU step speculatively on superchips (CUDA only); its updates are "
+            "ZeRO-Offload's, which zeromem runs with offload_optimizer.device cpu",
+            differs_from(False), "warn"),
+    Feature("zero_optimization.offload_optimizer.cpuadam_cores_perc", "SuperOffload's CPU cores",
+            "the CPU step runs on torch's intra-op threads (torch.set_num_threads)",
+            differs_from(0.8), "warn"),
     Feature("zero_optimization.zenflow", "ZenFlow", "it updates the important gradient columns "
             "on the GPU and the rest asynchronously on the CPU; zeromem's offload steps every "
             "element every step", present),
@@ -189,8 +209,6 @@ FEATURES: tuple[Feature, ...] = (
             "not finite is always skipped", differs_from(True), "warn"),
     Feature("data_types.param_dtype", "separate parameter dtype", "parameters are held in the "
             "compute dtype (fp16 / bf16 blocks)", differs_from(None)),
-    Feature("data_types.buffer_dtype", "separate buffer dtype", "buffers keep the model's dtype",
-            differs_from(None)),
     Feature("optimizer.legacy_fusion", "legacy fused fp16 optimizer", "the optimizer always "
             "steps the fp32 masters", differs_from(False), "warn"),
     Feature("checkpoint.writer", "pluggable checkpoint writers", "zeromem writes its own "

@@ -102,9 +102,11 @@ class TorchAutocastConfig(_Block):
 
 
 class DataTypesConfig(_Block):
-    """`data_types`: dtypes of buffers that may differ from the compute dtype."""
+    """`data_types`: dtypes that may differ from the compute dtype (module_dtypes.py)."""
 
     grad_accum_dtype: Dtype | None = None  # gradient accumulation buffer; None = compute dtype
+    buffer_dtype: Dtype | None = None  # every floating buffer's; None: as module_dtypes says
+    keep_in_fp32_modules: Literal["auto"] | list[str] = "auto"  # buffer names kept in fp32
 
 
 class _OffloadBlock(_Block):
@@ -504,10 +506,16 @@ class Config(Extras):
 
     @property
     def casts_module(self) -> bool:
-        """A precision block casts the whole module to its 16 bits, frozen parameters and
-        buffers too (DeepSpeed's module.half() / .bfloat16()); in fp32 only the trained
-        parameters are cast (to their masters' dtype), the rest keep the user's dtype."""
+        """A precision block casts the module's frozen parameters to its 16 bits too, and
+        some of its buffers (module_dtypes.py); in fp32 only the trained parameters are
+        cast (to their masters' dtype), the rest keep the user's dtype."""
         return self.compute_dtype != torch.float32
+
+    @property
+    def buffer_dtype(self) -> torch.dtype | None:
+        """data_types.buffer_dtype as a torch dtype (None: buffers keep theirs)."""
+        name = self.data_types.buffer_dtype
+        return _DTYPES[name] if name else None
 
     @property
     def grad_dtype(self) -> torch.dtype:
