@@ -416,6 +416,18 @@ def test_compute_and_grad_dtype(data, compute, grad):
     assert (config.compute_dtype, config.grad_dtype) == (compute, grad)
 
 
+def test_param_dtype_may_only_repeat_the_precision_blocks():
+    """DeepSpeed 0.19.8 asserts data_types.param_dtype matches the enabled block; before
+    stop 49 zeromem refused the key even then."""
+    assert Config.load({"bf16": {"enabled": True},
+                        "data_types": {"param_dtype": "bf16"}}).compute_dtype == torch.bfloat16
+    Config.load({"data_types": {"param_dtype": "fp32"}})
+    for data in ({"data_types": {"param_dtype": "bf16"}},
+                 {"bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}}):
+        with pytest.raises(ConfigError, match="data_types.param_dtype"):
+            Config.load(data)
+
+
 def test_checkpoint_block_is_case_insensitive():
     config = Config.load({"checkpoint": {"tag_validation": "FAIL",
                                          "parallel_write": {"pipeline_stage": True}}})

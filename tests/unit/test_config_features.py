@@ -41,7 +41,6 @@ SAMPLES = {
     "bf16.bf16_master_weights_and_grads": (False, True),
     "bf16.bf16_optimizer_states": (False, True),
     "bf16.check_grad_overflow": (True, False),
-    "data_types.param_dtype": (None, "bf16"),
     "disable_python_gc": (False, True),
     "vocabulary_size": (50304, 50257),  # warned only when not a multiple of 8, as DeepSpeed
     "zero_optimization.compute_grad_norm": (True, False),

@@ -207,8 +207,6 @@ FEATURES: tuple[Feature, ...] = (
             differs_from(False)),
     Feature("bf16.check_grad_overflow", "unchecked bf16 steps", "a step whose gradient norm is "
             "not finite is always skipped", differs_from(True), "warn"),
-    Feature("data_types.param_dtype", "separate parameter dtype", "parameters are held in the "
-            "compute dtype (fp16 / bf16 blocks)", differs_from(None)),
     Feature("optimizer.legacy_fusion", "legacy fused fp16 optimizer", "the optimizer always "
             "steps the fp32 masters", differs_from(False), "warn"),
     Feature("checkpoint.writer", "pluggable checkpoint writers", "zeromem writes its own "

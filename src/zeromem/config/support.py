@@ -34,9 +34,9 @@ READ: dict[str, tuple[str, ...]] = {
         "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
         "consecutive_hysteresis", "min_loss_scale")},
     "bf16.enabled": ("config.schema",), "data_types.grad_accum_dtype": ("config.schema",),
-    "data_types.buffer_dtype": ("config.schema",),
+    "data_types.buffer_dtype": ("config.schema",), "data_types.param_dtype": ("config.schema",),
     "data_types.keep_in_fp32_modules": ("module_dtypes",),
-    "torch_autocast.enabled": ("engine",), "torch_autocast.dtype": ("config.schema",),
+    "torch_autocast.enabled": ("engine",), "torch_autocast.dtype": ("config.precision_blocks",),
     **{f"zero_optimization.{key}": ("engine",) for key in (
         "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
         "stage3_prefetch_bucket_size")},
