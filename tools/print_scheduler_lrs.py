@@ -23,6 +23,9 @@ WARMUP = {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 4}
 SCHEDULES = {
     "WarmupLR log": ("WarmupLR", {**WARMUP, "warmup_type": "log"}),
     "WarmupLR linear": ("WarmupLR", {**WARMUP, "warmup_type": "linear"}),
+    # no warmup_max_lr: DeepSpeed 0.19.8 warms up to each group's own lr (0.01 below)
+    "WarmupLR to the optimizer's lr": ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 4,
+                                                    "warmup_type": "linear"}),
     "WarmupDecayLR log": ("WarmupDecayLR", {**WARMUP, "warmup_type": "log", "total_num_steps": 8}),
     "WarmupDecayLR linear": ("WarmupDecayLR", {**WARMUP, "warmup_type": "linear",
                                                "total_num_steps": 8}),

@@ -38,6 +38,8 @@ def lrs_by_step(scheduler, steps: int) -> list[list[float]]:
 DEEPSPEED_LRS = {
     "WarmupLR log": [0.001, 0.001, 0.0055, 0.008132331253, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01],
     "WarmupLR linear": [0.001, 0.001, 0.00325, 0.0055, 0.00775, 0.01, 0.01, 0.01, 0.01, 0.01],
+    "WarmupLR to the optimizer's lr": [0.001, 0.001, 0.00325, 0.0055, 0.00775, 0.01, 0.01, 0.01,
+                                       0.01, 0.01],
     "WarmupDecayLR log": [0.001, 0.001, 0.0055, 0.008132331253, 0.01, 0.01, 0.00775, 0.0055,
                           0.00325, 0.001],
     "WarmupDecayLR linear": [0.001, 0.001, 0.00325, 0.0055, 0.00775, 0.01, 0.00775, 0.0055,
@@ -82,6 +84,14 @@ def test_warmup_lr_linear_ignores_optimizer_lr():
     history = lrs_by_step(scheduler, 6)
     assert [h[0] for h in history] == pytest.approx([0.0, 0.0, 0.05, 0.1, 0.15, 0.2, 0.2])
     assert history[3][1] == pytest.approx(0.1)  # absolute lr, same for every group
+
+
+def test_warmup_lr_without_a_max_warms_each_group_up_to_its_own_lr():
+    """DeepSpeed 0.19.8; before stop 49 every group went to 0.001 (50x too low for 0.05)."""
+    scheduler = WarmupLR(make_optimizer(0.05, 0.5), warmup_num_steps=4, warmup_type="linear")
+    history = lrs_by_step(scheduler, 6)
+    assert history[-1] == pytest.approx([0.05, 0.5])
+    assert history[3] == pytest.approx([0.025, 0.25])
 
 
 def test_warmup_lr_clamps_one_warmup_step_to_two():

@@ -142,7 +142,7 @@ def _scheduler_params_model(name: str) -> type[BaseModel]:
         if arg in ("self", "optimizer", "last_batch_iteration"):  # resume via state_dict instead
             continue
         # every numeric keyword is a step count, a learning rate or a ratio: none is negative
-        hint = {float: Annotated[Float, Field(ge=0)],
+        hint = {float: Annotated[Float, Field(ge=0)], float | None: Annotated[Float, Field(ge=0)] | None,
                 int: Annotated[Int, Field(ge=0)]}.get(hints[arg], hints[arg])
         fields[arg] = (hint, ... if p.default is p.empty else p.default)
     return create_model(f"{name}Params", __config__=ConfigDict(extra="forbid"), **fields)

@@ -104,10 +104,13 @@ class _ClosedFormSchedule(_ClosedForm):
 
 
 class WarmupLR(_ClosedFormSchedule):
-    """Warm up from warmup_min_lr to warmup_max_lr over warmup_num_steps, then hold."""
+    """Warm up from warmup_min_lr to warmup_max_lr over warmup_num_steps, then hold.
+
+    Without warmup_max_lr each param group warms up to its own lr, as in DeepSpeed 0.19.8
+    (before stop 49 zeromem took DeepSpeed's older default, 0.001, for every group)."""
 
     def __init__(self, optimizer: Optimizer, warmup_min_lr: float = 0.0,
-                 warmup_max_lr: float = 0.001, warmup_num_steps: int = 1000,
+                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000,
                  warmup_type: WarmupType = "log", last_batch_iteration: int = -1) -> None:
         self.warmup_min_lr = warmup_min_lr
         self.warmup_max_lr = warmup_max_lr
@@ -120,8 +123,8 @@ class WarmupLR(_ClosedFormSchedule):
         return 1.0
 
     def lr_at_iteration(self, iteration: int, base_lr: float) -> float:
-        gamma = self.gamma(iteration)
-        return self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * gamma
+        top = base_lr if self.warmup_max_lr is None else self.warmup_max_lr
+        return self.warmup_min_lr + (top - self.warmup_min_lr) * self.gamma(iteration)
 
 
 class WarmupDecayLR(WarmupLR):
