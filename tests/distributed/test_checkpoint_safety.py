@@ -25,7 +25,7 @@ import zeromem
 from models import BufferedLM
 from setups import checkpoint_config, train_global_batch
 from zeromem.checkpoints.save_load import CheckpointError
-from zeromem.checkpoints.consolidate import file_digest
+from zeromem.checkpoints.consolidate import RECOVERY_SCRIPTS, file_digest
 
 
 def engine_of(stage: int = 2, seed: int = 0, **extra):
@@ -286,7 +286,7 @@ def test_leftovers_of_a_killed_run_are_reclaimed_and_a_live_runs_kept(tmp_path):
     assert not held.exists(), "a dead process's swap directory was not reclaimed"
     again.close()
     engine.save_checkpoint(tmp_path / "ckpt", tag="b")
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["a", "b", "latest"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(["a", "b", "latest", *RECOVERY_SCRIPTS])
     assert os.listdir(tmp_path / "nvme") == []
 
 

@@ -27,7 +27,7 @@ from models import BufferedLM, Reference, micro_batch
 from setups import G, PARTITION_ALL, SAVE_BUCKET, checkpoint_config, train_global_batch
 from zeromem.checkpoints import save_load as ckpt
 from zeromem.checkpoints.save_load import CheckpointError
-from zeromem.checkpoints.consolidate import (load_consolidated)
+from zeromem.checkpoints.consolidate import RECOVERY_SCRIPTS, load_consolidated
 from zeromem.optim.schedulers import WarmupLR
 
 SAVE_AT, RESUME = 2, 2  # optimizer steps before the save, and after the load
@@ -155,7 +155,7 @@ def failing_rank_keeps_previous(rank: int, world_size: int, root: Path) -> str:
         ckpt._write_rank_file = real
     assert (save_dir / "latest").read_text() == "first"
     engine.comm.barrier()
-    assert sorted(os.listdir(save_dir)) == ["first", "latest"]
+    assert sorted(os.listdir(save_dir)) == sorted(["first", "latest", *RECOVERY_SCRIPTS])
     assert engine.load_checkpoint(save_dir)[0].endswith("first")
     return str(error.value)
 
@@ -361,7 +361,7 @@ def test_crash_while_overwriting_a_tag_keeps_it_loadable(tmp_path, monkeypatch):
     assert fresh.load_checkpoint(tmp_path)[0].endswith(".old-a")
     assert all(torch.equal(p, q) for p, q in zip(params_of(fresh), expected))
     engine.save_checkpoint(tmp_path, tag="a")  # a later save of that tag cleans up
-    assert sorted(os.listdir(tmp_path)) == ["a", "latest"]
+    assert sorted(os.listdir(tmp_path)) == sorted(["a", "latest", *RECOVERY_SCRIPTS])
 
 
 def test_stale_temporary_directory_is_replaced(tmp_path):

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 
 from harness import run_distributed
+from zeromem.deepspeed.utils import zero_to_fp32
 
 SEQ, DIM = 4, 6
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -209,9 +214,6 @@ def _nvme_refused(deepspeed, rank, world, tmp) -> None:
 
 def _zero_to_fp32(deepspeed, rank, world, tmp) -> None:
     """A stage-3 checkpoint read back whole, as DeepSpeed's zero_to_fp32 users do."""
-    from safetensors.torch import load_file
-
-    from zeromem.deepspeed.utils import zero_to_fp32
     engine, *_ = deepspeed.initialize(model=_net(), config=_config(3, "bf16", "AdamW", 1, None))
     engine.backward(engine(_batch(rank, 0, 0).bfloat16()).float().square().mean())  # noqa: E501
     engine.step()
@@ -271,5 +273,33 @@ def _cases(rank: int, world: int, tmp: str) -> None:
     _zero_to_fp32(deepspeed, rank, world, tmp)
 
 
-def test_partitioned_state_of_one_parameter(tmp_path):
-    run_distributed(_cases, 2, str(tmp_path))
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """Every case run in one world of 2 ranks (each rank checks its own readings);
+    the stage-3 checkpoint `_zero_to_fp32` saved is left in `ckpt`."""
+    tmp = tmp_path_factory.mktemp("param_states")
+    run_distributed(_cases, 2, str(tmp))
+    return tmp
+
+
+def test_partitioned_state_of_one_parameter(world):
+    assert (world / "ckpt" / "latest").is_file()
+
+
+def test_the_scripts_beside_a_checkpoint_convert_it_as_deepspeeds_do(world):
+    """DeepSpeed leaves zero_to_fp32.py and zero_to_torch.py in the directory saved into,
+    and HF's docs run them from there; before stop 49 zeromem left neither."""
+    ckpt = world / "ckpt"
+    want = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    for script, dtype in (("zero_to_fp32.py", torch.float32), ("zero_to_torch.py", torch.bfloat16)):
+        out = world / script
+        subprocess.run([sys.executable, str(ckpt / script), ".", str(out), "--safe_serialization",
+                        *(["--dtype", "bf16"] if dtype == torch.bfloat16 else [])],
+                       cwd=ckpt, check=True, capture_output=True)
+        got = load_file(out / "model.safetensors")
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value.to(dtype), rtol=0, atol=0, msg=key)
+    refused = subprocess.run([sys.executable, str(ckpt / "zero_to_torch.py"), ".", "out"],
+                             cwd=ckpt, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--dtype" in refused.stderr  # required, as DeepSpeed's

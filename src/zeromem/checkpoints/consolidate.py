@@ -331,6 +331,31 @@ def write_latest(root: Path, tag: str) -> None:
     fsync_dir(root)
 
 
+# DeepSpeed copies these into the directory saved into, and HF's docs run them from there
+# (`python zero_to_fp32.py . OUTPUT_DIR`); ours start zeromem's, which read this checkpoint
+RECOVERY_SCRIPTS = {"zero_to_fp32.py": "zeromem.deepspeed.utils.zero_to_fp32",
+                    "zero_to_torch.py": "zeromem.deepspeed.utils.zero_to_torch"}
+_RECOVERY_SCRIPT = '''#!/usr/bin/env python
+"""Written by zeromem's save_checkpoint, where DeepSpeed writes its own {name}:
+
+    python {name} CHECKPOINT_DIR OUTPUT_DIR [--safe_serialization] [--max_shard_size 5GB]
+"""
+from {module} import main
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def write_recovery_scripts(root: Path) -> None:
+    """The scripts DeepSpeed leaves beside its checkpoints, executable, each written whole."""
+    for name, module in RECOVERY_SCRIPTS.items():
+        tmp = root / f".{name}.tmp"
+        tmp.write_text(_RECOVERY_SCRIPT.format(name=name, module=module))
+        tmp.chmod(0o755)
+        os.replace(tmp, root / name)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

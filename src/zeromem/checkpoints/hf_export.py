@@ -211,14 +211,15 @@ def _mismatches(ours: dict[str, tuple[int, ...]], model: HfModel, prefix: str) -
 def output_dtype(requested: str | None, config: Any, manifest: dict) -> torch.dtype:
     """`--dtype`, else the config's dtype when set, else the checkpoint's training dtype."""
     if requested:
-        return _dtype(requested, "--dtype")
+        return named_dtype(requested, "--dtype")
     configured = getattr(config, "dtype", None)  # transformers reads torch_dtype into it
     if configured is not None and configured != "auto":
-        return _dtype(configured, "the config's dtype")
-    return _dtype(manifest["dtypes"]["compute"], "the checkpoint's compute dtype")
+        return named_dtype(configured, "the config's dtype")
+    return named_dtype(manifest["dtypes"]["compute"], "the checkpoint's compute dtype")
 
 
-def _dtype(value: str | torch.dtype, what: str) -> torch.dtype:
+def named_dtype(value: str | torch.dtype, what: str) -> torch.dtype:
+    """bf16, fp16 or fp32: a torch dtype, or a name as DeepSpeed writes them ("torch." allowed)."""
     if isinstance(value, torch.dtype) and value in DTYPES.values():
         return value
     name = str(value).removeprefix("torch.")
@@ -295,14 +296,14 @@ def _export(ckpt_dir: str | os.PathLike, tag: str | None, model: HfModel,
     with checkpoint_tensors(ckpt_dir, tag) as (path, manifest, spec_of):
         names = match_checkpoint(manifest, model, path, config_dir)
         out_dtype = output_dtype(dtype, model.config, manifest)
-        specs = [_cast(spec_of(key), name, out_dtype) for name, key in names.items()]
+        specs = [cast_spec(spec_of(key), name, out_dtype) for name, key in names.items()]
         shards = plan_shards([(s.name, s.nbytes) for s in specs], max_bytes)
         _write_directory(out, specs, shards, model, out_dtype, config_dir)
     log.info("wrote %s (%d shard(s), %s) from checkpoint %s", out, len(shards), out_dtype, path)
     return str(out)
 
 
-def _cast(spec: TensorSpec, name: str, dtype: torch.dtype) -> TensorSpec:
+def cast_spec(spec: TensorSpec, name: str, dtype: torch.dtype) -> TensorSpec:
     """`spec` renamed to `name`, floating tensors cast chunk by chunk to `dtype`."""
     if not spec.dtype.is_floating_point:
         return TensorSpec(name, spec.dtype, spec.shape, spec.chunks)

@@ -12,6 +12,8 @@ On-disk layout:
 
     save_dir/
       latest                    text: the newest complete tag (written last, by os.replace)
+      zero_to_fp32.py           scripts that run zeromem's converters, where DeepSpeed
+      zero_to_torch.py          leaves its own (`python zero_to_fp32.py . OUTPUT_DIR`)
       <tag>/                    one complete checkpoint (default tag: global_step<N>)
         manifest.json           rank 0; describes everything below (see `_build_manifest`)
         rank00000.safetensors   rank r's pieces and RNG states, one file per rank
@@ -72,7 +74,8 @@ from zeromem.checkpoints.state import (check_states, counters_state, param_group
 from zeromem.checkpoints.consolidate import (
     CLIENT_STATE, FORMAT, MANIFEST, VERSION, Piece, check_tag, checked_files, encode, file_digest,
     fsync_dir, overlaps, pieces_by_param, prepare_tmp, publish, raise_problems, rank_file_name,
-    read_manifest, resolve_checkpoint, verify_file, write_latest, write_manifest)
+    read_manifest, resolve_checkpoint, verify_file, write_latest, write_manifest,
+    write_recovery_scripts)
 from zeromem.checkpoints.formats import deepspeed_location
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
 from zeromem.flat import FlatParamGroup, ParamSlot
@@ -306,6 +309,7 @@ def _finish(state: TrainingState, root: Path, tmp: Path, tag: str, manifest: dic
     fsync_dir(tmp)
     publish(root, tmp, tag)
     write_latest(root, tag)
+    write_recovery_scripts(root)
 
 
 # ---------------------------------------------------------------- load

@@ -157,7 +157,7 @@ def install_as_deepspeed() -> None:
                   "utils"):  # real modules
         sys.modules[f"{NAME}.{alias}"] = getattr(surface, alias)
     for alias in ("moe.utils", "ops.adam", "ops.adagrad", "ops.lion", "utils.zero_to_fp32",
-                  "utils.logging", "utils.module_utils"):
+                  "utils.zero_to_torch", "utils.logging", "utils.module_utils"):
         sys.modules[f"{NAME}.{alias}"] = importlib.import_module(f"{surface.__name__}.{alias}")
     sys.modules[NAME] = surface
     # first, so that a real DeepSpeed installed beside zeromem does not answer for the

@@ -6,10 +6,13 @@ keys are the trained module's `state_dict()` keys, trained parameters from the f
 masters, tied keys one tensor. `checkpoint_dir` is the directory saved into (holding
 `latest` and the tag directories); `tag` defaults to what `latest` names.
 
-As a command, the one DeepSpeed copies into each checkpoint as `zero_to_fp32.py`:
+As a command, the one DeepSpeed copies into each checkpoint as `zero_to_fp32.py`
+(`zeromem.deepspeed.utils.zero_to_torch`: its `zero_to_torch.py`, `--dtype` required);
+`save_checkpoint` writes both into the directory saved into, as DeepSpeed does:
 
-    python -m zeromem.deepspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR
-        [--max_shard_size 5GB] [--safe_serialization] [-t TAG]
+    python CHECKPOINT_DIR/zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR
+        [--max_shard_size 5GB] [--safe_serialization] [-t TAG] [--dtype bf16]
+    python -m zeromem.deepspeed.utils.zero_to_fp32 ...   (the same)
 
 `get_optim_files(dir)` and `get_model_state_file(dir, zero_stage)` name the files of one
 tag directory that Lightning's `convert_zero_checkpoint_to_fp32_state_dict` reads beside
@@ -37,7 +40,7 @@ from torch import nn
 from ...checkpoints.consolidate import (CLIENT_STATE, checkpoint_tensors, raise_problems, read_manifest,
                                         read_state_dict, verify_file)
 from ...checkpoints.deepspeed_import import readable
-from ...checkpoints.hf_export import parse_shard_size, plan_shards
+from ...checkpoints.hf_export import cast_spec, named_dtype, parse_shard_size, plan_shards
 from ...checkpoints.tensor_files import write_output
 
 
@@ -75,18 +78,35 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
                                                safe_serialization: bool = False,
                                                tag: str | None = None,
                                                exclude_frozen_parameters: bool = False) -> None:
-    """Write the fp32 state dict into `output_dir` as `save_pretrained` names it:
+    """`convert_zero_checkpoint_to_state_dict` in fp32."""
+    convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, torch.float32,
+                                          max_shard_size, safe_serialization, tag,
+                                          exclude_frozen_parameters)
+
+
+def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str | os.PathLike,
+                                          output_dir: str | os.PathLike,
+                                          dtype: str | torch.dtype = torch.float32,
+                                          max_shard_size: str | int = "5GB",
+                                          safe_serialization: bool = False,
+                                          tag: str | None = None,
+                                          exclude_frozen_parameters: bool = False) -> None:
+    """Write the state dict into `output_dir` as `save_pretrained` names it:
     `pytorch_model.bin` (`model.safetensors` with `safe_serialization`), or past
-    `max_shard_size` numbered shards and their `.index.json`. Tensors stream a chunk at
-    a time, so memory stays bounded whatever the model's size."""
+    `max_shard_size` numbered shards and their `.index.json`; floating tensors in `dtype`
+    (fp32, fp16 or bf16, by name or torch dtype, as DeepSpeed 0.19.8 takes it), trained
+    parameters cast once from the fp32 masters. Tensors stream a chunk at a time, so
+    memory stays bounded whatever the model's size."""
     _refuse(exclude_frozen_parameters)
+    out_dtype = named_dtype(dtype, "dtype")
     max_bytes = parse_shard_size(max_shard_size)
     name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     out = Path(output_dir)
     with readable(checkpoint_dir, tag) as (source, source_tag), \
             checkpoint_tensors(source, source_tag) as (_, manifest, spec_of):
         aliases = manifest["aliases"]
-        specs = {key: spec_of(key) for key in manifest["state_dict_keys"] if key not in aliases}
+        specs = {key: cast_spec(spec_of(key), key, out_dtype)
+                 for key in manifest["state_dict_keys"] if key not in aliases}
         shards = plan_shards([(key, s.nbytes) for key, s in specs.items()], max_bytes)
         files = _shard_names(name, len(shards))
         weight_map = {}
@@ -147,25 +167,29 @@ def _shard_names(name: str, count: int) -> list[str]:
     return [f"{stem}-{i:05d}-of-{count:05d}{dot}{suffix}" for i in range(1, count + 1)]
 
 
-def main(argv: list[str] | None = None) -> None:
-    """DeepSpeed's `zero_to_fp32.py` command line (its arguments, `--debug` accepted)."""
-    parser = argparse.ArgumentParser(description="a ZeRO checkpoint as fp32 state dict files")
+def main(argv: list[str] | None = None, dtype_required: bool = False) -> None:
+    """DeepSpeed's `zero_to_fp32.py` command line (its arguments, `--debug` accepted); with
+    `dtype_required`, its `zero_to_torch.py` one, which adds `--dtype`."""
+    parser = argparse.ArgumentParser(description="a ZeRO checkpoint as state dict files")
     parser.add_argument("checkpoint_dir", help="the directory saved into (holding `latest`)")
     parser.add_argument("output_dir", help="where the state dict files go")
+    parser.add_argument("--dtype", required=dtype_required, default="fp32",
+                        help="floating tensors' dtype: fp32, fp16 or bf16 (zero_to_torch.py)")
     parser.add_argument("--max_shard_size", default="5GB")
     parser.add_argument("--safe_serialization", action="store_true")
     parser.add_argument("-t", "--tag", default=None)
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
     parser.add_argument("-d", "--debug", action="store_true")
     args = parser.parse_args(argv)
-    convert_zero_checkpoint_to_fp32_state_dict(
-        args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
+    convert_zero_checkpoint_to_state_dict(
+        args.checkpoint_dir, args.output_dir, args.dtype, max_shard_size=args.max_shard_size,
         safe_serialization=args.safe_serialization, tag=args.tag,
         exclude_frozen_parameters=args.exclude_frozen_parameters)
 
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
-           "convert_zero_checkpoint_to_fp32_state_dict", "get_optim_files", "get_model_state_file"]
+           "convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
+           "get_optim_files", "get_model_state_file"]
 
 
 if __name__ == "__main__":
