@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from zeromem.config.schema import Config, ConfigError
+from zeromem.config.support import READ
 
 LISTED = json.loads((Path(__file__).parent.parent / "data" / "deepspeed_config_keys.json").read_text())
 KEYS: dict[str, object] = LISTED["keys"]
@@ -55,3 +56,25 @@ def test_deepspeeds_key_at_its_default_is_known(key, caplog):
             said = str(error)
     said += "\n".join(r.getMessage() for r in caplog.records)
     assert not any(words in said for words in NOT_KNOWN), said
+
+
+# Where zeromem's default is not DeepSpeed 0.19.8's, on purpose: NVMe read-ahead and
+# write-behind on (issue 16: the optimizer step at the disk's pace)
+OWN_DEFAULTS = {"zero_optimization.offload_optimizer.pipeline_read": True,
+                "zero_optimization.offload_optimizer.pipeline_write": True}
+
+
+def test_keys_zeromem_reads_default_to_deepspeeds_values():
+    """Before stop 49 `offload_*.pin_memory` defaulted to false (DeepSpeed's default until
+    0.19), and WarmupLR's `warmup_max_lr` (test_schedulers.py) to 0.001."""
+    given = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                   "offload_param": {"device": "cpu"}}}  # the blocks exist
+    defaults = Config.load(given)
+    compared = 0
+    for key in READ:
+        if KEYS.get(key) is None or key.endswith((".stage", ".device")):
+            continue  # read by hand in DeepSpeed (no default listed), or given above
+        want = OWN_DEFAULTS.get(key, KEYS[key])
+        assert defaults.value_at(key) == want, f"{key}: {defaults.value_at(key)!r}, DeepSpeed {want!r}"
+        compared += 1
+    assert compared > 40

@@ -55,7 +55,7 @@ class _OffloadBlock(_Block):
 
     device: OffloadDevice = "none"
     nvme_path: str | None = None  # directory on NVMe; required when device is "nvme"
-    pin_memory: Bool = False  # page-locked host buffers for faster copies
+    pin_memory: Bool = True  # page-locked host buffers (with CUDA): faster copies; DeepSpeed 0.19.8's default
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> _OffloadBlock:
