@@ -76,8 +76,10 @@ def config(mode: str, path: str, extra: dict) -> dict:
                  "offload_param": {"device": "nvme", "nvme_path": path}}
         if mode == "nvme_small":
             zero["sub_group_size"] = 1_000_000
-    cfg = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW",
-           "params": {"lr": 1e-4}}, "zero_optimization": zero}
+    # issue 16's runs: no clipping, the default then; DeepSpeed 0.19.8 and zeromem since
+    # stop 49 clip at 1.0, and a clipped step waits for the whole gradient's norm
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
     for key, value in extra.items():
         if isinstance(value, dict):
             cfg.setdefault(key, {}).update(value)

@@ -47,7 +47,7 @@ def build(seed: int) -> Net:
 
 
 def config(stage: int, precision: str, lr: float = 1e-2) -> dict:
-    return {"train_micro_batch_size_per_gpu": 4, **PRECISIONS[precision],
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, **PRECISIONS[precision],
             "optimizer": {"type": "AdamW", "params": {"lr": lr}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
 

@@ -241,7 +241,7 @@ def accelerate_losses() -> list[float]:
     from accelerate.utils import DeepSpeedPlugin, DummyOptim
 
     cpu_deepspeed_state()
-    config = {"train_micro_batch_size_per_gpu": BATCH,
+    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 0.0,
               "gradient_accumulation_steps": ACCELERATE_GAS,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
               "zero_optimization": {"stage": 2}}
@@ -280,7 +280,7 @@ def trl_generation() -> list:
     from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
 
     cpu_deepspeed_state()
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))

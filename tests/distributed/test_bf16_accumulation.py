@@ -91,7 +91,7 @@ def placements(path: str) -> dict[str, dict]:
 
 
 def config(stage: int, optimizer: str, zero: dict, accum: str | None) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS,
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
            "bf16": {"enabled": True}, "optimizer": optimizer_block(optimizer),
            # tiny buckets and every stage-3 parameter partitioned: several reductions per step
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 100,

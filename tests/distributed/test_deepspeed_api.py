@@ -20,7 +20,7 @@ from models import SparseExperts
 
 
 def _cfg(stage: int, gas: int = 1, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "gradient_accumulation_steps": gas,
             "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.5}},
             "zero_optimization": {"stage": stage}, **extra}
 
@@ -219,7 +219,7 @@ def _client_optimizers(deepspeed, rank, world_size, tmp) -> None:
     sets their lr, and every rank ends as one process does with the same objects; also
     with the optimizer and parameters on NVMe (its optimizer reads the groups' lr there)."""
     from zeromem.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-    config = {"train_micro_batch_size_per_gpu": 2,
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     nvme = {"device": "nvme", "nvme_path": os.path.join(tmp, "nvme")}
     os.makedirs(nvme["nvme_path"], exist_ok=True)
@@ -397,7 +397,7 @@ def _stepping_the_returned_optimizer(deepspeed, rank, world_size, tmp) -> None:
         client = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5)
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=net, optimizer=client, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(client, decay),
-            config={"train_micro_batch_size_per_gpu": 2,
+            config={"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
                     "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
         reference = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.5)
         reference_scheduler = torch.optim.lr_scheduler.LambdaLR(reference, decay)

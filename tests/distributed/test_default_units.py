@@ -24,7 +24,7 @@ def config(persistence: int | None = 0) -> dict:
     """Stage 3; `persistence` None leaves stage3_param_persistence_threshold at its default."""
     zero = {"stage": 3} if persistence is None else {
         "stage": 3, "stage3_param_persistence_threshold": persistence}
-    return {"train_micro_batch_size_per_gpu": BATCH,
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 0.0,
             # SGD: AdamW magnifies float rounding where a gradient is ~eps (stage 2 too)
             "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
             "zero_optimization": zero}

@@ -133,9 +133,11 @@ def offload(kind: str, path: str) -> dict:
 
 
 def zero_config(stage: int, place: str, path: str) -> dict:
-    """Stage `stage` with every parameter partitioned, and `place`'s offload. NVMe begins the
-    step in the boundary backward by default, which takes one backward a step: off here."""
-    return {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+    """Stage `stage` with every parameter partitioned, and `place`'s offload, unclipped as the
+    one-process references. NVMe begins the step in the boundary backward by default, which
+    takes one backward a step: off here."""
+    return {"gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
                                   **offload(place, path)},
             **({"zeromem": {"nvme_step_in_backward": False}} if place == "nvme" else {})}
 

@@ -49,7 +49,7 @@ def batch(name: str, step: int, rank: int) -> dict:
 
 
 def stage3_config() -> dict:
-    return {"train_micro_batch_size_per_gpu": BATCH,
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 0.0,
             # no weight decay: T5 has parameters no loss reaches; torch skips them (grad None),
             # the engine sees zero gradients, and decay alone would move them
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},

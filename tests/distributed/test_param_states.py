@@ -50,7 +50,8 @@ def _config(stage: int, precision: str, optimizer: str, gas: int, offload: str |
         zero["stage3_param_persistence_threshold"] = 0  # every parameter sharded
     if offload:
         zero["offload_optimizer"] = {"device": offload}
-    config = {"train_micro_batch_size_per_gpu": SEQ, "gradient_accumulation_steps": gas,
+    config = {"train_micro_batch_size_per_gpu": SEQ, "gradient_clipping": 0.0,
+              "gradient_accumulation_steps": gas,
               "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}

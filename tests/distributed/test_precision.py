@@ -15,7 +15,7 @@ from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometim
 
 
 def _cfg(stage, extra):
-    return {"train_micro_batch_size_per_gpu": 4,
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 100,
                                   "stage3_param_persistence_threshold": 0}, **extra}

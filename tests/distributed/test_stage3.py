@@ -69,7 +69,7 @@ def live_limit(rank, world_size):
     limit = 3 * unit
     torch.manual_seed(0)
     engine = zeromem.initialize(Deep(), {
-        "train_micro_batch_size_per_gpu": 2,
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                               "stage3_prefetch_bucket_size": 10 * unit,
@@ -81,7 +81,7 @@ def live_limit(rank, world_size):
     peaks = {"limit": engine.stage3.stats.peak}
     torch.manual_seed(0)  # the window alone: two units ahead, no live limit
     engine = zeromem.initialize(Deep(), {
-        "train_micro_batch_size_per_gpu": 2,
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                               "stage3_prefetch_bucket_size": 2 * unit}},
@@ -184,7 +184,7 @@ def gpt_stage3_like_stage2(rank, world_size):
         else:
             model = GPT(shape)
         engine = zeromem.initialize(model, {
-            "train_micro_batch_size_per_gpu": 4,
+            "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10000,
                                   "stage3_prefetch_bucket_size": 20000}}, fetch_units=(Block,))

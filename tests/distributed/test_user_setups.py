@@ -120,7 +120,7 @@ def drift_from_fp32(rank: int) -> dict:
         for precision in ("fp32", "bf16"):
             torch.manual_seed(0)
             engine = zeromem.initialize(TinyLM(), {
-                "train_micro_batch_size_per_gpu": 4, **PRECISIONS[precision],
+                "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, **PRECISIONS[precision],
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                 "zero_optimization": {"stage": stage}})
             start = engine.full_state_dict()

@@ -372,9 +372,12 @@ def test_bucket_floats_become_ints():
 
 
 def test_code_defaults():
+    """DeepSpeed 0.19.8's: gradient_clipping 1.0 (0.0 before its PR 8068, and in zeromem
+    before stop 49); 0.0 given turns it off."""
     config = Config.load({})
     zero = config.zero_optimization
-    assert config.gradient_clipping == 0.0 and config.steps_per_print == 10
+    assert config.gradient_clipping == 1.0 and config.steps_per_print == 10
+    assert Config.load({"gradient_clipping": 0.0}).gradient_clipping == 0.0
     assert zero.stage == 0 and zero.reduce_bucket_size == 500_000_000
     assert zero.stage3_prefetch_bucket_size == 50_000_000 and zero.overlap_comm is False
     assert zero.offload_optimizer is None and zero.offload_optimizer_device == "none"

@@ -7,8 +7,9 @@ every block with unknown keys forbidden ("did you mean ...?"); resolves the batc
 train = micro x gas x world_size once the world size is known; and refuses features in
 `NOT_BUILT`.
 
-Defaults are DeepSpeed's *code* defaults, which differ from its docs in places
-(gradient_clipping 0.0 = off, stage3_prefetch_bucket_size 5e7). Integer fields accept
+Defaults are DeepSpeed 0.19.8's *code* defaults, which differ from its docs in places
+(stage3_prefetch_bucket_size 5e7) and from older releases (gradient_clipping 1.0, 0.0
+before its PR 8068; offload pin_memory true). Integer fields accept
 whole floats such as 5e8. Every failure is a `ConfigError` naming the dotted key.
 
 This module holds the block models, `Config.load`, `describe` and the feature gate; the
@@ -300,7 +301,7 @@ class Config(Extras):
     train_batch_size: Int | None = Field(None, ge=1)  # global batch = micro × gas × world_size
     train_micro_batch_size_per_gpu: Int | None = Field(None, ge=1)  # per-rank forward batch
     gradient_accumulation_steps: Int | None = Field(None, ge=1)  # micro-steps per optimizer step
-    gradient_clipping: Float = Field(0.0, ge=0)  # global-norm clip; 0.0 = off (DeepSpeed code)
+    gradient_clipping: Float = Field(1.0, ge=0)  # global-norm clip; 0.0 = off (DeepSpeed 0.19.8)
     steps_per_print: StepsPerPrint = 10  # logging interval in optimizer steps; Infinity = never
     wall_clock_breakdown: Bool = False  # per-phase timers
     prescale_gradients: Bool = False  # scale grads before the reduction instead of after
