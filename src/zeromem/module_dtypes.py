@@ -25,14 +25,12 @@ that differ from HF's by 0.19 at position 1024 and by 0.71 at 4096 (tiny Llama, 
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 import torch
 from torch import nn
 
+from zeromem.config.precision_blocks import KeepInFp32
 from zeromem.config.schema import Config
-
-KeepInFp32 = Literal["auto"] | list[str]
 
 
 def cast_module(module: nn.Module, config: Config) -> None:

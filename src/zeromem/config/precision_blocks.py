@@ -13,6 +13,7 @@ from zeromem.config.rules import Unsupported
 from zeromem.config.types import Bool, Dtype, Float, Int, _Block
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+KeepInFp32 = Literal["auto"] | list[str]  # "auto": the model's own HF lists
 
 
 class FP16Config(_Block):
@@ -71,4 +72,4 @@ class DataTypesConfig(_Block):
     grad_accum_dtype: Dtype | None = None  # gradient accumulation buffer; None = compute dtype
     param_dtype: Dtype | None = None  # must be the precision block's (DeepSpeed's assertion)
     buffer_dtype: Dtype | None = None  # every floating buffer's; None: as module_dtypes says
-    keep_in_fp32_modules: Literal["auto"] | list[str] = "auto"  # buffer names kept in fp32
+    keep_in_fp32_modules: KeepInFp32 = "auto"  # buffer names kept in fp32
