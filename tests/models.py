@@ -114,6 +114,28 @@ def state_dict_diff(full: dict, model: nn.Module) -> float:
     return max((full[k].float() - ref[k].float()).abs().max().item() for k in full) if full else 0.0
 
 
+def own_view_diff(engine, model: torch.nn.Module) -> float:
+    """Max abs difference between what this rank holds and `model`, on any rank.
+
+    Compares the rank's fp32 master shard and compute-dtype parameter shard (the owned
+    part of each parameter, `FlatParamGroup.owned_slice`) and, where parameters are
+    whole (stages 0-2), every parameter in the flat buffer the module computes with.
+    """
+    worst = 0.0
+    for g in engine.groups:
+        for slot in g.slots:
+            ref = model.get_parameter(slot.name).detach().float().flatten()
+            start, param_start, length = g.owned_slice(slot)
+            want = ref[param_start:param_start + length]
+            for shard in (g.master, g.param_shard):
+                got = shard.detach().float().cpu()[start:start + length]
+                worst = max(worst, (got - want).abs().max().item() if length else 0.0)
+            if g.flat_param is not None:
+                whole = g.flat_param.detach().float().cpu()[slot.offset:slot.offset + slot.numel]
+                worst = max(worst, (whole - ref).abs().max().item())
+    return worst
+
+
 class Deep(nn.Module):
     def __init__(self, width: int = 64, depth: int = 6):
         super().__init__()

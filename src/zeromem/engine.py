@@ -232,7 +232,8 @@ class Engine:
                 self.partitions.materialize(part, self.comm)  # built under Init: one at a time
                 names = [self.names[id(p)] for p in part]
                 group = FlatParamGroup(part, names, self.plan.shard, sharding, gi,
-                                       self._group_dtype(part, gi < trained), trains=gi < trained)
+                                       self._group_dtype(part, gi < trained), trains=gi < trained,
+                                       master_dtype=self.config.master_dtype)
                 groups.append(group)
                 if staged is not None and group.trains:
                     staged.admit(group)
@@ -607,8 +608,10 @@ class Engine:
         for place, nbytes in peaks.items():
             ledger.add_bytes("activation_checkpoints", place, nbytes)
         g0 = self.groups[0] if self.groups else None
-        master_bytes = 0 if g0 is None or g0.master_aliases_params() else 4
-        k = optimizer_state_bytes_per_param(self.optimizer) + master_bytes
+        # bf16.bf16_master_weights_and_grads: masters and states in bf16, half the bytes
+        width = self.config.master_dtype.itemsize
+        master_bytes = 0 if g0 is None or g0.master_aliases_params() else width
+        k = optimizer_state_bytes_per_param(self.optimizer) * width / 4 + master_bytes
         formula = model_state_formula(self.psi, self.plan.shard.world_size, self.zero_stage,
                                       self.compute_dtype.itemsize, self.config.grad_dtype.itemsize,
                                       k, master_bytes)

@@ -88,11 +88,11 @@ class FlatParamGroup:
     """Parameters of one optimizer param group flattened into one padded buffer.
 
     Owns: `flat_param` (compute dtype, whole; None at stage 3), `param_shard`, the
-    master shard (fp32; an alias of the parameter shard when the compute dtype is
-    already fp32), a gradient buffer object that decides how gradients are held and
-    reduced, and (stage 3) the gathered whole buffer. Other modules read these
-    through properties and change them only through the named transitions below,
-    each of which asserts the states it allows.
+    master shard (`master_dtype`, fp32 unless bf16 masters are asked for; an alias of
+    the parameter shard when the compute dtype already is it), a gradient buffer object
+    that decides how gradients are held and reduced, and (stage 3) the gathered whole
+    buffer. Other modules read these through properties and change them only through
+    the named transitions below, each of which asserts the states it allows.
 
     `params` arrive in the user's dtype and are cast to `dtype` (the compute dtype)
     here, so that the master shard keeps the user's own fp32 values rather than
@@ -105,7 +105,7 @@ class FlatParamGroup:
 
     def __init__(self, params: list[nn.Parameter], names: list[str], comm: Comm,
                  sharding: Sharding, param_group_index: int, dtype: torch.dtype | None = None,
-                 trains: bool = True):
+                 trains: bool = True, master_dtype: torch.dtype = torch.float32):
         self.params = params
         self.trains = trains
         self.comm = comm
@@ -123,7 +123,8 @@ class FlatParamGroup:
         p0 = params[0]
         dtype = dtype or p0.dtype
         # Read before the parameters are rounded to the compute dtype (issue 10, item 7).
-        master = self._own_fp32_values(params) if dtype != torch.float32 and trains else None
+        master = self._own_values(params, master_dtype) if dtype != master_dtype and trains \
+            else None
         self._flat_param: torch.Tensor | None = torch.zeros(self.padded_numel, dtype=dtype,
                                                             device=p0.device)
         self._view_params(self._flat_param, copy_values=True)
@@ -143,7 +144,7 @@ class FlatParamGroup:
             self._flat_param = None
             self._empty_params()
             self._state = GroupState.SHARDED
-        self._master = self._param_shard if master is None else master  # fp32: no second copy
+        self._master = self._param_shard if master is None else master  # no second copy
         self._grads: GradBuffer | None = None  # set once by `attach_grads` (placement.build_grads)
 
     # -- read-only views of the owned state ---------------------------------
@@ -317,7 +318,7 @@ class FlatParamGroup:
             # compute-dtype value is still the master's rounding): only edits are rounded.
             master = self._master.to(part.device)
             changed = part != master.to(part.dtype)
-            self._master.copy_(torch.where(changed, part.float(), master))
+            self._master.copy_(torch.where(changed, part.to(master.dtype), master))
         if self._state is GroupState.GATHERED:  # WHOLE: the shard is a view of `part`
             self._param_shard.copy_(part)
 
@@ -358,9 +359,9 @@ class FlatParamGroup:
             p.data = empty
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
 
-    def _own_fp32_values(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """This rank's master shard from the parameters' own values, in fp32 (padding zero)."""
-        master = torch.zeros(self.shard_numel, dtype=torch.float32, device=params[0].device)
+    def _own_values(self, params: list[nn.Parameter], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's master shard from the parameters' own values, in `dtype` (padding zero)."""
+        master = torch.zeros(self.shard_numel, dtype=dtype, device=params[0].device)
         for p, slot in zip(params, self.slots):
             start, at, n = self.owned_slice(slot)
             if n:
@@ -369,19 +370,21 @@ class FlatParamGroup:
 
     # -- after the optimizer step -----------------------------------------
     def master_aliases_params(self) -> bool:
-        """The master is the parameter shard itself (fp32 compute). Identity, not address:
-        offload empties both storages between steps, and empty tensors share address 0."""
+        """The master is the parameter shard itself (the compute dtype is the masters').
+        Identity, not address: offload empties both storages between steps, and empty
+        tensors share address 0."""
         return self._master is self._param_shard
 
     def unscale_into_master(self, multiplier: float) -> None:
         """Step phase 3, the master beside the parameters: its gradient is the reduced
-        gradient x `multiplier`, in fp32 (the reduced shard itself when that is already it)."""
+        gradient x `multiplier`, in the master's dtype (the reduced shard itself when that is
+        already it)."""
         assert self._grads is not None  # attached when the engine built the group
         grad = self._gradient.reduced()
-        if grad.dtype == torch.float32 and multiplier == 1.0:
+        if grad.dtype == self._master.dtype and multiplier == 1.0:
             self._master.grad = grad  # no copy needed
         else:
-            self._master.grad = grad.to(torch.float32).mul_(multiplier)
+            self._master.grad = grad.to(self._master.dtype).mul_(multiplier)
 
     def write_back(self) -> None:
         """Copy the updated master shard into this rank's parameter shard."""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import zeromem
 from harness import run_distributed, run_together
-from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
+from models import Reference, TinyLM, micro_batch, own_view_diff, state_dict_diff, uses_sometimes
 from setups import build_tiny_lm, parity_config
 
 STEPS = 3
@@ -47,28 +47,6 @@ def train_and_compare(rank: int, world_size: int, stage: int, gas: int, clip: fl
     assert own_view_diff(engine, initial) > 1e-3, f"rank {rank} did not train"
     assert max(diffs) <= tol, f"stage {stage} gas {gas} clip {clip}: diffs {diffs}"
     return diffs
-
-
-def own_view_diff(engine, model: torch.nn.Module) -> float:
-    """Max abs difference between what this rank holds and `model`, on any rank.
-
-    Compares the rank's fp32 master shard and compute-dtype parameter shard (the owned
-    part of each parameter, `FlatParamGroup.owned_slice`) and, where parameters are
-    whole (stages 0-2), every parameter in the flat buffer the module computes with.
-    """
-    worst = 0.0
-    for g in engine.groups:
-        for slot in g.slots:
-            ref = model.get_parameter(slot.name).detach().float().flatten()
-            start, param_start, length = g.owned_slice(slot)
-            want = ref[param_start:param_start + length]
-            for shard in (g.master, g.param_shard):
-                got = shard.detach().float().cpu()[start:start + length]
-                worst = max(worst, (got - want).abs().max().item() if length else 0.0)
-            if g.flat_param is not None:
-                whole = g.flat_param.detach().float().cpu()[slot.offset:slot.offset + slot.numel]
-                worst = max(worst, (whole - ref).abs().max().item())
-    return worst
 
 
 def parity_matrix(rank: int, world_size: int) -> dict:

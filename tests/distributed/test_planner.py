@@ -118,3 +118,34 @@ def test_plan_counts_frozen_parameters_in_their_own_dtype_when_training_in_fp32(
                 report[stage]["held"]["params"]["device"], rel=0.02), (stage, rank)
             assert predicted.model_state_bytes == pytest.approx(
                 report[stage]["model_state_bytes"], rel=0.02), (stage, rank)
+
+
+def _bf16_masters_config(stage: int) -> dict:
+    config = _config(stage, persistence=0)
+    config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    return config
+
+
+def _measure_bf16_masters(rank, world_size):
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        engine = zeromem.initialize(Known(), _bf16_masters_config(stage))
+        engine.backward(engine(torch.randint(0, 301, (2, 5))))
+        engine.step()
+        out[stage] = engine.memory_report().to_dict()
+    return out
+
+
+def test_plan_counts_bf16_masters_and_states_as_the_run_holds_them():
+    """No master copy, Adam's states in bf16: each category as the run's ledger files it."""
+    measured = run_distributed(_measure_bf16_masters, 2)
+    with torch.device("meta"):
+        shape = shape_of(Known(), bucket_numel=30_000)
+    for stage in (1, 2, 3):
+        predicted = predict_memory(shape, _bf16_masters_config(stage), 2)
+        assert predicted.device["master_params"] == 0, stage
+        for rank, report in enumerate(measured):
+            for category, value in predicted.device.items():
+                held = report[stage]["held"].get(category, {}).get("device", 0)
+                assert value == pytest.approx(held, rel=0.02), (stage, rank, category)

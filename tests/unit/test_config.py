@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import re
 
 import pytest
 
@@ -429,6 +430,30 @@ def test_param_dtype_may_only_repeat_the_precision_blocks():
                  {"bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}}):
         with pytest.raises(ConfigError, match="data_types.param_dtype"):
             Config.load(data)
+
+
+BF16_FULL = "tests/data/ds_config_corpus/DeepSpeedExamples/training/bf16_master_weight/configs/bf16_full.json"
+
+
+def test_bf16_masters_load_where_deepspeed_runs_them():
+    """DeepSpeedExamples' bf16_full.json (stage 3, both keys, torch_autocast) loads: bf16
+    masters. Combinations DeepSpeed asserts against, or runs only with its CPU Adam, are
+    refused naming the key."""
+    assert Config.load(BF16_FULL).master_dtype == torch.bfloat16
+    assert Config.load({"bf16": {"enabled": True}}).master_dtype == torch.float32
+    both = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    refused = {
+        "bf16_optimizer_states needs": {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+        "bf16.bf16_optimizer_states too": {"bf16": {"enabled": True,
+                                                   "bf16_master_weights_and_grads": True}},
+        "needs bf16.enabled": {"bf16": {**both, "enabled": False}},
+        "stage 1, 2 or 3": {"bf16": both, "zero_optimization": {"stage": 0}},
+        "offload_optimizer.device": {"bf16": both, "zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    }
+    for words, data in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            Config.load({"zero_optimization": {"stage": 2}, **data})
 
 
 def test_checkpoint_block_is_case_insensitive():

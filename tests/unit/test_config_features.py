@@ -38,8 +38,6 @@ SAMPLES = {
     "zero_optimization.stage3_allgather_sequential": (False, True),
     "zero_optimization.enable_sanity_checks": (False, True),
     "zero_optimization.save_muon_momentum_buffer_in_memory": (False, True),
-    "bf16.bf16_master_weights_and_grads": (False, True),
-    "bf16.bf16_optimizer_states": (False, True),
     "bf16.check_grad_overflow": (True, False),
     "disable_python_gc": (False, True),
     "vocabulary_size": (50304, 50257),  # warned only when not a multiple of 8, as DeepSpeed

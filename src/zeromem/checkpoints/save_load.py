@@ -167,7 +167,8 @@ def _write_rank_file(state: TrainingState, tmp: Path, rank: int, exclude_frozen:
     for g in state.groups:
         states = _tensor_states(state.optimizer, g)
         for slot, s0, _, n in group_pieces(g, rank):
-            specs.append(TensorSpec.of(f"master/{slot.name}", g.master.detach()[s0:s0 + n]))
+            # masters are saved fp32 (bf16 masters exactly): any run can load them
+            specs.append(TensorSpec.of(f"master/{slot.name}", g.master.detach()[s0:s0 + n].float()))
             for key, t in states.items():
                 specs.append(TensorSpec.of(f"optimizer/{key}/{slot.name}", t[s0:s0 + n]))
     if rank == 0:
@@ -569,6 +570,14 @@ def _module_values(state: TrainingState, staged: _Staged, sharded: bool) -> dict
     return {k: v for k, v in staged.module.items() if (id(state_dict[k]) in ids) == sharded}
 
 
+def _like_master(value: Any, master: torch.Tensor) -> Any:
+    """A saved per-element state on the master's device, in its dtype when floating (bf16
+    masters keep bf16 states; a bf16-master checkpoint loads into fp32 masters too)."""
+    if not torch.is_tensor(value) or not value.dim():
+        return value
+    return value.to(master.device, master.dtype if value.is_floating_point() else value.dtype)
+
+
 def _apply(state: TrainingState, staged: _Staged, load_lr_scheduler_states: bool) -> None:
     """Put a staged checkpoint into the training state; nothing here reads a file."""
     m = staged.manifest
@@ -580,9 +589,7 @@ def _apply(state: TrainingState, staged: _Staged, load_lr_scheduler_states: bool
             state_dict[key].copy_(value)
     if staged.states is not None:
         for g, saved in zip(state.groups, staged.states):
-            state.optimizer.state[g.master] = {
-                k: v.to(g.master.device) if torch.is_tensor(v) and v.dim() else v
-                for k, v in saved.items()}
+            state.optimizer.state[g.master] = {k: _like_master(v, g.master) for k, v in saved.items()}
         restore_param_groups(state.optimizer, m)
         restore_scaler(state.stateful["scaler"], m)
     if load_lr_scheduler_states:

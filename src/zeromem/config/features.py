@@ -201,10 +201,6 @@ FEATURES: tuple[Feature, ...] = (
     Feature("zero_optimization.save_muon_momentum_buffer_in_memory", "Muon with NVMe offload",
             "zeromem refuses Muon with NVMe optimizer offload, the only case it is for",
             differs_from(False), "warn"),
-    Feature("bf16.bf16_master_weights_and_grads", "bf16 master weights", "master weights and "
-            "gradients are always fp32; bf16 masters would change every update", differs_from(False)),
-    Feature("bf16.bf16_optimizer_states", "bf16 optimizer states", "optimizer states are fp32",
-            differs_from(False)),
     Feature("bf16.check_grad_overflow", "unchecked bf16 steps", "a step whose gradient norm is "
             "not finite is always skipped", differs_from(True), "warn"),
     Feature("optimizer.legacy_fusion", "legacy fused fp16 optimizer", "the optimizer always "

@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from zeromem.config.rules import Unsupported
+from zeromem.config.rules import ConfigError, Unsupported
 from zeromem.config.types import Bool, Dtype, Float, Int, _Block
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -32,10 +32,47 @@ class FP16Config(_Block):
 
 
 class BF16Config(_Block):
-    """`bf16` (alias `bfloat16`): bf16 mixed precision, no loss scaling."""
+    """`bf16` (alias `bfloat16`): bf16 mixed precision, no loss scaling.
+
+    `bf16_master_weights_and_grads` with `bf16_optimizer_states` (DeepSpeed's PR 7700):
+    no fp32 master; the optimizer steps the bf16 parameter shard itself, with the reduced
+    bf16 gradient, and keeps its states in bf16 (12 bytes a parameter with Adam become 4)."""
 
     enabled: Bool = False
     immediate_grad_update: Bool = False  # apply grads as soon as they are accumulated
+    bf16_master_weights_and_grads: Bool = False  # masters and their gradients in bf16
+    bf16_optimizer_states: Bool = False  # optimizer states in bf16 (needs the above)
+
+    @model_validator(mode="after")
+    def _states_need_masters(self) -> BF16Config:
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise ValueError("bf16_optimizer_states needs bf16_master_weights_and_grads "
+                             "(as DeepSpeed asserts): the states take the masters' dtype")
+        if self.bf16_master_weights_and_grads and not self.bf16_optimizer_states:
+            raise Unsupported("bf16.bf16_master_weights_and_grads", "bf16 master weights with "
+                              "fp32 optimizer states", "DeepSpeed runs it only with "
+                              "offload_optimizer and its CPU Adam's fp32 moments; zeromem's "
+                              "optimizers keep their states in the masters' dtype: set "
+                              "bf16.bf16_optimizer_states too", True)
+        if self.bf16_master_weights_and_grads and not self.enabled:
+            raise ValueError("bf16_master_weights_and_grads needs bf16.enabled: the masters "
+                             "are the bf16 parameters")
+        return self
+
+
+def check_bf16_masters(bf16: BF16Config, stage: int, offload_optimizer: str) -> None:
+    """bf16 masters where zeromem keeps them: the parameter shard on the device, stages 1-3
+    (DeepSpeed asserts a ZeRO stage too)."""
+    if not bf16.bf16_master_weights_and_grads:
+        return
+    if stage == 0:
+        raise ConfigError("bf16.bf16_master_weights_and_grads needs zero_optimization.stage "
+                          "1, 2 or 3 (as DeepSpeed asserts), got 0")
+    if offload_optimizer != "none":
+        raise Unsupported("zero_optimization.offload_optimizer.device", "bf16 master weights "
+                          "with optimizer offload", "zeromem's offloaded masters are fp32 host "
+                          "or swap-file buffers; without offload_optimizer the bf16 masters "
+                          "are the parameter shard itself", offload_optimizer)
 
 
 class TorchAutocastConfig(_Block):

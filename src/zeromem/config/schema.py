@@ -35,7 +35,7 @@ from zeromem.config import features
 from zeromem.config.extras import Extras
 from zeromem.config.leaf_modules import LeafModuleConfig
 from zeromem.config.precision_blocks import (DTYPES, BF16Config, DataTypesConfig, FP16Config,
-                                             TorchAutocastConfig)
+                                             TorchAutocastConfig, check_bf16_masters)
 from zeromem.config.optimizer_blocks import (OptimizerConfig, SchedulerConfig,  # noqa: F401 (re-exported)
                                              _optimizer_params_model, _scheduler_params_model)
 from zeromem.config.rules import (AIO_RENAMED, BATCH_KEYS, TOP_LEVEL_RENAMED, ZERO_RENAMED,
@@ -346,6 +346,8 @@ class Config(Extras):
             raise ConfigError(f"data_types.param_dtype {asked!r} is not the precision blocks' "
                               f"{self.compute_dtype}: set the matching fp16 / bf16 \"enabled\", "
                               "or leave param_dtype out")
+        check_bf16_masters(self.bf16, self.zero_optimization.stage,
+                           self.zero_optimization.offload_optimizer_device)
         whole = {"Lamb": "Lamb's trust ratio needs each parameter's whole update",
                  "Muon": "Muon orthogonalises each weight matrix's update whole"}
         if self.optimizer and self.optimizer.type in whole and \
@@ -450,6 +452,12 @@ class Config(Extras):
         if self.fp16.enabled:
             return torch.float16
         return torch.bfloat16 if self.bf16.enabled else torch.float32
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """Dtype of the masters the optimizer steps, their gradients and its states: fp32,
+        or bf16 under bf16.bf16_master_weights_and_grads (the parameter shard itself)."""
+        return torch.bfloat16 if self.bf16.bf16_master_weights_and_grads else torch.float32
 
     @property
     def casts_module(self) -> bool:

@@ -33,7 +33,10 @@ READ: dict[str, tuple[str, ...]] = {
     **{f"fp16.{key}": ("precision",) for key in (
         "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
         "consecutive_hysteresis", "min_loss_scale")},
-    "bf16.enabled": ("config.schema",), "data_types.grad_accum_dtype": ("config.schema",),
+    "bf16.enabled": ("config.schema",),
+    "bf16.bf16_master_weights_and_grads": ("config.precision_blocks", "engine"),
+    "bf16.bf16_optimizer_states": ("config.precision_blocks",),
+    "data_types.grad_accum_dtype": ("config.schema",),
     "data_types.buffer_dtype": ("config.schema",), "data_types.param_dtype": ("config.schema",),
     "data_types.keep_in_fp32_modules": ("module_dtypes",),
     "torch_autocast.enabled": ("engine",), "torch_autocast.dtype": ("config.precision_blocks",),

@@ -175,6 +175,12 @@ class DeepSpeedEngine(nn.Module):
 
     bf16_enabled = bfloat16_enabled
 
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self.engine.config.bf16.bf16_master_weights_and_grads
+
+    def bf16_optimizer_states(self) -> bool:
+        return self.engine.config.bf16.bf16_optimizer_states
+
     def gradient_clipping(self) -> float:
         return self.engine.config.gradient_clipping
 

@@ -73,8 +73,10 @@ def widths_for(config: Config, shape: ModelShape | None = None) -> Widths:
         states, scalars = (4 * shape.muon_numel + 8 * (shape.psi - shape.muon_numel)) / shape.psi, 4
     else:  # Adam / AdamW: m and v (and max v with amsgrad), plus a scalar `step`
         states, scalars = (12 if options.get("amsgrad") else 8), 4
+    master = config.master_dtype  # bf16 masters: the states are bf16 too (half the bytes)
     return Widths(compute.itemsize, config.grad_dtype.itemsize,
-                  0 if compute == torch.float32 else 4, states, scalars)
+                  0 if compute == master else master.itemsize, states * master.itemsize / 4,
+                  scalars)
 
 
 def layout_for(config: Config, shape: ModelShape | None = None, n_d: int = 1,

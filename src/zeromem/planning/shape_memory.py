@@ -255,9 +255,9 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
 
 
 def frozen_scale(shape: ModelShape, widths: Widths) -> float:
-    """Parameter-width elements per frozen element: an fp32 run (no master of its own) keeps
-    the frozen parameters in the model's dtype (engine.py `_group_dtype`)."""
-    return shape.frozen_width / widths.param if widths.master == 0 else 1.0
+    """Parameter-width elements per frozen element: an fp32 run keeps the frozen parameters
+    in the model's dtype (engine.py `_group_dtype`); 16-bit runs cast them."""
+    return shape.frozen_width / widths.param if widths.param == 4 else 1.0
 
 
 def _gathered_bytes(sizes: list[int], n_d: int, widths: Widths, layout: ZeroLayout) -> float:
