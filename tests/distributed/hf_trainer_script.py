@@ -43,6 +43,7 @@ import config_corpus  # noqa: E402
 
 CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 2, 6, 1e-2
+ADDED = 5  # tokens added to the vocabulary by resize_token_embeddings
 GAS, SAMPLES = 3, 64  # 2 ranks x BATCH: 16 micro-batches a rank, 6 steps (5 x 3, then 1)
 # HF's own optimizer and schedule (a config without them): warmup then linear decay, and
 # weight decay, which HF's AdamW leaves off biases and LayerNorms (two param groups)
@@ -55,9 +56,9 @@ RANK = int(os.environ.get("RANK", 0))
 class Tokens(Dataset):
     """Fixed random token sequences; labels are the inputs (causal LM)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, vocab: int = VOCAB):
         g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        self.ids = torch.randint(0, vocab, (n, SEQ), generator=g)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -117,12 +118,20 @@ def training_args(name: str, deepspeed: str | None, arguments: type = transforme
 
 def train(name: str, deepspeed: str | None, resume: str | None = None,
           hf_optimizer: bool = False, data: Dataset | None = None,
-          reference: Callable[[torch.nn.Module], tuple] | None = None, **extra) -> dict:
+          reference: Callable[[torch.nn.Module], tuple] | None = None, added_tokens: int = 0,
+          **extra) -> dict:
     """One Trainer run: per-step losses, gradient norms and lr, parameter elements this rank
     holds after `from_pretrained`, and the trainer (for saving). `hf_optimizer`: the DDP
-    Trainer builds its own optimizer and schedule, as HF does for a config without them."""
+    Trainer builds its own optimizer and schedule, as HF does for a config without them.
+    `added_tokens`: the tied embedding is resized for that many new tokens first (SFT's
+    special tokens), their rows drawn around the old ones' mean (HF's `mean_resizing`)."""
     args = training_args(name, deepspeed, **extra)  # before from_pretrained: zero3 uses Init
     model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    if added_tokens:
+        # ranks draw the new rows apart: rank 0's are broadcast (ZeRO-3's GatheredParameters
+        # with modifier_rank 0; DDP's broadcast of the module when it wraps it)
+        torch.manual_seed(1 + RANK)
+        model.resize_token_embeddings(VOCAB + added_tokens, mean_resizing=True)
     held = sum(p.numel() for p in model.parameters())
     own = deepspeed is not None or hf_optimizer
     trainer = transformers.Trainer(model=model, args=args,
@@ -533,6 +542,7 @@ def main() -> None:
         own = train("ddp_hf_optimizer", None, hf_optimizer=True, **HF_SCHEDULE)
         compiled = train("ddp_compile", None, **COMPILE)
         ragged = train("ddp_ragged", None, data=RaggedTokens(SAMPLES))
+        resized = train("ddp_resized", None, data=Tokens(SAMPLES, VOCAB + ADDED), added_tokens=ADDED)
         config_adamw = {kind: train(f"ddp_{kind}", None, reference=one_group(schedule),
                                     **HF_SCHEDULE)
                         for kind, schedule in (("config_adamw", "hf"),
@@ -542,6 +552,7 @@ def main() -> None:
                       "late_install": late_install(), "lora": lora("ddp_lora", None),
                       "compiled": compiled["losses"],
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
+                      "resized": {k: resized[k] for k in ("losses", "grad_norms")},
                       "grpo": grpo("ddp_grpo", None), "seq2seq": seq2seq("ddp_seq2seq", None),
                       "eval_loss": evaluate("ddp_eval", None),
                       "schedule_free": schedule_free("ddp_schedule_free", None),
@@ -565,6 +576,8 @@ def main() -> None:
     compiled = train("zero3_compile", str(CONFIGS / "ds_config_zero3.json"), **COMPILE)
     ragged = train("zero3_ragged", str(CONFIGS / "ds_config_zero3.json"),
                    data=RaggedTokens(SAMPLES))
+    resized = train("zero3_resized", str(CONFIGS / "ds_config_zero3.json"),
+                    data=Tokens(SAMPLES, VOCAB + ADDED), added_tokens=ADDED)
     engine = compiled["trainer"].model_wrapped
     compiled_in_place = engine.is_compiled and engine.module._compiled_call_impl is not None
     grpo_steps = grpo("zero3_grpo", str(CONFIGS / "ds_config_zero3.json"))
@@ -580,6 +593,7 @@ def main() -> None:
                       "lora": adapted, "trl": generated, "grpo": grpo_steps,
                       "compiled": compiled["losses"], "compiled_in_place": compiled_in_place,
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
+                      "resized": {k: resized[k] for k in ("losses", "grad_norms")},
                       "single_process": single_process_losses(),
                       "trl_reference": trl_reference(),
                       "seq2seq": seq2seq("zero3_seq2seq", str(CONFIGS / "ds_config_zero3.json")),

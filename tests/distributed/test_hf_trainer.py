@@ -181,6 +181,18 @@ def test_padded_labels_average_over_tokens_as_ddp(runs):
         assert _max_difference(zero[key], ddp[key]) < TOLERANCE, key
 
 
+def test_resize_token_embeddings_under_zero3_trains_as_ddp(runs):
+    """`model.resize_token_embeddings` after `from_pretrained` under ZeRO-3 (SFT scripts
+    adding special tokens): HF gathers the sharded embedding, builds the new one under
+    `zero.Init`, copies the old rows and draws the new ones on rank 0 (GatheredParameters
+    with modifier_rank 0); the tied head follows. Trained on the new tokens too, losses and
+    gradient norms equal the DDP Trainer's."""
+    ddp, zero = runs[1]["resized"], runs[2]["resized"]
+    for key in ("losses", "grad_norms"):
+        assert len(ddp[key]) == 6
+        assert _max_difference(zero[key], ddp[key]) < TOLERANCE, key
+
+
 def test_torch_compile_under_zero3_matches_ddp(runs):
     """`TrainingArguments(torch_compile=True)` makes Accelerate call DeepSpeed's
     `engine.compile(backend=, compile_kwargs=)`, which zeromem's engine lacked until stop
