@@ -35,17 +35,26 @@ OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 
               "sgd": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}}}
 
 
-# stage 3 with its parameter shards in host memory keeps bf16 masters on the device
-SETUPS = {"1": (1, {}), "2": (2, {}), "3": (3, {}),
-          "3 offload_param": (3, {"offload_param": {"device": "cpu"}})}
+# stage 3 with its parameter shards in host memory keeps bf16 masters on the device; with
+# offload_optimizer they live in host memory, stepped there (DeepSpeed's CPU Adam, bf16 moments)
+CPU = {"device": "cpu"}
+# fp32 accumulation of bf16 gradients: a sum of two bf16 values is exact in fp32, so the
+# bf16 master gradient rounds it as one process's bf16 accumulation does
+FP32_GRADS = {"data_types": {"grad_accum_dtype": "fp32"}}
+SETUPS = {"1": (1, {}, {}), "2": (2, {}, {}), "3": (3, {}, {}),
+          "3 offload_param": (3, {"offload_param": CPU}, {}),
+          "2 offload_optimizer": (2, {"offload_optimizer": CPU}, {}),
+          "2 offload_optimizer fp32 grads": (2, {"offload_optimizer": CPU}, FP32_GRADS),
+          "3 offload both": (3, {"offload_optimizer": CPU, "offload_param": CPU}, {})}
 
 
-def config(stage: int, optimizer: str, masters: bool = True, clip: float = 0.0, **zero) -> dict:
+def config(stage: int, optimizer: str, masters: bool = True, clip: float = 0.0,
+           extra: dict | None = None, **zero) -> dict:
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS,
             "gradient_clipping": clip, "optimizer": OPTIMIZERS[optimizer],
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 100,
                                   "stage3_param_persistence_threshold": 0, **zero},
-            **(MASTERS if masters else {"bf16": {"enabled": True}})}
+            **(MASTERS if masters else {"bf16": {"enabled": True}}), **(extra or {})}
 
 
 def one_process(model: torch.nn.Module, optimizer: str) -> torch.optim.Optimizer:
@@ -90,13 +99,14 @@ def state_dtypes(engine) -> set[str]:
 def same_batches(rank: int, world_size: int) -> dict:
     """Both ranks on rank 0's batches: each case's largest difference from one process."""
     out = {}
-    for name, (stage, zero) in SETUPS.items():
+    for name, (stage, zero, extra) in SETUPS.items():
         for optimizer in OPTIMIZERS:
             for masters in (True, False):
                 ref = bf16_model()
                 opt = one_process(ref, optimizer)
                 torch.manual_seed(0)
-                engine = zeromem.initialize(TinyLM(), config(stage, optimizer, masters, **zero))
+                engine = zeromem.initialize(TinyLM(), config(stage, optimizer, masters, extra=extra,
+                                                             **zero))
                 for step in range(STEPS):
                     train(engine, step, 0)
                     reference_step(ref, opt, step, [0])

@@ -52,9 +52,18 @@ def _config(name: str, dtype: str, path: str) -> dict:
         zero["sub_group_size"] = 40_000
     if name.endswith("bounds units"):
         config["zeromem"] = {"offload_host_budget_bytes": SMALL_BUDGET}
-    if dtype == "bf16":
+    if dtype.startswith("bf16"):
         config["bf16"] = {"enabled": True}
+    if dtype == "bf16 masters":  # no NVMe: its swap files hold fp32 masters
+        config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     return config
+
+
+def _runs() -> list[tuple[str, str]]:
+    """(dtype, setup): fp32 and bf16 everywhere, bf16 masters where the optimizer is not
+    on NVMe."""
+    return [(dtype, name) for dtype in ("fp32", "bf16", "bf16 masters") for name in SETUPS
+            if dtype != "bf16 masters" or SETUPS[name][1] != "nvme"]
 
 
 def _model(name: str) -> GPTConfig:
@@ -63,17 +72,16 @@ def _model(name: str) -> GPTConfig:
 
 def _measure(rank, world_size, path):
     out = {}
-    for dtype in ("fp32", "bf16"):
-        for name in SETUPS:
-            torch.manual_seed(0)
-            engine = zeromem.initialize(GPT(_model(name)), _config(name, dtype, path))
-            out[dtype, name, "units"] = len(engine.stage3.units) if engine.stage3 else 0
-            for _ in range(2):
-                tokens = torch.randint(0, 256, (2, 16))
-                engine.backward(engine(tokens, tokens))
-                engine.step()
-            out[dtype, name] = engine.memory_report().to_dict()["held"]
-            engine.close()
+    for dtype, name in _runs():
+        torch.manual_seed(0)
+        engine = zeromem.initialize(GPT(_model(name)), _config(name, dtype, path))
+        out[dtype, name, "units"] = len(engine.stage3.units) if engine.stage3 else 0
+        for _ in range(2):
+            tokens = torch.randint(0, 256, (2, 16))
+            engine.backward(engine(tokens, tokens))
+            engine.step()
+        out[dtype, name] = engine.memory_report().to_dict()["held"]
+        engine.close()
     return out
 
 
@@ -98,7 +106,7 @@ def test_host_and_nvme_bytes_equal_the_ledger(tmp_path):
             units = measured[0][dtype, name, "units"]
             capped = shape.with_unit_caps(layout_for(Config.load(
                 _config(name, dtype, str(tmp_path)), world_size=2), shape, 2).unit_caps(
-                2 if dtype == "bf16" else 4, 2))
+                2 if dtype.startswith("bf16") else 4, 2))
             assert len(capped.unit_numels) == units > len(shape.unit_numels), (dtype, units)
         for place, parts in (("host", predicted.host), ("nvme", predicted.nvme)):
             ledger = {c: b.get(place, 0) for c, b in held.items() if b and b.get(place)}
@@ -110,6 +118,10 @@ def test_host_and_nvme_bytes_equal_the_ledger(tmp_path):
             assert predicted.device.get(category, 0) == held.get(category, {}).get("device", 0), (
                 dtype, name, category)
         assert predicted.host_bytes > 0 and (predicted.nvme_bytes > 0) == ("nvme" in name)
+        if SETUPS[name][1] == "cpu":  # the CPU is the device: a reduced gradient already in
+            # the masters' dtype is the host gradient itself, held once
+            once = dtype in ("fp32", "bf16 masters")
+            assert (held["grads"].get("device", 0) == 0) == once, (dtype, name, held["grads"])
         if SETUPS[name][:2] in ((2, "nvme"), (3, "nvme")):  # reduced shards to grads.swp:
             # one gradient bucket reducing at a time (MastersOnNvme.buckets_alive: the next
             # fills meanwhile, its launch waits), so the communication buffers' peak is one

@@ -441,6 +441,10 @@ def test_bf16_masters_load_where_deepspeed_runs_them():
     refused naming the key."""
     assert Config.load(BF16_FULL).master_dtype == torch.bfloat16
     assert Config.load({"bf16": {"enabled": True}}).master_dtype == torch.float32
+    offloaded = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                          "bf16_optimizer_states": True},
+                 "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert Config.load(offloaded).master_dtype == torch.bfloat16
     both = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     refused = {
         "bf16_optimizer_states needs": {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
@@ -449,7 +453,7 @@ def test_bf16_masters_load_where_deepspeed_runs_them():
         "needs bf16.enabled": {"bf16": {**both, "enabled": False}},
         "stage 1, 2 or 3": {"bf16": both, "zero_optimization": {"stage": 0}},
         "offload_optimizer.device": {"bf16": both, "zero_optimization": {
-            "stage": 2, "offload_optimizer": {"device": "cpu"}}},
+            "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
     }
     for words, data in refused.items():
         with pytest.raises(ConfigError, match=re.escape(words)):

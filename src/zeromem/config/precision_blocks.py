@@ -61,18 +61,18 @@ class BF16Config(_Block):
 
 
 def check_bf16_masters(bf16: BF16Config, stage: int, offload_optimizer: str) -> None:
-    """bf16 masters where zeromem keeps them: the parameter shard on the device, stages 1-3
+    """bf16 masters where zeromem keeps them: the parameter shard on the device, or host
+    memory (`offload_optimizer` cpu, as DeepSpeed's CPU Adam with bf16 moments), stages 1-3
     (DeepSpeed asserts a ZeRO stage too)."""
     if not bf16.bf16_master_weights_and_grads:
         return
     if stage == 0:
         raise ConfigError("bf16.bf16_master_weights_and_grads needs zero_optimization.stage "
                           "1, 2 or 3 (as DeepSpeed asserts), got 0")
-    if offload_optimizer != "none":
+    if offload_optimizer == "nvme":
         raise Unsupported("zero_optimization.offload_optimizer.device", "bf16 master weights "
-                          "with optimizer offload", "zeromem's offloaded masters are fp32 host "
-                          "or swap-file buffers; without offload_optimizer the bf16 masters "
-                          "are the parameter shard itself", offload_optimizer)
+                          "with NVMe optimizer offload", "zeromem's swap files hold fp32 "
+                          "masters and states; offload them to \"cpu\" instead", "nvme")
 
 
 class TorchAutocastConfig(_Block):

@@ -34,20 +34,23 @@ log = logging.getLogger("zeromem")
 CPU_KERNEL = "fused"  # torch's fastest CPU optimizer kernel (benchmarks/bench_offload.py)
 
 
-def reduced_is_host_grad(device: torch.device, dtype: torch.dtype) -> bool:
-    """A reduced gradient of `dtype` on `device` already is an fp32 host tensor (the CPU is
-    the device, fp32 gradients): `HostGrads` reads it where it is, so host and device hold
-    it once. The planner asks the same (planning/host_memory.py `grads_shared`)."""
-    return device.type == "cpu" and dtype == torch.float32
+def reduced_is_host_grad(device: torch.device, dtype: torch.dtype,
+                         master_dtype: torch.dtype = torch.float32) -> bool:
+    """A reduced gradient of `dtype` on `device` already is a host tensor in the masters'
+    dtype (the CPU is the device; fp32 gradients, or bf16 beside bf16 masters): `HostGrads`
+    reads it where it is, so host and device hold it once. The planner asks the same
+    (planning/host_memory.py `grads_shared`)."""
+    return device.type == "cpu" and dtype == master_dtype
 
 
 class HostGrads:
-    """fp32 host buffers the reduced gradient shards are copied into at the boundary.
+    """Host buffers the reduced gradient shards are copied into at the boundary, in the
+    masters' dtype (fp32; bf16 under bf16.bf16_master_weights_and_grads).
 
     Given to each gradient buffer when it is built (grad_buffers.py `HostCopies`): the buffer asks
     for its host buffer (`buffer_for`) and copies its reduced shard there after each
-    boundary reduction. Where the reduced shard already is an fp32 host tensor (the CPU
-    is the device), it is used as it is: a copy would hold the gradient twice in the same
+    boundary reduction. Where the reduced shard already is such a host tensor (the CPU is
+    the device), it is used as it is: a copy would hold the gradient twice in the same
     memory.
     """
 
@@ -60,11 +63,12 @@ class HostGrads:
     def buffer_for(self, group: FlatParamGroup, reduced: torch.Tensor) -> torch.Tensor | None:
         """`group`'s host buffer; None where `reduced` already is one (it is read as it is)."""
         self.cuda = self.cuda or group.param_shard.is_cuda
-        if reduced_is_host_grad(reduced.device, reduced.dtype) \
+        dtype = group.master.dtype
+        if reduced_is_host_grad(reduced.device, reduced.dtype, dtype) \
                 and reduced.numel() == group.shard_numel:
             self.buffers[id(group)] = reduced
             return None
-        self.buffers[id(group)] = host_empty(group.shard_numel, torch.float32, self.pin).zero_()
+        self.buffers[id(group)] = host_empty(group.shard_numel, dtype, self.pin).zero_()
         return self.buffers[id(group)]
 
     def sync(self) -> None:
@@ -190,7 +194,8 @@ class MastersOnDevice:
 
 
 class MastersOnHost:
-    """`offload_optimizer.device: cpu`: fp32 masters, states and gradients in host memory."""
+    """`offload_optimizer.device: cpu`: masters, states and gradients in host memory (fp32;
+    bf16 under bf16.bf16_master_weights_and_grads)."""
 
     where = "host"
     buckets_alive = BUCKETS_ALIVE
@@ -200,9 +205,10 @@ class MastersOnHost:
         self.groups = groups
         self.optimizer: torch.optim.Optimizer | None = None
         self.host_grads = host_grads  # the gradient buffers copy into it (placement.build_grads)
-        for g in groups:  # its own host tensor even in fp32: the device keeps the parameter shard
-            master = host_empty(g.shard_numel, torch.float32, policy.optimizer_pin)
-            if g.master_aliases_params():  # fp32: the values are where the shard is
+        for g in groups:  # its own host tensor even where the master was the parameter
+            # shard (compute in the masters' dtype): the device keeps the shard
+            master = host_empty(g.shard_numel, g.master.dtype, policy.optimizer_pin)
+            if g.master_aliases_params():  # the values are where the shard is
                 params.load(g, 0, master)
             else:
                 master.copy_(g.master)

@@ -71,12 +71,14 @@ class OffloadBufferSizes:
                    policy.host_budget_bytes, policy.step_in_backward)
 
 
-def grads_shared(device: str, grad_bytes: int) -> bool:
+def grads_shared(device: str, grad_bytes: int, master_bytes: int = FP32) -> bool:
     """The host gradient is the device's reduced gradient itself (no copy) for ranks that
-    compute on `device` ("cuda", "cpu") with `grad_bytes`-wide gradients: the engine's own
-    test (`HostGrads` asks `reduced_is_host_grad`); any 16-bit dtype answers as bf16."""
-    return reduced_is_host_grad(torch.device(device),
-                                torch.float32 if grad_bytes == FP32 else torch.bfloat16)
+    compute on `device` ("cuda", "cpu") with `grad_bytes`-wide gradients beside
+    `master_bytes`-wide masters: the engine's own test (`HostGrads` asks
+    `reduced_is_host_grad`); any 16-bit dtype answers as bf16."""
+    def dtype(nbytes: int) -> torch.dtype:
+        return torch.float32 if nbytes == FP32 else torch.bfloat16
+    return reduced_is_host_grad(torch.device(device), dtype(grad_bytes), dtype(master_bytes))
 
 
 def _params_pool(numels: list[int], param: str, param_bytes: int, buffers: OffloadBufferSizes) -> int:
@@ -101,13 +103,14 @@ def least_budget(shards: list[float], param: str, param_bytes: int, state_bytes:
 def offload_breakdown(shards: list[float], optimizer: str, param: str, param_bytes: int,
                       state_bytes: float, scalar_bytes: float, fp32_params: bool,
                       buffers: OffloadBufferSizes = OffloadBufferSizes(),
-                      grads_in_file: bool = True, frozen: Sequence[float] = ()
-                      ) -> tuple[dict[str, float], dict[str, float]]:
+                      grads_in_file: bool = True, frozen: Sequence[float] = (),
+                      master_bytes: int = FP32) -> tuple[dict[str, float], dict[str, float]]:
     """(host, nvme) bytes by name for a rank whose flat groups have `shards` elements each
     (and stage 3's groups of frozen parameters `frozen`: parameter shards only).
 
     `state_bytes`: optimizer state bytes per element (8 for Adam); `scalar_bytes`: the
     per-group scalars in all; `fp32_params`: the master aliases the parameters;
+    `master_bytes`: the width of the host masters and gradients (fp32; bf16 masters: 2);
     `grads_in_file`: gradients are reduced every micro-step (stage 2/3), so with the
     optimizer on NVMe they go to grads.swp.
     """
@@ -127,9 +130,9 @@ def offload_breakdown(shards: list[float], optimizer: str, param: str, param_byt
         # a record each, in every copy (a frozen group uses the first only)
         nvme["param_shards"] = copies * sum(round_up(param_bytes * n) for n in numels + kept)
     if optimizer == "cpu":
-        host["host_masters"] = FP32 * shard
+        host["host_masters"] = master_bytes * shard
         host["optimizer_states"] = state_bytes * shard + scalar_bytes
-        host["host_grads"] = FP32 * shard
+        host["host_grads"] = master_bytes * shard
     elif optimizer == "nvme":
         layout = layout_optimizer([ShardSpec(0, n) for n in numels], int(state_bytes) // FP32,
                                   not fp32_params, grads_in_file, buffers.host_budget_bytes,

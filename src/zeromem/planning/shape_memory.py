@@ -240,8 +240,10 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
         device["grads"] = 0.0  # each reduced shard goes to grads.swp (offload/grad_file.py)
     host, nvme = offload_breakdown([n / n_d for n in padded], optimizer, param, widths.param,
                                    widths.states, per_group, widths.master == 0, layout.offload,
-                                   grads_in_file=stage >= 2, frozen=[n / n_d for n in frozen])
-    if "host_grads" in host and grads_shared(layout.device, widths.grad):
+                                   grads_in_file=stage >= 2, frozen=[n / n_d for n in frozen],
+                                   master_bytes=widths.master or widths.param)
+    if "host_grads" in host and grads_shared(layout.device, widths.grad,
+                                             widths.master or widths.param):
         # the reduced gradient is the host gradient (HostGrads reads it where it is): its
         # buffer (the whole gradient at stage 1, the shards at 2-3) held once, on the host,
         # where the engine's ledger files it
