@@ -27,8 +27,9 @@ class FusedAdam(torch.optim.Adam):
 
 
 class DeepSpeedCPUAdam(torch.optim.Adam):
-    """DeepSpeed's CPU Adam: AdamW when `adamw_mode`, else Adam with L2 decay; its states
-    are fp32 whatever `fp32_optimizer_states` says (zeromem's masters are fp32)."""
+    """DeepSpeed's CPU Adam: AdamW when `adamw_mode`, else Adam with L2 decay. Its states
+    take the masters' dtype whatever `fp32_optimizer_states` says: fp32, or bf16 under
+    bf16.bf16_optimizer_states (where DeepSpeed too overrides the flag to false)."""
 
     def __init__(self, model_params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
