@@ -8,6 +8,8 @@ parameters themselves, as one process stepping a bf16 model with torch's optimiz
   shards and whole parameters equal the one-process bf16 model bit for bit, with AdamW
   and with SGD + momentum, accumulation 2. fp32 masters (the default) on the same run do
   not: the test tells the two apart.
+  The engine is built from other weights, then the user's are loaded into its module and
+  it evaluates before the first step; `torch.compile`d (aot_eager), exact too.
 - As users run it: ranks on different data, against the one-process bf16 model within
   bf16's rounding of the reduction.
 - Checkpoints: saved and loaded back, training goes on as if never stopped; a bf16-master
@@ -96,6 +98,17 @@ def state_dtypes(engine) -> set[str]:
             if torch.is_tensor(t) and t.dim()}
 
 
+def loaded_and_evaluated(engine, rank: int) -> None:
+    """As users start: the weights loaded into the module after `initialize` (the engine
+    was built from other ones), then an evaluation before the first step."""
+    torch.manual_seed(0)
+    engine.module.load_state_dict(TinyLM().state_dict())
+    engine.eval()
+    with torch.no_grad():
+        engine(*micro_batch(99, rank, 0))
+    engine.train()
+
+
 def same_batches(rank: int, world_size: int) -> dict:
     """Both ranks on rank 0's batches: each case's largest difference from one process."""
     out = {}
@@ -104,9 +117,10 @@ def same_batches(rank: int, world_size: int) -> dict:
             for masters in (True, False):
                 ref = bf16_model()
                 opt = one_process(ref, optimizer)
-                torch.manual_seed(0)
+                torch.manual_seed(7 + rank)  # not the weights it trains: those are loaded
                 engine = zeromem.initialize(TinyLM(), config(stage, optimizer, masters, extra=extra,
                                                              **zero))
+                loaded_and_evaluated(engine, rank)
                 for step in range(STEPS):
                     train(engine, step, 0)
                     reference_step(ref, opt, step, [0])
@@ -115,6 +129,36 @@ def same_batches(rank: int, world_size: int) -> dict:
                     {str(g.master.dtype) for g in engine.groups},
                     all(g.master_aliases_params() for g in engine.groups))
     return out
+
+
+def compiled(rank: int, world_size: int) -> dict:
+    """`torch.compile(model)` (aot_eager: torch's own kernels, traced) at stages 2 and 3,
+    both ranks on rank 0's batches, against the eager one-process bf16 model."""
+    out = {}
+    for stage in (2, 3):
+        torch._dynamo.reset()
+        ref = bf16_model()
+        opt = one_process(ref, "sgd")
+        torch.manual_seed(0)
+        engine = zeromem.initialize(torch.compile(TinyLM(), backend="aot_eager"),
+                                    config(stage, "sgd"))
+        for step in range(STEPS):
+            train(engine, step, 0)
+            reference_step(ref, opt, step, [0])
+        out[stage] = _compiled_diff(engine, ref)
+    return out
+
+
+def _compiled_diff(engine, ref) -> float:
+    """own_view_diff with the compiled module's names (`_orig_mod.`) mapped back."""
+    worst = 0.0
+    for g in engine.groups:
+        for slot in g.slots:
+            want = ref.get_parameter(slot.name.replace("_orig_mod.", "")).detach().float().flatten()
+            start, at, n = g.owned_slice(slot)
+            got = g.master.detach().float()[start:start + n]
+            worst = max(worst, (got - want[at:at + n]).abs().max().item() if n else 0.0)
+    return worst
 
 
 def own_batches(rank: int, world_size: int) -> dict:
@@ -227,7 +271,8 @@ def deepspeed_example(rank: int, world_size: int) -> dict:
 @pytest.fixture(scope="module")
 def world() -> dict[str, list]:
     return run_together({"same": (same_batches, ()), "own": (own_batches, ()),
-                         "resumed": (resumed, ()), "example": (deepspeed_example, ())}, 2)
+                         "compiled": (compiled, ()), "resumed": (resumed, ()),
+                         "example": (deepspeed_example, ())}, 2)
 
 
 def test_deepspeed_examples_bf16_full_config_runs_through_the_deepspeed_api(world):
@@ -254,6 +299,11 @@ def test_bf16_masters_step_like_one_bf16_process_bit_for_bit(world):
                 assert diff > 0.0, where
                 assert master == dtypes == {"torch.float32"}, where
                 assert not aliased, where
+
+
+def test_bf16_masters_under_torch_compile_step_like_one_eager_process(world):
+    for rank, per_rank in enumerate(world["compiled"]):
+        assert per_rank == {2: 0.0, 3: 0.0}, (rank, per_rank)
 
 
 def test_bf16_masters_on_each_ranks_own_data_track_one_process(world):
