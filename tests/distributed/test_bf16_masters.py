@@ -262,10 +262,12 @@ def deepspeed_example(rank: int, world_size: int) -> dict:
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-    return {"flags": (engine.zero_optimization_stage(), engine.bfloat16_enabled(),
-                      engine.bf16_master_weights_and_gradients(), engine.bf16_optimizer_states()),
-            "diff": own_view_diff(engine.engine, ref), "moved": own_view_diff(engine.engine, initial),
-            "states": state_dtypes(engine.engine)}
+    got = {"flags": (engine.zero_optimization_stage(), engine.bfloat16_enabled(),
+                     engine.bf16_master_weights_and_gradients(), engine.bf16_optimizer_states()),
+           "diff": own_view_diff(engine.engine, ref), "moved": own_view_diff(engine.engine, initial),
+           "states": state_dtypes(engine.engine)}
+    engine.destroy()  # as the example ends
+    return got
 
 
 @pytest.fixture(scope="module")
