@@ -496,6 +496,17 @@ def test_deepspeed_adam_decouples_weight_decay(caplog):
     assert l2.type == "Adam" and "adam_w_mode" not in l2.params
 
 
+def test_deepspeed_cpu_adam_states_flag_is_taken():
+    """DeepSpeed 0.19.8 pops optimizer.params.fp32_optimizer_states for Adam and AdamW (its
+    CPU Adam's moments); zeromem's states take the masters' dtype, DeepSpeed's outcome."""
+    for flag in (True, False):
+        optimizer = Config.load({"optimizer": {"type": "AdamW", "params": {
+            "lr": 1e-3, "fp32_optimizer_states": flag}}}).optimizer
+        assert optimizer.params == {"lr": 1e-3, "weight_decay": 0.0}
+    assert "fp32_optimizer_states" in load_error(
+        {"optimizer": {"type": "Adam", "params": {"fp32_optimizer_states": "no"}}})
+
+
 def test_adamw_defaults_to_deepspeed_weight_decay():
     optimizer = Config.load({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}).optimizer
     assert optimizer.params["weight_decay"] == 0.0

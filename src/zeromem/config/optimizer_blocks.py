@@ -107,6 +107,11 @@ class OptimizerConfig(_Block):
     def _map_deepspeed_adam_keys(self, params: dict[str, Any]) -> None:
         # zeromem runs torch.optim, so DeepSpeed's kernel switch has nothing to select.
         params.pop("torch_adam", None)
+        # DeepSpeed 0.19.8 pops it for every Adam (its CPU Adam's moments in the masters'
+        # dtype when false): zeromem's states always take the masters' dtype, the outcome
+        # DeepSpeed reaches either way (it overrides true under bf16_optimizer_states).
+        if not isinstance(params.pop("fp32_optimizer_states", False), bool):
+            raise ConfigError("optimizer.params.fp32_optimizer_states must be true or false")
         adam_w_mode = params.pop("adam_w_mode", None)
         bias_correction = params.pop("bias_correction", True)
         if not isinstance(bias_correction, bool):
