@@ -278,6 +278,94 @@ def accelerate_losses() -> list[float]:
 TRL_STEPS, PROMPT, NEW_TOKENS = 3, 3, 4
 
 
+MULTI_MODEL = Path(__file__).parent.parent / "data" / "ds_config_corpus" / "accelerate" / "tests" / "deepspeed"
+
+
+class Scaled(torch.nn.Module):
+    """A frozen one-parameter model in the loss (Accelerate's multiple-model test's
+    NoiseModel); its `config` gives Accelerate the hidden size its "auto" values need."""
+
+    def __init__(self):
+        super().__init__()
+        self.factor = torch.nn.Parameter(torch.tensor(0.1))
+        self.config = transformers.PretrainedConfig(hidden_size=16)
+
+    def forward(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.factor
+
+
+def accelerate_two_models() -> dict:
+    """Accelerate's multiple-model API as its test_ds_multiple_model.py runs it: a dict of
+    DeepSpeed plugins from its ds_config_zero{2,3}_model_only.json (the optimizer offloaded,
+    at ZeRO-3 the parameters too), a student trained under the first beside a frozen model
+    prepared under the second, then two models trained side by side, one per plugin, each
+    with its own optimizer and schedule. Per-step mean losses over the ranks."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    def plugins() -> tuple:
+        zero2, zero3 = (DeepSpeedPlugin(hf_ds_config=str(MULTI_MODEL / f"ds_config_zero{n}_model_only.json"))
+                        for n in (2, 3))
+        # the file's train_batch_size 1 fails DeepSpeed's batch assertion on 2 ranks
+        zero3.deepspeed_config.update(train_batch_size=2 * BATCH, train_micro_batch_size_per_gpu=BATCH)
+        return zero2, zero3
+
+    def trained(accelerator, loader=None) -> tuple:
+        model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        schedule = transformers.get_linear_schedule_with_warmup(optimizer, 0, STEPS)
+        if loader is None:
+            return accelerator.prepare(model, optimizer, schedule)
+        return accelerator.prepare(loader, model, optimizer, schedule)
+
+    def mean(accelerator, loss: torch.Tensor) -> float:
+        return accelerator.reduce(loss.detach(), "mean").item()
+
+    out: dict = {"student": [], "frozen_term": [], "zero2": [], "zero3": []}
+    cpu_deepspeed_state()
+    zero2, zero3 = plugins()
+    accelerator = Accelerator(deepspeed_plugins={"training": zero2, "inference": zero3})
+    loader = torch.utils.data.DataLoader(Tokens(2 * BATCH * STEPS), batch_size=BATCH)
+    loader, student, optimizer, schedule = trained(accelerator, loader)
+    accelerator.state.select_deepspeed_plugin("inference")
+    frozen = accelerator.prepare(Scaled())
+    frozen.eval()
+    accelerator.state.select_deepspeed_plugin("training")
+    for batch in loader:
+        with accelerator.accumulate(student):
+            loss = student(**batch).loss
+            with torch.no_grad():
+                term = frozen(loss)
+            accelerator.backward(loss + term)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+        out["student"].append(mean(accelerator, loss))
+        out["frozen_term"].append(mean(accelerator, term / loss))
+    AcceleratorState._reset_state(True)
+    cpu_deepspeed_state()
+    zero2, zero3 = plugins()
+    first = Accelerator(deepspeed_plugins={"zero2": zero2, "zero3": zero3})
+    second = Accelerator()  # the same state: selects the second plugin
+    loader = torch.utils.data.DataLoader(Tokens(2 * BATCH * STEPS), batch_size=BATCH)
+    loader, model2, optimizer2, schedule2 = trained(first, loader)
+    second.state.select_deepspeed_plugin("zero3")
+    model3, optimizer3, schedule3 = trained(second)
+    for batch in loader:
+        with first.accumulate(model2, model3):
+            for name, accelerator, model, optimizer, schedule in (
+                    ("zero2", first, model2, optimizer2, schedule2),
+                    ("zero3", second, model3, optimizer3, schedule3)):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+                out[name].append(mean(accelerator, loss))
+    return out
+
+
 def trl_generation() -> list:
     """TRL's online trainers (GRPO, online DPO): each step generates with
     `unwrap_model_for_generation` (on ZeRO-3 it gathers the model whole and takes
@@ -581,6 +669,7 @@ def main() -> None:
     engine = compiled["trainer"].model_wrapped
     compiled_in_place = engine.is_compiled and engine.module._compiled_call_impl is not None
     grpo_steps = grpo("zero3_grpo", str(CONFIGS / "ds_config_zero3.json"))
+    two_models = accelerate_two_models()
     write("zeromem", {"deepspeed": deepspeed_as_hf_sees_it(),
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
@@ -590,6 +679,7 @@ def main() -> None:
                                      (("zero2", run), ("zero3", zero3), ("zero3_nvme", zero3_nvme))},
                       "zero3_eval_loss": evaluate("zero3_eval", str(CONFIGS / "ds_config_zero3.json")),
                       "zero2_held": run["held"], "accelerate": accelerate_losses(),
+                      "accelerate_two_models": two_models,
                       "lora": adapted, "trl": generated, "grpo": grpo_steps,
                       "compiled": compiled["losses"], "compiled_in_place": compiled_in_place,
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},

@@ -211,6 +211,21 @@ def test_seq2seq_trainer_predicts_with_generate_under_zero3_as_ddp(runs):
     assert abs(zero["loss"] - ddp["loss"]) < TOLERANCE
 
 
+def test_accelerate_multiple_deepspeed_plugins_train_each_model_as_alone(runs):
+    """Accelerate's multiple-model API (a dict of DeepSpeed plugins, selected in turn): a
+    student under ZeRO-2 with a frozen ZeRO-3 model in its loss trains as the same model
+    under ZeRO-2 alone does (the frozen term carries no gradient), and the frozen model
+    computes with its own weight; two models trained side by side, under ZeRO-2 and ZeRO-3
+    with their own optimizers and schedules, take the same steps, the mark of two engines
+    that share nothing."""
+    got = runs[2]["accelerate_two_models"]
+    assert len(got["zero2"]) == 6  # the script's STEPS
+    assert _max_difference(dict(enumerate(got["zero2"])), dict(enumerate(got["zero3"]))) < TOLERANCE
+    assert _max_difference(dict(enumerate(got["student"])), dict(enumerate(got["zero2"]))) < TOLERANCE
+    assert all(abs(ratio - 0.1) < 1e-6 for ratio in got["frozen_term"]), got["frozen_term"]
+    assert got["zero2"][-1] < got["zero2"][0]
+
+
 def test_accelerate_deepspeed_plugin_matches_one_process(runs):
     zero = runs[2]
     assert len(zero["accelerate"]) == 12  # 6 steps of 2 micro-batches
