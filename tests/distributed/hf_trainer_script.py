@@ -278,7 +278,8 @@ def accelerate_losses() -> list[float]:
 TRL_STEPS, PROMPT, NEW_TOKENS = 3, 3, 4
 
 
-MULTI_MODEL = Path(__file__).parent.parent / "data" / "ds_config_corpus" / "accelerate" / "tests" / "deepspeed"
+MULTI_MODEL = (Path(__file__).parent.parent / "data" / "ds_config_corpus" / "accelerate" / "tests"
+               / "deepspeed")
 
 
 class Scaled(torch.nn.Module):
