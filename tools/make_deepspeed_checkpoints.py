@@ -73,13 +73,16 @@ class Case(NamedTuple):
     # HF Trainer's param groups (weights decayed, biases not), which stage 3 splits into
     # sub-groups (a large model's do at the default sub_group_size)
     two_groups: bool = False
+    # DeepSpeedExamples' bf16_full.json: bf16 masters and optimizer states (DeepSpeed's PR 7700)
+    bf16_masters: bool = False
 
     @property
     def name(self) -> str:
         flags = [flag for flag, on in (("exclude_frozen", self.exclude_frozen),
                                        ("fused_adam", self.fused_adam),
                                        ("client_state", self.client_state),
-                                       ("two_groups", self.two_groups)) if on]
+                                       ("two_groups", self.two_groups),
+                                       ("bf16_masters", self.bf16_masters)) if on]
         return "_".join([f"stage{self.stage}_ws{self.world_size}_{self.precision}", *flags])
 
 
@@ -89,6 +92,7 @@ CASES = [
     Case(3, 2, "fp16", exclude_frozen=True), Case(1, 1, "fp32", exclude_frozen=True),
     Case(2, 2, "bf16", fused_adam=True), Case(3, 2, "bf16", client_state=True),
     Case(2, 2, "fp32", two_groups=True), Case(3, 2, "fp32", two_groups=True),
+    Case(3, 2, "bf16", bf16_masters=True),
 ]
 DECAY = 0.1  # the decayed group's weight decay in two_groups cases (0.01 otherwise)
 FP16 = {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 1, "hysteresis": 2,
@@ -204,6 +208,8 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
     config = ds_config(stage, world_size, precision, case.fused_adam)
     if case.two_groups:  # stage 3 splits each group into sub-groups of about 100 elements
         config["zero_optimization"]["sub_group_size"] = 100
+    if case.bf16_masters:
+        config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     torch.manual_seed(0)
     model = TinyLM()
     groups = param_groups(model, case.two_groups)
