@@ -11,7 +11,8 @@ and ds_config_zero3.json (the model loaded by `from_pretrained` under `zero.Init
 then again with both offloads on NVMe; then `evaluate()` alone, which builds the
 engine with no optimizer; then PEFT LoRA on the model loaded under Init), an
 Accelerate loop with a DeepSpeed plugin, TRL's generation under ZeRO-3 between
-training steps, and TRL's GRPOTrainer. `frameworks` mode trains, through zeromem too, with
+training steps, and TRL's GRPOTrainer (hf_setup.py holds the model and data every run
+shares; hf_accelerate_loops.py, Accelerate's own loops). `frameworks` mode trains, through zeromem too, with
 each DeepSpeed config the fine-tuning frameworks ship (tests/config_corpus.py). Rank 0
 writes JSON results.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -41,8 +41,13 @@ from torch.utils.data import Dataset  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the corpus's helper
 import config_corpus  # noqa: E402
 
+# the model and data every run shares; Accelerate's own loops (imported after the install)
+from hf_accelerate_loops import (accelerate_losses, accelerate_two_models,  # noqa: E402
+                                 single_process_losses)
+from hf_setup import (BATCH, LR, RANK, SEQ, STEPS, VOCAB, Tokens,  # noqa: E402
+                      cpu_deepspeed_state, init_model_dir)
+
 CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
-VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 2, 6, 1e-2
 ADDED = 5  # tokens added to the vocabulary by resize_token_embeddings
 GAS, SAMPLES = 3, 64  # 2 ranks x BATCH: 16 micro-batches a rank, 6 steps (5 x 3, then 1)
 # HF's own optimizer and schedule (a config without them): warmup then linear decay, and
@@ -50,21 +55,6 @@ GAS, SAMPLES = 3, 64  # 2 ranks x BATCH: 16 micro-batches a rank, 6 steps (5 x 3
 HF_SCHEDULE = {"lr_scheduler_type": "linear", "warmup_steps": 2, "weight_decay": 0.1}
 # TrainingArguments(torch_compile=True): Accelerate then calls DeepSpeed's engine.compile
 COMPILE = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
-RANK = int(os.environ.get("RANK", 0))
-
-
-class Tokens(Dataset):
-    """Fixed random token sequences; labels are the inputs (causal LM)."""
-
-    def __init__(self, n: int, vocab: int = VOCAB):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (n, SEQ), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class RaggedTokens(Tokens):
@@ -76,31 +66,6 @@ class RaggedTokens(Tokens):
         labels = self.ids[i].clone()
         labels[2 + (i * 7) % (SEQ - 2):] = -100
         return {"input_ids": self.ids[i], "labels": labels}
-
-
-def init_model_dir() -> Path:
-    """A tiny GPT-2 saved once (rank 0), so every run starts from the same weights."""
-    path = OUT / "init"
-    if RANK == 0 and not (path / "config.json").exists():
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=SEQ,
-                                         vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        transformers.GPT2LMHeadModel(config).save_pretrained(path)
-    torch.distributed.barrier()
-    return path
-
-
-def cpu_deepspeed_state() -> dict:
-    """Accelerate finds no backend for DeepSpeed on a CPU-only machine (it knows NCCL and
-    friends) and would run each rank as a world of one; a state configured with gloo, as
-    `accelerate launch --use_deepspeed` sets ACCELERATE_USE_DEEPSPEED, is what GPUs get."""
-    from accelerate.state import AcceleratorState, PartialState
-
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    AcceleratorState._reset_state(reset_partial_state=True)  # a fresh state per run, as
-    PartialState(backend="gloo")                             # TrainingArguments does
-    return {"accelerator_config": {"use_configured_state": True}}
 
 
 def training_args(name: str, deepspeed: str | None, arguments: type = transformers.TrainingArguments,
@@ -126,7 +91,7 @@ def train(name: str, deepspeed: str | None, resume: str | None = None,
     `added_tokens`: the tied embedding is resized for that many new tokens first (SFT's
     special tokens), their rows drawn around the old ones' mean (HF's `mean_resizing`)."""
     args = training_args(name, deepspeed, **extra)  # before from_pretrained: zero3 uses Init
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
     if added_tokens:
         # ranks draw the new rows apart: rank 0's are broadcast (ZeRO-3's GatheredParameters
         # with modifier_rank 0; DDP's broadcast of the module when it wraps it)
@@ -152,7 +117,7 @@ def lora(name: str, deepspeed: str | None) -> dict:
     from peft import LoraConfig, get_peft_model
 
     args = training_args(name, deepspeed, gradient_checkpointing=True)
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
     model.enable_input_require_grads()
     torch.manual_seed(1)  # the adapters' A matrices: the same in both modes
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
@@ -170,7 +135,7 @@ def evaluate(name: str, deepspeed: str | None) -> float:
     """`Trainer.evaluate()` with no training before: under DeepSpeed, HF builds the engine
     with the config's optimizer and scheduler removed (ZeRO-3 inference)."""
     args = training_args(name, deepspeed, per_device_eval_batch_size=BATCH)
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
     trainer = transformers.Trainer(model=model, args=args, eval_dataset=Tokens(4 * BATCH),
                                    optimizers=(None, None) if deepspeed else ddp_optimizers(model))
     return trainer.evaluate()["eval_loss"]
@@ -186,7 +151,7 @@ def best_model(name: str, deepspeed: str | None) -> dict:
                          save_strategy="steps", save_steps=2, load_best_model_at_end=True,
                          metric_for_best_model="loss", greater_is_better=True,
                          per_device_eval_batch_size=BATCH)
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(SAMPLES),
                                    eval_dataset=Tokens(4 * BATCH),
                                    optimizers=(None, None) if deepspeed else ddp_optimizers(model))
@@ -239,132 +204,7 @@ def save(name: str, trainer: transformers.Trainer) -> None:
         torch.save(trained, OUT / f"{name}_trained.pt")
 
 
-ACCELERATE_GAS = 2
-
-
-def accelerate_losses() -> list[float]:
-    """A plain Accelerate loop with a DeepSpeed plugin (stage 2, optimizer from the config)
-    accumulating ACCELERATE_GAS micro-batches under `accelerator.accumulate`: one mean
-    loss over the ranks per micro-batch."""
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, DummyOptim
-
-    cpu_deepspeed_state()
-    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 0.0,
-              "gradient_accumulation_steps": ACCELERATE_GAS,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-              "zero_optimization": {"stage": 2}}
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
-    samples = 2 * ACCELERATE_GAS * BATCH * STEPS
-    loader = torch.utils.data.DataLoader(Tokens(samples), batch_size=BATCH)
-    engine, optimizer, loader = accelerator.prepare(model, DummyOptim(model.parameters()),
-                                                    loader)
-    losses = []
-    for batch in loader:
-        with accelerator.accumulate(engine):
-            loss = engine(**batch).loss
-            accelerator.backward(loss)
-            optimizer.step()  # Accelerate's: the engine stepped in backward at the boundary
-            optimizer.zero_grad()
-        losses.append(accelerator.reduce(loss.detach(), "mean").item())
-    keys = list(accelerator.get_state_dict(engine))
-    assert accelerator.unwrap_model(engine) is model and keys and \
-        not any(k.startswith("module.") for k in keys), keys
-    assert engine.global_steps == STEPS, engine.global_steps
-    return losses
-
-
 TRL_STEPS, PROMPT, NEW_TOKENS = 3, 3, 4
-
-
-MULTI_MODEL = (Path(__file__).parent.parent / "data" / "ds_config_corpus" / "accelerate" / "tests"
-               / "deepspeed")
-
-
-class Scaled(torch.nn.Module):
-    """A frozen one-parameter model in the loss (Accelerate's multiple-model test's
-    NoiseModel); its `config` gives Accelerate the hidden size its "auto" values need."""
-
-    def __init__(self):
-        super().__init__()
-        self.factor = torch.nn.Parameter(torch.tensor(0.1))
-        self.config = transformers.PretrainedConfig(hidden_size=16)
-
-    def forward(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.factor
-
-
-def accelerate_two_models() -> dict:
-    """Accelerate's multiple-model API as its test_ds_multiple_model.py runs it: a dict of
-    DeepSpeed plugins from its ds_config_zero{2,3}_model_only.json (the optimizer offloaded,
-    at ZeRO-3 the parameters too), a student trained under the first beside a frozen model
-    prepared under the second, then two models trained side by side, one per plugin, each
-    with its own optimizer and schedule. Per-step mean losses over the ranks."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DeepSpeedPlugin
-
-    def plugins() -> tuple:
-        zero2, zero3 = (DeepSpeedPlugin(hf_ds_config=str(MULTI_MODEL / f"ds_config_zero{n}_model_only.json"))
-                        for n in (2, 3))
-        # the file's train_batch_size 1 fails DeepSpeed's batch assertion on 2 ranks
-        zero3.deepspeed_config.update(train_batch_size=2 * BATCH, train_micro_batch_size_per_gpu=BATCH)
-        return zero2, zero3
-
-    def trained(accelerator, loader=None) -> tuple:
-        model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-        schedule = transformers.get_linear_schedule_with_warmup(optimizer, 0, STEPS)
-        if loader is None:
-            return accelerator.prepare(model, optimizer, schedule)
-        return accelerator.prepare(loader, model, optimizer, schedule)
-
-    def mean(accelerator, loss: torch.Tensor) -> float:
-        return accelerator.reduce(loss.detach(), "mean").item()
-
-    out: dict = {"student": [], "frozen_term": [], "zero2": [], "zero3": []}
-    cpu_deepspeed_state()
-    zero2, zero3 = plugins()
-    accelerator = Accelerator(deepspeed_plugins={"training": zero2, "inference": zero3})
-    loader = torch.utils.data.DataLoader(Tokens(2 * BATCH * STEPS), batch_size=BATCH)
-    loader, student, optimizer, schedule = trained(accelerator, loader)
-    accelerator.state.select_deepspeed_plugin("inference")
-    frozen = accelerator.prepare(Scaled())
-    frozen.eval()
-    accelerator.state.select_deepspeed_plugin("training")
-    for batch in loader:
-        with accelerator.accumulate(student):
-            loss = student(**batch).loss
-            with torch.no_grad():
-                term = frozen(loss)
-            accelerator.backward(loss + term)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad()
-        out["student"].append(mean(accelerator, loss))
-        out["frozen_term"].append(mean(accelerator, term / loss))
-    AcceleratorState._reset_state(True)
-    cpu_deepspeed_state()
-    zero2, zero3 = plugins()
-    first = Accelerator(deepspeed_plugins={"zero2": zero2, "zero3": zero3})
-    second = Accelerator()  # the same state: selects the second plugin
-    loader = torch.utils.data.DataLoader(Tokens(2 * BATCH * STEPS), batch_size=BATCH)
-    loader, model2, optimizer2, schedule2 = trained(first, loader)
-    second.state.select_deepspeed_plugin("zero3")
-    model3, optimizer3, schedule3 = trained(second)
-    for batch in loader:
-        with first.accumulate(model2, model3):
-            for name, accelerator, model, optimizer, schedule in (
-                    ("zero2", first, model2, optimizer2, schedule2),
-                    ("zero3", second, model3, optimizer3, schedule3)):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                optimizer.step()
-                schedule.step()
-                optimizer.zero_grad()
-                out[name].append(mean(accelerator, loss))
-    return out
 
 
 def trl_generation() -> list:
@@ -382,11 +222,11 @@ def trl_generation() -> list:
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
     engine, optimizer = accelerator.prepare(model, DummyOptim(model.parameters()))
     # the frozen reference model of DPO / GRPO, built by TRL's own helper (its config carries
     # dotted top-level keys, which DeepSpeed ignores)
-    reference = prepare_deepspeed(transformers.GPT2LMHeadModel.from_pretrained(init_model_dir()),
+    reference = prepare_deepspeed(transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT)),
                                   accelerator)
     prompt = Tokens(2).ids[RANK:RANK + 1, :PROMPT]
     steps = []
@@ -429,7 +269,7 @@ def grpo(name: str, deepspeed: str | None) -> list[dict]:
                       learning_rate=LR, beta=0.1, bf16=False, logging_steps=1, report_to=[],
                       seed=0, use_cpu=deepspeed is None, save_strategy="no", disable_tqdm=True,
                       **extra)
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
     trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer,
                           reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
                           train_dataset=Dataset.from_dict({"prompt": prompts}),
@@ -442,8 +282,8 @@ def grpo(name: str, deepspeed: str | None) -> list[dict]:
 def trl_reference() -> list:
     """`trl_generation` in one process: both prompts generated, the mean loss stepped, the
     reference model's loss on what was generated."""
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
-    reference = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
+    reference = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     prompts = Tokens(2).ids[:, :PROMPT]
     steps = []
@@ -460,25 +300,6 @@ def trl_reference() -> list:
         steps.append([[i.tolist() for i in ids], sum(v.item() for v in losses) / 2,
                       reference_loss])
     return steps
-
-
-def single_process_losses() -> list[float]:
-    """The Accelerate loop's reference: one process, a step on the 2 x ACCELERATE_GAS
-    micro-batches the ranks ran (rank r's micro-step k is batch 2k + r), each micro-step's
-    loss the mean of its two batches'."""
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    ids, losses = Tokens(2 * ACCELERATE_GAS * BATCH * STEPS).ids, []
-    batches = ids.split(BATCH)
-    per_step = 2 * ACCELERATE_GAS
-    for step in range(STEPS):
-        window = [model(input_ids=b, labels=b).loss
-                  for b in batches[per_step * step: per_step * (step + 1)]]
-        (sum(window) / per_step).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses += [(a.item() + b.item()) / 2 for a, b in zip(window[::2], window[1::2])]
-    return losses
 
 
 def ddp_optimizers(model: torch.nn.Module) -> tuple:
@@ -670,7 +491,7 @@ def main() -> None:
     engine = compiled["trainer"].model_wrapped
     compiled_in_place = engine.is_compiled and engine.module._compiled_call_impl is not None
     grpo_steps = grpo("zero3_grpo", str(CONFIGS / "ds_config_zero3.json"))
-    two_models = accelerate_two_models()
+    two_models = accelerate_two_models(OUT)
     write("zeromem", {"deepspeed": deepspeed_as_hf_sees_it(),
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
@@ -679,13 +500,13 @@ def main() -> None:
                       "grad_norms": {name: r["grad_norms"] for name, r in
                                      (("zero2", run), ("zero3", zero3), ("zero3_nvme", zero3_nvme))},
                       "zero3_eval_loss": evaluate("zero3_eval", str(CONFIGS / "ds_config_zero3.json")),
-                      "zero2_held": run["held"], "accelerate": accelerate_losses(),
+                      "zero2_held": run["held"], "accelerate": accelerate_losses(OUT),
                       "accelerate_two_models": two_models,
                       "lora": adapted, "trl": generated, "grpo": grpo_steps,
                       "compiled": compiled["losses"], "compiled_in_place": compiled_in_place,
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
                       "resized": {k: resized[k] for k in ("losses", "grad_norms")},
-                      "single_process": single_process_losses(),
+                      "single_process": single_process_losses(OUT),
                       "trl_reference": trl_reference(),
                       "seq2seq": seq2seq("zero3_seq2seq", str(CONFIGS / "ds_config_zero3.json")),
                       "best_model": best_model("zero3_best_model", str(CONFIGS / "ds_config_zero3.json")),
