@@ -117,14 +117,16 @@ def state_dict_diff(full: dict, model: nn.Module) -> float:
 def own_view_diff(engine, model: torch.nn.Module) -> float:
     """Max abs difference between what this rank holds and `model`, on any rank.
 
-    Compares the rank's fp32 master shard and compute-dtype parameter shard (the owned
-    part of each parameter, `FlatParamGroup.owned_slice`) and, where parameters are
-    whole (stages 0-2), every parameter in the flat buffer the module computes with.
+    Compares the rank's master shard and compute-dtype parameter shard (the owned part of
+    each parameter, `FlatParamGroup.owned_slice`) and, where parameters are whole (stages
+    0-2), every parameter in the flat buffer the module computes with. A `torch.compile`d
+    module's names (`_orig_mod.`) are read as the uncompiled model's.
     """
     worst = 0.0
     for g in engine.groups:
         for slot in g.slots:
-            ref = model.get_parameter(slot.name).detach().float().flatten()
+            name = slot.name.replace("_orig_mod.", "")
+            ref = model.get_parameter(name).detach().float().flatten()
             start, param_start, length = g.owned_slice(slot)
             want = ref[param_start:param_start + length]
             for shard in (g.master, g.param_shard):

@@ -145,20 +145,8 @@ def compiled(rank: int, world_size: int) -> dict:
         for step in range(STEPS):
             train(engine, step, 0)
             reference_step(ref, opt, step, [0])
-        out[stage] = _compiled_diff(engine, ref)
+        out[stage] = own_view_diff(engine, ref)
     return out
-
-
-def _compiled_diff(engine, ref) -> float:
-    """own_view_diff with the compiled module's names (`_orig_mod.`) mapped back."""
-    worst = 0.0
-    for g in engine.groups:
-        for slot in g.slots:
-            want = ref.get_parameter(slot.name.replace("_orig_mod.", "")).detach().float().flatten()
-            start, at, n = g.owned_slice(slot)
-            got = g.master.detach().float()[start:start + n]
-            worst = max(worst, (got - want[at:at + n]).abs().max().item() if n else 0.0)
-    return worst
 
 
 def own_batches(rank: int, world_size: int) -> dict:

@@ -51,14 +51,20 @@ class Wide(nn.Module):
         return self.b(torch.relu(self.a(x))).float().pow(2).mean()
 
 
-def measure(rank, world_size):
+BF16_MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True,
+                "bf16_optimizer_states": True}  # DeepSpeedExamples' bf16_full.json
+
+
+def measure(rank, world_size, stages=(0, 1, 2, 3), bf16: dict | None = None):
+    """Per stage: ledger and formula bytes, Ψ, the comm report's last step, the report,
+    bytes sent by the last step and the census of what the engine holds."""
     out = {}
-    for stage in (0, 1, 2, 3):
+    for stage in stages:
         engine = None
         baseline = live_storage_bytes()  # no engine alive: what the test itself holds
         torch.manual_seed(0)
         engine = zeromem.initialize(Wide(), {
-            "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+            "train_micro_batch_size_per_gpu": 2, "bf16": bf16 or {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
         for _ in range(2):
@@ -76,34 +82,11 @@ def measure(rank, world_size):
     return out
 
 
-def measure_bf16_masters(rank, world_size):
-    """Model-state bytes with bf16 masters and optimizer states (DeepSpeedExamples'
-    bf16_full.json): census and ledger, stages 1-3."""
-    out = {}
-    for stage in (1, 2, 3):
-        engine = None
-        baseline = live_storage_bytes()
-        torch.manual_seed(0)
-        engine = zeromem.initialize(Wide(), {
-            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
-                     "bf16_optimizer_states": True},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
-        for _ in range(2):
-            x = torch.randn(2, 1024, dtype=torch.bfloat16)
-            engine.backward(engine(x))
-            engine.step()
-        del x
-        held = live_storage_bytes() - baseline
-        report = engine.memory_report()
-        out[stage] = (held, report.model_state_bytes(), report.formula_bytes(), report.psi, str(report))
-    return out
-
-
 @pytest.fixture(scope="module")
 def world_of_two() -> dict[str, list]:
     """The 2-rank cases in one spawned world; the censuses first, before other engines."""
-    return run_together({"measure": (measure, ()), "bf16_masters": (measure_bf16_masters, ()),
+    return run_together({"measure": (measure, ()),
+                         "bf16_masters": (measure, ((1, 2, 3), BF16_MASTERS)),
                          "buffer_peaks": (buffer_peaks, ())}, 2)
 
 
@@ -113,7 +96,7 @@ def test_bf16_masters_hold_the_formula_with_k_4(world_of_two):
     for rank, result in enumerate(world_of_two["bf16_masters"]):
         n = 2
         model_states = {1: 4 + 4 / n, 2: 2 + 6 / n, 3: 8 / n}
-        for stage, (census, held, formula, psi, table) in result.items():
+        for stage, (held, formula, psi, _, table, _, census) in result.items():
             assert census == pytest.approx(model_states[stage] * psi, rel=0.01), (
                 rank, stage, census / psi)
             assert held == pytest.approx(formula, rel=0.01), f"stage {stage}:\n{table}"

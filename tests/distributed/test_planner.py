@@ -44,11 +44,18 @@ def _config(stage: int, persistence: int = 25_000) -> dict:
                                   "stage3_param_persistence_threshold": persistence}}
 
 
-def _measure(rank, world_size, stages=STAGES, persistence=25_000):
+def _bf16_masters_config(stage: int) -> dict:
+    config = _config(stage, persistence=0)
+    config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    return config
+
+
+def _measure(rank, world_size, stages=STAGES, persistence=25_000, bf16_masters=False):
     out = {}
     for stage in stages:
         torch.manual_seed(0)
-        engine = zeromem.initialize(Known(), _config(stage, persistence))
+        config = _bf16_masters_config(stage) if bf16_masters else _config(stage, persistence)
+        engine = zeromem.initialize(Known(), config)
         for _ in range(2):
             engine.backward(engine(torch.randint(0, 301, (2, 5))))
             engine.step()
@@ -120,26 +127,9 @@ def test_plan_counts_frozen_parameters_in_their_own_dtype_when_training_in_fp32(
                 report[stage]["model_state_bytes"], rel=0.02), (stage, rank)
 
 
-def _bf16_masters_config(stage: int) -> dict:
-    config = _config(stage, persistence=0)
-    config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
-    return config
-
-
-def _measure_bf16_masters(rank, world_size):
-    out = {}
-    for stage in (1, 2, 3):
-        torch.manual_seed(0)
-        engine = zeromem.initialize(Known(), _bf16_masters_config(stage))
-        engine.backward(engine(torch.randint(0, 301, (2, 5))))
-        engine.step()
-        out[stage] = engine.memory_report().to_dict()
-    return out
-
-
 def test_plan_counts_bf16_masters_and_states_as_the_run_holds_them():
     """No master copy, Adam's states in bf16: each category as the run's ledger files it."""
-    measured = run_distributed(_measure_bf16_masters, 2)
+    measured = run_distributed(_measure, 2, (1, 2, 3), 0, True)
     with torch.device("meta"):
         shape = shape_of(Known(), bucket_numel=30_000)
     for stage in (1, 2, 3):
