@@ -192,8 +192,11 @@ def _wrong_type(value):
 # Fields a manifest may lack, so that manifests written before the field existed still load:
 # frozen_parameters_excluded's default is the strict reading (False: every frozen parameter
 # must be in the checkpoint), so removing it can only make a load refuse more; a missing
-# counters.global_samples is DeepSpeed's estimate (global steps x the batch).
-OPTIONAL_FIELDS = {("frozen_parameters_excluded",), ("counters", "global_samples")}
+# counters.global_samples is DeepSpeed's estimate (global steps x the batch); without
+# frozen_parameters a checkpoint loads and reads whole, and only zero_to_fp32's
+# exclude_frozen_parameters is refused (test_frozen_tied.py).
+OPTIONAL_FIELDS = {("frozen_parameters_excluded",), ("counters", "global_samples"),
+                   ("frozen_parameters",)}
 
 
 def _manifest_cases(manifest: dict) -> dict:

@@ -76,10 +76,24 @@ def test_the_command_deepspeed_copies_into_checkpoints(tmp_path):
         torch.testing.assert_close(saved[key], value, rtol=0, atol=0, msg=key)
 
 
-def test_unsupported_flags_are_refused_by_name():
-    src, _ = deepspeed_case("stage2_ws2_fp16")
-    with pytest.raises(NotImplementedError, match="lazy_mode"):
-        zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(src, lazy_mode=True)
+@pytest.mark.parametrize("name", ["stage3_ws2_fp32", "stage2_ws2_fp32_two_groups",
+                                  "stage1_ws2_bf16", "stage3_ws2_fp16_exclude_frozen"])
+def test_frozen_parameters_left_out_as_deepspeeds_own_reader_does(name):
+    """`exclude_frozen_parameters=True`: the trained parameters and the buffers, as
+    DeepSpeed 0.19.8's zero_to_fp32 gives them on these checkpoints (TinyLM's `frozen`
+    layer out); lazily, the same tensors when read."""
+    src, _ = deepspeed_case(name)
+    whole = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(src)
+    trained = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+        src, exclude_frozen_parameters=True)
+    assert list(trained) == [k for k in TinyLM().state_dict() if not k.startswith("frozen.")]
+    assert trained["head.weight"] is trained["embed.weight"]
+    lazy = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+        src, exclude_frozen_parameters=True, lazy_mode=True)
+    assert lazy.keys() == trained.keys()
+    for key, value in zero_to_fp32.to_torch_tensor(lazy).items():
+        torch.testing.assert_close(value, whole[key], rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(trained[key], whole[key], rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.parametrize("name, stage, model_file", [

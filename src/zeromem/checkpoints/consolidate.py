@@ -397,17 +397,34 @@ def consolidate(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike,
     return str(out_path)
 
 
-def read_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None
-                    ) -> dict[str, torch.Tensor]:
-    """`consolidate`'s state dict in memory (tensors on the CPU; tied keys share one tensor)."""
-    with checkpoint_tensors(ckpt_dir, tag) as (_, manifest, spec_of):
-        aliases = manifest["aliases"]
-        whole = {key: _read_whole(spec_of(key))
-                 for key in manifest["state_dict_keys"] if key not in aliases}
-    return {key: whole[aliases.get(key, key)] for key in manifest["state_dict_keys"]}
+def read_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None,
+                    exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """`consolidate`'s state dict in memory (tensors on the CPU; tied keys share one tensor),
+    without frozen parameters if `exclude_frozen` (`output_keys`)."""
+    with checkpoint_tensors(ckpt_dir, tag) as (path, manifest, spec_of):
+        keys, aliases = output_keys(manifest, exclude_frozen, path), manifest["aliases"]
+        whole = {key: read_whole(spec_of(key)) for key in keys if key not in aliases}
+    return {key: whole[aliases.get(key, key)] for key in keys}
 
 
-def _read_whole(spec: TensorSpec) -> torch.Tensor:
+def output_keys(manifest: dict, exclude_frozen: bool, path: Path) -> list[str]:
+    """The state_dict keys a reader of the checkpoint at `path` gives: all of them, or, with
+    `exclude_frozen` (DeepSpeed's `exclude_frozen_parameters`), the trained parameters and
+    the buffers, without the frozen parameters and the keys tied to them."""
+    keys = manifest["state_dict_keys"]
+    if not exclude_frozen:
+        return keys
+    frozen = manifest.get("frozen_parameters")
+    if frozen is None:
+        raise CheckpointError(f"{path}: written before checkpoints named their frozen "
+                              "parameters, so exclude_frozen_parameters cannot tell them from "
+                              "buffers; read it whole, or save it again")
+    aliases, left_out = manifest["aliases"], set(frozen)
+    return [key for key in keys if aliases.get(key, key) not in left_out]
+
+
+def read_whole(spec: TensorSpec) -> torch.Tensor:
+    """The tensor `spec` streams, whole, in memory."""
     out = torch.empty(shape_numel(spec.shape), dtype=spec.dtype)
     at = 0
     for chunk in spec.chunks():  # views of one scratch buffer: copied before the next

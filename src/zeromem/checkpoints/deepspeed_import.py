@@ -104,9 +104,9 @@ _DEEPSPEED_OWN = frozenset({"module", "skipped_steps", "global_steps", "dp_world
                             "mp_world_size", "data_sampler", "random_ltd", "lr_scheduler",
                             "optimizer"})
 # the model states keys the import reads: no ForeignObject may stand in them
-_MODEL_KEYS = ("module", "param_shapes", "frozen_param_shapes", "shared_params", "lr_scheduler",
-               "ds_config", "global_steps", "global_samples", "skipped_steps", "dp_world_size",
-               "mp_world_size")
+_MODEL_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params",
+               "lr_scheduler", "ds_config", "global_steps", "global_samples", "skipped_steps",
+               "dp_world_size", "mp_world_size")
 
 
 def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
@@ -442,12 +442,22 @@ def _manifest(ds: DeepSpeedState, tag: str) -> dict:
         # DeepSpeed records frozen_param_shapes (stages 2-3) unless exclude_frozen_parameters
         # left them out; stage 1 never records them, so its module may lack them either way
         "frozen_parameters_excluded": ds.model_states.get("frozen_param_shapes") is None,
+        "frozen_parameters": _frozen_parameters(ds),
         "optimizer": {"type": optimizer[0], "tensor_states": state_keys,
                       "param_groups": optimizer[1]},
         "scaler": _scaler_state(ds, config),
         "lr_scheduler": scheduler,
         "client_state": None,
     }
+
+
+def _frozen_parameters(ds: DeepSpeedState) -> list[str] | None:
+    """The module tensors that are not buffers (DeepSpeed lists its buffers' names in every
+    model states file); None where a file lacks the list."""
+    buffers = ds.model_states.get("buffer_names")
+    if not isinstance(buffers, (list, tuple)):
+        return None
+    return [k for k in ds.module_tensors if k not in set(buffers)]
 
 
 # zeromem's DynamicScaler state key -> DeepSpeed's DynamicLossScaler attribute (precision.py)

@@ -197,6 +197,9 @@ class Manifest(_Strict):
     frozen_parameters_excluded: StrictBool = False
     """Saved with exclude_frozen_parameters (or a DeepSpeed checkpoint that may have been):
     frozen parameters may be absent from module_tensors and state_dict_keys."""
+    frozen_parameters: Optional[list[StrictStr]] = None
+    """The module_tensors that are frozen parameters (the others are buffers); None in
+    checkpoints written before zeromem recorded it."""
     optimizer: OptimizerInfo
     scaler: ScalerState
     lr_scheduler: Optional[dict[StrictStr, Any]]
@@ -238,16 +241,20 @@ def _check_files(m: Manifest) -> None:
 
 
 def _check_keys(m: Manifest) -> None:
-    """Every state_dict key is a parameter, a module tensor or an alias of a parameter."""
+    """Every state_dict key is a parameter, a module tensor or an alias of one (tied weights,
+    trained or frozen); each frozen parameter is a module tensor."""
     keys = set(m.state_dict_keys)
+    held = m.params.keys() | m.module_tensors.keys()
     for key in m.state_dict_keys:
-        if key not in m.params and key not in m.module_tensors and \
-                m.aliases.get(key) not in m.params:
+        if key not in held and m.aliases.get(key) not in held:
             raise ValueError(f"state_dict_keys: {key!r} is neither a parameter, a module tensor "
-                             "nor an alias of a parameter")
+                             "nor an alias of one")
     unlisted = sorted((set(m.params) | set(m.module_tensors) | set(m.aliases)) - keys)
     if unlisted:
         raise ValueError(f"state_dict_keys: {unlisted[:5]} are not listed")
+    strays = sorted(set(m.frozen_parameters or ()) - set(m.module_tensors))
+    if strays:
+        raise ValueError(f"frozen_parameters: {strays[:5]} are not module_tensors")
 
 
 def validate_manifest(text: str, file: object) -> None:

@@ -31,14 +31,15 @@ elements [offset, offset + numel) of P flattened:
     optimizer/<state>/<P>       optimizer state piece (exp_avg, ...), same range
     module/<key>                rank 0 only: state_dict entries that are not trained
                                 parameters (buffers, frozen parameters), whole, own dtype;
-                                frozen parameters left out under exclude_frozen_parameters
+                                frozen parameters left out under exclude_frozen_parameters,
+                                named in the manifest's `frozen_parameters` otherwise
     rng/cpu, rng/cuda<i>, rng/numpy   this rank's generator states (Python's in metadata)
 
 At stage 0 every rank holds the same whole state, so only rank 0 writes pieces.
 Compute-dtype parameters are not stored: loading rebuilds them from the masters
 (`TrainingState.refresh_params`). Scalar optimizer state (Adam's `step`) is stored per
-parameter in the manifest. Tied weights are one parameter: stored once under
-the first name; other state_dict keys naming it are listed in `aliases`.
+parameter in the manifest. Tied weights, trained or frozen, are one tensor: stored once
+under the first name; other state_dict keys naming it are listed in `aliases`.
 
 Atomicity: ranks write into `.tmp-<tag>` and fsync; after every rank reported
 success, rank 0 writes the manifest (with every file's sha256 and size), renames
@@ -273,6 +274,8 @@ def _build_manifest(state: TrainingState, tag: str, exclude_frozen: bool) -> dic
         for name, names in kinds.items():
             params[name]["tensor_states"] = names
     keys, aliases = _aliases(state, exclude_frozen)
+    module_tensors = _module_tensors(state, exclude_frozen)
+    frozen = frozen_keys(state)
     return {
         "format": FORMAT, "version": VERSION, "tag": tag,
         "world_size": state.comm.world_size, "zero_stage": state.zero_stage,
@@ -285,8 +288,9 @@ def _build_manifest(state: TrainingState, tag: str, exclude_frozen: bool) -> dic
         "state_dict_keys": keys,
         "aliases": aliases,
         "module_tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                           for k, t in _module_tensors(state, exclude_frozen).items()},
+                           for k, t in module_tensors.items()},
         "frozen_parameters_excluded": exclude_frozen,
+        "frozen_parameters": [k for k in module_tensors if k in frozen],
         "optimizer": {"type": state.optimizer_type, "tensor_states": sorted(tensor_states),
                       "param_groups": param_groups_state(state.optimizer)},
         "scaler": scaler_state(state.stateful["scaler"]),

@@ -21,9 +21,10 @@ the state dict: the ZeRO stage from the first optimizer file, and the client sta
 DeepSpeed's checkpoints have both; a zeromem checkpoint answers with its checked
 `client_state.pt` and, for the stage, which its manifest keeps, one in-memory file.
 
-Not supported, refused by name: `exclude_frozen_parameters=True` (a zeromem checkpoint
-does not tell frozen parameters from buffers; save with
-`exclude_frozen_parameters=True` instead) and `lazy_mode=True`.
+`exclude_frozen_parameters=True` (`--exclude_frozen_parameters`) gives the trained
+parameters and the buffers only, as DeepSpeed's does: a LoRA run's adapters without the base
+model. `lazy_mode=True` gives `LazyTensor`s that read a tensor when its `contiguous()` is
+called; `to_torch_tensor` reads them all.
 """
 from __future__ import annotations
 
@@ -32,41 +33,103 @@ import io
 import json
 import os
 import re
+import weakref
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from torch import nn
 
-from ...checkpoints.consolidate import (CLIENT_STATE, checkpoint_tensors, raise_problems, read_manifest,
-                                        read_state_dict, verify_file)
+from ...checkpoints.consolidate import (CLIENT_STATE, checkpoint_tensors, output_keys, raise_problems,
+                                        read_manifest, read_state_dict, read_whole, verify_file)
 from ...checkpoints.deepspeed_import import readable
 from ...checkpoints.hf_export import cast_spec, named_dtype, parse_shard_size, plan_shards
-from ...checkpoints.tensor_files import write_output
+from ...checkpoints.tensor_files import TensorSpec, write_output
 
 
-def _refuse(exclude_frozen_parameters: bool, lazy_mode: bool = False) -> None:
-    given = ["exclude_frozen_parameters=True"] * bool(exclude_frozen_parameters) + \
-        ["lazy_mode=True"] * bool(lazy_mode)
-    if given:
-        raise NotImplementedError(f"zero_to_fp32: {', '.join(given)} not supported; "
-                                  "exclude frozen parameters when saving the checkpoint")
+class LazyTensor:
+    """One tensor of a checkpoint, read from its files only when asked: DeepSpeed's
+    `lazy_mode` pseudo tensor, with its `shape`, `dtype` and `contiguous()`."""
+
+    def __init__(self, spec: TensorSpec, files: _OpenFiles):
+        self.shape, self.dtype = torch.Size(spec.shape), spec.dtype
+        self._spec = spec
+        self._files = files  # open while a lazy tensor refers to them
+
+    def contiguous(self) -> torch.Tensor:
+        """The tensor, read whole (fp32 for floating ones) into memory on the CPU."""
+        return read_whole(self._spec)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self._spec.name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+class _OpenFiles:
+    """A checked checkpoint's files (and, for DeepSpeed's, the temporary directory it was
+    imported into), closed once no lazy tensor refers to them, or at exit."""
+
+    def __init__(self, stack: ExitStack):
+        weakref.finalize(self, stack.close)
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike,
                                              tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
-                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
-    """The checkpoint's full fp32 state dict, in memory on the CPU."""
-    _refuse(exclude_frozen_parameters, lazy_mode)
+                                             lazy_mode: bool = False
+                                             ) -> dict[str, torch.Tensor] | dict[str, LazyTensor]:
+    """The checkpoint's full fp32 state dict, in memory on the CPU; without frozen
+    parameters with `exclude_frozen_parameters` (buffers and trained parameters, as
+    DeepSpeed's); with `lazy_mode`, `LazyTensor`s that read each tensor when asked
+    (`to_torch_tensor` reads them all)."""
+    if lazy_mode:
+        return _lazy_state_dict(checkpoint_dir, tag, exclude_frozen_parameters)
+    return _state_dict(checkpoint_dir, tag, exclude_frozen_parameters)
+
+
+def _state_dict(checkpoint_dir: str | os.PathLike, tag: str | None,
+                exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
     with readable(checkpoint_dir, tag) as (source, source_tag):
-        return read_state_dict(source, source_tag)
+        return read_state_dict(source, source_tag, exclude_frozen)
+
+
+def _lazy_state_dict(checkpoint_dir: str | os.PathLike, tag: str | None,
+                     exclude_frozen: bool) -> dict[str, LazyTensor]:
+    with ExitStack() as stack:
+        source, source_tag = stack.enter_context(readable(checkpoint_dir, tag))
+        path, manifest, spec_of = stack.enter_context(checkpoint_tensors(source, source_tag))
+        keys, aliases = output_keys(manifest, exclude_frozen, path), manifest["aliases"]
+        files = _OpenFiles(stack.pop_all())  # checked; they stay open from here on
+    lazy = {key: LazyTensor(spec_of(key), files) for key in keys if key not in aliases}
+    return {key: lazy[aliases.get(key, key)] for key in keys}  # tied keys: one object
+
+
+def to_torch_tensor(state_dict: Mapping[str, torch.Tensor | LazyTensor], return_empty_tensor: bool = False,
+                    dtype: str | torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """DeepSpeed's: every `LazyTensor` (or tensor) read whole, tied keys one tensor;
+    floating ones cast to `dtype` (bf16, fp16 or fp32) if given; `return_empty_tensor`:
+    uninitialised tensors of the right shapes and dtypes instead, to size a conversion."""
+    out_dtype = None if dtype is None else named_dtype(dtype, "dtype")
+    out: dict[str, torch.Tensor] = {}
+    first: dict[int, str] = {}
+    for key, value in state_dict.items():
+        if id(value) in first:
+            out[key] = out[first[id(value)]]
+            continue
+        first[id(value)] = key
+        cast = out_dtype if out_dtype is not None and value.dtype.is_floating_point else value.dtype
+        if return_empty_tensor:
+            out[key] = torch.empty(value.shape, dtype=cast)
+        else:
+            out[key] = value.contiguous().to(cast)
+    return out
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike,
                                          tag: str | None = None) -> nn.Module:
     """Move `model` to the CPU and load the checkpoint's fp32 weights into it (not strict,
     as DeepSpeed's); returns `model`."""
-    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    state = _state_dict(checkpoint_dir, tag)
     model = model.cpu()
     model.load_state_dict(state, strict=False)
     return model
@@ -97,16 +160,14 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str | os.PathLike,
     (fp32, fp16 or bf16, by name or torch dtype, as DeepSpeed 0.19.8 takes it), trained
     parameters cast once from the fp32 masters. Tensors stream a chunk at a time, so
     memory stays bounded whatever the model's size."""
-    _refuse(exclude_frozen_parameters)
     out_dtype = named_dtype(dtype, "dtype")
     max_bytes = parse_shard_size(max_shard_size)
     name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     out = Path(output_dir)
     with readable(checkpoint_dir, tag) as (source, source_tag), \
-            checkpoint_tensors(source, source_tag) as (_, manifest, spec_of):
-        aliases = manifest["aliases"]
-        specs = {key: cast_spec(spec_of(key), key, out_dtype)
-                 for key in manifest["state_dict_keys"] if key not in aliases}
+            checkpoint_tensors(source, source_tag) as (path, manifest, spec_of):
+        keys, aliases = output_keys(manifest, exclude_frozen_parameters, path), manifest["aliases"]
+        specs = {key: cast_spec(spec_of(key), key, out_dtype) for key in keys if key not in aliases}
         shards = plan_shards([(key, s.nbytes) for key, s in specs.items()], max_bytes)
         files = _shard_names(name, len(shards))
         weight_map = {}
@@ -188,6 +249,7 @@ def main(argv: list[str] | None = None, dtype_required: bool = False) -> None:
 
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
+           "to_torch_tensor",
            "convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
            "get_optim_files", "get_model_state_file"]
 
