@@ -10,8 +10,8 @@ Needs DeepSpeed (a test-data tool, never a zeromem dependency); on CPU:
 
 For each case (ZeRO stage, world size, precision, whether `save_checkpoint` was given
 `exclude_frozen_parameters=True`, which Adam, whether it carries Megatron-DeepSpeed's
-client state) it trains `tests/models.py`'s TinyLM (whose `frozen`
-layer has requires_grad False)
+client state, whether its tied embedding is frozen as a LoRA run's base is) it trains
+`tests/models.py`'s TinyLM (whose `frozen` layer has requires_grad False)
 with real DeepSpeed (gloo) for SAVE_AT optimizer steps on `micro_batch` data, saves a
 checkpoint, trains AFTER more steps and records, in `<case>/expected.json`:
 
@@ -75,6 +75,8 @@ class Case(NamedTuple):
     two_groups: bool = False
     # DeepSpeedExamples' bf16_full.json: bf16 masters and optimizer states (DeepSpeed's PR 7700)
     bf16_masters: bool = False
+    # a LoRA run's frozen base: TinyLM's embedding, which its head shares, frozen too
+    frozen_tied: bool = False
 
     @property
     def name(self) -> str:
@@ -82,7 +84,8 @@ class Case(NamedTuple):
                                        ("fused_adam", self.fused_adam),
                                        ("client_state", self.client_state),
                                        ("two_groups", self.two_groups),
-                                       ("bf16_masters", self.bf16_masters)) if on]
+                                       ("bf16_masters", self.bf16_masters),
+                                       ("frozen_tied", self.frozen_tied)) if on]
         return "_".join([f"stage{self.stage}_ws{self.world_size}_{self.precision}", *flags])
 
 
@@ -93,6 +96,7 @@ CASES = [
     Case(2, 2, "bf16", fused_adam=True), Case(3, 2, "bf16", client_state=True),
     Case(2, 2, "fp32", two_groups=True), Case(3, 2, "fp32", two_groups=True),
     Case(3, 2, "bf16", bf16_masters=True),
+    Case(3, 2, "bf16", frozen_tied=True), Case(2, 2, "fp32", frozen_tied=True),
 ]
 DECAY = 0.1  # the decayed group's weight decay in two_groups cases (0.01 otherwise)
 FP16 = {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 1, "hysteresis": 2,
@@ -212,6 +216,8 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
         config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     torch.manual_seed(0)
     model = TinyLM()
+    if case.frozen_tied:
+        model.embed.requires_grad_(False)
     groups = param_groups(model, case.two_groups)
     named = dict(model.named_parameters())
     engine, *_ = deepspeed.initialize(
@@ -241,6 +247,7 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
         expected = {"stage": stage, "world_size": world_size, "precision": precision,
                     "save_at": SAVE_AT, "micro_batches_per_step": G, "config": config,
                     "exclude_frozen_parameters": case.exclude_frozen,
+                    **({"frozen_tied": True} if case.frozen_tied else {}),
                     **({"client_state": {"iteration": SAVE_AT, "checkpoint_version": 3.0,
                                          "tokens": 4096, "args.consumed_train_samples": 48}}
                        if case.client_state else {}),

@@ -110,13 +110,14 @@ def train(name: str, deepspeed: str | None, resume: str | None = None,
             "lrs": logged["learning_rate"], "held": held, "trainer": trainer}
 
 
-def lora(name: str, deepspeed: str | None) -> dict:
+def lora(name: str, deepspeed: str | None, resume: str | None = None, **extra) -> dict:
     """PEFT LoRA on the attention's Conv1D layers with gradient checkpointing, the base model
-    frozen (what most fine-tunes with ZeRO-3 run): losses and gradient norms, and the
-    adapter `save_model` writes (OUT/<name>_adapter)."""
+    frozen (what most fine-tunes with ZeRO-3 run; GPT-2's tied embedding and head among
+    it): losses and gradient norms, and the adapter `save_model` writes
+    (OUT/<name>_adapter). `resume`: from that checkpoint of an earlier run."""
     from peft import LoraConfig, get_peft_model
 
-    args = training_args(name, deepspeed, gradient_checkpointing=True)
+    args = training_args(name, deepspeed, gradient_checkpointing=True, **extra)
     model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
     model.enable_input_require_grads()
     torch.manual_seed(1)  # the adapters' A matrices: the same in both modes
@@ -125,7 +126,7 @@ def lora(name: str, deepspeed: str | None) -> dict:
                                              fan_in_fan_out=True))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(SAMPLES),
                                    optimizers=(None, None) if deepspeed else ddp_optimizers(model))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(str(OUT / f"{name}_adapter"))
     return {key: {h["step"]: h[key] for h in trainer.state.log_history if key in h}
             for key in ("loss", "grad_norm")}
@@ -481,7 +482,10 @@ def main() -> None:
                 **HF_SCHEDULE)
     # ZeRO-3 runs before the zero2 Accelerate run: HF's global DeepSpeed config that run
     # leaves lets the single-process references build their models whole
-    adapted = lora("zero3_lora", str(CONFIGS / "ds_config_zero3.json"))
+    adapted = lora("zero3_lora", str(CONFIGS / "ds_config_zero3.json"), save_strategy="steps",
+                   save_steps=3)
+    adapted_resumed = lora("zero3_lora_resumed", str(CONFIGS / "ds_config_zero3.json"),
+                           resume=str(OUT / "zero3_lora" / "checkpoint-3"))
     generated = trl_generation()
     compiled = train("zero3_compile", str(CONFIGS / "ds_config_zero3.json"), **COMPILE)
     ragged = train("zero3_ragged", str(CONFIGS / "ds_config_zero3.json"),
@@ -502,7 +506,8 @@ def main() -> None:
                       "zero3_eval_loss": evaluate("zero3_eval", str(CONFIGS / "ds_config_zero3.json")),
                       "zero2_held": run["held"], "accelerate": accelerate_losses(OUT),
                       "accelerate_two_models": two_models,
-                      "lora": adapted, "trl": generated, "grpo": grpo_steps,
+                      "lora": adapted, "lora_resumed": adapted_resumed,
+                      "trl": generated, "grpo": grpo_steps,
                       "compiled": compiled["losses"], "compiled_in_place": compiled_in_place,
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
                       "resized": {k: resized[k] for k in ("losses", "grad_norms")},

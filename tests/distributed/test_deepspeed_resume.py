@@ -138,9 +138,12 @@ def resume_through_deepspeeds_api(tmp: Path, rank: int, world_size: int) -> None
 
 def model(expected: dict, rank: int) -> TinyLM:
     """TinyLM with weights unlike DeepSpeed's (the checkpoint must set them), except the frozen
-    layer when the checkpoint left it out: then DeepSpeed's initial values, which it kept."""
+    layer when the checkpoint left it out: then DeepSpeed's initial values, which it kept.
+    Its tied embedding frozen too where DeepSpeed's run froze it (a LoRA run's base)."""
     torch.manual_seed(1 + rank)
     built = TinyLM()
+    if expected.get("frozen_tied"):
+        built.embed.requires_grad_(False)
     if expected.get("exclude_frozen_parameters"):
         torch.manual_seed(0)  # as tools/make_deepspeed_checkpoints.py built DeepSpeed's model
         built.frozen.load_state_dict(TinyLM().frozen.state_dict())
@@ -153,6 +156,8 @@ def test_deepspeed_checkpoints_cover_stages_and_precisions():
     assert {c["world_size"] for c in cases} == {1, 2}
     assert {c["precision"] for c in cases} == {"fp32", "bf16", "fp16"}
     assert {c["stage"] for c in cases if c.get("exclude_frozen_parameters")} == {1, 3}
+    # a LoRA run's frozen base, its embedding tied to the head: refused as damaged until stop 51
+    assert {c["stage"] for c in cases if c.get("frozen_tied")} == {2, 3}
     # DeepSpeed's own FusedAdam (a config without torch_adam), whose param groups keep a
     # step and bias_correction: its checkpoints failed to load until stop 42
     assert any("torch_adam" not in c["config"]["optimizer"]["params"] for c in cases)

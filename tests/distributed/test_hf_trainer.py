@@ -141,6 +141,23 @@ def test_peft_lora_on_a_model_built_under_init(runs):
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=key)
 
 
+def test_peft_lora_resumes_from_its_checkpoint(runs):
+    """The LoRA run saves a checkpoint at step 3 and a second run resumes from it. GPT-2's
+    embedding and head are one frozen tensor: before stop 51 the checkpoint was written and
+    then refused as damaged. Steps 4-6 re-run as the uninterrupted run took them, and the
+    adapters end the same."""
+    out, ddp, zero = runs
+    logged = zero["lora_resumed"]["loss"]  # steps 1-3 from the checkpoint's trainer state
+    resumed = {k: v for k, v in logged.items() if int(k) > 3}
+    assert len(resumed) == 3
+    assert _max_difference(resumed, {k: ddp["lora"]["loss"][k] for k in resumed}) < TOLERANCE
+    want = load_file(out / "zero3_lora_adapter" / "adapter_model.safetensors")
+    got = load_file(out / "zero3_lora_resumed_adapter" / "adapter_model.safetensors")
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=key)
+
+
 def test_trl_generation_under_zero3_matches_one_process(runs):
     """TRL's `unwrap_model_for_generation` reaches DeepSpeed's hook owner through
     `engine.optimizer.parameter_offload`; without it (before stop 34) it raised

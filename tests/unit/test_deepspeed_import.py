@@ -56,6 +56,10 @@ def test_import_holds_deepspeeds_states(name, tmp_path):
     excluded = expected["exclude_frozen_parameters"] if "exclude_frozen_parameters" in expected \
         else False
     assert manifest["frozen_parameters_excluded"] == (excluded or expected["stage"] == 1)
+    # the module tensors that are not buffers (DeepSpeed's buffer_names): read whole, or left
+    # out by zero_to_fp32's exclude_frozen_parameters
+    tied = ["embed.weight"] if expected.get("frozen_tied") else []
+    assert manifest["frozen_parameters"] == ([] if excluded else tied + ["frozen.weight", "frozen.bias"])
     assert manifest["scaler"] == ({ours: expected["scaler"][theirs] for ours, theirs in SCALER.items()}
                                   if expected["precision"] == "fp16" else {})
     full = load_consolidated(consolidate(tmp_path, tmp_path / "full.pt"))
@@ -63,8 +67,9 @@ def test_import_holds_deepspeeds_states(name, tmp_path):
     frozen_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(expected["precision"],
                                                                       torch.float32)
     model = TinyLM().state_dict()
+    frozen = ("frozen.", "embed.", "head.") if expected.get("frozen_tied") else ("frozen.",)
     for key, value in model.items():
-        if key.startswith("frozen.") and not excluded:
+        if key.startswith(frozen) and not excluded:
             assert torch.equal(full[key], value.to(frozen_dtype).float()), key
     assert torch.equal(full["head.weight"], full["embed.weight"])  # tied, stored once
     assert full.keys() == {k for k in model if not (excluded and k.startswith("frozen."))}
