@@ -89,6 +89,26 @@ def test_cli_imports_and_reports_foreign_directories(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_a_stage_0_checkpoint_is_refused_saying_where_its_weights_are(tmp_path):
+    """DeepSpeed's stage 0 (its default) keeps the module and a torch optimizer's state in
+    mp_rank_00_model_states.pt; the state is keyed by position, which nothing names."""
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters())
+    tag = tmp_path / "global_step2"
+    tag.mkdir()
+    torch.save({"module": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "ds_config": {"train_micro_batch_size_per_gpu": 4,
+                              "zero_optimization": {"stage": 0}},
+                "buffer_names": [], "dp_world_size": 1, "mp_world_size": 1, "global_steps": 2},
+               tag / "mp_rank_00_model_states.pt")
+    (tmp_path / "latest").write_text("global_step2")
+    with pytest.raises(CheckpointError, match=r"ZeRO stage 0 .*'module' state dict of "
+                                              r"mp_rank_00_model_states.pt"):
+        import_deepspeed(tmp_path, tmp_path / "out")
+    weights = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+    TinyLM().load_state_dict(weights)  # what the message tells the user to do works
+
+
 def test_foreign_directories_say_what_they_look_like(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()

@@ -1,5 +1,9 @@
 """DeepSpeed ZeRO checkpoints (stages 1-3) turned into zeromem checkpoints.
 
+(Stage 0, DeepSpeed's default, is refused, saying where its weights are: its optimizer
+state is keyed by each parameter's place in the optimizer DeepSpeed was given, which the
+files do not name.)
+
 DeepSpeed's layout, as its `save_checkpoint` writes it (one model-parallel rank):
 
     <dir>/latest                                         text: the tag
@@ -130,7 +134,7 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
         optim_files = [path / "zero" / "optimizer_state.pt"]
         optims = [load_pt(optim_files[0])]
     else:
-        optim_files = _optim_files(path, world_size)
+        optim_files = _optim_files(path, world_size, model)
         optims = [need(load_pt(f), "optimizer_state_dict", f) for f in optim_files]
     stage = int(need(optims[0], "zero_stage", optim_files[0]))
     if (stage == 3) != stage3:
@@ -172,11 +176,21 @@ def _loss_scaler(optims: list[dict], files: list[Path]) -> dict[str, Any]:
     return states[0]
 
 
-def _optim_files(path: Path, world_size: int) -> list[Path]:
+def _optim_files(path: Path, world_size: int, model: dict) -> list[Path]:
     """Rank r's optimizer states file, for each of the `world_size` ranks that saved."""
     pattern = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
     found = {int(m.group(2)): path / m.group(0)
              for m in (pattern.match(p.name) for p in path.iterdir()) if m}
+    config = model.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    if not found and isinstance(config, dict) and not (zero or {}).get("stage"):
+        raise CheckpointError(
+            f"{path} is a DeepSpeed checkpoint of ZeRO stage 0 (by its ds_config): "
+            "its optimizer states are numbered by each parameter's place in the optimizer "
+            "DeepSpeed was given, which the file does not name, so zeromem imports stages 1-3 "
+            "only. Its weights are the 'module' state dict of mp_rank_00_model_states.pt "
+            "(torch.load(..., weights_only=True)): load them into the model before "
+            "zeromem.initialize")
     if not found:
         raise CheckpointError(f"{path} has DeepSpeed model states but no "
                               f"zero_pp_rank_*_mp_rank_00_optim_states.pt: not a ZeRO checkpoint "
