@@ -2,8 +2,9 @@
 
 One spawned world of 2 gloo ranks trains tiny GPT-2 and Llama (built from configs,
 nothing downloaded) at stages 2 and 3 (persistence threshold 0, so every parameter is
-partitioned), in fp32 and bf16, and one GPT-2 wrapped in a module (`module.` keys);
-each rank returns its whole weights (gathered) and its logits on a probe batch. The
+partitioned), in fp32 and bf16, one GPT-2 wrapped in a module (`module.` keys) and one
+with its embedding (and so its tied head) frozen; each rank returns its whole weights
+(gathered) and its logits on a probe batch. The
 parent, with no process group, runs the command line and checks what
 `from_pretrained` makes of the directory against every rank. A checkpoint real DeepSpeed
 saved (tests/data/deepspeed_hf_checkpoint) is exported as well.
@@ -32,7 +33,11 @@ CASES = {  # name -> (model, stage, training dtype, wrapped in a module)
     "gpt2-s3-bf16": ("gpt2", 3, "bf16", False),
     "llama-s2-bf16": ("llama", 2, "bf16", False),
     "gpt2-wrapped-s3": ("gpt2", 3, "fp32", True),
+    "gpt2-s3-frozen-wte": ("gpt2", 3, "fp32", False),
 }
+# embeddings frozen, as fine-tunes that save memory freeze them: GPT-2's head is the same
+# frozen tensor (its checkpoint was refused as damaged before stop 51)
+FROZEN_EMBEDDINGS = {"gpt2-s3-frozen-wte"}
 DATA = Path(__file__).parent.parent / "data"
 DEEPSPEED_CHECKPOINT = DATA / "deepspeed_checkpoints" / "stage2_ws2_fp32"  # not an HF model
 DEEPSPEED_GPT2 = DATA / "deepspeed_hf_checkpoint"  # tools/make_deepspeed_hf_checkpoint.py
@@ -66,6 +71,8 @@ def train_and_save(rank: int, world_size: int, root: Path) -> None:
     for case, (name, stage, dtype, wrapped) in CASES.items():
         torch.manual_seed(0)
         model = hf_tiny_builders(vocab=VOCAB, seq=SEQ)[name]()
+        if case in FROZEN_EMBEDDINGS:
+            model.get_input_embeddings().requires_grad_(False)
         if rank == 0:
             model.config.save_pretrained(root / case / "config")
         engine = zeromem.initialize(Wrapper(model) if wrapped else model,
