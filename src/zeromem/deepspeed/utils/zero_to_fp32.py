@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None, dtype_required: bool = False) -> None:
 
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
-           "to_torch_tensor",
+           "to_torch_tensor", "LazyTensor",
            "convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
            "get_optim_files", "get_model_state_file"]
 
