@@ -29,10 +29,8 @@ elements [offset, offset + numel) of P flattened:
 
     master/<P>                  fp32 master piece
     optimizer/<state>/<P>       optimizer state piece (exp_avg, ...), same range
-    module/<key>                rank 0 only: state_dict entries that are not trained
-                                parameters (buffers, frozen parameters), whole, own dtype;
-                                frozen parameters left out under exclude_frozen_parameters,
-                                named in the manifest's `frozen_parameters` otherwise
+    module/<key>                rank 0 only, whole, own dtype: buffers and frozen parameters
+                                (`frozen_parameters`; out under exclude_frozen_parameters)
     rng/cpu, rng/cuda<i>, rng/numpy   this rank's generator states (Python's in metadata)
 
 At stage 0 every rank holds the same whole state, so only rank 0 writes pieces.
@@ -274,8 +272,7 @@ def _build_manifest(state: TrainingState, tag: str, exclude_frozen: bool) -> dic
         for name, names in kinds.items():
             params[name]["tensor_states"] = names
     keys, aliases = _aliases(state, exclude_frozen)
-    module_tensors = _module_tensors(state, exclude_frozen)
-    frozen = frozen_keys(state)
+    module_tensors, frozen = _module_tensors(state, exclude_frozen), frozen_keys(state)
     return {
         "format": FORMAT, "version": VERSION, "tag": tag,
         "world_size": state.comm.world_size, "zero_stage": state.zero_stage,
