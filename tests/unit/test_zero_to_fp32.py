@@ -8,9 +8,12 @@ The same calls on a zeromem checkpoint: tests/distributed/test_param_states.py.
 """
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,12 +91,19 @@ def test_frozen_parameters_left_out_as_deepspeeds_own_reader_does(name):
         src, exclude_frozen_parameters=True)
     assert list(trained) == [k for k in TinyLM().state_dict() if not k.startswith("frozen.")]
     assert trained["head.weight"] is trained["embed.weight"]
+    imports = Path(tempfile.gettempdir()).glob("zeromem-deepspeed-*")
+    before = set(imports)
     lazy = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
         src, exclude_frozen_parameters=True, lazy_mode=True)
     assert lazy.keys() == trained.keys()
     for key, value in zero_to_fp32.to_torch_tensor(lazy).items():
         torch.testing.assert_close(value, whole[key], rtol=0, atol=0, msg=key)
         torch.testing.assert_close(trained[key], whole[key], rtol=0, atol=0, msg=key)
+    imported = set(Path(tempfile.gettempdir()).glob("zeromem-deepspeed-*")) - before
+    assert len(imported) == 1  # the import the lazy tensors read from, kept while they live
+    del lazy
+    gc.collect()
+    assert not any(p.exists() for p in imported)  # and removed with the last of them
 
 
 @pytest.mark.parametrize("name, stage, model_file", [
