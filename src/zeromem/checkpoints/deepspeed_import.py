@@ -468,10 +468,11 @@ def _manifest(ds: DeepSpeedState, tag: str) -> dict:
 def _frozen_parameters(ds: DeepSpeedState) -> list[str] | None:
     """The module tensors that are not buffers (DeepSpeed lists its buffers' names in every
     model states file); None where a file lacks the list."""
-    buffers = ds.model_states.get("buffer_names")
-    if not isinstance(buffers, (list, tuple)):
+    names = ds.model_states.get("buffer_names")
+    if not isinstance(names, (list, tuple)):
         return None
-    return [k for k in ds.module_tensors if k not in set(buffers)]
+    buffers = set(names)
+    return [k for k in ds.module_tensors if k not in buffers]
 
 
 # zeromem's DynamicScaler state key -> DeepSpeed's DynamicLossScaler attribute (precision.py)
