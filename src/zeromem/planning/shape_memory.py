@@ -238,12 +238,12 @@ def exact_model_states(shape: ModelShape, n_d: int, widths: Widths, layout: Zero
             device["master_params"] = widths.param * shard
     if optimizer == "nvme" and stage >= 2:
         device["grads"] = 0.0  # each reduced shard goes to grads.swp (offload/grad_file.py)
+    master_bytes = widths.master or widths.param  # 0: the master is the parameter shard
     host, nvme = offload_breakdown([n / n_d for n in padded], optimizer, param, widths.param,
                                    widths.states, per_group, widths.master == 0, layout.offload,
                                    grads_in_file=stage >= 2, frozen=[n / n_d for n in frozen],
-                                   master_bytes=widths.master or widths.param)
-    if "host_grads" in host and grads_shared(layout.device, widths.grad,
-                                             widths.master or widths.param):
+                                   master_bytes=master_bytes)
+    if "host_grads" in host and grads_shared(layout.device, widths.grad, master_bytes):
         # the reduced gradient is the host gradient (HostGrads reads it where it is): its
         # buffer (the whole gradient at stage 1, the shards at 2-3) held once, on the host,
         # where the engine's ledger files it
