@@ -105,13 +105,40 @@ def deepspeed_case(name: str) -> tuple:
     return path, json.loads((path / "expected.json").read_text())
 
 
-def deepspeed_param_groups(model, expected: dict) -> list:
+def deepspeed_param_groups(model, expected: dict, names: bool = False) -> list:
     """The param groups the DeepSpeed run trained `model` with (HF Trainer's two, in the
-    cases that recorded them; else one)."""
+    cases that recorded them; else one), by parameter or, with `names`, by name."""
     named = dict(model.named_parameters())
     groups = expected.get("param_groups") or [{"params": [n for n, p in named.items()
                                                           if p.requires_grad]}]
-    return [{**g, "params": [named[n] for n in g["params"]]} for g in groups]
+    return groups if names else [{**g, "params": [named[n] for n in g["params"]]} for g in groups]
+
+
+def deepspeed_order(expected: dict) -> list[list[tuple[str, bool]]]:
+    """The order the DeepSpeed run gave its optimizer the parameters in (what a stage-0
+    checkpoint's states are numbered by; an engine knows it from its own param groups)."""
+    model = TinyLM()
+    if expected.get("frozen_tied"):
+        model.embed.requires_grad_(False)
+    return [[(n, True) for n in g["params"]]
+            for g in deepspeed_param_groups(model, expected, names=True)]
+
+
+# zeromem's DynamicScaler state key -> DeepSpeed's DynamicLossScaler attribute
+DEEPSPEED_SCALER = {"scale": "cur_scale", "hysteresis_left": "cur_hysteresis",
+                    "iteration": "cur_iter", "last_overflow_iteration": "last_overflow_iter"}
+
+
+def deepspeed_scaler(expected: dict) -> dict:
+    """zeromem's loss scaler state right after loading the case ({} without fp16)."""
+    fp16 = expected["config"].get("fp16") or {}
+    if not fp16.get("enabled"):
+        return {}
+    if fp16.get("loss_scale"):  # static
+        return {"scale": expected["scaler"]["cur_scale"]}
+    # DeepSpeed's stage-0 FP16_Optimizer keeps no hysteresis: the run resumes with the config's
+    saved = {"cur_hysteresis": fp16.get("hysteresis", 2), **expected["scaler"]}
+    return {ours: saved[theirs] for ours, theirs in DEEPSPEED_SCALER.items()}
 
 
 class Opens:

@@ -28,7 +28,7 @@ checkpoint, trains AFTER more steps and records, in `<case>/expected.json`:
   short `loss_scale_window`, so that skips, hysteresis and growth all happen around
   the save.
 
-Each checkpoint is then converted by DeepSpeed's `ds_to_universal`, as its users run it:
+Each ZeRO checkpoint (stages 1-3) is then converted by DeepSpeed's `ds_to_universal`, as its users run it:
 the universal checkpoint lands beside it (`global_step3_universal`, `latest_universal`).
 `--inject_missing_state` stands in for the `universal_checkpoint_info` that only
 Megatron-DeepSpeed's models save.
@@ -97,6 +97,7 @@ CASES = [
     Case(2, 2, "fp32", two_groups=True), Case(3, 2, "fp32", two_groups=True),
     Case(3, 2, "bf16", bf16_masters=True),
     Case(3, 2, "bf16", frozen_tied=True), Case(2, 2, "fp32", frozen_tied=True),
+    Case(0, 2, "fp32"), Case(0, 2, "bf16"), Case(0, 2, "fp16"), Case(0, 2, "fp16", fused_adam=True),
 ]
 DECAY = 0.1  # the decayed group's weight decay in two_groups cases (0.01 otherwise)
 FP16 = {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 1, "hysteresis": 2,
@@ -132,9 +133,17 @@ def ds_config(stage: int, world_size: int, precision: str, fused_adam: bool) -> 
 
 
 def scaler_state(engine) -> dict:
+    if not hasattr(engine.optimizer, "loss_scaler"):  # stage 0: DeepSpeed's FP16_Optimizer's own
+        scaler = engine.optimizer.loss_scale_config  # counts (it has no hysteresis)
+        return {k: getattr(scaler, k) for k in ("cur_scale", "cur_iter", "last_overflow_iter")}
     scaler = engine.optimizer.loss_scaler
     return {k: getattr(scaler, k) for k in ("cur_scale", "cur_hysteresis", "cur_iter",
                                             "last_overflow_iter")}
+
+
+def loss_scale(engine) -> float:
+    """The scale the next step runs with (1 where nothing scales: stage 0 in fp32)."""
+    return float(getattr(engine.optimizer, "loss_scale", 1.0))
 
 
 def fingerprint(t: torch.Tensor) -> dict:
@@ -160,13 +169,42 @@ def states(engine) -> dict:
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
-        out[name] = {"master": fingerprint(safe_get_full_fp32_param(p)),
+        if engine.zero_optimization_stage() == 0:
+            master, state = stage0_master(engine, p)
+            out[name] = {"master": fingerprint(master),
+                         **{key: fingerprint(state[key]) for key in ("exp_avg", "exp_avg_sq")}}
+            continue
+        master = safe_get_full_fp32_param(p)
+        out[name] = {"master": fingerprint(master),
                      "exp_avg": fingerprint(full_optimizer_state(engine, p, "exp_avg")),
                      "exp_avg_sq": fingerprint(full_optimizer_state(engine, p, "exp_avg_sq"))}
-    steps = {float(s["step"]) for s in engine.optimizer.optimizer.state.values()}
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    steps = {float(s["step"]) for s in inner.state.values()}
     assert len(steps) == 1, steps
     out["__step__"] = steps.pop()
     return out
+
+
+def stage0_master(engine, p: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """(fp32 master, optimizer state) of `p` at stage 0: in fp32 the parameter itself under
+    torch's optimizer; in 16 bits DeepSpeed's FP16_Optimizer's fp32 copy of it."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "fp32_groups_flat"):  # the fused one: a flat master per group
+        for low, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
+            at = 0
+            for lp in low:
+                if lp is p:
+                    state = optimizer.optimizer.state[flat]
+                    return flat[at:at + p.numel()], {k: v[at:at + p.numel()]
+                                                     for k, v in state.items() if k != "step"}
+                at += lp.numel()
+    if not hasattr(optimizer, "fp32_groups"):
+        return p, optimizer.state[p]
+    for low, high in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+        for lp, hp in zip(low, high):
+            if lp is p:
+                return hp, optimizer.optimizer.state[hp]
+    raise KeyError("a trained parameter in no group of DeepSpeed's FP16_Optimizer")
 
 
 def full_optimizer_state(engine, p: torch.Tensor, key: str) -> torch.Tensor:
@@ -212,6 +250,14 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
     config = ds_config(stage, world_size, precision, case.fused_adam)
     if case.two_groups:  # stage 3 splits each group into sub-groups of about 100 elements
         config["zero_optimization"]["sub_group_size"] = 100
+    if stage == 0 and precision == "fp16":
+        # DeepSpeed 0.19.8's engine scales the loss for its ZeRO optimizers only: at stage 0
+        # its FP16_Optimizer divides by the scale gradients that were never scaled, so its
+        # updates and Adam states shrink with the scale. A static scale of 1 is the one its
+        # run is right with (its curve is then a reference); the fused case keeps a dynamic
+        # scale, low enough that zeromem's scaled gradients do not overflow either
+        config["fp16"] = {**FP16, "initial_scale_power": 4} if case.fused_adam \
+            else {"enabled": True, "loss_scale": 1.0}
     if case.bf16_masters:
         config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     torch.manual_seed(0)
@@ -234,7 +280,7 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
         fp16["scaler"] = scaler_state(engine)
     curve = []
     for step in range(SAVE_AT, SAVE_AT + AFTER):
-        fp16["loss_scales"].append(engine.optimizer.loss_scaler.cur_scale)
+        fp16["loss_scales"].append(loss_scale(engine))
         fp16["lrs"].append(engine.get_lr()[0])
         skipped = engine.skipped_steps
         mine = torch.tensor(train(engine, rank, gas, step), dtype=torch.float64)
@@ -247,6 +293,8 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
         expected = {"stage": stage, "world_size": world_size, "precision": precision,
                     "save_at": SAVE_AT, "micro_batches_per_step": G, "config": config,
                     "exclude_frozen_parameters": case.exclude_frozen,
+                    # its curve after the save follows DeepSpeed's unscaled gradients (above)
+                    **({"unscaled_fp16": True} if stage == 0 and case.fused_adam else {}),
                     **({"frozen_tied": True} if case.frozen_tied else {}),
                     **({"client_state": {"iteration": SAVE_AT, "checkpoint_version": 3.0,
                                          "tokens": 4096, "args.consumed_train_samples": 48}}
@@ -293,7 +341,8 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             mp.spawn(worker, args=(case.world_size, free_port(), case, str(out)),
                      nprocs=case.world_size)
-        make_universal(out)
+        if case.stage > 0:  # ds_to_universal reads ZeRO's partitions: stage 0 has none
+            make_universal(out)
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         print(f"{out.relative_to(ROOT)}: {size / 1024:.1f} KiB")
 

@@ -41,7 +41,8 @@ from zeromem.offload.staged_masters import StagedMasters
 from zeromem.offload.states import StatesOffload, chosen_kinds, state_tensors
 from zeromem.offload.placement import (OffloadPolicy, SwapSpaces, build_grads, build_offload,
                                        build_params, stage_masters)
-from zeromem.optim.factory import evaluated_groups, optimizer_param_groups, optimizer_state_bytes_per_param
+from zeromem.optim.factory import (client_groups, evaluated_groups, optimizer_param_groups,
+                                   optimizer_state_bytes_per_param, param_order)
 from zeromem.stage3.partitioned_init import Partitions
 from zeromem.precision import make_scaler
 from zeromem.optim.schedulers import build_scheduler
@@ -103,9 +104,11 @@ class Engine:
         # HF's Trainer.evaluate() before any training, DeepSpeed-Chat's reference models), and
         # shards the whole module: `model_parameters` (Lightning passes []) names nothing to train
         self.trains = optimizer is not None or config.optimizer is not None
-        param_groups = optimizer_param_groups(config.optimizer, module, model_parameters) \
-            if self.trains \
+        given = client_groups(module, model_parameters)  # read once: it may be a generator
+        param_groups = optimizer_param_groups(config.optimizer, module, given) if self.trains \
             else evaluated_groups(module, config.zero_optimization.stage)
+        # the positions a DeepSpeed stage-0 checkpoint numbers its optimizer states by
+        self.param_order = param_order(module, given)
         self.names = {id(p): n for n, p in module.named_parameters()}
         sharding = Sharding.for_stage(self.zero_stage)
         self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
@@ -579,7 +582,8 @@ class Engine:
             (block.type if block is not None else type(self.optimizer).__name__).lower(),
             self.config.checkpoint.tag_validation,
             self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
-            self.offload.all_in_memory, self.zero.refresh_params, self.frozen_groups)
+            self.offload.all_in_memory, self.zero.refresh_params, self.frozen_groups,
+            self.param_order)
 
     # -- reports ----------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

@@ -208,6 +208,9 @@ class TrainingState:
     frozen_groups: list[FlatParamGroup] = field(default_factory=list)
     """Stage 3: the flat groups of parameters frozen at `initialize`, sharded, not trained;
     checkpointed whole with the buffers (as module tensors)."""
+    param_order: list[list[tuple[str, bool]]] = field(default_factory=list)
+    """(name, requires grad) of the parameters of each param group `initialize` was given,
+    in order: the positions of a DeepSpeed stage-0 checkpoint's optimizer states."""
 
     @property
     def counters(self) -> StepCounters:

@@ -36,14 +36,11 @@ import zeromem
 from harness import run_distributed
 from models import TinyLM
 from zeromem.checkpoints.tensor_files import CheckpointError
-from setups import (DEEPSPEED_CHECKPOINTS, deepspeed_case, deepspeed_curve,
-                    deepspeed_param_groups, deepspeed_resume_config)
+from setups import (DEEPSPEED_CHECKPOINTS, deepspeed_case, deepspeed_curve, deepspeed_order,
+                    deepspeed_param_groups, deepspeed_resume_config, deepspeed_scaler)
 
 CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir() if (p / "expected.json").is_file())
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-3}
-# zeromem's DynamicScaler state key -> DeepSpeed's DynamicLossScaler attribute
-SCALER = {"scale": "cur_scale", "hysteresis_left": "cur_hysteresis", "iteration": "cur_iter",
-          "last_overflow_iteration": "last_overflow_iter"}
 
 
 def bad_directories(tmp: Path) -> dict[str, str]:
@@ -79,8 +76,11 @@ def resume_all(rank: int, world_size: int, bad: dict[str, str]) -> list[tuple[st
     """(case, stage, worst loss difference) of every case resumed at every stage, from the
     checkpoint and from its universal form; then the bad directories are refused."""
     results = []
-    for name, universal, stage in itertools.product(CASES, (False, True), (1, 2, 3)):
+    for name, universal, stage in itertools.product(CASES, (False, True), (0, 1, 2, 3)):
         path, expected = deepspeed_case(name)
+        zero = expected["stage"] > 0  # ds_to_universal converts ZeRO checkpoints only
+        if universal and not zero or stage == 0 and zero:
+            continue  # zeromem's stage 0 resumes DeepSpeed's stage 0 only, to keep this short
         gas = expected["micro_batches_per_step"] // world_size
         config = deepspeed_resume_config(expected, stage, world_size)
         config["checkpoint"] = {"load_universal": universal}
@@ -101,14 +101,15 @@ def resume_all(rank: int, world_size: int, bad: dict[str, str]) -> list[tuple[st
         # DeepSpeed's WarmupLR at last_batch_iteration 2 gives its next step min + 2/5 (max - min)
         assert engine.get_lr() == pytest.approx([first_lr] * len(engine.optimizer.param_groups))
         if "scaler" in expected:
-            assert engine.scaler.state_dict() == {
-                ours: expected["scaler"][theirs] for ours, theirs in SCALER.items()}
+            assert engine.scaler.state_dict() == deepspeed_scaler(expected)
         trace: list = []
         curve = deepspeed_curve(engine, rank, world_size, expected, trace)
         if "loss_scales" in expected:
             assert trace == [(scale, pytest.approx(lr), skipped) for scale, lr, skipped in zip(
                 expected["loss_scales"], expected["lrs"], expected["skipped"])], (name, stage)
         mine = [want[rank * gas:(rank + 1) * gas] for want in expected["losses"]]
+        if expected.get("unscaled_fp16"):  # DeepSpeed's steps after the first are unscaled
+            curve, mine = curve[:1], mine[:1]  # (tools/make_deepspeed_checkpoints.py)
         worst = max(abs(a - b) for got, want in zip(curve, mine) for a, b in zip(got, want))
         results.append((f"{name}{' (universal)' if universal else ''}", stage, worst))
         assert worst <= TOLERANCE[expected["precision"]], (name, stage, rank, curve, mine)
@@ -152,7 +153,12 @@ def model(expected: dict, rank: int) -> TinyLM:
 
 def test_deepspeed_checkpoints_cover_stages_and_precisions():
     cases = [deepspeed_case(name)[1] for name in CASES]
-    assert {c["stage"] for c in cases} == {1, 2, 3}
+    assert {c["stage"] for c in cases} == {0, 1, 2, 3}
+    # stage 0 (DeepSpeed's default) in fp32 (torch's optimizer) and in 16 bits (DeepSpeed's
+    # FP16_Optimizer, its masters one tensor per parameter or, with its fused Adam, flat)
+    stage0 = [c for c in cases if c["stage"] == 0]
+    assert {c["precision"] for c in stage0} == {"fp32", "bf16", "fp16"}
+    assert any("torch_adam" not in c["config"]["optimizer"]["params"] for c in stage0)
     assert {c["world_size"] for c in cases} == {1, 2}
     assert {c["precision"] for c in cases} == {"fp32", "bf16", "fp16"}
     assert {c["stage"] for c in cases if c.get("exclude_frozen_parameters")} == {1, 3}
@@ -162,7 +168,7 @@ def test_deepspeed_checkpoints_cover_stages_and_precisions():
     # step and bias_correction: its checkpoints failed to load until stop 42
     assert any("torch_adam" not in c["config"]["optimizer"]["params"] for c in cases)
     assert any("client_state" in c for c in cases)  # Megatron-DeepSpeed's
-    fp16 = [c for c in cases if c["precision"] == "fp16"]
+    fp16 = [c for c in cases if c["precision"] == "fp16" and c["stage"] > 0]
     # the saved scaler is mid-hysteresis, and the steps after the save skip, halve and keep
     assert all(c["scaler"]["cur_hysteresis"] == 1 and any(c["skipped"]) for c in fp16)
     assert all(len(set(c["loss_scales"])) > 1 for c in fp16)
@@ -173,7 +179,7 @@ def test_frozen_parameters_left_out_by_deepspeed():
     from zeromem.checkpoints.deepspeed_import import read_deepspeed
     for name in CASES:
         path, expected = deepspeed_case(name)
-        keys = read_deepspeed(path).state_dict_keys
+        keys = read_deepspeed(path, order=deepspeed_order(expected)).state_dict_keys
         assert ("frozen.weight" in keys) != bool(expected.get("exclude_frozen_parameters")), name
 
 
@@ -186,3 +192,31 @@ def test_resume_deepspeed_checkpoint_two_ranks(tmp_path):
     for rank_results in run_distributed(resume_all, 2, bad_directories(tmp_path)):
         for name, stage, worst in rank_results:
             print(f"2 ranks, {name} -> stage {stage}: max |loss - DeepSpeed's| = {worst:.1e}")
+
+
+def test_stage_0_states_follow_the_order_the_engine_was_given():
+    """A stage-0 checkpoint numbers its optimizer states by the order the run gave them:
+    an engine given them in another order refuses it, naming the parameter, and is left
+    as it was; given `model.parameters()`, frozen ones too, it loads a 16-bit checkpoint
+    (DeepSpeed's FP16_Optimizer keeps the trained ones) but not an fp32 one (torch's
+    optimizer numbered the frozen ones too)."""
+    def engine(name: str, params) -> tuple:
+        path, expected = deepspeed_case(name)
+        built = model(expected, 0)
+        return zeromem.initialize(built, deepspeed_resume_config(expected, 0, 1),
+                                  model_parameters=params(built)), path
+
+    reversed_order, path = engine("stage0_ws2_bf16", lambda m: list(m.parameters())[::-1])
+    before = [p.detach().clone() for p in reversed_order.module.parameters()]
+    with pytest.raises(CheckpointError, match=r"the master at 'sometimes.bias''s position has "
+                                              r"shape \[13, 10\], where .*another order"):
+        reversed_order.load_checkpoint(path)
+    assert all(torch.equal(a, b) for a, b in zip(before, reversed_order.module.parameters()))
+    assert reversed_order.global_steps == 0
+    everything, path = engine("stage0_ws2_bf16", lambda m: m.parameters())
+    everything.load_checkpoint(path)
+    assert everything.global_steps == 3
+    everything, path = engine("stage0_ws2_fp32", lambda m: m.parameters())
+    with pytest.raises(CheckpointError, match=r"param groups hold \[7\] parameters, but the "
+                                              r"param groups this engine was given hold \[9\]"):
+        everything.load_checkpoint(path)

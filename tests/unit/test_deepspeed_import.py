@@ -15,16 +15,14 @@ import pytest
 import torch
 
 from models import TinyLM
-from setups import DEEPSPEED_CHECKPOINTS, Opens, deepspeed_case, inert
+from setups import (DEEPSPEED_CHECKPOINTS, Opens, deepspeed_case, deepspeed_order, deepspeed_scaler,
+                    inert)
 from zeromem.checkpoints.consolidate import consolidate, load_consolidated, resolve_checkpoint
-from zeromem.checkpoints.deepspeed_import import import_deepspeed
+from zeromem.checkpoints.deepspeed_import import import_deepspeed, read_deepspeed, write_imported
 from zeromem.checkpoints.deepspeed_pickles import load_pt
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader
 from zeromem.cli import main
 
-# zeromem's DynamicScaler state key -> DeepSpeed's DynamicLossScaler attribute
-SCALER = {"scale": "cur_scale", "hysteresis_left": "cur_hysteresis", "iteration": "cur_iter",
-          "last_overflow_iteration": "last_overflow_iter"}
 CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir() if (p / "expected.json").is_file())
 
 
@@ -36,7 +34,8 @@ def fingerprint(t: torch.Tensor) -> dict:
 @pytest.mark.parametrize("name", CASES)
 def test_import_holds_deepspeeds_states(name, tmp_path):
     src, expected = deepspeed_case(name)
-    out = Path(import_deepspeed(src, tmp_path))
+    # stage 0 numbers its states by position: the order the run gave its optimizer
+    out = Path(write_imported(read_deepspeed(src, order=deepspeed_order(expected)), tmp_path))
     assert out == tmp_path / "global_step3" and (tmp_path / "latest").read_text() == "global_step3"
     with SafetensorsReader(out / "rank00000.safetensors") as reader:
         for param, states in expected["states"].items():
@@ -55,13 +54,13 @@ def test_import_holds_deepspeeds_states(name, tmp_path):
     assert manifest["counters"]["global_steps"] == expected["save_at"]
     excluded = expected["exclude_frozen_parameters"] if "exclude_frozen_parameters" in expected \
         else False
-    assert manifest["frozen_parameters_excluded"] == (excluded or expected["stage"] == 1)
+    # stages 0 and 1 never record frozen parameters apart: the module may lack them either way
+    assert manifest["frozen_parameters_excluded"] == (excluded or expected["stage"] in (0, 1))
     # the module tensors that are not buffers (DeepSpeed's buffer_names): read whole, or left
     # out by zero_to_fp32's exclude_frozen_parameters
     tied = ["embed.weight"] if expected.get("frozen_tied") else []
     assert manifest["frozen_parameters"] == ([] if excluded else tied + ["frozen.weight", "frozen.bias"])
-    assert manifest["scaler"] == ({ours: expected["scaler"][theirs] for ours, theirs in SCALER.items()}
-                                  if expected["precision"] == "fp16" else {})
+    assert manifest["scaler"] == deepspeed_scaler(expected)
     full = load_consolidated(consolidate(tmp_path, tmp_path / "full.pt"))
     torch.manual_seed(0)  # the seed DeepSpeed's run built TinyLM with: frozen weights never move
     frozen_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(expected["precision"],
@@ -89,24 +88,61 @@ def test_cli_imports_and_reports_foreign_directories(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_a_stage_0_checkpoint_is_refused_saying_where_its_weights_are(tmp_path):
-    """DeepSpeed's stage 0 (its default) keeps the module and a torch optimizer's state in
-    mp_rank_00_model_states.pt; the state is keyed by position, which nothing names."""
+def test_a_stage_0_checkpoint_is_read_without_an_engine_when_the_order_is_the_modules(tmp_path):
+    """DeepSpeed's stage 0 (its default) keeps a torch optimizer's state in
+    mp_rank_00_model_states.pt, numbered by position. Given `model.parameters()` (frozen
+    ones too, which keep no state), the module's order is the optimizer's. A parameter
+    with no state (no gradient yet: `sometimes` was skipped) is kept as a module tensor
+    without an engine, and trained from zero states in one that trains it."""
+    torch.manual_seed(0)
     model = TinyLM()
-    optimizer = torch.optim.AdamW(model.parameters())
-    tag = tmp_path / "global_step2"
-    tag.mkdir()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    tokens, targets = torch.randint(0, 10, (4, 8)), torch.randint(0, 10, (4, 8))
+    model(tokens, targets, False).backward()
+    optimizer.step()
+    tag = tmp_path / "ds" / "global_step1"
+    tag.mkdir(parents=True)
     torch.save({"module": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "ds_config": {"train_micro_batch_size_per_gpu": 4,
-                              "zero_optimization": {"stage": 0}},
-                "buffer_names": [], "dp_world_size": 1, "mp_world_size": 1, "global_steps": 2},
+                              "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}},
+                "buffer_names": [], "dp_world_size": 1, "mp_world_size": 1, "global_steps": 1},
                tag / "mp_rank_00_model_states.pt")
-    (tmp_path / "latest").write_text("global_step2")
-    with pytest.raises(CheckpointError, match=r"ZeRO stage 0 .*'module' state dict of "
-                                              r"mp_rank_00_model_states.pt"):
-        import_deepspeed(tmp_path, tmp_path / "out")
-    weights = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+    (tmp_path / "ds" / "latest").write_text("global_step1")
+    out = Path(import_deepspeed(tmp_path / "ds", tmp_path / "out"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert set(manifest["params"]) == trained and manifest["zero_stage"] == 0
+    assert manifest["frozen_parameters"] == ["frozen.weight", "frozen.bias", "sometimes.weight",
+                                             "sometimes.bias"]  # no state: taken for frozen
+    assert manifest["aliases"] == {"head.weight": "embed.weight"}
+    named = dict(model.named_parameters())
+    with SafetensorsReader(out / "rank00000.safetensors") as reader:
+        for name in trained:
+            state = optimizer.state[named[name]]
+            assert torch.equal(reader.read(f"master/{name}").view_as(named[name]), named[name])
+            assert torch.equal(reader.read(f"optimizer/exp_avg/{name}").view_as(named[name]),
+                               state["exp_avg"])
+    order = [[(n, not n.startswith("frozen.")) for n, _ in model.named_parameters()]]
+    read = read_deepspeed(tmp_path / "ds", order=order)  # what an engine gives
+    assert torch.equal(read.params["sometimes.weight"]["master"], model.sometimes.weight)
+    assert not read.params["sometimes.weight"]["exp_avg_sq"].any()
+    assert read.scalars == [{"step": torch.tensor(1.0)}]
+
+
+def test_a_stage_0_checkpoint_in_another_order_is_refused_saying_how_to_load_it():
+    """The run gave its optimizer the trained parameters only: the module's order is not
+    the optimizer's, which only the script that saved it knows."""
+    src, expected = deepspeed_case("stage0_ws2_fp32")
+    with pytest.raises(CheckpointError, match=r"hold \[7\] parameters, the module's parameters "
+                                              r"in one group \[9\].*engine.load_checkpoint.*"
+                                              r"'module' state dict of mp_rank_00_model_states"):
+        import_deepspeed(src, src.parent / "never")
+    assert not (src.parent / "never").exists()
+    weights = torch.load(src / "global_step3" / "mp_rank_00_model_states.pt",
+                         weights_only=True)["module"]
     TinyLM().load_state_dict(weights)  # what the message tells the user to do works
+    # given its order, its masters are DeepSpeed's (test_import_holds_deepspeeds_states)
+    assert read_deepspeed(src, order=deepspeed_order(expected)).stage == 0
 
 
 def test_foreign_directories_say_what_they_look_like(tmp_path):

@@ -25,7 +25,9 @@ from zeromem.checkpoints.deepspeed_import import DeepSpeedState, import_deepspee
 from zeromem.checkpoints.deepspeed_pickles import ForeignObject, load_pt
 from zeromem.checkpoints.tensor_files import CheckpointError
 
-CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir() if (p / "expected.json").is_file())
+# DeepSpeed's ds_to_universal converts ZeRO checkpoints (stages 1-3) only
+CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir()
+               if (p / "expected.json").is_file() and not p.name.startswith("stage0_"))
 
 
 def same_state(a: DeepSpeedState, b: DeepSpeedState) -> None:

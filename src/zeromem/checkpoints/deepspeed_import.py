@@ -1,8 +1,7 @@
-"""DeepSpeed ZeRO checkpoints (stages 1-3) turned into zeromem checkpoints.
+"""DeepSpeed checkpoints (ZeRO stages 0-3) turned into zeromem checkpoints.
 
-(Stage 0, DeepSpeed's default, is refused, saying where its weights are: its optimizer
-state is keyed by each parameter's place in the optimizer DeepSpeed was given, which the
-files do not name.)
+(Stage 0, DeepSpeed's default, keeps its optimizer state by position in the model states
+file: `deepspeed_stage0.py` reads it.)
 
 DeepSpeed's layout, as its `save_checkpoint` writes it (one model-parallel rank):
 
@@ -70,6 +69,8 @@ import torch
 from zeromem.checkpoints.consolidate import (FORMAT, VERSION, encode, prepare_tmp, publish,
                                              rank_file_name, write_latest, write_manifest)
 from zeromem.checkpoints.deepspeed_pickles import LossScalerRecord, load_object, load_pt, need
+from zeromem.checkpoints.deepspeed_stage0 import (ParamOrder, assemble_stage0, scalar_states,
+                                                  tied_keys)
 from zeromem.checkpoints.formats import deepspeed_location, describe_directory, is_universal
 from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec, write_safetensors
 
@@ -108,15 +109,18 @@ _DEEPSPEED_OWN = frozenset({"module", "skipped_steps", "global_steps", "dp_world
                             "mp_world_size", "data_sampler", "random_ltd", "lr_scheduler",
                             "optimizer"})
 # the model states keys the import reads: no ForeignObject may stand in them
-_MODEL_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params",
+_MODEL_KEYS = ("module", "optimizer", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params",
                "lr_scheduler", "ds_config", "global_steps", "global_samples", "skipped_steps",
                "dp_world_size", "mp_world_size")
 
 
 def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
-                   universal: bool = False) -> DeepSpeedState:
-    """Read the DeepSpeed ZeRO checkpoint at `load_dir` whole (tag: `tag`, else the one
-    `latest` names, or `latest_universal` if `universal`; see `formats.deepspeed_location`)."""
+                   universal: bool = False, order: ParamOrder | None = None) -> DeepSpeedState:
+    """Read the DeepSpeed checkpoint at `load_dir` whole (tag: `tag`, else the one `latest`
+    names, or `latest_universal` if `universal`; see `formats.deepspeed_location`).
+
+    `order`: the param groups the optimizer was given, which name the positions of a
+    stage-0 checkpoint's optimizer state (default: the module's parameters, one group)."""
     where = deepspeed_location(load_dir, tag, universal)
     if where is None:
         raise CheckpointError(describe_directory(load_dir))
@@ -130,11 +134,13 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
         raise CheckpointError(f"{path}: saved with model (tensor) parallelism "
                               f"{model['mp_world_size']}; the import reads mp_world_size 1 only")
     universal_layout = is_universal(path)
+    if not stage3 and not universal_layout and model.get("optimizer") is not None:
+        return _read_stage0(path, model, order)
     if universal_layout:
         optim_files = [path / "zero" / "optimizer_state.pt"]
         optims = [load_pt(optim_files[0])]
     else:
-        optim_files = _optim_files(path, world_size, model)
+        optim_files = _optim_files(path, world_size)
         optims = [need(load_pt(f), "optimizer_state_dict", f) for f in optim_files]
     stage = int(need(optims[0], "zero_stage", optim_files[0]))
     if (stage == 3) != stage3:
@@ -161,6 +167,18 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
                           _loss_scaler(optims, optim_files), model)
 
 
+def _read_stage0(path: Path, model: dict, order: ParamOrder | None) -> DeepSpeedState:
+    """A stage-0 checkpoint: every state in rank 0's model states file, by position."""
+    read = assemble_stage0(path, model, order)
+    module = dict(need(model, "module", path / "model_states"))
+    shared = tied_keys(module)
+    param_group = {name: gi for gi, group in enumerate(read.shapes) for name in group}
+    module_tensors = {k: v for k, v in module.items() if k not in param_group and k not in shared}
+    return DeepSpeedState(path, 0, int(model.get("dp_world_size", 1)), read.params, param_group,
+                          read.scalars, read.param_groups, module_tensors, list(module), shared,
+                          read.loss_scaler, model)
+
+
 def _loss_scaler(optims: list[dict], files: list[Path]) -> dict[str, Any]:
     """The attributes of the loss scaler every rank saved (the same on all; {} if none)."""
     scalers = [o.get("loss_scaler") for o in optims]
@@ -176,21 +194,11 @@ def _loss_scaler(optims: list[dict], files: list[Path]) -> dict[str, Any]:
     return states[0]
 
 
-def _optim_files(path: Path, world_size: int, model: dict) -> list[Path]:
+def _optim_files(path: Path, world_size: int) -> list[Path]:
     """Rank r's optimizer states file, for each of the `world_size` ranks that saved."""
     pattern = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
     found = {int(m.group(2)): path / m.group(0)
              for m in (pattern.match(p.name) for p in path.iterdir()) if m}
-    config = model.get("ds_config")
-    zero = config.get("zero_optimization") if isinstance(config, dict) else None
-    if not found and isinstance(config, dict) and not (zero or {}).get("stage"):
-        raise CheckpointError(
-            f"{path} is a DeepSpeed checkpoint of ZeRO stage 0 (by its ds_config): "
-            "its optimizer states are numbered by each parameter's place in the optimizer "
-            "DeepSpeed was given, which the file does not name, so zeromem imports stages 1-3 "
-            "only. Its weights are the 'module' state dict of mp_rank_00_model_states.pt "
-            "(torch.load(..., weights_only=True)): load them into the model before "
-            "zeromem.initialize")
     if not found:
         raise CheckpointError(f"{path} has DeepSpeed model states but no "
                               f"zero_pp_rank_*_mp_rank_00_optim_states.pt: not a ZeRO checkpoint "
@@ -216,15 +224,6 @@ def _base_state(optim: dict, key: str, path: Path) -> tuple[list[dict], list[dic
     return [state[i] for i in sorted(state)], list(base.get("param_groups", []))
 
 
-def _scalar(states: dict) -> dict[str, Any]:
-    """A parameter's scalar states (Adam's step), as torch keeps them: DeepSpeed's FusedAdam
-    counts its step in a Python int, which torch's fused AdamW cannot step from."""
-    out = {k: v for k, v in states.items() if not (torch.is_tensor(v) and v.dim() > 0)}
-    if isinstance(out.get("step"), (int, float)):
-        out["step"] = torch.tensor(float(out["step"]))
-    return out
-
-
 def _assemble_stage12(path: Path, optims: list[dict], shapes: list[dict],
                       files: list[Path]) -> tuple[dict, list, list]:
     bases = [_base_state(o, "base_optimizer_state", f) for o, f in zip(optims, files)]
@@ -239,7 +238,7 @@ def _assemble_stage12(path: Path, optims: list[dict], shapes: list[dict],
             flat[key] = torch.cat([s[key].float().flatten()[:p.numel()]
                                    for s, p in zip(states, parts)])
         _split(path, group, flat, params)
-        scalars.append(_scalar(states[0]))
+        scalars.append(scalar_states(states[0]))
     return params, scalars, bases[0][1]
 
 
@@ -276,7 +275,7 @@ def _stage3_options(path: Path, optim: dict) -> tuple[list, list]:
     sub-groups (`sub_group_size`), each with its own flat tensor and optimizer state, which
     the group's `params` list; their steps are equal."""
     states, groups = _base_state(optim, "optimizer_state_dict", path)
-    return [_scalar(states[g["params"][0]]) if g.get("params") else {} for g in groups], groups
+    return [scalar_states(states[g["params"][0]]) if g.get("params") else {} for g in groups], groups
 
 
 def _stage3_owners(path: Path, optim: dict, count: int) -> list[int]:
@@ -337,7 +336,7 @@ def _universal_step(file: Path) -> dict[str, Any]:
     if isinstance(step, bool) or not (isinstance(step, (int, float)) or
                                       torch.is_tensor(step) and step.dim() == 0):
         raise CheckpointError(f"{file} holds {_described(step)}, not an optimizer step")
-    return _scalar({"step": step})
+    return scalar_states({"step": step})
 
 
 def _described(value: object) -> str:
@@ -434,8 +433,7 @@ def _manifest(ds: DeepSpeedState, tag: str) -> dict:
     gas = int(config.get("gradient_accumulation_steps", 1) or 1)
     global_steps = int(ds.model_states.get("global_steps", 0))
     samples = ds.model_states.get("global_samples")  # DeepSpeed's count, when it saved one
-    first = next(iter(ds.params.values()))
-    state_keys = sorted(k for k in first if k != "master")
+    state_keys = sorted({k for states in ds.params.values() for k in states if k != "master"})
     return {
         "format": FORMAT, "version": VERSION, "tag": tag, "world_size": 1,
         "zero_stage": ds.stage, "gradient_accumulation_steps": gas,

@@ -59,9 +59,7 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
     group's parameter that is not the module's (a loss's learned weight kept beside the
     model) is refused by name: nothing would reduce, shard or save it.
     """
-    given: list = list(model_parameters) if model_parameters is not None else list(module.parameters())
-    raw: list[dict] = given if given and isinstance(given[0], dict) else [{"params": given}]
-    raw = [{**group, "params": _tensors(group["params"])} for group in raw]
+    raw = client_groups(module, model_parameters)
     _refuse_strangers(module, raw)
     groups = [{**group, "params": params} for group, params in trainable_groups(raw)]
     seen = {id(p) for g in groups for p in g["params"]}
@@ -70,6 +68,23 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable | None)
             log.info("parameter %s is in no param group: treated as frozen", name)
             p.requires_grad_(False)
     return groups
+
+
+def client_groups(module: nn.Module, model_parameters: Iterable | None) -> list[dict]:
+    """`model_parameters` as torch's optimizers take them, read once (a generator cannot be
+    read twice): param groups, each listing its tensors as given, frozen ones too;
+    `module.parameters()` in one group when None."""
+    given: list = list(model_parameters) if model_parameters is not None else list(module.parameters())
+    raw: list[dict] = given if given and isinstance(given[0], dict) else [{"params": given}]
+    return [{**group, "params": _tensors(group["params"])} for group in raw]
+
+
+def param_order(module: nn.Module, groups: list[dict]) -> list[list[tuple[str, bool]]]:
+    """(name, requires grad) of each parameter of each of `client_groups`, in order: what a
+    DeepSpeed stage-0 checkpoint's optimizer state numbers by position ("" for a frozen
+    tensor that is not the module's)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [[(names.get(id(p), ""), p.requires_grad) for p in g["params"]] for g in groups]
 
 
 def _tensors(params: torch.Tensor | Iterable) -> list:
