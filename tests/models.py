@@ -60,6 +60,19 @@ def micro_batch(step: int, rank: int, micro: int, batch: int = 4, seq: int = 5, 
     return tokens, targets
 
 
+def client_optimizer(groups: list[dict]) -> tuple:
+    """What a script gives `initialize` as its own optimizer and schedule: SGD with momentum
+    and HF's linear schedule (2 warmup steps from 0, then down to 0 at step 10), over
+    torch-style param groups (DeepSpeed checkpoints' client_optimizer cases)."""
+    optimizer = torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay)
+    return optimizer, schedule
+
+
+def linear_warmup_decay(step: int) -> float:
+    return step / 2 if step < 2 else max(0.0, (10 - step) / 8)
+
+
 def uses_sometimes(step: int, rank: int, micro: int, per_rank: bool = True) -> bool:
     """The `sometimes` layer is skipped on some (rank, micro-step) pairs, differently per rank.
 

@@ -114,14 +114,19 @@ def deepspeed_param_groups(model, expected: dict, names: bool = False) -> list:
     return groups if names else [{**g, "params": [named[n] for n in g["params"]]} for g in groups]
 
 
-def deepspeed_order(expected: dict) -> list[list[tuple[str, bool]]]:
-    """The order the DeepSpeed run gave its optimizer the parameters in (what a stage-0
-    checkpoint's states are numbered by; an engine knows it from its own param groups)."""
+def deepspeed_engine(expected: dict):
+    """What an engine built as the DeepSpeed run was tells the import (`LoadingEngine`): the
+    order it gave its optimizer the parameters in (what a stage-0 checkpoint's states are
+    numbered by) and that optimizer's kind (the script's own in client_optimizer cases)."""
+    from zeromem.checkpoints.deepspeed_import import LoadingEngine
+
     model = TinyLM()
     if expected.get("frozen_tied"):
         model.embed.requires_grad_(False)
-    return [[(n, True) for n in g["params"]]
-            for g in deepspeed_param_groups(model, expected, names=True)]
+    order = [[(n, True) for n in g["params"]]
+             for g in deepspeed_param_groups(model, expected, names=True)]
+    block = expected["config"].get("optimizer")
+    return LoadingEngine(order, block["type"].lower() if block else "sgd")
 
 
 # zeromem's DynamicScaler state key -> DeepSpeed's DynamicLossScaler attribute

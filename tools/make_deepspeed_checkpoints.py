@@ -28,8 +28,8 @@ checkpoint, trains AFTER more steps and records, in `<case>/expected.json`:
   short `loss_scale_window`, so that skips, hysteresis and growth all happen around
   the save.
 
-Each ZeRO checkpoint (stages 1-3) is then converted by DeepSpeed's `ds_to_universal`, as its users run it:
-the universal checkpoint lands beside it (`global_step3_universal`, `latest_universal`).
+Each ZeRO checkpoint (stages 1-3) of Adam is then converted by DeepSpeed's `ds_to_universal`,
+as its users run it: the universal checkpoint lands beside it (`global_step3_universal`, `latest_universal`).
 `--inject_missing_state` stands in for the `universal_checkpoint_info` that only
 Megatron-DeepSpeed's models save.
 
@@ -54,7 +54,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from models import PositionEmbeddingType, TinyLM, micro_batch  # noqa: E402
+from models import PositionEmbeddingType, TinyLM, client_optimizer, micro_batch  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "deepspeed_checkpoints"
 G = 4  # micro-batches per optimizer step, whatever the world size
@@ -77,6 +77,9 @@ class Case(NamedTuple):
     bf16_masters: bool = False
     # a LoRA run's frozen base: TinyLM's embedding, which its head shares, frozen too
     frozen_tied: bool = False
+    # the script's own optimizer and schedule (tests/models.py's SGD and LambdaLR), given to
+    # `initialize`, as HF's Trainer gives its own when the config has no optimizer block
+    client_optimizer: bool = False
 
     @property
     def name(self) -> str:
@@ -85,7 +88,8 @@ class Case(NamedTuple):
                                        ("client_state", self.client_state),
                                        ("two_groups", self.two_groups),
                                        ("bf16_masters", self.bf16_masters),
-                                       ("frozen_tied", self.frozen_tied)) if on]
+                                       ("frozen_tied", self.frozen_tied),
+                                       ("client_optimizer", self.client_optimizer)) if on]
         return "_".join([f"stage{self.stage}_ws{self.world_size}_{self.precision}", *flags])
 
 
@@ -98,6 +102,8 @@ CASES = [
     Case(3, 2, "bf16", bf16_masters=True),
     Case(3, 2, "bf16", frozen_tied=True), Case(2, 2, "fp32", frozen_tied=True),
     Case(0, 2, "fp32"), Case(0, 2, "bf16"), Case(0, 2, "fp16"), Case(0, 2, "fp16", fused_adam=True),
+    Case(0, 2, "fp32", client_optimizer=True), Case(2, 2, "fp32", client_optimizer=True),
+    Case(3, 2, "bf16", client_optimizer=True),
 ]
 DECAY = 0.1  # the decayed group's weight decay in two_groups cases (0.01 otherwise)
 FP16 = {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 1, "hysteresis": 2,
@@ -165,23 +171,23 @@ def train(engine, rank: int, gas: int, step: int) -> list[float]:
 def states(engine) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param
 
-    out = {}
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    kinds = sorted({k for s in inner.state.values() for k, v in s.items() if k != "step"})
+    out: dict = {}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
         if engine.zero_optimization_stage() == 0:
             master, state = stage0_master(engine, p)
             out[name] = {"master": fingerprint(master),
-                         **{key: fingerprint(state[key]) for key in ("exp_avg", "exp_avg_sq")}}
+                         **{key: fingerprint(state[key]) for key in kinds}}
             continue
-        master = safe_get_full_fp32_param(p)
-        out[name] = {"master": fingerprint(master),
-                     "exp_avg": fingerprint(full_optimizer_state(engine, p, "exp_avg")),
-                     "exp_avg_sq": fingerprint(full_optimizer_state(engine, p, "exp_avg_sq"))}
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    steps = {float(s["step"]) for s in inner.state.values()}
-    assert len(steps) == 1, steps
-    out["__step__"] = steps.pop()
+        out[name] = {"master": fingerprint(safe_get_full_fp32_param(p)),
+                     **{key: fingerprint(full_optimizer_state(engine, p, key)) for key in kinds}}
+    steps = {float(s["step"]) for s in inner.state.values() if "step" in s}
+    assert len(steps) <= 1, steps
+    if steps:  # Adam's (SGD keeps none)
+        out["__step__"] = steps.pop()
     return out
 
 
@@ -266,9 +272,15 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
         model.embed.requires_grad_(False)
     groups = param_groups(model, case.two_groups)
     named = dict(model.named_parameters())
-    engine, *_ = deepspeed.initialize(
-        model=model, config=config,
-        model_parameters=[{**g, "params": [named[n] for n in g["params"]]} for g in groups])
+    by_param = [{**g, "params": [named[n] for n in g["params"]]} for g in groups]
+    if case.client_optimizer:
+        del config["optimizer"], config["scheduler"]
+        config["zero_allow_untested_optimizer"] = True  # SGD, at stages 1-3
+        optimizer, schedule = client_optimizer(by_param)
+        engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=optimizer,
+                                          lr_scheduler=schedule)
+    else:
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=by_param)
     gas = G // world_size
     for step in range(SAVE_AT):
         train(engine, rank, gas, step)
@@ -295,6 +307,8 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
                     "exclude_frozen_parameters": case.exclude_frozen,
                     # its curve after the save follows DeepSpeed's unscaled gradients (above)
                     **({"unscaled_fp16": True} if stage == 0 and case.fused_adam else {}),
+                    **({"client_optimizer": True, "lrs": fp16["lrs"]} if case.client_optimizer
+                       else {}),
                     **({"frozen_tied": True} if case.frozen_tied else {}),
                     **({"client_state": {"iteration": SAVE_AT, "checkpoint_version": 3.0,
                                          "tokens": 4096, "args.consumed_train_samples": 48}}
@@ -341,7 +355,8 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             mp.spawn(worker, args=(case.world_size, free_port(), case, str(out)),
                      nprocs=case.world_size)
-        if case.stage > 0:  # ds_to_universal reads ZeRO's partitions: stage 0 has none
+        # ds_to_universal reads ZeRO's partitions (stage 0 has none) of Adam's states only
+        if case.stage > 0 and not case.client_optimizer:
             make_universal(out)
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         print(f"{out.relative_to(ROOT)}: {size / 1024:.1f} KiB")

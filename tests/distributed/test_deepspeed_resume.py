@@ -34,9 +34,9 @@ import torch
 
 import zeromem
 from harness import run_distributed
-from models import TinyLM
+from models import TinyLM, client_optimizer
 from zeromem.checkpoints.tensor_files import CheckpointError
-from setups import (DEEPSPEED_CHECKPOINTS, deepspeed_case, deepspeed_curve, deepspeed_order,
+from setups import (DEEPSPEED_CHECKPOINTS, deepspeed_case, deepspeed_curve, deepspeed_engine,
                     deepspeed_param_groups, deepspeed_resume_config, deepspeed_scaler)
 
 CASES = sorted(p.name for p in DEEPSPEED_CHECKPOINTS.iterdir() if (p / "expected.json").is_file())
@@ -78,15 +78,21 @@ def resume_all(rank: int, world_size: int, bad: dict[str, str]) -> list[tuple[st
     results = []
     for name, universal, stage in itertools.product(CASES, (False, True), (0, 1, 2, 3)):
         path, expected = deepspeed_case(name)
-        zero = expected["stage"] > 0  # ds_to_universal converts ZeRO checkpoints only
-        if universal and not zero or stage == 0 and zero:
-            continue  # zeromem's stage 0 resumes DeepSpeed's stage 0 only, to keep this short
+        # ds_to_universal converts ZeRO checkpoints (stages 1-3) of Adam only; zeromem's
+        # stage 0 resumes DeepSpeed's stage 0 only, to keep this short
+        if universal and not (path / "latest_universal").is_file() \
+                or stage == 0 and expected["stage"] > 0:
+            continue
         gas = expected["micro_batches_per_step"] // world_size
         config = deepspeed_resume_config(expected, stage, world_size)
         config["checkpoint"] = {"load_universal": universal}
         built = model(expected, rank)
-        engine = zeromem.initialize(built, config,
-                                    model_parameters=deepspeed_param_groups(built, expected))
+        groups = deepspeed_param_groups(built, expected)
+        if expected.get("client_optimizer"):  # the script's own SGD and LambdaLR, as DeepSpeed's run
+            optimizer, schedule = client_optimizer(groups)
+            engine = zeromem.initialize(built, config, optimizer=optimizer, lr_scheduler=schedule)
+        else:
+            engine = zeromem.initialize(built, config, model_parameters=groups)
         loaded, client_state = engine.load_checkpoint(path)
         tag = "global_step3_universal" if universal else "global_step3"
         assert loaded == str(path / tag)
@@ -168,6 +174,9 @@ def test_deepspeed_checkpoints_cover_stages_and_precisions():
     # step and bias_correction: its checkpoints failed to load until stop 42
     assert any("torch_adam" not in c["config"]["optimizer"]["params"] for c in cases)
     assert any("client_state" in c for c in cases)  # Megatron-DeepSpeed's
+    # the script's own optimizer and schedule (no optimizer block, as HF's Trainer runs
+    # without one): taken for Adam, and its schedule dropped, until stop 52
+    assert {c["stage"] for c in cases if c.get("client_optimizer")} == {0, 2, 3}
     fp16 = [c for c in cases if c["precision"] == "fp16" and c["stage"] > 0]
     # the saved scaler is mid-hysteresis, and the steps after the save skip, halve and keep
     assert all(c["scaler"]["cur_hysteresis"] == 1 and any(c["skipped"]) for c in fp16)
@@ -179,7 +188,7 @@ def test_frozen_parameters_left_out_by_deepspeed():
     from zeromem.checkpoints.deepspeed_import import read_deepspeed
     for name in CASES:
         path, expected = deepspeed_case(name)
-        keys = read_deepspeed(path, order=deepspeed_order(expected)).state_dict_keys
+        keys = read_deepspeed(path, engine=deepspeed_engine(expected)).state_dict_keys
         assert ("frozen.weight" in keys) != bool(expected.get("exclude_frozen_parameters")), name
 
 

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from models import TinyLM
-from setups import (DEEPSPEED_CHECKPOINTS, Opens, deepspeed_case, deepspeed_order, deepspeed_scaler,
+from setups import (DEEPSPEED_CHECKPOINTS, Opens, deepspeed_case, deepspeed_engine, deepspeed_scaler,
                     inert)
 from zeromem.checkpoints.consolidate import consolidate, load_consolidated, resolve_checkpoint
-from zeromem.checkpoints.deepspeed_import import import_deepspeed, read_deepspeed, write_imported
+from zeromem.checkpoints.deepspeed_import import (LoadingEngine, import_deepspeed, read_deepspeed,
+                                                  write_imported)
 from zeromem.checkpoints.deepspeed_pickles import load_pt
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader
 from zeromem.cli import main
@@ -35,7 +36,7 @@ def fingerprint(t: torch.Tensor) -> dict:
 def test_import_holds_deepspeeds_states(name, tmp_path):
     src, expected = deepspeed_case(name)
     # stage 0 numbers its states by position: the order the run gave its optimizer
-    out = Path(write_imported(read_deepspeed(src, order=deepspeed_order(expected)), tmp_path))
+    out = Path(write_imported(read_deepspeed(src, engine=deepspeed_engine(expected)), tmp_path))
     assert out == tmp_path / "global_step3" and (tmp_path / "latest").read_text() == "global_step3"
     with SafetensorsReader(out / "rank00000.safetensors") as reader:
         for param, states in expected["states"].items():
@@ -50,7 +51,8 @@ def test_import_holds_deepspeeds_states(name, tmp_path):
                 assert got["head"] == pytest.approx(want["head"], rel=1e-6, abs=1e-9)
     manifest = json.loads((out / "manifest.json").read_text())
     for param in manifest["params"].values():  # Adam's step, as a tensor like torch keeps it
-        assert param["scalar_state"]["step"]["__tensor__"] == expected["states"]["__step__"]
+        assert param["scalar_state"].get("step", {}).get("__tensor__") == \
+            expected["states"].get("__step__")  # (SGD keeps none)
     assert manifest["counters"]["global_steps"] == expected["save_at"]
     excluded = expected["exclude_frozen_parameters"] if "exclude_frozen_parameters" in expected \
         else False
@@ -72,6 +74,21 @@ def test_import_holds_deepspeeds_states(name, tmp_path):
             assert torch.equal(full[key], value.to(frozen_dtype).float()), key
     assert torch.equal(full["head.weight"], full["embed.weight"])  # tied, stored once
     assert full.keys() == {k for k in model if not (excluded and k.startswith("frozen."))}
+
+
+def test_the_scripts_own_optimizer_is_told_from_its_options_without_an_engine(tmp_path):
+    """Without an optimizer block DeepSpeed stepped the script's own optimizer (SGD here) and
+    schedule: the import keeps its options and the schedule's saved state; its kind is the
+    loading engine's, or, without one, told from torch's options."""
+    src, expected = deepspeed_case("stage2_ws2_fp32_client_optimizer")
+    manifest = json.loads((Path(import_deepspeed(src, tmp_path)) / "manifest.json").read_text())
+    assert manifest["optimizer"]["type"] == "sgd"
+    assert manifest["optimizer"]["tensor_states"] == ["momentum_buffer"]
+    assert manifest["optimizer"]["param_groups"][0]["momentum"] == 0.9
+    assert manifest["lr_scheduler"]["_last_lr"] == [expected["lrs"][0]]
+    lion = read_deepspeed(src, engine=LoadingEngine([], "lion"))
+    assert write_imported(lion, tmp_path / "lion") and json.loads(
+        (tmp_path / "lion" / "global_step3" / "manifest.json").read_text())["optimizer"]["type"] == "lion"
 
 
 def test_cli_imports_and_reports_foreign_directories(tmp_path, capsys):
@@ -123,7 +140,7 @@ def test_a_stage_0_checkpoint_is_read_without_an_engine_when_the_order_is_the_mo
             assert torch.equal(reader.read(f"optimizer/exp_avg/{name}").view_as(named[name]),
                                state["exp_avg"])
     order = [[(n, not n.startswith("frozen.")) for n, _ in model.named_parameters()]]
-    read = read_deepspeed(tmp_path / "ds", order=order)  # what an engine gives
+    read = read_deepspeed(tmp_path / "ds", engine=LoadingEngine(order, "adamw"))
     assert torch.equal(read.params["sometimes.weight"]["master"], model.sometimes.weight)
     assert not read.params["sometimes.weight"]["exp_avg_sq"].any()
     assert read.scalars == [{"step": torch.tensor(1.0)}]
@@ -142,7 +159,7 @@ def test_a_stage_0_checkpoint_in_another_order_is_refused_saying_how_to_load_it(
                          weights_only=True)["module"]
     TinyLM().load_state_dict(weights)  # what the message tells the user to do works
     # given its order, its masters are DeepSpeed's (test_import_holds_deepspeeds_states)
-    assert read_deepspeed(src, order=deepspeed_order(expected)).stage == 0
+    assert read_deepspeed(src, engine=deepspeed_engine(expected)).stage == 0
 
 
 def test_foreign_directories_say_what_they_look_like(tmp_path):

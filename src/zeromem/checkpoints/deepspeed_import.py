@@ -97,6 +97,7 @@ class DeepSpeedState:
     aliases: dict[str, str]                     # tied weights: other key -> parameter name
     loss_scaler: dict[str, Any]                 # the attributes of DeepSpeed's loss scaler
     model_states: dict = field(repr=False)      # rank 0's model states file (counters, config)
+    client_optimizer: str | None = None         # the loading engine's optimizer type
 
     def client_state(self) -> dict[str, Any]:
         """What DeepSpeed's `load_checkpoint` returns as client state: the model states keys
@@ -114,13 +115,22 @@ _MODEL_KEYS = ("module", "optimizer", "buffer_names", "param_shapes", "frozen_pa
                "dp_world_size", "mp_world_size")
 
 
+@dataclass(frozen=True)
+class LoadingEngine:
+    """What the engine loading a DeepSpeed checkpoint knows that the files do not say."""
+
+    param_order: ParamOrder  # stage 0: what the optimizer states are numbered by
+    optimizer_type: str      # a config without an optimizer block: the script's own, which
+    # DeepSpeed stepped (the files keep its states and options, not its class)
+
+
 def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
-                   universal: bool = False, order: ParamOrder | None = None) -> DeepSpeedState:
+                   universal: bool = False, engine: LoadingEngine | None = None) -> DeepSpeedState:
     """Read the DeepSpeed checkpoint at `load_dir` whole (tag: `tag`, else the one `latest`
     names, or `latest_universal` if `universal`; see `formats.deepspeed_location`).
 
-    `order`: the param groups the optimizer was given, which name the positions of a
-    stage-0 checkpoint's optimizer state (default: the module's parameters, one group)."""
+    `engine`: what the engine that loads it knows (without one: the module's parameters in
+    one group, and the client optimizer's kind told from its options)."""
     where = deepspeed_location(load_dir, tag, universal)
     if where is None:
         raise CheckpointError(describe_directory(load_dir))
@@ -135,7 +145,7 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
                               f"{model['mp_world_size']}; the import reads mp_world_size 1 only")
     universal_layout = is_universal(path)
     if not stage3 and not universal_layout and model.get("optimizer") is not None:
-        return _read_stage0(path, model, order)
+        return _read_stage0(path, model, engine)
     if universal_layout:
         optim_files = [path / "zero" / "optimizer_state.pt"]
         optims = [load_pt(optim_files[0])]
@@ -164,19 +174,20 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
     module_tensors.update(frozen)
     return DeepSpeedState(path, stage, world_size, params, param_group, scalars, groups,
                           module_tensors, list(module), shared,
-                          _loss_scaler(optims, optim_files), model)
+                          _loss_scaler(optims, optim_files), model,
+                          engine.optimizer_type if engine else None)
 
 
-def _read_stage0(path: Path, model: dict, order: ParamOrder | None) -> DeepSpeedState:
+def _read_stage0(path: Path, model: dict, engine: LoadingEngine | None) -> DeepSpeedState:
     """A stage-0 checkpoint: every state in rank 0's model states file, by position."""
-    read = assemble_stage0(path, model, order)
+    read = assemble_stage0(path, model, engine.param_order if engine else None)
     module = dict(need(model, "module", path / "model_states"))
     shared = tied_keys(module)
     param_group = {name: gi for gi, group in enumerate(read.shapes) for name in group}
     module_tensors = {k: v for k, v in module.items() if k not in param_group and k not in shared}
     return DeepSpeedState(path, 0, int(model.get("dp_world_size", 1)), read.params, param_group,
                           read.scalars, read.param_groups, module_tensors, list(module), shared,
-                          read.loss_scaler, model)
+                          read.loss_scaler, model, engine.optimizer_type if engine else None)
 
 
 def _loss_scaler(optims: list[dict], files: list[Path]) -> dict[str, Any]:
@@ -514,32 +525,59 @@ _IMPLEMENTATION = {"params", "foreach", "fused", "capturable", "differentiable"}
 
 
 def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str, list], Any]:
-    """(type, param groups' options) as zeromem's optimizer holds them, and the schedule state.
+    """(type, param groups' options) as the loading engine's optimizer holds them, and the
+    schedule state.
 
-    zeromem's own optimizer and schedule are built from DeepSpeed's config over empty
-    tensors, so the options carry exactly the keys a zeromem engine's have; DeepSpeed's
-    saved values (lr, betas, ...) replace the defaults, implementation switches excepted.
+    With an optimizer block, zeromem's own optimizer and schedule are built from DeepSpeed's
+    config over empty tensors, so the options carry exactly the keys a zeromem engine's
+    have; DeepSpeed's saved values (lr, betas, ...) replace the defaults, implementation
+    switches excepted. Without one DeepSpeed stepped the script's own optimizer, which the
+    engine steps too: its options are kept as saved. A schedule without a scheduler block
+    is the script's own too: its saved state is kept as it is.
     """
     from zeromem.config.schema import OptimizerConfig, SchedulerConfig
-    from zeromem.optim.factory import OPTIMIZERS, has_fused_kernel
     from zeromem.optim.schedulers import build_scheduler
 
-    block = config.get("optimizer")
+    block, sched_block = config.get("optimizer"), config.get("scheduler")
     try:
         opt_config = OptimizerConfig.model_validate(block) if block else None
-        sched_block = config.get("scheduler")
         sched_config = SchedulerConfig.model_validate(sched_block) if sched_block else None
     except Exception as error:  # noqa: BLE001 - pydantic or ConfigError: reported with the file
         raise CheckpointError(f"{ds.path}: the ds_config saved in the checkpoint has an optimizer "
                               f"or scheduler zeromem cannot build: {error}") from None
     saved = ds.param_groups or [{}] * len(ds.scalars)
-    kind = opt_config.type.lower() if opt_config else (
-        "adamw" if saved[0].get("decoupled_weight_decay") else "adam")
-    if opt_config is None and kind not in OPTIMIZERS:
-        raise CheckpointError(f"{ds.path}: optimizer {kind!r} has no zeromem equivalent "
-                              f"({sorted(OPTIMIZERS)})")
-    cls = opt_config.torch_class if opt_config else OPTIMIZERS[kind]
-    params = dict(opt_config.params) if opt_config else {}
+    optimizer: torch.optim.Optimizer
+    if opt_config is None:
+        kind = ds.client_optimizer or _client_kind(saved)
+        as_saved = [{k: v for k, v in g.items() if k != "params"} for g in saved]
+        optimizer = torch.optim.SGD([{**g, "params": [torch.zeros(0)]} for g in as_saved])
+    else:
+        kind, optimizer = opt_config.type.lower(), _config_optimizer(opt_config, saved)
+    schedule = (ds.model_states.get("lr_scheduler") or None) if sched_config is None else \
+        _stepped(build_scheduler(sched_config, optimizer), _scheduler_steps(ds.model_states))
+    groups = as_saved if opt_config is None else optimizer.param_groups
+    options = [encode({k: v for k, v in g.items() if k != "params"}, f"param group {i}")
+               for i, g in enumerate(groups)]
+    return (kind, options), encode(schedule, "lr scheduler state")
+
+
+def _client_kind(saved: list[dict]) -> str:
+    """The script's optimizer, told from its param groups' options where torch's are (the
+    loading engine names it; an engine of another kind refuses its states)."""
+    keys = set(saved[0]) if saved else set()
+    if {"momentum", "nesterov"} <= keys:
+        return "sgd"
+    if "betas" in keys:
+        return "adamw" if saved[0].get("decoupled_weight_decay") else "adam"
+    return "unknown"
+
+
+def _config_optimizer(opt_config, saved: list[dict]) -> torch.optim.Optimizer:
+    """The config's optimizer over empty tensors, with the saved options it has."""
+    from zeromem.optim.factory import has_fused_kernel
+
+    cls = opt_config.torch_class
+    params = dict(opt_config.params)
     if has_fused_kernel(cls) and not {"foreach", "fused"} & set(params):
         params["fused"] = True  # as zeromem's optimizer_factory.build_optimizer does
     # the saved options this optimizer has: DeepSpeed's FusedAdam keeps its own (bias_correction,
@@ -547,16 +585,14 @@ def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str
     known = set(cls([torch.zeros(0)], **params).param_groups[0]) - _IMPLEMENTATION
     groups = [{"params": [torch.zeros(0)], **{k: v for k, v in g.items() if k in known}}
               for g in saved]
-    optimizer = cls(groups, **params)
-    schedule = None
-    if sched_config is not None:
-        scheduler = build_scheduler(sched_config, optimizer)
-        assert scheduler is not None  # a config block always builds a schedule
-        with warnings.catch_warnings():  # stepping a schedule with no optimizer step between
-            warnings.simplefilter("ignore")
-            for _ in range(_scheduler_steps(ds.model_states)):
-                scheduler.step()
-        schedule = encode(scheduler.state_dict(), "lr scheduler state")
-    options = [encode({k: v for k, v in g.items() if k != "params"}, f"param group {i}")
-               for i, g in enumerate(optimizer.param_groups)]
-    return (kind, options), schedule
+    return cls(groups, **params)
+
+
+def _stepped(scheduler, steps: int) -> dict:
+    """The state of `scheduler` after `steps` steps (DeepSpeed's schedule where it stopped)."""
+    assert scheduler is not None  # a config block always builds a schedule
+    with warnings.catch_warnings():  # stepping a schedule with no optimizer step between
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            scheduler.step()
+    return scheduler.state_dict()

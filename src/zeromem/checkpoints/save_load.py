@@ -362,13 +362,13 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
 
 def _load_deepspeed(state: TrainingState, where: tuple[Path, str], load_optimizer_states: bool,
                     load_lr_scheduler_states: bool) -> tuple[str, Any]:
-    from zeromem.checkpoints.deepspeed_import import (DeepSpeedState, read_deepspeed,
-                                                      write_imported)
+    from zeromem.checkpoints.deepspeed_import import (DeepSpeedState, LoadingEngine,
+                                                      read_deepspeed, write_imported)
 
     root, tag = where
     with tempfile.TemporaryDirectory(prefix="zeromem-deepspeed-") as tmp:
         def imported() -> DeepSpeedState:
-            ds = read_deepspeed(root, tag, order=state.param_order)
+            ds = read_deepspeed(root, tag, engine=LoadingEngine(state.param_order, state.optimizer_type))
             write_imported(ds, tmp)
             return ds
 
