@@ -141,8 +141,14 @@ def _keywords(deepspeed, rank, world_size, tmp) -> None:
                              exclude_frozen_parameters=False)
     weights = [p.detach().clone() for p in d.module.parameters()]
     _train(d, 1)
+    torch.manual_seed(rank)  # the generators this run draws from next, which the load keeps
     path, client = d.load_checkpoint(ckpt, load_module_strict=True, load_module_only=True)
     assert client == {"k": 1} and path
+    # a warm start, as DeepSpeed's: the weights only; this run's step counts and generators
+    assert d.global_steps == 3 and d.global_samples == 3 * 2 * world_size
+    drawn = torch.rand(3)
+    torch.manual_seed(rank)
+    assert torch.equal(drawn, torch.rand(3))
     with deepspeed.zero.GatheredParameters(list(d.module.parameters())):
         for p, w in zip(d.module.parameters(), weights):
             torch.testing.assert_close(p, w) if p.numel() == w.numel() else None

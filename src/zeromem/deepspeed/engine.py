@@ -26,6 +26,7 @@ from ..checkpoints.consolidate import available_tags
 from ..checkpoints.formats import holds_pointer
 from ..checkpoints.model_weights import weights_16bit
 from ..engine import Engine
+from ..training_state import RngState
 from . import utils
 from .optimizer import DeepSpeedZeroOptimizer
 from .parameter_offload import ParameterOffload
@@ -289,8 +290,9 @@ class DeepSpeedEngine(nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, Any]:
         """(path, client_state); (None, None) where `load_dir` holds no checkpoint (no
-        `latest`, no tag), as DeepSpeed answers. `load_module_only` keeps the optimizer
-        and scheduler as they are.
+        `latest`, no tag), as DeepSpeed answers. `load_module_only` (DeepSpeed's warm
+        start) loads the weights only: the optimizer, the scheduler, the step counts and
+        the random generators stay as they are.
 
         Loading is strict either way: every trained parameter and buffer must be in the
         checkpoint. The one leniency DeepSpeed users pass `load_module_strict=False` for,
@@ -299,6 +301,7 @@ class DeepSpeedEngine(nn.Module):
         unexpected is still an error naming the key."""
         if load_module_only:
             load_optimizer_states = load_lr_scheduler_states = False
+        run = (self.engine.counters.state_dict(), RngState().state_dict())  # this run's, kept
         with self.engine.collective("load_checkpoint"):
             if tag is None and not broadcast_object(_holds_checkpoints(load_dir), 0,
                                                     self.engine.comm.group):
@@ -309,6 +312,9 @@ class DeepSpeedEngine(nn.Module):
                 return None, None
             path, client_state = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states,
                                                              load_lr_scheduler_states)
+        if load_module_only:  # the saved run's counts and generators are not this run's
+            self.engine.counters.load_state_dict(run[0])
+            RngState().load_state_dict(run[1])
         return path, client_state if client_state is not None else {}
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
