@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable
@@ -48,6 +49,8 @@ from hf_setup import (BATCH, LR, RANK, SEQ, STEPS, VOCAB, Tokens,  # noqa: E402
                       cpu_deepspeed_state, init_model_dir)
 
 CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
+# Trainer checkpoints DeepSpeed 0.19.8 itself saved (`deepspeed_checkpoints`)
+HF_DEEPSPEED = Path(__file__).parent.parent / "data" / "hf_deepspeed_checkpoints"
 ADDED = 5  # tokens added to the vocabulary by resize_token_embeddings
 GAS, SAMPLES = 3, 64  # 2 ranks x BATCH: 16 micro-batches a rank, 6 steps (5 x 3, then 1)
 # HF's own optimizer and schedule (a config without them): warmup then linear decay, and
@@ -438,6 +441,42 @@ def framework_configs() -> dict:
     return results
 
 
+def deepspeed_runs() -> dict[str, str]:
+    """The Trainer runs DeepSpeed itself checkpointed (mode `deepspeed`), which zeromem
+    resumes: HF's ds_config_zero2.json (DeepSpeed's AdamW, offloaded, and its WarmupLR) and
+    ds_config_zero3.json without its optimizer block (HF's own AdamW and linear schedule,
+    which DeepSpeed steps as the script's own)."""
+    return {"zero2": str(CONFIGS / "ds_config_zero2.json"),
+            "zero3_hf_optimizer": without_optimizer(CONFIGS / "ds_config_zero3.json")}
+
+
+def deepspeed_checkpoints() -> None:
+    """Mode `deepspeed`, run by hand with real DeepSpeed (a test-data tool, as
+    tools/make_deepspeed_checkpoints.py):
+
+        DS_ACCELERATOR=cpu .venv-ds/bin/torchrun --nproc-per-node 2 \\
+            tests/distributed/hf_trainer_script.py deepspeed OUT
+
+    Each of `deepspeed_runs` saves at step 3; the Trainer's checkpoint-3 (DeepSpeed's
+    checkpoint with the Trainer's state, rng states and weights beside it) lands in
+    tests/data/hf_deepspeed_checkpoints/<run>/, with expected.json: DeepSpeed's loss,
+    gradient norm and lr at every step."""
+    import deepspeed
+
+    for name, config in deepspeed_runs().items():
+        run = train(f"deepspeed_{name}", config, save_strategy="steps", save_steps=3,
+                    **HF_SCHEDULE)
+        if RANK == 0:
+            dst = HF_DEEPSPEED / name
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(OUT / f"deepspeed_{name}" / "checkpoint-3", dst / "checkpoint-3",
+                            ignore=shutil.ignore_patterns("*.py"))  # DeepSpeed's converters
+            expected = {k: run[k] for k in ("losses", "grad_norms", "lrs")}
+            (dst / "expected.json").write_text(json.dumps(
+                {**expected, "deepspeed_version": deepspeed.__version__}, indent=1) + "\n")
+        torch.distributed.barrier()
+
+
 def write(name: str, data) -> None:
     if RANK == 0:
         (OUT / f"{name}.json").write_text(json.dumps(data))
@@ -447,6 +486,9 @@ def main() -> None:
     torch.distributed.init_process_group("gloo")
     if MODE == "frameworks":
         write("frameworks", framework_configs())
+        return
+    if MODE == "deepspeed":  # real DeepSpeed, by hand: the checkpoints zeromem resumes
+        deepspeed_checkpoints()
         return
     if MODE == "ddp":
         ddp = train("ddp", None)
@@ -475,6 +517,10 @@ def main() -> None:
     run = train("zero2", zero2, save_strategy="steps", save_steps=3)
     save("zero2", run["trainer"])
     resumed = train("zero2", zero2, resume=str(OUT / "zero2" / "checkpoint-3"))
+    # the Trainer checkpoints DeepSpeed itself saved, resumed as their users would switch
+    from_deepspeed = {name: train(f"from_deepspeed_{name}", config, **HF_SCHEDULE,
+                                  resume=str(HF_DEEPSPEED / name / "checkpoint-3"))
+                      for name, config in deepspeed_runs().items()}
     zero3 = train("zero3", str(CONFIGS / "ds_config_zero3.json"))
     save("zero3", zero3["trainer"])
     zero3_nvme = train("zero3_nvme", nvme_config(CONFIGS / "ds_config_zero3.json"))
@@ -498,6 +544,8 @@ def main() -> None:
     two_models = accelerate_two_models(OUT)
     write("zeromem", {"deepspeed": deepspeed_as_hf_sees_it(),
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
+                      "from_deepspeed": {name: {k: r[k] for k in ("losses", "grad_norms", "lrs")}
+                                         for name, r in from_deepspeed.items()},
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
                       "zero3_nvme": zero3_nvme["losses"],
                       "hf_optimizer": {k: own[k] for k in ("losses", "grad_norms", "lrs")},

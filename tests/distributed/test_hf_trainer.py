@@ -4,7 +4,8 @@ Two torchrun worlds of 2 gloo ranks run `hf_trainer_script.py`: a plain DDP Trai
 (the reference) and the same Trainer with HF's own ds_config_zero2.json /
 ds_config_zero3.json (their "auto" values filled by HF; zero3 also with both offloads
 on NVMe), `resume_from_checkpoint`, `save_model`, stage 3's `from_pretrained` under
-`zero.Init`, and an Accelerate loop with a DeepSpeed plugin. A third world runs the
+`zero.Init`, Trainer checkpoints real DeepSpeed saved, resumed, and an Accelerate loop
+with a DeepSpeed plugin. A third world runs the
 DeepSpeed configs fine-tuning frameworks ship (tests/data/ds_config_corpus). Every run
 accumulates gradients over several micro-batches, as Trainer users do. Tiny GPT-2 from a
 config; nothing is downloaded.
@@ -25,6 +26,7 @@ from launch import torchrun  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "hf_trainer_script.py"
+HF_DEEPSPEED = Path(__file__).parent.parent / "data" / "hf_deepspeed_checkpoints"
 TOLERANCE = 1e-5  # fp32; the step order differs (flat shards vs per-parameter tensors)
 
 
@@ -57,6 +59,23 @@ def test_trainer_losses_equal_ddp_trainer(runs, stage):
     assert _max_difference(zero[stage], ddp) < TOLERANCE
     # the pre-clip norm the Trainer logs (gradient_clipping "auto": max_grad_norm 1.0)
     assert _max_difference(zero["grad_norms"][stage], runs[1]["grad_norms"]) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3_hf_optimizer"])
+def test_resume_from_a_checkpoint_deepspeed_itself_saved(runs, name):
+    """A Trainer checkpoint-3 saved by real DeepSpeed 0.19.8 (tests/data/hf_deepspeed_checkpoints,
+    `hf_trainer_script.py deepspeed`), resumed by the same Trainer on zeromem, as a user
+    switching would: steps 4-6 give DeepSpeed's own losses, gradient norms and lrs. HF's
+    ds_config_zero2.json (DeepSpeed's AdamW, offloaded to its CPU Adam, which saves its
+    betas as a list) and ds_config_zero3.json without an optimizer block (HF's AdamW, which
+    Accelerate swaps for DeepSpeed's CPU Adam, and HF's schedule) were both refused until
+    stop 52, each on an option that differed from the engine's."""
+    expected = json.loads((HF_DEEPSPEED / name / "expected.json").read_text())
+    got = runs[2]["from_deepspeed"][name]
+    for key in ("losses", "grad_norms", "lrs"):
+        after = {step: value for step, value in expected[key].items() if int(step) > 3}
+        assert got[key].keys() >= after.keys() and len(after) == 3, key
+        assert _max_difference({s: got[key][s] for s in after}, after) < TOLERANCE, key
 
 
 def test_hf_optimizer_and_schedule_built_before_initialize(runs):

@@ -91,6 +91,27 @@ def test_the_scripts_own_optimizer_is_told_from_its_options_without_an_engine(tm
         (tmp_path / "lion" / "global_step3" / "manifest.json").read_text())["optimizer"]["type"] == "lion"
 
 
+def test_trainer_checkpoints_deepspeed_saved_keep_the_options_the_engine_holds(tmp_path):
+    """HF Trainer checkpoints real DeepSpeed saved (tests/data/hf_deepspeed_checkpoints;
+    resumed in test_hf_trainer.py): its CPU Adam keeps the config's betas as the JSON list
+    it read, and an option (bias_correction) torch's Adam has not."""
+    hf = Path(__file__).parents[1] / "data" / "hf_deepspeed_checkpoints"
+
+    def options(ds) -> dict:
+        out = Path(write_imported(ds, tmp_path / ds.path.parent.parent.name))
+        return json.loads((out / "manifest.json").read_text())["optimizer"]
+
+    config_block = options(read_deepspeed(hf / "zero2" / "checkpoint-3"))
+    assert config_block["param_groups"][0]["betas"] == {"__tuple__": [0.9, 0.999]}
+    adam = frozenset(torch.optim.Adam([torch.zeros(1)]).param_groups[0]) - {"params"}
+    engine = LoadingEngine([], "deepspeedcpuadam", adam | {"initial_lr"})  # HF's schedule's
+    own = options(read_deepspeed(hf / "zero3_hf_optimizer" / "checkpoint-3", engine=engine))
+    assert own["type"] == "deepspeedcpuadam"
+    assert set(own["param_groups"][0]) == adam | {"initial_lr"}
+    offline = options(read_deepspeed(hf / "zero3_hf_optimizer" / "checkpoint-3"))
+    assert offline["type"] == "adamw" and "bias_correction" in offline["param_groups"][0]
+
+
 def test_cli_imports_and_reports_foreign_directories(tmp_path, capsys):
     src, _ = deepspeed_case("stage3_ws2_fp32")
     assert main(["import-deepspeed", str(src), str(tmp_path / "out")]) == 0

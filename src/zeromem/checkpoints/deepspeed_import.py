@@ -58,21 +58,24 @@ import os
 import re
 import shutil
 import tempfile
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from zeromem.checkpoints.consolidate import (FORMAT, VERSION, encode, prepare_tmp, publish,
                                              rank_file_name, write_latest, write_manifest)
+from zeromem.checkpoints.deepspeed_options import optimizer_and_schedule
 from zeromem.checkpoints.deepspeed_pickles import LossScalerRecord, load_object, load_pt, need
 from zeromem.checkpoints.deepspeed_stage0 import (ParamOrder, assemble_stage0, scalar_states,
                                                   tied_keys)
 from zeromem.checkpoints.formats import deepspeed_location, describe_directory, is_universal
 from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec, write_safetensors
+
+if TYPE_CHECKING:
+    from zeromem.training_state import TrainingState
 
 log = logging.getLogger("zeromem")
 
@@ -80,6 +83,25 @@ __all__ = ["import_deepspeed", "read_deepspeed"]
 
 
 # ---------------------------------------------------------------- the checkpoint, assembled
+
+@dataclass(frozen=True)
+class LoadingEngine:
+    """What the engine loading a DeepSpeed checkpoint knows that the files do not say."""
+
+    param_order: ParamOrder  # stage 0: what the optimizer states are numbered by
+    # A config without an optimizer block: DeepSpeed stepped the script's own, which the
+    # files keep the states and options of, not the class. The engine's optimizer's kind,
+    # and the options its param groups hold (DeepSpeed's CPU Adam, which Accelerate swaps
+    # in, keeps a bias_correction the engine's does not; empty: keep every one)
+    optimizer_type: str
+    option_keys: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, state: TrainingState) -> LoadingEngine:
+        groups = state.optimizer.param_groups
+        return cls(state.param_order, state.optimizer_type,
+                   frozenset(groups[0]) - {"params"} if groups else frozenset())
+
 
 @dataclass
 class DeepSpeedState:
@@ -97,7 +119,7 @@ class DeepSpeedState:
     aliases: dict[str, str]                     # tied weights: other key -> parameter name
     loss_scaler: dict[str, Any]                 # the attributes of DeepSpeed's loss scaler
     model_states: dict = field(repr=False)      # rank 0's model states file (counters, config)
-    client_optimizer: str | None = None         # the loading engine's optimizer type
+    engine: LoadingEngine | None = None         # what the loading engine told the import
 
     def client_state(self) -> dict[str, Any]:
         """What DeepSpeed's `load_checkpoint` returns as client state: the model states keys
@@ -113,15 +135,6 @@ _DEEPSPEED_OWN = frozenset({"module", "skipped_steps", "global_steps", "dp_world
 _MODEL_KEYS = ("module", "optimizer", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params",
                "lr_scheduler", "ds_config", "global_steps", "global_samples", "skipped_steps",
                "dp_world_size", "mp_world_size")
-
-
-@dataclass(frozen=True)
-class LoadingEngine:
-    """What the engine loading a DeepSpeed checkpoint knows that the files do not say."""
-
-    param_order: ParamOrder  # stage 0: what the optimizer states are numbered by
-    optimizer_type: str      # a config without an optimizer block: the script's own, which
-    # DeepSpeed stepped (the files keep its states and options, not its class)
 
 
 def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
@@ -174,8 +187,7 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
     module_tensors.update(frozen)
     return DeepSpeedState(path, stage, world_size, params, param_group, scalars, groups,
                           module_tensors, list(module), shared,
-                          _loss_scaler(optims, optim_files), model,
-                          engine.optimizer_type if engine else None)
+                          _loss_scaler(optims, optim_files), model, engine)
 
 
 def _read_stage0(path: Path, model: dict, engine: LoadingEngine | None) -> DeepSpeedState:
@@ -187,7 +199,7 @@ def _read_stage0(path: Path, model: dict, engine: LoadingEngine | None) -> DeepS
     module_tensors = {k: v for k, v in module.items() if k not in param_group and k not in shared}
     return DeepSpeedState(path, 0, int(model.get("dp_world_size", 1)), read.params, param_group,
                           read.scalars, read.param_groups, module_tensors, list(module), shared,
-                          read.loss_scaler, model, engine.optimizer_type if engine else None)
+                          read.loss_scaler, model, engine)
 
 
 def _loss_scaler(optims: list[dict], files: list[Path]) -> dict[str, Any]:
@@ -440,7 +452,10 @@ def readable(ckpt_dir: str | os.PathLike, tag: str | None = None
 
 def _manifest(ds: DeepSpeedState, tag: str) -> dict:
     config = ds.model_states.get("ds_config") or {}
-    optimizer, scheduler = _optimizer_and_schedule(ds, config)
+    engine = ds.engine
+    optimizer, scheduler = optimizer_and_schedule(
+        ds.path, ds.param_groups or [{}] * len(ds.scalars), ds.model_states,
+        engine.optimizer_type if engine else None, engine.option_keys if engine else frozenset())
     gas = int(config.get("gradient_accumulation_steps", 1) or 1)
     global_steps = int(ds.model_states.get("global_steps", 0))
     samples = ds.model_states.get("global_samples")  # DeepSpeed's count, when it saved one
@@ -509,90 +524,8 @@ def _number(saved: dict, key: str, where: str) -> float:
     return value
 
 
-def _scheduler_steps(model_states: dict) -> int:
-    """How many `step()`s DeepSpeed's schedule took: its `last_batch_iteration` starts at -1."""
-    return int((model_states.get("lr_scheduler") or {}).get("last_batch_iteration", -1)) + 1
-
-
 def _compute_dtype(config: dict) -> str:
     for block, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
         if (config.get(block) or {}).get("enabled"):
             return dtype
     return "float32"
-
-
-_IMPLEMENTATION = {"params", "foreach", "fused", "capturable", "differentiable"}
-
-
-def _optimizer_and_schedule(ds: DeepSpeedState, config: dict) -> tuple[tuple[str, list], Any]:
-    """(type, param groups' options) as the loading engine's optimizer holds them, and the
-    schedule state.
-
-    With an optimizer block, zeromem's own optimizer and schedule are built from DeepSpeed's
-    config over empty tensors, so the options carry exactly the keys a zeromem engine's
-    have; DeepSpeed's saved values (lr, betas, ...) replace the defaults, implementation
-    switches excepted. Without one DeepSpeed stepped the script's own optimizer, which the
-    engine steps too: its options are kept as saved. A schedule without a scheduler block
-    is the script's own too: its saved state is kept as it is.
-    """
-    from zeromem.config.schema import OptimizerConfig, SchedulerConfig
-    from zeromem.optim.schedulers import build_scheduler
-
-    block, sched_block = config.get("optimizer"), config.get("scheduler")
-    try:
-        opt_config = OptimizerConfig.model_validate(block) if block else None
-        sched_config = SchedulerConfig.model_validate(sched_block) if sched_block else None
-    except Exception as error:  # noqa: BLE001 - pydantic or ConfigError: reported with the file
-        raise CheckpointError(f"{ds.path}: the ds_config saved in the checkpoint has an optimizer "
-                              f"or scheduler zeromem cannot build: {error}") from None
-    saved = ds.param_groups or [{}] * len(ds.scalars)
-    optimizer: torch.optim.Optimizer
-    if opt_config is None:
-        kind = ds.client_optimizer or _client_kind(saved)
-        as_saved = [{k: v for k, v in g.items() if k != "params"} for g in saved]
-        optimizer = torch.optim.SGD([{**g, "params": [torch.zeros(0)]} for g in as_saved])
-    else:
-        kind, optimizer = opt_config.type.lower(), _config_optimizer(opt_config, saved)
-    schedule = (ds.model_states.get("lr_scheduler") or None) if sched_config is None else \
-        _stepped(build_scheduler(sched_config, optimizer), _scheduler_steps(ds.model_states))
-    groups = as_saved if opt_config is None else optimizer.param_groups
-    options = [encode({k: v for k, v in g.items() if k != "params"}, f"param group {i}")
-               for i, g in enumerate(groups)]
-    return (kind, options), encode(schedule, "lr scheduler state")
-
-
-def _client_kind(saved: list[dict]) -> str:
-    """The script's optimizer, told from its param groups' options where torch's are (the
-    loading engine names it; an engine of another kind refuses its states)."""
-    keys = set(saved[0]) if saved else set()
-    if {"momentum", "nesterov"} <= keys:
-        return "sgd"
-    if "betas" in keys:
-        return "adamw" if saved[0].get("decoupled_weight_decay") else "adam"
-    return "unknown"
-
-
-def _config_optimizer(opt_config, saved: list[dict]) -> torch.optim.Optimizer:
-    """The config's optimizer over empty tensors, with the saved options it has."""
-    from zeromem.optim.factory import has_fused_kernel
-
-    cls = opt_config.torch_class
-    params = dict(opt_config.params)
-    if has_fused_kernel(cls) and not {"foreach", "fused"} & set(params):
-        params["fused"] = True  # as zeromem's optimizer_factory.build_optimizer does
-    # the saved options this optimizer has: DeepSpeed's FusedAdam keeps its own (bias_correction,
-    # a step count) beside them, which would make the group unlike the engine's at load
-    known = set(cls([torch.zeros(0)], **params).param_groups[0]) - _IMPLEMENTATION
-    groups = [{"params": [torch.zeros(0)], **{k: v for k, v in g.items() if k in known}}
-              for g in saved]
-    return cls(groups, **params)
-
-
-def _stepped(scheduler, steps: int) -> dict:
-    """The state of `scheduler` after `steps` steps (DeepSpeed's schedule where it stopped)."""
-    assert scheduler is not None  # a config block always builds a schedule
-    with warnings.catch_warnings():  # stepping a schedule with no optimizer step between
-        warnings.simplefilter("ignore")
-        for _ in range(steps):
-            scheduler.step()
-    return scheduler.state_dict()
