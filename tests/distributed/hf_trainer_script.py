@@ -443,11 +443,18 @@ def framework_configs() -> dict:
 
 def deepspeed_runs() -> dict[str, str]:
     """The Trainer runs DeepSpeed itself checkpointed (mode `deepspeed`), which zeromem
-    resumes: HF's ds_config_zero2.json (DeepSpeed's AdamW, offloaded, and its WarmupLR) and
+    resumes: HF's ds_config_zero2.json (DeepSpeed's AdamW, offloaded, and its WarmupLR);
     ds_config_zero3.json without its optimizer block (HF's own AdamW and linear schedule,
-    which DeepSpeed steps as the script's own)."""
+    which DeepSpeed steps as the script's own); ds_config_zero2.json at stage 1 without its
+    scheduler block or offload (DeepSpeed's AdamW under HF's schedule)."""
+    def stage1_hf_schedule(config: dict) -> None:
+        del config["scheduler"], config["zero_optimization"]["offload_optimizer"]
+        config["zero_optimization"]["stage"] = 1
+
     return {"zero2": str(CONFIGS / "ds_config_zero2.json"),
-            "zero3_hf_optimizer": without_optimizer(CONFIGS / "ds_config_zero3.json")}
+            "zero3_hf_optimizer": without_optimizer(CONFIGS / "ds_config_zero3.json"),
+            "zero1_hf_schedule": edited_config(CONFIGS / "ds_config_zero2.json", "hf_schedule",
+                                               stage1_hf_schedule)}
 
 
 def deepspeed_checkpoints() -> None:
@@ -470,7 +477,8 @@ def deepspeed_checkpoints() -> None:
             dst = HF_DEEPSPEED / name
             shutil.rmtree(dst, ignore_errors=True)
             shutil.copytree(OUT / f"deepspeed_{name}" / "checkpoint-3", dst / "checkpoint-3",
-                            ignore=shutil.ignore_patterns("*.py"))  # DeepSpeed's converters
+                            # DeepSpeed's converters; the arguments, pickled, no resume reads
+                            ignore=shutil.ignore_patterns("*.py", "training_args.bin"))
             expected = {k: run[k] for k in ("losses", "grad_norms", "lrs")}
             (dst / "expected.json").write_text(json.dumps(
                 {**expected, "deepspeed_version": deepspeed.__version__}, indent=1) + "\n")

@@ -61,15 +61,16 @@ def test_trainer_losses_equal_ddp_trainer(runs, stage):
     assert _max_difference(zero["grad_norms"][stage], runs[1]["grad_norms"]) < TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["zero2", "zero3_hf_optimizer"])
+@pytest.mark.parametrize("name", ["zero2", "zero3_hf_optimizer", "zero1_hf_schedule"])
 def test_resume_from_a_checkpoint_deepspeed_itself_saved(runs, name):
     """A Trainer checkpoint-3 saved by real DeepSpeed 0.19.8 (tests/data/hf_deepspeed_checkpoints,
     `hf_trainer_script.py deepspeed`), resumed by the same Trainer on zeromem, as a user
     switching would: steps 4-6 give DeepSpeed's own losses, gradient norms and lrs. HF's
     ds_config_zero2.json (DeepSpeed's AdamW, offloaded to its CPU Adam, which saves its
     betas as a list) and ds_config_zero3.json without an optimizer block (HF's AdamW, which
-    Accelerate swaps for DeepSpeed's CPU Adam, and HF's schedule) were both refused until
-    stop 52, each on an option that differed from the engine's."""
+    Accelerate swaps for DeepSpeed's CPU Adam, and HF's schedule) and ds_config_zero2.json
+    at stage 1 without its scheduler block (HF's schedule over DeepSpeed's AdamW) were each
+    refused until stop 52, on an option that differed from the engine's."""
     expected = json.loads((HF_DEEPSPEED / name / "expected.json").read_text())
     got = runs[2]["from_deepspeed"][name]
     for key in ("losses", "grad_norms", "lrs"):

@@ -94,7 +94,8 @@ def test_the_scripts_own_optimizer_is_told_from_its_options_without_an_engine(tm
 def test_trainer_checkpoints_deepspeed_saved_keep_the_options_the_engine_holds(tmp_path):
     """HF Trainer checkpoints real DeepSpeed saved (tests/data/hf_deepspeed_checkpoints;
     resumed in test_hf_trainer.py): its CPU Adam keeps the config's betas as the JSON list
-    it read, and an option (bias_correction) torch's Adam has not."""
+    it read, and an option (bias_correction) torch's Adam has not; HF's schedule adds one
+    (initial_lr) DeepSpeed's optimizer, built from the config, has not."""
     hf = Path(__file__).parents[1] / "data" / "hf_deepspeed_checkpoints"
 
     def options(ds) -> dict:
@@ -110,6 +111,11 @@ def test_trainer_checkpoints_deepspeed_saved_keep_the_options_the_engine_holds(t
     assert set(own["param_groups"][0]) == adam | {"initial_lr"}
     offline = options(read_deepspeed(hf / "zero3_hf_optimizer" / "checkpoint-3"))
     assert offline["type"] == "adamw" and "bias_correction" in offline["param_groups"][0]
+    # DeepSpeed's AdamW under HF's schedule, which adds the lr it starts from to each group
+    adamw = frozenset(torch.optim.AdamW([torch.zeros(1)]).param_groups[0]) - {"params"}
+    engine = LoadingEngine([], "adamw", adamw | {"initial_lr"})
+    scheduled = options(read_deepspeed(hf / "zero1_hf_schedule" / "checkpoint-3", engine=engine))
+    assert set(scheduled["param_groups"][0]) == adamw | {"initial_lr"}
 
 
 def test_cli_imports_and_reports_foreign_directories(tmp_path, capsys):

@@ -51,7 +51,8 @@ def optimizer_and_schedule(path: Path, saved: list[dict], model_states: dict,
                      if k != "params" and (k in option_keys or not option_keys)} for g in saved]
         optimizer = torch.optim.SGD([{**g, "params": [torch.zeros(0)]} for g in as_saved])
     else:
-        kind, optimizer = opt_config.type.lower(), _config_optimizer(opt_config, saved)
+        kind, optimizer = opt_config.type.lower(), _config_optimizer(opt_config, saved,
+                                                                     option_keys)
     schedule = (model_states.get("lr_scheduler") or None) if sched_config is None else \
         _stepped(build_scheduler(sched_config, optimizer), _scheduler_steps(model_states))
     groups = as_saved if opt_config is None else optimizer.param_groups
@@ -71,8 +72,11 @@ def _client_kind(saved: list[dict]) -> str:
     return "unknown"
 
 
-def _config_optimizer(opt_config, saved: list[dict]) -> torch.optim.Optimizer:
-    """The config's optimizer over empty tensors, with the saved options it has."""
+def _config_optimizer(opt_config, saved: list[dict], option_keys: frozenset[str]
+                      ) -> torch.optim.Optimizer:
+    """The config's optimizer over empty tensors, with the saved options it has, and those
+    the loading engine's optimizer has too (a script's own schedule, HF's, adds the
+    `initial_lr` it starts from)."""
     from zeromem.optim.factory import has_fused_kernel
 
     cls = opt_config.torch_class
@@ -82,11 +86,11 @@ def _config_optimizer(opt_config, saved: list[dict]) -> torch.optim.Optimizer:
     # the saved options this optimizer has: DeepSpeed's FusedAdam keeps its own (bias_correction,
     # a step count) beside them, which would make the group unlike the engine's at load
     defaults = cls([torch.zeros(0)], **params).param_groups[0]
-    known = set(defaults) - _IMPLEMENTATION
+    known = (set(defaults) | option_keys) - _IMPLEMENTATION
     # DeepSpeedCPUAdam keeps the config's betas as the JSON list it read; torch's a tuple
     groups = [{"params": [torch.zeros(0)],
-               **{k: tuple(v) if isinstance(v, list) and isinstance(defaults[k], tuple) else v
-                  for k, v in g.items() if k in known}} for g in saved]
+               **{k: tuple(v) if isinstance(v, list) and isinstance(defaults.get(k), tuple)
+                  else v for k, v in g.items() if k in known}} for g in saved]
     return cls(groups, **params)
 
 
