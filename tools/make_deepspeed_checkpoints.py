@@ -259,9 +259,10 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
     if stage == 0 and precision == "fp16":
         # DeepSpeed 0.19.8's engine scales the loss for its ZeRO optimizers only: at stage 0
         # its FP16_Optimizer divides by the scale gradients that were never scaled, so its
-        # updates and Adam states shrink with the scale. A static scale of 1 is the one its
-        # run is right with (its curve is then a reference); the fused case keeps a dynamic
-        # scale, low enough that zeromem's scaled gradients do not overflow either
+        # updates and Adam states shrink with the scale (DeepSpeed's open PR 8393). A static
+        # scale of 1 is the one its run is right with (its curve is then a reference); the
+        # fused case keeps a dynamic scale, low enough that zeromem's scaled gradients do not
+        # overflow either
         config["fp16"] = {**FP16, "initial_scale_power": 4} if case.fused_adam \
             else {"enabled": True, "loss_scale": 1.0}
     if case.bf16_masters:

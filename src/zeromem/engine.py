@@ -107,8 +107,7 @@ class Engine:
         given = client_groups(module, model_parameters)  # read once: it may be a generator
         param_groups = optimizer_param_groups(config.optimizer, module, given) if self.trains \
             else evaluated_groups(module, config.zero_optimization.stage)
-        # the positions a DeepSpeed stage-0 checkpoint numbers its optimizer states by
-        self.param_order = param_order(module, given)
+        self.param_order = param_order(module, given)  # DeepSpeed stage-0 states' positions
         self.names = {id(p): n for n, p in module.named_parameters()}
         sharding = Sharding.for_stage(self.zero_stage)
         self.fetch_unit_report = ""  # stage 3: the fetch units chosen (stage3/units.py)
