@@ -97,7 +97,7 @@ def assemble_stage0(path: Path, model: dict, order: ParamOrder | None) -> Stage0
     params: dict[str, dict[str, torch.Tensor]] = {}
     for gi, group in enumerate(groups):
         masters = _masters(path, saved, gi, named[gi], module)
-        group_states = _states(saved, states, group, named[gi], masters)
+        group_states = _states(path, saved, states, group, named[gi], masters)
         # without the engine's order, a parameter torch's optimizer kept no state for is
         # taken for frozen (it may have had no gradient yet: its value is kept either way)
         trained = set(group_states) if guessed and not low_precision else \
@@ -152,19 +152,19 @@ def _masters(path: Path, saved: dict, gi: int, names: list[str],
     return {n: _shaped(path, module[n], n, module, "master") for n in names if n in module}
 
 
-def _states(saved: dict, states: dict, group: dict, names: list[str],
+def _states(path: Path, saved: dict, states: dict, group: dict, names: list[str],
             masters: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     """The tensor states of each parameter of one param group that has any."""
     positions = list(group.get("params", ()))
     if "fp32_groups_flat" in saved:  # one flat state per group, split as its master
-        state = states.get(positions[0], {})
-        pieces = {k: _split(Path("optimizer state"), v, names, masters, k)
+        state = states.get(positions[0], {}) if positions else {}
+        pieces = {k: _split(path, v, names, masters, k)
                   for k, v in _tensor_states(state).items()}
         return {n: {k: p[n] for k, p in pieces.items()} for n in names}
     out = {}
     for name, position in zip(names, positions):
         if position in states and name in masters:
-            out[name] = {k: _shaped(Path(f"optimizer state {position}"), v, name, masters, k)
+            out[name] = {k: _shaped(path, v, name, masters, k)
                          for k, v in _tensor_states(states[position]).items()}
     return out
 
