@@ -206,7 +206,8 @@ def test_resume_deepspeed_checkpoint_two_ranks(tmp_path):
 def test_stage_0_states_follow_the_order_the_engine_was_given():
     """A stage-0 checkpoint numbers its optimizer states by the order the run gave them:
     an engine given them in another order refuses it, naming the parameter, and is left
-    as it was; given `model.parameters()`, frozen ones too, it loads a 16-bit checkpoint
+    as it was, unless it reads no optimizer state (a warm start: the module's weights);
+    given `model.parameters()`, frozen ones too, it loads a 16-bit checkpoint
     (DeepSpeed's FP16_Optimizer keeps the trained ones) but not an fp32 one (torch's
     optimizer numbered the frozen ones too)."""
     def engine(name: str, params) -> tuple:
@@ -222,6 +223,13 @@ def test_stage_0_states_follow_the_order_the_engine_was_given():
         reversed_order.load_checkpoint(path)
     assert all(torch.equal(a, b) for a, b in zip(before, reversed_order.module.parameters()))
     assert reversed_order.global_steps == 0
+    # a warm start reads no optimizer state: the weights load whatever the order
+    reversed_order.load_checkpoint(path, load_optimizer_states=False,
+                                   load_lr_scheduler_states=False)
+    saved = torch.load(path / "global_step3" / "mp_rank_00_model_states.pt",
+                       weights_only=True)["module"]
+    loaded = reversed_order.module.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items()), "weights"
     everything, path = engine("stage0_ws2_bf16", lambda m: m.parameters())
     everything.load_checkpoint(path)
     assert everything.global_steps == 3

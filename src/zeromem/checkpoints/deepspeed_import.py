@@ -69,8 +69,8 @@ from zeromem.checkpoints.consolidate import (FORMAT, VERSION, encode, prepare_tm
                                              rank_file_name, write_latest, write_manifest)
 from zeromem.checkpoints.deepspeed_options import optimizer_and_schedule
 from zeromem.checkpoints.deepspeed_pickles import LossScalerRecord, load_object, load_pt, need
-from zeromem.checkpoints.deepspeed_stage0 import (ParamOrder, assemble_stage0, scalar_states,
-                                                  tied_keys)
+from zeromem.checkpoints.deepspeed_stage0 import (ParamOrder, assemble_stage0, module_weights,
+                                                  scalar_states, tied_keys)
 from zeromem.checkpoints.formats import deepspeed_location, describe_directory, is_universal
 from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec, write_safetensors
 
@@ -95,12 +95,16 @@ class LoadingEngine:
     # in, keeps a bias_correction the engine's does not; empty: keep every one)
     optimizer_type: str
     option_keys: frozenset[str] = frozenset()
+    # Whether the load reads the optimizer states: without them, a stage-0 checkpoint
+    # whose positions are not the engine's order still gives its module's weights
+    # (DeepSpeed's load_module_only, a warm start under other param groups)
+    optimizer_states: bool = True
 
     @classmethod
-    def of(cls, state: TrainingState) -> LoadingEngine:
+    def of(cls, state: TrainingState, optimizer_states: bool) -> LoadingEngine:
         groups = state.optimizer.param_groups
         return cls(state.param_order, state.optimizer_type,
-                   frozenset(groups[0]) - {"params"} if groups else frozenset())
+                   frozenset(groups[0]) - {"params"} if groups else frozenset(), optimizer_states)
 
 
 @dataclass
@@ -192,7 +196,12 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
 
 def _read_stage0(path: Path, model: dict, engine: LoadingEngine | None) -> DeepSpeedState:
     """A stage-0 checkpoint: every state in rank 0's model states file, by position."""
-    read = assemble_stage0(path, model, engine.param_order if engine else None)
+    try:
+        read = assemble_stage0(path, model, engine.param_order if engine else None)
+    except CheckpointError:
+        if engine is None or engine.optimizer_states:
+            raise
+        read = module_weights(model, engine.param_order)  # all this load reads
     module = dict(need(model, "module", path / "model_states"))
     shared = tied_keys(module)
     param_group = {name: gi for gi, group in enumerate(read.shapes) for name in group}

@@ -111,6 +111,16 @@ def assemble_stage0(path: Path, model: dict, order: ParamOrder | None) -> Stage0
     return Stage0(params, shapes, scalars, groups, _loss_scaler(saved, model))
 
 
+def module_weights(model: dict, order: ParamOrder) -> Stage0:
+    """The trained parameters' weights alone, from the module (in the model's dtype, as
+    DeepSpeed's load_module_only takes them): for a load that reads no optimizer state."""
+    module = need(model, "module", Path("model states"))
+    shapes = [{n: module[n].shape for n, trains in group if trains and n in module}
+              for group in order]
+    params = {n: {"master": module[n].float().clone()} for group in shapes for n in group}
+    return Stage0(params, shapes, [{} for _ in order], [{} for _ in order], {})
+
+
 def _check_counts(path: Path, saved: dict, groups: list[dict], named: list[list[str]],
                   module: dict, guessed: bool) -> None:
     """The saved param groups hold as many parameters as `named` (fused: as many elements)."""

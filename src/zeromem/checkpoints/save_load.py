@@ -368,7 +368,7 @@ def _load_deepspeed(state: TrainingState, where: tuple[Path, str], load_optimize
     root, tag = where
     with tempfile.TemporaryDirectory(prefix="zeromem-deepspeed-") as tmp:
         def imported() -> DeepSpeedState:
-            ds = read_deepspeed(root, tag, engine=LoadingEngine.of(state))
+            ds = read_deepspeed(root, tag, engine=LoadingEngine.of(state, load_optimizer_states))
             write_imported(ds, tmp)
             return ds
 
