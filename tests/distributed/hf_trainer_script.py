@@ -446,15 +446,23 @@ def deepspeed_runs() -> dict[str, str]:
     resumes: HF's ds_config_zero2.json (DeepSpeed's AdamW, offloaded, and its WarmupLR);
     ds_config_zero3.json without its optimizer block (HF's own AdamW and linear schedule,
     which DeepSpeed steps as the script's own); ds_config_zero2.json at stage 1 without its
-    scheduler block or offload (DeepSpeed's AdamW under HF's schedule)."""
-    def stage1_hf_schedule(config: dict) -> None:
-        del config["scheduler"], config["zero_optimization"]["offload_optimizer"]
-        config["zero_optimization"]["stage"] = 1
+    scheduler block or offload (DeepSpeed's AdamW under HF's schedule), and at stage 0
+    (DeepSpeed's default) without either block (HF's AdamW, its two param groups numbered
+    by position)."""
+    def at_stage(stage: int, *blocks: str) -> Callable[[dict], None]:
+        def edit(config: dict) -> None:
+            for block in blocks:
+                del config[block]
+            del config["zero_optimization"]["offload_optimizer"]
+            config["zero_optimization"]["stage"] = stage
+        return edit
 
-    return {"zero2": str(CONFIGS / "ds_config_zero2.json"),
+    zero2 = CONFIGS / "ds_config_zero2.json"
+    return {"zero2": str(zero2),
             "zero3_hf_optimizer": without_optimizer(CONFIGS / "ds_config_zero3.json"),
-            "zero1_hf_schedule": edited_config(CONFIGS / "ds_config_zero2.json", "hf_schedule",
-                                               stage1_hf_schedule)}
+            "zero1_hf_schedule": edited_config(zero2, "hf_schedule", at_stage(1, "scheduler")),
+            "zero0_hf_optimizer": edited_config(zero2, "stage0", at_stage(0, "optimizer",
+                                                                          "scheduler"))}
 
 
 def deepspeed_checkpoints() -> None:

@@ -61,7 +61,8 @@ def test_trainer_losses_equal_ddp_trainer(runs, stage):
     assert _max_difference(zero["grad_norms"][stage], runs[1]["grad_norms"]) < TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["zero2", "zero3_hf_optimizer", "zero1_hf_schedule"])
+@pytest.mark.parametrize("name", ["zero2", "zero3_hf_optimizer", "zero1_hf_schedule",
+                                  "zero0_hf_optimizer"])
 def test_resume_from_a_checkpoint_deepspeed_itself_saved(runs, name):
     """A Trainer checkpoint-3 saved by real DeepSpeed 0.19.8 (tests/data/hf_deepspeed_checkpoints,
     `hf_trainer_script.py deepspeed`), resumed by the same Trainer on zeromem, as a user
@@ -70,11 +71,16 @@ def test_resume_from_a_checkpoint_deepspeed_itself_saved(runs, name):
     betas as a list) and ds_config_zero3.json without an optimizer block (HF's AdamW, which
     Accelerate swaps for DeepSpeed's CPU Adam, and HF's schedule) and ds_config_zero2.json
     at stage 1 without its scheduler block (HF's schedule over DeepSpeed's AdamW) were each
-    refused until stop 52, on an option that differed from the engine's."""
+    refused until stop 52, on an option that differed from the engine's; at stage 0
+    (DeepSpeed's default; HF's AdamW, whose states are numbered by position over its two
+    param groups) as not a ZeRO checkpoint."""
     expected = json.loads((HF_DEEPSPEED / name / "expected.json").read_text())
     got = runs[2]["from_deepspeed"][name]
     for key in ("losses", "grad_norms", "lrs"):
         after = {step: value for step, value in expected[key].items() if int(step) > 3}
+        if key == "grad_norms" and not after:  # DeepSpeed's stage 0 reports none to HF
+            assert len(got[key]) == 3  # zeromem's does, at every stage
+            continue
         assert got[key].keys() >= after.keys() and len(after) == 3, key
         assert _max_difference({s: got[key][s] for s in after}, after) < TOLERANCE, key
 
