@@ -21,6 +21,8 @@ from pathlib import Path
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 ZEROMEM = MODE == "zeromem"
+# a Lightning checkpoint real DeepSpeed saved (mode "deepspeed"), which zeromem resumes
+FROM_DEEPSPEED = Path(__file__).parent.parent / "data" / "lightning_deepspeed_checkpoint"
 if ZEROMEM:
     from zeromem.deepspeed import install_as_deepspeed
     install_as_deepspeed()  # before Lightning is imported, as HF's
@@ -45,6 +47,12 @@ class TrainerDeepSpeed(DeepSpeedStrategy):
     def setup_distributed(self) -> None:  # Lightning: device indices must be CUDA's
         self.set_world_ranks()
         self._init_deepspeed_distributed()
+
+
+class RealDeepSpeedOnCPU(TrainerDeepSpeed):
+    @property
+    def root_device(self) -> torch.device:  # real DeepSpeed takes its index as a device rank
+        return torch.device("cpu", self.local_rank)
 
 
 class FabricDeepSpeedOnCPU(FabricDeepSpeed):
@@ -139,7 +147,34 @@ def trainer_runs() -> dict:
     first.save_checkpoint(saved)
     runs["resumed"] = fit(trainer(2, **stage3), ckpt_path=saved)
     runs["full_weights"] = validate_one_file(saved, first)
+    if ZEROMEM:  # the checkpoint real DeepSpeed saved, resumed as a user switching would
+        runs["from_deepspeed"] = fit(trainer(2, stage=2),
+                                     ckpt_path=str(FROM_DEEPSPEED / "ds.ckpt"))
     return runs
+
+
+def deepspeed_checkpoint() -> None:
+    """Mode `deepspeed`, run by hand with real DeepSpeed (a test-data tool):
+
+        DS_ACCELERATOR=cpu .venv-ds/bin/torchrun --nproc-per-node 2 \\
+            tests/distributed/lightning_script.py deepspeed OUT
+
+    One epoch at stage 2 (SGD with momentum and StepLR: the script's own, which DeepSpeed
+    steps), saved by Lightning into FROM_DEEPSPEED/ds.ckpt; then the fit resumed from it
+    for a second epoch, its losses in FROM_DEEPSPEED/expected_<rank>.json."""
+    def stage2(epochs: int) -> L.Trainer:
+        return L.Trainer(accelerator="cpu", devices=2, max_epochs=epochs, logger=False,
+                         strategy=RealDeepSpeedOnCPU(process_group_backend="gloo", stage=2),
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=2)
+
+    first = stage2(1)
+    fit(first)
+    first.save_checkpoint(str(FROM_DEEPSPEED / "ds.ckpt"))
+    resumed = fit(stage2(2), ckpt_path=str(FROM_DEEPSPEED / "ds.ckpt"))
+    (FROM_DEEPSPEED / f"expected_{first.global_rank}.json").write_text(json.dumps(resumed))
+    for script in (FROM_DEEPSPEED / "ds.ckpt").glob("*.py"):  # DeepSpeed's converters
+        script.unlink(missing_ok=True)
 
 
 def validate_one_file(saved: str, tr: L.Trainer) -> dict:
@@ -203,6 +238,9 @@ def fabric_run() -> dict:
 
 
 def main() -> None:
+    if MODE == "deepspeed":
+        deepspeed_checkpoint()
+        return
     results = {"trainer": trainer_runs(), "fabric": fabric_run()}
     if ZEROMEM:  # the group `deepspeed.init_distributed` created is zeromem's to end
         import torch.distributed as dist

@@ -5,8 +5,9 @@ Two torchrun worlds of 2 gloo ranks run `lightning_script.py`: Lightning's DDP s
 number is compared on both ranks: training and validation losses of ZeRO-3 (layers
 built under `zero.Init` in `configure_model`, one of them activation-checkpointed),
 ZeRO-3 with both offloads, bf16 and accumulation at stage 2, a resumed fit, a model
-loaded from the checkpoint made one file by Lightning's converter, and a Fabric loop
-that steps the optimizer DeepSpeed returns and resumes with `fabric.load`.
+loaded from the checkpoint made one file by Lightning's converter, a checkpoint real
+DeepSpeed saved, resumed, and a Fabric loop that steps the optimizer DeepSpeed returns and
+resumes with `fabric.load`.
 """
 from __future__ import annotations
 
@@ -46,6 +47,19 @@ def test_trainer_equals_ddp_trainer(runs, run):
         # validation before the first step (Lightning's sanity check) and after each epoch
         assert _max_difference(zero["trainer"][run]["vals"], ddp["trainer"][run]["vals"]) \
             < TOLERANCE
+
+
+def test_a_checkpoint_real_deepspeed_saved_resumes_as_deepspeed_resumed_it(runs):
+    """tests/data/lightning_deepspeed_checkpoint: one epoch at stage 2 saved by Lightning on
+    DeepSpeed 0.19.8 (`lightning_script.py deepspeed`), with the script's SGD and StepLR.
+    Resumed on zeromem, the second epoch's losses and validations are DeepSpeed's own
+    resumed run's, on each rank. Refused until stop 52 (the states taken for Adam's)."""
+    data = Path(__file__).parent.parent / "data" / "lightning_deepspeed_checkpoint"
+    for rank, (_, zero) in enumerate(runs):
+        expected = json.loads((data / f"expected_{rank}.json").read_text())
+        for key in ("losses", "vals"):
+            assert _max_difference(zero["trainer"]["from_deepspeed"][key], expected[key]) \
+                < TOLERANCE, (rank, key)
 
 
 def test_trainer_bf16_follows_ddp_trainer(runs):
