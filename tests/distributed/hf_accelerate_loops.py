@@ -47,6 +47,44 @@ def accelerate_losses(out: Path) -> list[float]:
     return losses
 
 
+def accelerate_state_resumed(out: Path, state: Path, save: bool) -> list[float]:
+    """Accelerate's `save_state` / `load_state` under a DeepSpeed plugin (stage 2, the
+    script's own AdamW and linear schedule, ACCELERATE_GAS micro-batches a step): with
+    `save`, the loop saves its state at `state` after 3 steps and runs on; without, it
+    loads that state and runs the same micro-batches after it. This rank's mean loss over
+    the ranks of each micro-batch after the save."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    cpu_deepspeed_state()
+    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0,
+              "gradient_accumulation_steps": ACCELERATE_GAS, "zero_optimization": {"stage": 2}}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(out))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    schedule = transformers.get_linear_schedule_with_warmup(optimizer, 2, 10)
+    loader = torch.utils.data.DataLoader(Tokens(2 * ACCELERATE_GAS * BATCH * 6), batch_size=BATCH)
+    engine, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
+    saved_at = 3 * ACCELERATE_GAS  # micro-batches a rank runs before the save
+    if not save:
+        accelerator.load_state(str(state))
+    losses = []
+    for i, batch in enumerate(loader):
+        if i < saved_at and not save:
+            continue
+        with accelerator.accumulate(engine):
+            loss = engine(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+        if i >= saved_at:
+            losses.append(accelerator.reduce(loss.detach(), "mean").item())
+        if save and i == saved_at - 1:
+            accelerator.save_state(str(state))
+    return losses
+
+
 MULTI_MODEL = (Path(__file__).parent.parent / "data" / "ds_config_corpus" / "accelerate" / "tests"
                / "deepspeed")
 

@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the corp
 import config_corpus  # noqa: E402
 
 # the model and data every run shares; Accelerate's own loops (imported after the install)
-from hf_accelerate_loops import (accelerate_losses, accelerate_two_models,  # noqa: E402
-                                 single_process_losses)
+from hf_accelerate_loops import (accelerate_losses, accelerate_state_resumed,  # noqa: E402
+                                 accelerate_two_models, single_process_losses)
 from hf_setup import (BATCH, LR, RANK, SEQ, STEPS, VOCAB, Tokens,  # noqa: E402
                       cpu_deepspeed_state, init_model_dir)
 
@@ -475,8 +475,17 @@ def deepspeed_checkpoints() -> None:
     Each of `deepspeed_runs` saves at step 3; the Trainer's checkpoint-3 (DeepSpeed's
     checkpoint with the Trainer's state, rng states and weights beside it) lands in
     tests/data/hf_deepspeed_checkpoints/<run>/, with expected.json: DeepSpeed's loss,
-    gradient norm and lr at every step."""
+    gradient norm and lr at every step. An Accelerate loop's `save_state` lands in
+    <that folder>/accelerate/state3, with expected.json: its losses after the save."""
     import deepspeed
+
+    accelerate = HF_DEEPSPEED / "accelerate"
+    losses = accelerate_state_resumed(OUT, accelerate / "state3", save=True)
+    if RANK == 0:
+        for script in (accelerate / "state3").glob("*.py"):  # DeepSpeed's converters
+            script.unlink()
+        (accelerate / "expected.json").write_text(json.dumps(
+            {"losses": losses, "deepspeed_version": deepspeed.__version__}, indent=1) + "\n")
 
     for name, config in deepspeed_runs().items():
         run = train(f"deepspeed_{name}", config, save_strategy="steps", save_steps=3,
@@ -537,6 +546,8 @@ def main() -> None:
     from_deepspeed = {name: train(f"from_deepspeed_{name}", config, **HF_SCHEDULE,
                                   resume=str(HF_DEEPSPEED / name / "checkpoint-3"))
                       for name, config in deepspeed_runs().items()}
+    accelerate_resumed = accelerate_state_resumed(OUT, HF_DEEPSPEED / "accelerate" / "state3",
+                                                  save=False)
     zero3 = train("zero3", str(CONFIGS / "ds_config_zero3.json"))
     save("zero3", zero3["trainer"])
     zero3_nvme = train("zero3_nvme", nvme_config(CONFIGS / "ds_config_zero3.json"))
@@ -562,6 +573,7 @@ def main() -> None:
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
                       "from_deepspeed": {name: {k: r[k] for k in ("losses", "grad_norms", "lrs")}
                                          for name, r in from_deepspeed.items()},
+                      "accelerate_from_deepspeed": accelerate_resumed,
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
                       "zero3_nvme": zero3_nvme["losses"],
                       "hf_optimizer": {k: own[k] for k in ("losses", "grad_norms", "lrs")},

@@ -85,6 +85,16 @@ def test_resume_from_a_checkpoint_deepspeed_itself_saved(runs, name):
         assert _max_difference({s: got[key][s] for s in after}, after) < TOLERANCE, key
 
 
+def test_accelerate_load_state_of_a_state_deepspeed_saved(runs):
+    """An Accelerate loop's `save_state` under real DeepSpeed (stage 2, the script's AdamW
+    and linear schedule; tests/data/hf_deepspeed_checkpoints/accelerate), `load_state` on
+    zeromem: the micro-batches after it give DeepSpeed's losses."""
+    expected = json.loads((HF_DEEPSPEED / "accelerate" / "expected.json").read_text())
+    got = runs[2]["accelerate_from_deepspeed"]
+    assert len(got) == len(expected["losses"]) == 6
+    assert max(abs(a - b) for a, b in zip(got, expected["losses"])) < TOLERANCE
+
+
 def test_hf_optimizer_and_schedule_built_before_initialize(runs):
     """A config without optimizer and scheduler: HF's AdamW (two param groups) and linear
     schedule, made before `initialize` and swapped by Accelerate for DeepSpeedCPUAdam,
