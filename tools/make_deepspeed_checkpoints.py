@@ -8,9 +8,10 @@ Needs DeepSpeed (a test-data tool, never a zeromem dependency); on CPU:
 (CASE: a directory name below, e.g. stage2_ws2_fp16; default: every case.) With
 `--universal-only` the existing checkpoints are converted again, not remade.
 
-For each case (ZeRO stage, world size, precision, whether `save_checkpoint` was given
-`exclude_frozen_parameters=True`, which Adam, whether it carries Megatron-DeepSpeed's
-client state, whether its tied embedding is frozen as a LoRA run's base is) it trains
+For each case (ZeRO stage, 0 to 3, world size, precision, whether `save_checkpoint` was
+given `exclude_frozen_parameters=True`, which Adam, whether it carries Megatron-DeepSpeed's
+client state, whether its tied embedding is frozen as a LoRA run's base is, whether the
+script gave `initialize` its own optimizer and schedule instead of config blocks) it trains
 `tests/models.py`'s TinyLM (whose `frozen` layer has requires_grad False)
 with real DeepSpeed (gloo) for SAVE_AT optimizer steps on `micro_batch` data, saves a
 checkpoint, trains AFTER more steps and records, in `<case>/expected.json`:
