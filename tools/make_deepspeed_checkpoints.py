@@ -105,6 +105,9 @@ CASES = [
     Case(0, 2, "fp32"), Case(0, 2, "bf16"), Case(0, 2, "fp16"), Case(0, 2, "fp16", fused_adam=True),
     Case(0, 2, "fp32", client_optimizer=True), Case(2, 2, "fp32", client_optimizer=True),
     Case(3, 2, "bf16", client_optimizer=True),
+    # HF's Trainer saves PEFT runs with exclude_frozen_parameters: the frozen tied embedding
+    # goes, and DeepSpeed keeps its tied head's key
+    Case(3, 2, "bf16", exclude_frozen=True, frozen_tied=True),
 ]
 DECAY = 0.1  # the decayed group's weight decay in two_groups cases (0.01 otherwise)
 FP16 = {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 1, "hysteresis": 2,

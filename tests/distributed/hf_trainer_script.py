@@ -476,7 +476,8 @@ def deepspeed_checkpoints() -> None:
     checkpoint with the Trainer's state, rng states and weights beside it) lands in
     tests/data/hf_deepspeed_checkpoints/<run>/, with expected.json: DeepSpeed's loss,
     gradient norm and lr at every step. An Accelerate loop's `save_state` lands in
-    <that folder>/accelerate/state3, with expected.json: its losses after the save."""
+    <that folder>/accelerate/state3, with expected.json: its losses after the save; last,
+    a PEFT LoRA run at ZeRO-3 (`lora`) in <that folder>/zero3_lora."""
     import deepspeed
 
     accelerate = HF_DEEPSPEED / "accelerate"
@@ -486,20 +487,32 @@ def deepspeed_checkpoints() -> None:
             script.unlink()
         (accelerate / "expected.json").write_text(json.dumps(
             {"losses": losses, "deepspeed_version": deepspeed.__version__}, indent=1) + "\n")
-
     for name, config in deepspeed_runs().items():
         run = train(f"deepspeed_{name}", config, save_strategy="steps", save_steps=3,
                     **HF_SCHEDULE)
         if RANK == 0:
-            dst = HF_DEEPSPEED / name
-            shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(OUT / f"deepspeed_{name}" / "checkpoint-3", dst / "checkpoint-3",
-                            # DeepSpeed's converters; the arguments, pickled, no resume reads
-                            ignore=shutil.ignore_patterns("*.py", "training_args.bin"))
-            expected = {k: run[k] for k in ("losses", "grad_norms", "lrs")}
-            (dst / "expected.json").write_text(json.dumps(
-                {**expected, "deepspeed_version": deepspeed.__version__}, indent=1) + "\n")
+            keep_checkpoint(name, OUT / f"deepspeed_{name}" / "checkpoint-3",
+                            {**{k: run[k] for k in ("losses", "grad_norms", "lrs")},
+                             "deepspeed_version": deepspeed.__version__})
         torch.distributed.barrier()
+    # PEFT LoRA at ZeRO-3: HF saves it with exclude_frozen_parameters (the frozen base,
+    # GPT-2's tied embedding among it, left out; DeepSpeed keeps its tied head's key)
+    adapted = lora("deepspeed_zero3_lora", str(CONFIGS / "ds_config_zero3.json"),
+                   save_strategy="steps", save_steps=3)
+    if RANK == 0:
+        keep_checkpoint("zero3_lora", OUT / "deepspeed_zero3_lora" / "checkpoint-3",
+                        {"losses": adapted["loss"], "grad_norms": adapted["grad_norm"],
+                         "deepspeed_version": deepspeed.__version__})
+
+
+def keep_checkpoint(name: str, checkpoint: Path, expected: dict) -> None:
+    """`checkpoint` copied to HF_DEEPSPEED/<name>/checkpoint-3, `expected` beside it."""
+    dst = HF_DEEPSPEED / name
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(checkpoint, dst / "checkpoint-3",
+                    # DeepSpeed's converters; the arguments, pickled, which no resume reads
+                    ignore=shutil.ignore_patterns("*.py", "training_args.bin"))
+    (dst / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
 
 
 def write(name: str, data) -> None:
@@ -548,6 +561,8 @@ def main() -> None:
                       for name, config in deepspeed_runs().items()}
     accelerate_resumed = accelerate_state_resumed(OUT, HF_DEEPSPEED / "accelerate" / "state3",
                                                   save=False)
+    lora_from_deepspeed = lora("from_deepspeed_zero3_lora", str(CONFIGS / "ds_config_zero3.json"),
+                               resume=str(HF_DEEPSPEED / "zero3_lora" / "checkpoint-3"))
     zero3 = train("zero3", str(CONFIGS / "ds_config_zero3.json"))
     save("zero3", zero3["trainer"])
     zero3_nvme = train("zero3_nvme", nvme_config(CONFIGS / "ds_config_zero3.json"))
@@ -574,6 +589,8 @@ def main() -> None:
                       "from_deepspeed": {name: {k: r[k] for k in ("losses", "grad_norms", "lrs")}
                                          for name, r in from_deepspeed.items()},
                       "accelerate_from_deepspeed": accelerate_resumed,
+                      "lora_from_deepspeed": {"losses": lora_from_deepspeed["loss"],
+                                              "grad_norms": lora_from_deepspeed["grad_norm"]},
                       "zero3": zero3["losses"], "zero3_held": zero3["held"],
                       "zero3_nvme": zero3_nvme["losses"],
                       "hf_optimizer": {k: own[k] for k in ("losses", "grad_norms", "lrs")},

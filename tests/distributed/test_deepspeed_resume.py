@@ -153,7 +153,10 @@ def model(expected: dict, rank: int) -> TinyLM:
         built.embed.requires_grad_(False)
     if expected.get("exclude_frozen_parameters"):
         torch.manual_seed(0)  # as tools/make_deepspeed_checkpoints.py built DeepSpeed's model
-        built.frozen.load_state_dict(TinyLM().frozen.state_dict())
+        initial = TinyLM()
+        built.frozen.load_state_dict(initial.frozen.state_dict())
+        if expected.get("frozen_tied"):  # left out too, and its tied head's key with it
+            built.embed.load_state_dict(initial.embed.state_dict())
     return built
 
 
@@ -168,8 +171,10 @@ def test_deepspeed_checkpoints_cover_stages_and_precisions():
     assert {c["world_size"] for c in cases} == {1, 2}
     assert {c["precision"] for c in cases} == {"fp32", "bf16", "fp16"}
     assert {c["stage"] for c in cases if c.get("exclude_frozen_parameters")} == {1, 3}
-    # a LoRA run's frozen base, its embedding tied to the head: refused as damaged until stop 51
+    # a LoRA run's frozen base, its embedding tied to the head: refused as damaged until stop 51;
+    # saved without its frozen parameters (HF's Trainer does so for PEFT): until stop 52
     assert {c["stage"] for c in cases if c.get("frozen_tied")} == {2, 3}
+    assert any(c.get("frozen_tied") and c["exclude_frozen_parameters"] for c in cases)
     # DeepSpeed's own FusedAdam (a config without torch_adam), whose param groups keep a
     # step and bias_correction: its checkpoints failed to load until stop 42
     assert any("torch_adam" not in c["config"]["optimizer"]["params"] for c in cases)
@@ -189,7 +194,10 @@ def test_frozen_parameters_left_out_by_deepspeed():
     for name in CASES:
         path, expected = deepspeed_case(name)
         keys = read_deepspeed(path, engine=deepspeed_engine(expected)).state_dict_keys
-        assert ("frozen.weight" in keys) != bool(expected.get("exclude_frozen_parameters")), name
+        excluded = bool(expected.get("exclude_frozen_parameters"))
+        assert ("frozen.weight" in keys) != excluded, name
+        if expected.get("frozen_tied"):  # the tied head goes with the embedding it names
+            assert ("head.weight" in keys) == ("embed.weight" in keys) != excluded, name
 
 
 def test_resume_deepspeed_checkpoint_one_rank(tmp_path):

@@ -85,6 +85,20 @@ def test_resume_from_a_checkpoint_deepspeed_itself_saved(runs, name):
         assert _max_difference({s: got[key][s] for s in after}, after) < TOLERANCE, key
 
 
+def test_peft_lora_checkpoint_deepspeed_saved_without_its_frozen_base_resumes(runs):
+    """PEFT LoRA on GPT-2 at ZeRO-3, checkpoint-3 saved by real DeepSpeed
+    (tests/data/hf_deepspeed_checkpoints/zero3_lora). HF saves PEFT runs with
+    exclude_frozen_parameters: the frozen base is left out, its tied embedding too, but
+    DeepSpeed keeps the tied lm_head's key, naming the embedding it dropped. Refused as
+    damaged until stop 52; resumed, steps 4-6 are DeepSpeed's own."""
+    expected = json.loads((HF_DEEPSPEED / "zero3_lora" / "expected.json").read_text())
+    got = runs[2]["lora_from_deepspeed"]
+    for key in ("losses", "grad_norms"):
+        after = {step: value for step, value in expected[key].items() if int(step) > 3}
+        assert len(after) == 3 and _max_difference({s: got[key][s] for s in after}, after) \
+            < TOLERANCE, key
+
+
 def test_accelerate_load_state_of_a_state_deepspeed_saved(runs):
     """An Accelerate loop's `save_state` under real DeepSpeed (stage 2, the script's AdamW
     and linear schedule; tests/data/hf_deepspeed_checkpoints/accelerate), `load_state` on

@@ -72,8 +72,9 @@ def test_import_holds_deepspeeds_states(name, tmp_path):
     for key, value in model.items():
         if key.startswith(frozen) and not excluded:
             assert torch.equal(full[key], value.to(frozen_dtype).float()), key
-    assert torch.equal(full["head.weight"], full["embed.weight"])  # tied, stored once
-    assert full.keys() == {k for k in model if not (excluded and k.startswith("frozen."))}
+    if "embed.weight" in full:  # (a frozen one left out takes its tied head with it)
+        assert torch.equal(full["head.weight"], full["embed.weight"])  # tied, stored once
+    assert full.keys() == {k for k in model if not (excluded and k.startswith(frozen))}
 
 
 def test_the_scripts_own_optimizer_is_told_from_its_options_without_an_engine(tmp_path):

@@ -189,8 +189,9 @@ def read_deepspeed(load_dir: str | os.PathLike, tag: str | None = None,
     param_group = {name: owner[i] for i, group in enumerate(shapes) for name in group}
     module_tensors = {k: v for k, v in module.items() if k not in param_group and k not in shared}
     module_tensors.update(frozen)
+    keys, shared = _without_excluded_ties(list(module), shared, param_group, module_tensors)
     return DeepSpeedState(path, stage, world_size, params, param_group, scalars, groups,
-                          module_tensors, list(module), shared,
+                          module_tensors, keys, shared,
                           _loss_scaler(optims, optim_files), model, engine)
 
 
@@ -206,9 +207,19 @@ def _read_stage0(path: Path, model: dict, engine: LoadingEngine | None) -> DeepS
     shared = tied_keys(module)
     param_group = {name: gi for gi, group in enumerate(read.shapes) for name in group}
     module_tensors = {k: v for k, v in module.items() if k not in param_group and k not in shared}
+    keys, shared = _without_excluded_ties(list(module), shared, param_group, module_tensors)
     return DeepSpeedState(path, 0, int(model.get("dp_world_size", 1)), read.params, param_group,
-                          read.scalars, read.param_groups, module_tensors, list(module), shared,
+                          read.scalars, read.param_groups, module_tensors, keys, shared,
                           read.loss_scaler, model, engine)
+
+
+def _without_excluded_ties(keys: list[str], shared: dict[str, str], *present: dict
+                          ) -> tuple[list[str], dict[str, str]]:
+    """(state dict keys, ties) less the ties of frozen parameters `save_checkpoint(...,
+    exclude_frozen_parameters=True)` left out: DeepSpeed keeps a tied key (GPT-2's lm_head,
+    frozen under LoRA with the embedding it shares) after dropping the parameter it names."""
+    gone = {k for k, target in shared.items() if not any(target in p for p in present)}
+    return [k for k in keys if k not in gone], {k: t for k, t in shared.items() if k not in gone}
 
 
 def _loss_scaler(optims: list[dict], files: list[Path]) -> dict[str, Any]:
