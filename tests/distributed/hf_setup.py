@@ -1,6 +1,7 @@
 """What every Hugging Face run of hf_trainer_script.py shares: the tiny GPT-2 (saved once,
-so every run starts from the same weights), its token data, and the CPU Accelerate state
-DeepSpeed runs need. Imported after `install_as_deepspeed()` where the script installs it."""
+so every run starts from the same weights), its token data, the DDP runs' optimizer, and
+the CPU Accelerate state DeepSpeed runs need. Imported after `install_as_deepspeed()`
+where the script installs it."""
 from __future__ import annotations
 
 import os
@@ -51,3 +52,11 @@ def cpu_deepspeed_state() -> dict:
     AcceleratorState._reset_state(reset_partial_state=True)  # a fresh state per run, as
     PartialState(backend="gloo")                             # TrainingArguments does
     return {"accelerator_config": {"use_configured_state": True}}
+
+
+def ddp_optimizers(model: torch.nn.Module) -> tuple:
+    """What HF's ds_config files ask for: AdamW, and WarmupLR with `warmup_num_steps` filled
+    from `warmup_steps=0`, which DeepSpeed (and zeromem) raise to 2 steps of log warmup:
+    lr 0 for the first two steps, then `learning_rate`."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step > 1))

@@ -9,12 +9,13 @@ test_hf_trainer.py, which compares what each mode writes to OUT):
 runs HF's own ds_config_zero2.json (losses, save_model, resume_from_checkpoint)
 and ds_config_zero3.json (the model loaded by `from_pretrained` under `zero.Init`;
 then again with both offloads on NVMe; then `evaluate()` alone, which builds the
-engine with no optimizer; then PEFT LoRA on the model loaded under Init), an
-Accelerate loop with a DeepSpeed plugin, TRL's generation under ZeRO-3 between
-training steps, and TRL's GRPOTrainer (hf_setup.py holds the model and data every run
-shares; hf_accelerate_loops.py, Accelerate's own loops). `frameworks` mode trains, through zeromem too, with
-each DeepSpeed config the fine-tuning frameworks ship (tests/config_corpus.py). Rank 0
-writes JSON results.
+engine with no optimizer; then PEFT LoRA on the model loaded under Init), resumes the
+Trainer checkpoints and Accelerate state real DeepSpeed saved (`deepspeed` mode, run by
+hand, made them), an Accelerate loop with a DeepSpeed plugin, TRL's generation under
+ZeRO-3 between training steps, and TRL's GRPOTrainer (hf_setup.py holds the model and
+data every run shares; hf_accelerate_loops.py, Accelerate's own loops; hf_trl_runs.py,
+TRL's). `frameworks` mode trains, through zeromem too, with each DeepSpeed config the
+fine-tuning frameworks ship (tests/config_corpus.py). Rank 0 writes JSON results.
 
 The Trainer accumulates GAS micro-batches per step, as its users mostly do: an epoch
 of 16 micro-batches a rank ends in a window of one (Accelerate announces each boundary
@@ -46,7 +47,8 @@ import config_corpus  # noqa: E402
 from hf_accelerate_loops import (accelerate_losses, accelerate_state_resumed,  # noqa: E402
                                  accelerate_two_models, single_process_losses)
 from hf_setup import (BATCH, LR, RANK, SEQ, STEPS, VOCAB, Tokens,  # noqa: E402
-                      cpu_deepspeed_state, init_model_dir)
+                      cpu_deepspeed_state, ddp_optimizers, init_model_dir)
+from hf_trl_runs import grpo, trl_generation, trl_reference  # noqa: E402
 
 CONFIGS = Path(__file__).parent.parent / "data" / "hf_configs"
 # Trainer checkpoints DeepSpeed 0.19.8 itself saved (`deepspeed_checkpoints`)
@@ -206,112 +208,6 @@ def save(name: str, trainer: transformers.Trainer) -> None:
     trained = trainer.model_wrapped.engine.full_state_dict()  # collective; rank 0 gets it
     if RANK == 0:
         torch.save(trained, OUT / f"{name}_trained.pt")
-
-
-TRL_STEPS, PROMPT, NEW_TOKENS = 3, 3, 4
-
-
-def trl_generation() -> list:
-    """TRL's online trainers (GRPO, online DPO): each step generates with
-    `unwrap_model_for_generation` (on ZeRO-3 it gathers the model whole and takes
-    DeepSpeed's hooks off through its internals), then trains on what it generated, and a
-    frozen reference model scores it. Rank r prompts with sequence r: (generated ids per
-    rank, mean loss over the ranks, the reference model's mean loss) per step."""
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, DummyOptim
-    from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
-
-    cpu_deepspeed_state()
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
-    engine, optimizer = accelerator.prepare(model, DummyOptim(model.parameters()))
-    # the frozen reference model of DPO / GRPO, built by TRL's own helper (its config carries
-    # dotted top-level keys, which DeepSpeed ignores)
-    reference = prepare_deepspeed(transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT)),
-                                  accelerator)
-    prompt = Tokens(2).ids[RANK:RANK + 1, :PROMPT]
-    steps = []
-    for _ in range(TRL_STEPS):
-        with unwrap_model_for_generation(engine, accelerator) as unwrapped:
-            ids = unwrapped.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                     pad_token_id=0, synced_gpus=True)
-        loss = engine(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        everyone: list = [None, None]
-        torch.distributed.all_gather_object(everyone, ids.tolist())
-        with torch.no_grad():
-            reference_loss = reference(input_ids=ids, labels=ids).loss
-        steps.append([everyone, accelerator.reduce(loss.detach(), "mean").item(),
-                      accelerator.reduce(reference_loss, "mean").item()])
-    return steps
-
-
-GRPO_STEPS = 4
-
-
-def grpo(name: str, deepspeed: str | None) -> list[dict]:
-    """TRL's GRPOTrainer as its users run it (HF's ds_config_zero3.json: both offloads, the
-    reference model built by TRL under zero.Init with "auto" sizes), rewarding longer
-    completions: per step its loss, gradient norm, reward and KL to the reference."""
-    from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from trl import GRPOConfig, GRPOTrainer
-
-    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t1",
-                                                     pad_token="t0", eos_token="t0")
-    prompts = [" ".join(f"t{int(v)}" for v in row[:PROMPT]) for row in Tokens(16).ids]
-    extra = {**cpu_deepspeed_state(), "deepspeed": deepspeed} if deepspeed else {}
-    args = GRPOConfig(output_dir=str(OUT / name), per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=NEW_TOKENS, max_steps=GRPO_STEPS,
-                      learning_rate=LR, beta=0.1, bf16=False, logging_steps=1, report_to=[],
-                      seed=0, use_cpu=deepspeed is None, save_strategy="no", disable_tqdm=True,
-                      **extra)
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
-    trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer,
-                          reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-                          train_dataset=Dataset.from_dict({"prompt": prompts}),
-                          optimizers=(None, None) if deepspeed else ddp_optimizers(model))
-    trainer.train()
-    return [{k: h[k] for k in ("loss", "grad_norm", "reward", "kl")}
-            for h in trainer.state.log_history if "loss" in h]
-
-
-def trl_reference() -> list:
-    """`trl_generation` in one process: both prompts generated, the mean loss stepped, the
-    reference model's loss on what was generated."""
-    model = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
-    reference = transformers.GPT2LMHeadModel.from_pretrained(init_model_dir(OUT))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    prompts = Tokens(2).ids[:, :PROMPT]
-    steps = []
-    for _ in range(TRL_STEPS):
-        with torch.no_grad():
-            ids = [model.generate(p[None], max_new_tokens=NEW_TOKENS, do_sample=False,
-                                  pad_token_id=0) for p in prompts]
-        losses = [model(input_ids=i, labels=i).loss for i in ids]
-        (sum(losses) / 2).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            reference_loss = sum(reference(input_ids=i, labels=i).loss.item() for i in ids) / 2
-        steps.append([[i.tolist() for i in ids], sum(v.item() for v in losses) / 2,
-                      reference_loss])
-    return steps
-
-
-def ddp_optimizers(model: torch.nn.Module) -> tuple:
-    """What HF's ds_config files ask for: AdamW, and WarmupLR with `warmup_num_steps` filled
-    from `warmup_steps=0`, which DeepSpeed (and zeromem) raise to 2 steps of log warmup:
-    lr 0 for the first two steps, then `learning_rate`."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step > 1))
 
 
 def nvme_config(path: Path) -> str:
@@ -544,7 +440,7 @@ def main() -> None:
                       "compiled": compiled["losses"],
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
                       "resized": {k: resized[k] for k in ("losses", "grad_norms")},
-                      "grpo": grpo("ddp_grpo", None), "seq2seq": seq2seq("ddp_seq2seq", None),
+                      "grpo": grpo(OUT, "ddp_grpo", None), "seq2seq": seq2seq("ddp_seq2seq", None),
                       "eval_loss": evaluate("ddp_eval", None),
                       "schedule_free": schedule_free("ddp_schedule_free", None),
                       "best_model": best_model("ddp_best_model", None),
@@ -574,7 +470,7 @@ def main() -> None:
                    save_steps=3)
     adapted_resumed = lora("zero3_lora_resumed", str(CONFIGS / "ds_config_zero3.json"),
                            resume=str(OUT / "zero3_lora" / "checkpoint-3"))
-    generated = trl_generation()
+    generated = trl_generation(OUT)
     compiled = train("zero3_compile", str(CONFIGS / "ds_config_zero3.json"), **COMPILE)
     ragged = train("zero3_ragged", str(CONFIGS / "ds_config_zero3.json"),
                    data=RaggedTokens(SAMPLES))
@@ -582,7 +478,7 @@ def main() -> None:
                     data=Tokens(SAMPLES, VOCAB + ADDED), added_tokens=ADDED)
     engine = compiled["trainer"].model_wrapped
     compiled_in_place = engine.is_compiled and engine.module._compiled_call_impl is not None
-    grpo_steps = grpo("zero3_grpo", str(CONFIGS / "ds_config_zero3.json"))
+    grpo_steps = grpo(OUT, "zero3_grpo", str(CONFIGS / "ds_config_zero3.json"))
     two_models = accelerate_two_models(OUT)
     write("zeromem", {"deepspeed": deepspeed_as_hf_sees_it(),
                       "zero2": run["losses"], "zero2_resumed": resumed["losses"],
@@ -605,7 +501,7 @@ def main() -> None:
                       "ragged": {k: ragged[k] for k in ("losses", "grad_norms")},
                       "resized": {k: resized[k] for k in ("losses", "grad_norms")},
                       "single_process": single_process_losses(OUT),
-                      "trl_reference": trl_reference(),
+                      "trl_reference": trl_reference(OUT),
                       "seq2seq": seq2seq("zero3_seq2seq", str(CONFIGS / "ds_config_zero3.json")),
                       "best_model": best_model("zero3_best_model", str(CONFIGS / "ds_config_zero3.json")),
                       "schedule_free": schedule_free(
