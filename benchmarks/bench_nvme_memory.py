@@ -13,7 +13,13 @@ With MALLOC_MMAP_THRESHOLD_=65536 glibc returns freed blocks at once, so RSS is 
 main thread (the larger rank's), "faults" / "switches" its minor page faults and context
 switches (fresh pages and I/O threads cost CPU on a box this small); "io" is rank 0's
 swap I/O of the last step (`engine.offload.io_report()`: wait_s is the time it blocked
-on it), "io_ranks" both ranks' bytes together.
+on it), "io_ranks" both ranks' bytes a step moved to and from storage, read from
+/proc/self/io (the block layer's count, the same for both systems, not zeromem's ledger).
+
+DeepSpeed side by side: a mode prefixed `deepspeed_` (`deepspeed_cpu`, `deepspeed_nvme`)
+is DeepSpeed's own engine on the same model and JSON (DS_ACCELERATOR=cpu; run with a
+Python that has deepspeed, and for NVMe its async_io op, which needs libaio: see
+benchmarks/README.md). Its `vs_bound` is against `deepspeed_cpu`'s step.
 
 Item 2 of issue 16 (at the disk's pace), with `--disk-mb N`: the disk's best read and
 write rates under --nvme-path are measured first (bench_offload.raw_best: several
@@ -31,6 +37,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import socket
 import statistics
 import sys
@@ -46,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import zeromem  # noqa: E402
 
 MB = 1e6
+DEEPSPEED = "deepspeed_"  # a mode's prefix: DeepSpeed's own engine runs it
 
 
 def vm(key: str) -> float:
@@ -68,6 +76,8 @@ class Stack(torch.nn.Module):
 
 
 def config(mode: str, path: str, extra: dict) -> dict:
+    """The JSON both systems read; a `deepspeed_` mode is DeepSpeed's run of the same one."""
+    mode = mode.removeprefix(DEEPSPEED)
     zero: dict = {"stage": 3}
     if mode == "cpu":
         zero |= {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
@@ -95,22 +105,25 @@ def worker(rank: int, world: int, port: int, mode: str, args, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = config(mode, args.nvme_path, json.loads(args.extra))
     torch.manual_seed(0)
-    if args.init:
+    if mode.startswith(DEEPSPEED):
+        engine = deepspeed_engine(Stack(args.width, args.depth), cfg)
+    elif args.init:
         with zeromem.Init(config=cfg):
-            model = Stack(args.width, args.depth)
+            engine = zeromem.initialize(Stack(args.width, args.depth), cfg)
     else:
-        model = Stack(args.width, args.depth)
-    engine = zeromem.initialize(model, cfg)
+        engine = zeromem.initialize(Stack(args.width, args.depth), cfg)
     after_init, init_peak = vm("VmRSS"), vm("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts: training's peak
-    times, cpu, main_cpu, faults, switches = [], [], [], [], []
+    times, cpu, main_cpu, faults, switches, disk = [], [], [], [], [], []
     bf16 = cfg.get("bf16", {}).get("enabled", False)  # the input in the parameters' dtype
     x = torch.randn(8, args.width, dtype=torch.bfloat16 if bf16 else torch.float32)
     for _ in range(args.steps):
         t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
         r = resource.getrusage(resource.RUSAGE_SELF)
+        before = disk_bytes()
         engine.backward(engine(x))
         engine.step()
+        disk.append({k: v - before[k] for k, v in disk_bytes().items()})
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
         main_cpu.append(time.thread_time() - m)
@@ -121,10 +134,29 @@ def worker(rank: int, world: int, port: int, mode: str, args, queue) -> None:
            "peak": vm("VmHWM"), "step": statistics.median(times[1:]),
            "cpu": statistics.median(cpu[1:]), "main_cpu": statistics.median(main_cpu[1:]),
            "faults": statistics.median(faults[1:]), "switches": statistics.median(switches[1:]),
-           "io": engine.offload.io_report()["last_step"]}
+           "io": engine.offload.io_report()["last_step"] if isinstance(engine, zeromem.Engine)
+           else {},
+           # writes left in flight at a step's end land in the next: the timed steps' mean
+           "disk": {k: statistics.mean(d[k] for d in disk[1:]) for k in disk[0]}}
     queue.put(out)
-    engine.close()
+    if isinstance(engine, zeromem.Engine):
+        engine.close()
     dist.destroy_process_group()
+
+
+def deepspeed_engine(model: torch.nn.Module, cfg: dict):
+    """DeepSpeed's engine on the same model and JSON (`deepspeed_` modes)."""
+    os.environ.update(LOCAL_RANK=os.environ["RANK"], DS_ACCELERATOR="cpu")
+    import deepspeed
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+
+def disk_bytes() -> dict[str, int]:
+    """This process's bytes read from and written to storage (/proc/self/io: the block
+    layer's count, direct I/O included, page-cache hits not): both systems measured alike,
+    not from zeromem's own ledger."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {"read_bytes": int(fields["read_bytes"]), "written_bytes": int(fields["write_bytes"])}
 
 
 def run(mode: str, args) -> dict:
@@ -139,13 +171,16 @@ def run(mode: str, args) -> dict:
     outs = [queue.get(timeout=1800) for _ in procs]
     for p in procs:
         p.join()
+    if mode.startswith(DEEPSPEED):
+        for leftover in Path(args.nvme_path).glob("zero_stage_3"):
+            shutil.rmtree(leftover, ignore_errors=True)  # DeepSpeed's swap folders stay behind
     states = 16 * sum(args.width * args.width + args.width for _ in range(args.depth)) / 2 / MB
     return {"mode": mode, "states_mb": states,
             **{k: max(o[k] for o in outs)
                for k in ("init", "init_peak", "steady", "peak", "step", "cpu", "main_cpu",
                          "faults", "switches")},
             "io": next(o["io"] for o in outs if o["rank"] == 0),
-            "io_ranks": {k: sum(o["io"][k] for o in outs) for k in ("read_bytes", "written_bytes")}}
+            "io_ranks": {k: sum(o["disk"][k] for o in outs) for k in ("read_bytes", "written_bytes")}}
 
 
 def main() -> None:
@@ -161,6 +196,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the modes this many times in turn; then print medians")
     args = ap.parse_args()
+    if args.init and DEEPSPEED in args.modes:
+        ap.error("--init builds under zeromem.Init: run the deepspeed_ modes without it")
     disk = None
     if args.disk_mb:
         from bench_offload import raw_best
@@ -178,17 +215,20 @@ def main() -> None:
 def one_round(args, disk: dict | None) -> list[dict]:
     """Each mode once, in order. An NVMe row's bound uses this round's "cpu" step: the
     machine's speed drifts between runs, so each ratio compares runs made side by side."""
-    compute_s, rows = None, []
+    compute_s: dict[str, float] = {}  # "" (zeromem) or DEEPSPEED -> its "cpu" step
+    rows = []
     for mode in args.modes.split(","):
         r = run(mode, args)
-        if mode == "cpu":
-            compute_s = r["step"]
-        if disk is not None and mode.startswith("nvme"):
+        system, kind = (DEEPSPEED, mode[len(DEEPSPEED):]) if mode.startswith(DEEPSPEED) \
+            else ("", mode)
+        if kind == "cpu":
+            compute_s[system] = r["step"]
+        if disk is not None and kind.startswith("nvme"):
             io = r["io_ranks"]  # both ranks' bytes: one disk serves them
             r["io_s"] = io["read_bytes"] / disk["read"] + io["written_bytes"] / disk["write"]
-            if compute_s is not None:
-                r["compute_s"] = compute_s
-                r["vs_bound"] = r["step"] / max(compute_s, r["io_s"])
+            if system in compute_s:
+                r["compute_s"] = compute_s[system]
+                r["vs_bound"] = r["step"] / max(compute_s[system], r["io_s"])
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}),
               flush=True)
         rows.append(r)
