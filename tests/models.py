@@ -16,13 +16,13 @@ from torch.utils._pytree import tree_leaves
 class TinyLM(nn.Module):
     """Odd sizes (forces padding), a tied head, a frozen layer and a sometimes-unused one."""
 
-    def __init__(self, vocab: int = 13, dim: int = 10):
+    def __init__(self, vocab: int = 13, dim: int = 10, hidden: int = 7):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.frozen = nn.Linear(dim, dim)
         self.frozen.requires_grad_(False)
-        self.fc1 = nn.Linear(dim, 7)
-        self.fc2 = nn.Linear(7, dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
         self.sometimes = nn.Linear(dim, dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -172,7 +173,11 @@ def deepspeed_resume_config(expected: dict, stage: int, world_size: int) -> dict
     """The DeepSpeed run's config for a zeromem run at `stage` on `world_size` ranks."""
     config = copy.deepcopy(expected["config"])
     config["gradient_accumulation_steps"] = expected["micro_batches_per_step"] // world_size
-    config["zero_optimization"]["stage"] = stage
+    zero = config["zero_optimization"]
+    zero["stage"] = stage
+    for block in ("offload_optimizer", "offload_param"):
+        if zero.get(block, {}).get("device") == "nvme":  # the DeepSpeed run's folder is gone
+            zero[block]["nvme_path"] = tempfile.gettempdir()
     return config
 
 

@@ -46,6 +46,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -81,6 +82,9 @@ class Case(NamedTuple):
     # the script's own optimizer and schedule (tests/models.py's SGD and LambdaLR), given to
     # `initialize`, as HF's Trainer gives its own when the config has no optimizer block
     client_optimizer: bool = False
+    # ZeRO-Infinity: optimizer states and parameters offloaded to NVMe files while training,
+    # on a TinyLM wide enough (NVME_HIDDEN) that one of its two sub-groups is swapped
+    nvme: bool = False
 
     @property
     def name(self) -> str:
@@ -90,7 +94,8 @@ class Case(NamedTuple):
                                        ("two_groups", self.two_groups),
                                        ("bf16_masters", self.bf16_masters),
                                        ("frozen_tied", self.frozen_tied),
-                                       ("client_optimizer", self.client_optimizer)) if on]
+                                       ("client_optimizer", self.client_optimizer),
+                                       ("nvme", self.nvme)) if on]
         return "_".join([f"stage{self.stage}_ws{self.world_size}_{self.precision}", *flags])
 
 
@@ -108,7 +113,13 @@ CASES = [
     # HF's Trainer saves PEFT runs with exclude_frozen_parameters: the frozen tied embedding
     # goes, and DeepSpeed keeps its tied head's key
     Case(3, 2, "bf16", exclude_frozen=True, frozen_tied=True),
+    # ZeRO-Infinity: DeepSpeed keeps a sub-group's fp32 partition and Adam states in its swap
+    # files from 1 MiB a rank up, and saves them as copies of those files (offloaded_tensors/)
+    Case(3, 2, "fp32", nvme=True),
 ]
+# the nvme case's TinyLM hidden width and sub-groups: the first (embed, fc1, fc2.weight)
+# holds 262,565 elements a rank, past DeepSpeed's 1 MiB swap threshold; the rest stays in memory
+NVME_HIDDEN, NVME_SUB_GROUP = 25_000, 262_500
 DECAY = 0.1  # the decayed group's weight decay in two_groups cases (0.01 otherwise)
 FP16 = {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 1, "hysteresis": 2,
         "min_loss_scale": 1}
@@ -269,10 +280,18 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
         # overflow either
         config["fp16"] = {**FP16, "initial_scale_power": 4} if case.fused_adam \
             else {"enabled": True, "loss_scale": 1.0}
+    if case.nvme:
+        swap = {"device": "nvme", "nvme_path": tempfile.mkdtemp(prefix="ds-nvme-")}
+        config["zero_optimization"].update(offload_optimizer=swap, offload_param=swap,
+                                           sub_group_size=NVME_SUB_GROUP)
+        # a 100th of the others' rates: Adam moves all 25,000 of a logit's terms one way,
+        # and at theirs the wide model's losses reach 60 after three steps
+        config["optimizer"]["params"]["lr"] = 1e-4
+        config["scheduler"]["params"].update(warmup_min_lr=1e-5, warmup_max_lr=1e-4)
     if case.bf16_masters:
         config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(hidden=NVME_HIDDEN) if case.nvme else TinyLM()
     if case.frozen_tied:
         model.embed.requires_grad_(False)
     groups = param_groups(model, case.two_groups)
@@ -315,6 +334,7 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
                     **({"client_optimizer": True, "lrs": fp16["lrs"]} if case.client_optimizer
                        else {}),
                     **({"frozen_tied": True} if case.frozen_tied else {}),
+                    **({"hidden": NVME_HIDDEN, "lrs": fp16["lrs"]} if case.nvme else {}),
                     **({"client_state": {"iteration": SAVE_AT, "checkpoint_version": 3.0,
                                          "tokens": 4096, "args.consumed_train_samples": 48}}
                        if case.client_state else {}),
@@ -325,6 +345,8 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
         for script in Path(out).glob("*.py"):  # DeepSpeed copies its converter script here
             script.unlink()
     dist.barrier()
+    if case.nvme:  # each rank's own swap folder
+        shutil.rmtree(config["zero_optimization"]["offload_param"]["nvme_path"])
     dist.destroy_process_group()
 
 
@@ -360,8 +382,9 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             mp.spawn(worker, args=(case.world_size, free_port(), case, str(out)),
                      nprocs=case.world_size)
-        # ds_to_universal reads ZeRO's partitions (stage 0 has none) of Adam's states only
-        if case.stage > 0 and not case.client_optimizer:
+        # ds_to_universal reads ZeRO's partitions (stage 0 has none) of Adam's states only, and
+        # not those in offloaded_tensors/ (it fails on the empty ones the optimizer files hold)
+        if case.stage > 0 and not case.client_optimizer and not case.nvme:
             make_universal(out)
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         print(f"{out.relative_to(ROOT)}: {size / 1024:.1f} KiB")

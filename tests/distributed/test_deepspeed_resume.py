@@ -51,12 +51,18 @@ def bad_directories(tmp: Path) -> dict[str, str]:
     (damaged / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     (damaged / "global_step3_universal" / "zero" / "fc2.weight" / "exp_avg.pt").unlink()
     (damaged / "latest_universal").unlink()  # the directory names the damaged ZeRO checkpoint
+    src, _ = deepspeed_case("stage3_ws2_fp32_nvme")  # ZeRO-Infinity's swap files, truncated
+    truncated = tmp / "truncated"
+    shutil.copytree(src, truncated)
+    swap = truncated / "global_step3" / "offloaded_tensors" / "rank00" / "exp_avg-0_5.tensor.swp"
+    swap.write_bytes(swap.read_bytes()[:1000])
     foreign = tmp / "foreign"
     foreign.mkdir()
     (foreign / "pytorch_model.bin").write_bytes(b"")
     return {str(damaged): r"lacks the optimizer states of rank\(s\) \[1\]",
             str(damaged / "global_step3_universal"): r"fc2.weight holds the states "
                                                      r"\['exp_avg_sq', 'master'\]",
+            str(truncated): r"rank00/exp_avg-0_5.tensor.swp holds 1000 bytes",
             str(foreign): "neither a zeromem checkpoint .* nor a DeepSpeed one.*pytorch_model.bin "
                           "looks like a weights file"}
 
@@ -148,12 +154,13 @@ def model(expected: dict, rank: int) -> TinyLM:
     layer when the checkpoint left it out: then DeepSpeed's initial values, which it kept.
     Its tied embedding frozen too where DeepSpeed's run froze it (a LoRA run's base)."""
     torch.manual_seed(1 + rank)
-    built = TinyLM()
+    hidden = expected.get("hidden", 7)  # the NVMe case's is wider (swapped sub-groups)
+    built = TinyLM(hidden=hidden)
     if expected.get("frozen_tied"):
         built.embed.requires_grad_(False)
     if expected.get("exclude_frozen_parameters"):
         torch.manual_seed(0)  # as tools/make_deepspeed_checkpoints.py built DeepSpeed's model
-        initial = TinyLM()
+        initial = TinyLM(hidden=hidden)
         built.frozen.load_state_dict(initial.frozen.state_dict())
         if expected.get("frozen_tied"):  # left out too, and its tied head's key with it
             built.embed.load_state_dict(initial.embed.state_dict())
@@ -182,6 +189,13 @@ def test_deepspeed_checkpoints_cover_stages_and_precisions():
     # the script's own optimizer and schedule (no optimizer block, as HF's Trainer runs
     # without one): taken for Adam, and its schedule dropped, until stop 52
     assert {c["stage"] for c in cases if c.get("client_optimizer")} == {0, 2, 3}
+    # ZeRO-Infinity (NVMe offload): a sub-group's partition and states only in DeepSpeed's
+    # swap files (offloaded_tensors/), refused as damaged until stop 53
+    nvme = [name for name in CASES if "nvme" in
+            deepspeed_case(name)[1]["config"]["zero_optimization"].get("offload_optimizer", {})
+            .get("device", "")]
+    assert nvme and all(any((deepspeed_case(name)[0] / "global_step3" / "offloaded_tensors")
+                            .rglob("*.tensor.swp")) for name in nvme)
     fp16 = [c for c in cases if c["precision"] == "fp16" and c["stage"] > 0]
     # the saved scaler is mid-hysteresis, and the steps after the save skip, halve and keep
     assert all(c["scaler"]["cur_hysteresis"] == 1 and any(c["skipped"]) for c in fp16)

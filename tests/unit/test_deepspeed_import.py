@@ -236,6 +236,30 @@ def test_damaged_deepspeed_checkpoints_are_refused_by_name(tmp_path):
     assert not (tmp_path / "out" / "latest").exists()
 
 
+def test_damaged_zero_infinity_swap_files_are_refused_by_name(tmp_path):
+    """DeepSpeed's NVMe-offloaded sub-groups live in offloaded_tensors/rank{NN}/ (their
+    partitions empty in the optimizer files): a truncated, missing or extra file is named."""
+    name = "stage3_ws2_fp32_nvme"
+    tag = damaged_copy(tmp_path / "t", name)
+    state = tag / "offloaded_tensors" / "rank01" / "exp_avg_sq-0_5.tensor.swp"
+    state.write_bytes(state.read_bytes()[:4096])
+    with pytest.raises(CheckpointError, match=r"rank01/exp_avg_sq-0_5.tensor.swp holds 4096 "
+                                              "bytes where 262565 torch.float32 values.*truncated"):
+        import_deepspeed(tag.parent, tmp_path / "out")
+
+    tag = damaged_copy(tmp_path / "m", name)
+    shutil.rmtree(tag / "offloaded_tensors" / "rank00")
+    with pytest.raises(CheckpointError, match=r"offloaded_tensors/rank00 is missing"):
+        import_deepspeed(tag.parent, tmp_path / "out")
+
+    tag = damaged_copy(tmp_path / "x", name)  # a second swapped sub-group the files lack
+    shutil.copy(tag / "offloaded_tensors" / "rank01" / "0_5.tensor.swp",
+                tag / "offloaded_tensors" / "rank01" / "6_8.tensor.swp")
+    with pytest.raises(CheckpointError, match=r"rank01: 2 swapped sub-group\(s\) for the 1"):
+        import_deepspeed(tag.parent, tmp_path / "out")
+    assert not (tmp_path / "out" / "latest").exists()
+
+
 def test_fp16_checkpoint_without_its_loss_scaler_is_refused(tmp_path):
     tag = damaged_copy(tmp_path, "stage2_ws2_fp16")
     for rank in (0, 1):

@@ -67,6 +67,7 @@ import torch
 
 from zeromem.checkpoints.consolidate import (FORMAT, VERSION, encode, prepare_tmp, publish,
                                              rank_file_name, write_latest, write_manifest)
+from zeromem.checkpoints.deepspeed_offloaded import swapped_in
 from zeromem.checkpoints.deepspeed_options import optimizer_and_schedule
 from zeromem.checkpoints.deepspeed_pickles import LossScalerRecord, load_object, load_pt, need
 from zeromem.checkpoints.deepspeed_stage0 import (ParamOrder, assemble_stage0, module_weights,
@@ -288,11 +289,15 @@ def _assemble_stage12(path: Path, optims: list[dict], shapes: list[dict],
 def _assemble_stage3(path: Path, optims: list[dict], shapes: list[dict],
                      world_size: int) -> tuple[dict, list, list]:
     per_rank = []
+    # each sub-group's partition on a rank: its parameters, each padded to the world size
+    numels = [sum(math.ceil(math.prod(shape) / world_size) for shape in group.values())
+              for group in shapes]
     for rank, optim in enumerate(optims):
         file = path / f"rank {rank}"
         states, groups = _base_state(optim, "optimizer_state_dict", file)
-        flat = {"master": torch.cat([t.float().flatten()
-                                     for t in need(optim, "fp32_flat_groups", file)])}
+        masters, states = swapped_in(path, rank, numels, need(optim, "fp32_flat_groups", file),
+                                     states)
+        flat = {"master": torch.cat([t.float().flatten() for t in masters])}
         for key in sorted(k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0):
             flat[key] = torch.cat([s[key].float().flatten() for s in states])
         per_rank.append(flat)
