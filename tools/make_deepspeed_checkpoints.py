@@ -6,12 +6,15 @@ Needs DeepSpeed (a test-data tool, never a zeromem dependency); on CPU:
     DS_ACCELERATOR=cpu .venv-ds/bin/python tools/make_deepspeed_checkpoints.py [CASE ...]
 
 (CASE: a directory name below, e.g. stage2_ws2_fp16; default: every case.) With
-`--universal-only` the existing checkpoints are converted again, not remade.
+`--universal-only` the existing checkpoints are converted again, not remade. The NVMe case
+(stage3_ws2_fp32_nvme) needs DeepSpeed's async_io op, which links libaio
+(benchmarks/README.md says how to build it without root).
 
 For each case (ZeRO stage, 0 to 3, world size, precision, whether `save_checkpoint` was
 given `exclude_frozen_parameters=True`, which Adam, whether it carries Megatron-DeepSpeed's
 client state, whether its tied embedding is frozen as a LoRA run's base is, whether the
-script gave `initialize` its own optimizer and schedule instead of config blocks) it trains
+script gave `initialize` its own optimizer and schedule instead of config blocks, whether
+optimizer and parameters are offloaded to NVMe) it trains
 `tests/models.py`'s TinyLM (whose `frozen` layer has requires_grad False)
 with real DeepSpeed (gloo) for SAVE_AT optimizer steps on `micro_batch` data, saves a
 checkpoint, trains AFTER more steps and records, in `<case>/expected.json`:
