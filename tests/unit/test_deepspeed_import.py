@@ -252,7 +252,7 @@ def test_damaged_zero_infinity_swap_files_are_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match=r"offloaded_tensors/rank00 is missing"):
         import_deepspeed(tag.parent, tmp_path / "out")
 
-    tag = damaged_copy(tmp_path / "x", name)  # a second swapped sub-group the files lack
+    tag = damaged_copy(tmp_path / "x", name)  # a stray file: two swapped, one left empty
     shutil.copy(tag / "offloaded_tensors" / "rank01" / "0_5.tensor.swp",
                 tag / "offloaded_tensors" / "rank01" / "6_8.tensor.swp")
     with pytest.raises(CheckpointError, match=r"rank01: 2 swapped sub-group\(s\) for the 1"):

@@ -25,9 +25,9 @@ SWAPPED = re.compile(r"(\d+)_(\d+)\.tensor\.swp")  # a sub-group's fp32 partitio
 def swapped_in(path: Path, rank: int, numels: list[int], masters: list[torch.Tensor],
                states: list[dict]) -> tuple[list[torch.Tensor], list[dict]]:
     """`masters` and `states` (per sub-group, as rank `rank`'s optimizer file holds them)
-    with every empty one read from that rank's swap files; `numels`: each sub-group's
-    partition size on a rank."""
-    empty = [i for i, (master, n) in enumerate(zip(masters, numels)) if master.numel() < n]
+    with every empty one (DeepSpeed's placeholder for a swapped tensor) read from that
+    rank's swap files; `numels`: each sub-group's partition size on a rank."""
+    empty = [i for i, (master, n) in enumerate(zip(masters, numels)) if master.numel() == 0 < n]
     if not empty:
         return masters, states
     folder = path / "offloaded_tensors" / f"rank{rank:02d}"
@@ -41,7 +41,7 @@ def swapped_in(path: Path, rank: int, numels: list[int], masters: list[torch.Ten
     for i, match in zip(empty, files):
         masters[i] = _read(folder / match.group(0), numels[i], masters[i].dtype)
         for key, value in states[i].items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.numel() < numels[i]:
+            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == 0:
                 states[i][key] = _read(folder / f"{key}-{match.group(0)}", numels[i], value.dtype)
     return masters, states
 
