@@ -6,8 +6,8 @@ Needs DeepSpeed (a test-data tool, never a zeromem dependency); on CPU:
     DS_ACCELERATOR=cpu .venv-ds/bin/python tools/make_deepspeed_checkpoints.py [CASE ...]
 
 (CASE: a directory name below, e.g. stage2_ws2_fp16; default: every case.) With
-`--universal-only` the existing checkpoints are converted again, not remade. The NVMe case
-(stage3_ws2_fp32_nvme) needs DeepSpeed's async_io op, which links libaio
+`--universal-only` the existing checkpoints are converted again, not remade. The NVMe cases
+(stage3_ws2_*_nvme*) need DeepSpeed's async_io op, which links libaio
 (benchmarks/README.md says how to build it without root).
 
 For each case (ZeRO stage, 0 to 3, world size, precision, whether `save_checkpoint` was
@@ -88,6 +88,9 @@ class Case(NamedTuple):
     # ZeRO-Infinity: optimizer states and parameters offloaded to NVMe files while training,
     # on a TinyLM wide enough (NVME_HIDDEN) that one of its two sub-groups is swapped
     nvme: bool = False
+    # ... with DeepSpeed's swap threshold lowered from 1 MiB to 4 KiB (its module constant),
+    # on a TinyLM 300 wide: two of its three sub-groups swapped, in a small checkpoint
+    swap_small: bool = False
 
     @property
     def name(self) -> str:
@@ -98,7 +101,8 @@ class Case(NamedTuple):
                                        ("bf16_masters", self.bf16_masters),
                                        ("frozen_tied", self.frozen_tied),
                                        ("client_optimizer", self.client_optimizer),
-                                       ("nvme", self.nvme)) if on]
+                                       ("nvme", self.nvme),
+                                       ("swap_small", self.swap_small)) if on]
         return "_".join([f"stage{self.stage}_ws{self.world_size}_{self.precision}", *flags])
 
 
@@ -118,11 +122,14 @@ CASES = [
     Case(3, 2, "bf16", exclude_frozen=True, frozen_tied=True),
     # ZeRO-Infinity: DeepSpeed keeps a sub-group's fp32 partition and Adam states in its swap
     # files from 1 MiB a rank up, and saves them as copies of those files (offloaded_tensors/)
-    Case(3, 2, "fp32", nvme=True),
+    Case(3, 2, "fp32", nvme=True), Case(3, 2, "bf16", nvme=True, swap_small=True),
 ]
 # the nvme case's TinyLM hidden width and sub-groups: the first (embed, fc1, fc2.weight)
 # holds 262,565 elements a rank, past DeepSpeed's 1 MiB swap threshold; the rest stays in memory
 NVME_HIDDEN, NVME_SUB_GROUP = 25_000, 262_500
+# swap_small: (embed, fc1.weight) and (fc1.bias, fc2.weight) hold 1,565 and 1,650 elements a
+# rank, past a 4 KiB threshold; the last sub-group (60) stays in memory
+SMALL_HIDDEN, SMALL_SUB_GROUP, SMALL_SWAP_BYTES = 300, 1_500, 4096
 DECAY = 0.1  # the decayed group's weight decay in two_groups cases (0.01 otherwise)
 FP16 = {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 1, "hysteresis": 2,
         "min_loss_scale": 1}
@@ -285,8 +292,13 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
             else {"enabled": True, "loss_scale": 1.0}
     if case.nvme:
         swap = {"device": "nvme", "nvme_path": tempfile.mkdtemp(prefix="ds-nvme-")}
-        config["zero_optimization"].update(offload_optimizer=swap, offload_param=swap,
-                                           sub_group_size=NVME_SUB_GROUP)
+        config["zero_optimization"].update(
+            offload_optimizer=swap, offload_param=swap,
+            sub_group_size=SMALL_SUB_GROUP if case.swap_small else NVME_SUB_GROUP)
+    if case.swap_small:
+        from deepspeed.runtime.swap_tensor import optimizer_utils
+        optimizer_utils.MIN_AIO_BYTES = SMALL_SWAP_BYTES  # read when the swapper is built
+        config["aio"] = {"block_size": SMALL_SWAP_BYTES}  # the threshold is the larger of both
         # a 100th of the others' rates: Adam moves all 25,000 of a logit's terms one way,
         # and at theirs the wide model's losses reach 60 after three steps
         config["optimizer"]["params"]["lr"] = 1e-4
@@ -294,7 +306,8 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
     if case.bf16_masters:
         config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     torch.manual_seed(0)
-    model = TinyLM(hidden=NVME_HIDDEN) if case.nvme else TinyLM()
+    hidden = SMALL_HIDDEN if case.swap_small else NVME_HIDDEN if case.nvme else 7
+    model = TinyLM(hidden=hidden)
     if case.frozen_tied:
         model.embed.requires_grad_(False)
     groups = param_groups(model, case.two_groups)
@@ -337,7 +350,8 @@ def worker(rank: int, world_size: int, port: int, case: Case, out: str) -> None:
                     **({"client_optimizer": True, "lrs": fp16["lrs"]} if case.client_optimizer
                        else {}),
                     **({"frozen_tied": True} if case.frozen_tied else {}),
-                    **({"hidden": NVME_HIDDEN, "lrs": fp16["lrs"]} if case.nvme else {}),
+                    **({"hidden": hidden, "lrs": fp16["lrs"]} if case.nvme else {}),
+                    **({"swap_min_bytes": SMALL_SWAP_BYTES} if case.swap_small else {}),
                     **({"client_state": {"iteration": SAVE_AT, "checkpoint_version": 3.0,
                                          "tokens": 4096, "args.consumed_train_samples": 48}}
                        if case.client_state else {}),

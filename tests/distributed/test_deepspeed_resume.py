@@ -194,8 +194,12 @@ def test_deepspeed_checkpoints_cover_stages_and_precisions():
     nvme = [name for name in CASES if "nvme" in
             deepspeed_case(name)[1]["config"]["zero_optimization"].get("offload_optimizer", {})
             .get("device", "")]
-    assert nvme and all(any((deepspeed_case(name)[0] / "global_step3" / "offloaded_tensors")
-                            .rglob("*.tensor.swp")) for name in nvme)
+    swapped = {name: len(list((deepspeed_case(name)[0] / "global_step3" / "offloaded_tensors"
+                               / "rank01").glob("[0-9]*.tensor.swp"))) for name in nvme}
+    # DeepSpeed's own threshold (1 MiB a rank: one sub-group), and two sub-groups swapped
+    # past a lowered one (their order matters), in fp32 and in bf16
+    assert sorted(swapped.values()) == [1, 2], swapped
+    assert {deepspeed_case(name)[1]["precision"] for name in nvme} == {"fp32", "bf16"}
     fp16 = [c for c in cases if c["precision"] == "fp16" and c["stage"] > 0]
     # the saved scaler is mid-hysteresis, and the steps after the save skip, halve and keep
     assert all(c["scaler"]["cur_hysteresis"] == 1 and any(c["skipped"]) for c in fp16)
