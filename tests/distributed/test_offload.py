@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import zeromem
 from harness import run_distributed
 from models import Reference, TinyLM, micro_batch, state_dict_diff, uses_sometimes
 from setups import parity_config
+from zeromem.offload import nvme as nvme_io
 from zeromem.offload.placement import OffloadError
 from zeromem.offload.nvme import ALIGN, AsyncIO, SwapSpace
 
@@ -116,6 +118,30 @@ def test_offload_parity_and_host_bound(world_size, tmp_path):
     for case in results[0].values():
         assert max(case["diffs"]) <= 1e-5
     assert os.listdir(tmp_path) == []
+
+
+def slow_writes_bf16_master_diff(rank: int, world_size: int, path: str) -> float:
+    """`bf16_master_diff` with every swap write held back 5 ms in its I/O thread, as a loaded
+    disk or machine holds them: the step begun in backward writes a sub-group's new bf16
+    shards from its slot's gradient buffer, and the next sub-group's gradient must not go
+    into that buffer before the write has read it (until stop 53 it did, about one run
+    in ten under load: the shards on disk took gradient bytes)."""
+    transfer = nvme_io._transfer
+
+    def held_back(op: str, *args) -> None:
+        if op == "write":
+            time.sleep(0.005)
+        transfer(op, *args)
+
+    nvme_io._transfer = held_back
+    try:
+        return bf16_master_diff(rank, world_size, path)
+    finally:
+        nvme_io._transfer = transfer
+
+
+def test_bf16_step_in_backward_waits_for_writes_from_its_gradient_buffer(tmp_path):
+    assert run_distributed(slow_writes_bf16_master_diff, 2, str(tmp_path))[0] <= 1e-3
 
 
 def bf16_master_diff(rank: int, world_size: int, path: str) -> float:
