@@ -132,7 +132,7 @@ class StepInBackward:
         self._step_ready(wait=True)
         held, stepped = self.held, set(self.stepped)
         for i, (slot, handles) in held.items():
-            opt._settle_slot(slot)  # as in `_take_piece`: the grad buffer is read into below
+            opt._settle_grad_buffer(slot)  # as in `_take_piece`: read into below
             sg, got = opt.sub_groups[i], self.arrived.get(i, set())
             for k, (p, at) in enumerate(zip(sg.pieces, opt._grad_places(sg))):
                 if k not in got:  # its group's gradient never came this backward
@@ -171,7 +171,7 @@ class StepInBackward:
         slot = self.held[i][0]
         # bf16's new shards were written from this slot's gradient buffer (two copies): that
         # write must end before a gradient goes in (the field reads wait in the I/O threads)
-        opt._settle_slot(slot)
+        opt._settle_grad_buffer(slot)
         sg = opt.sub_groups[i]
         p, at = sg.pieces[k], opt._grad_places(sg)[k]
         piece_view(p.start, p.numel, slot["grad"][at:]).copy_(shard[p.start:p.start + p.numel])

@@ -334,6 +334,13 @@ class SwappedOptimizer(torch.optim.Optimizer):
         for i in [i for i, (s, _) in self.writes.items() if s is slot]:
             self._settle(i)
 
+    def _settle_grad_buffer(self, slot: Slot) -> None:
+        """Wait for the writes still reading `slot`'s gradient buffer, before a gradient goes
+        into it: with two copies, 16-bit shards are written from there (`_compute`). fp32
+        writes its shards from the master buffer: nothing to wait for, and backward goes on."""
+        if self.master_in_file and self.two_copies:
+            self._settle_slot(slot)
+
     def _written(self, slot: Slot) -> bool:
         """No write from `slot` is still running (a read may start into it without waiting)."""
         return all(h.done() for s, hs in self.writes.values() if s is slot for h in hs)
