@@ -10,7 +10,6 @@ be FSDP2's own continued run's, on every rank and at every stage.
 """
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import torch
@@ -67,12 +66,10 @@ def zeromem_run(torch_file: Path, stage: int) -> list[float]:
     return losses
 
 
-def switch(rank: int, world_size: int, stages: tuple[int, ...]) -> dict:
-    where = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(where)
-    ckpt = Path(where[0]) / "step-2"
+def switch(rank: int, world_size: int, where: str, stages: tuple[int, ...]) -> dict:
+    ckpt = Path(where) / "step-2"
     out = {"fsdp2": fsdp2_run(ckpt)}
-    torch_file = Path(where[0]) / "model.pt"
+    torch_file = Path(where) / "model.pt"
     if rank == 0:
         dcp_to_torch_save(ckpt, torch_file)
     dist.barrier()
@@ -81,8 +78,8 @@ def switch(rank: int, world_size: int, stages: tuple[int, ...]) -> dict:
     return out
 
 
-def test_fsdp2_dcp_checkpoint_continues_under_zeromem():
-    for rank, got in enumerate(run_distributed(switch, 2, STAGES)):
+def test_fsdp2_dcp_checkpoint_continues_under_zeromem(tmp_path):
+    for rank, got in enumerate(run_distributed(switch, 2, str(tmp_path), STAGES)):
         for stage in STAGES:
             diff = max(abs(a - b) for a, b in zip(got[stage], got["fsdp2"]))
             assert diff <= 1e-6, (rank, stage, got[stage], got["fsdp2"])
