@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +32,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from measure import bytes_written
+
 HERE = Path(__file__).resolve().parent
 MB = 2 ** 20
 
@@ -40,12 +41,6 @@ MB = 2 ** 20
 # old names as deprecated aliases; use whichever this torch has.
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def bytes_written() -> int:
-    """Bytes this process passed to write-like syscalls, sockets included (all threads)."""
-    with open("/proc/self/io") as f:
-        return int(re.search(r"^wchar:\s+(\d+)", f.read(), re.MULTILINE).group(1))
 
 
 def make_operations(full: torch.Tensor, world: int) -> dict[str, tuple[Callable[[], None], float]]:

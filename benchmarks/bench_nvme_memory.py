@@ -51,6 +51,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import zeromem  # noqa: E402
+from measure import storage_bytes  # noqa: E402
 
 MB = 1e6
 DEEPSPEED = "deepspeed_"  # a mode's prefix: DeepSpeed's own engine runs it
@@ -120,10 +121,10 @@ def worker(rank: int, world: int, port: int, mode: str, args, queue) -> None:
     for _ in range(args.steps):
         t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
         r = resource.getrusage(resource.RUSAGE_SELF)
-        before = disk_bytes()
+        before = storage_bytes()
         engine.backward(engine(x))
         engine.step()
-        disk.append({k: v - before[k] for k, v in disk_bytes().items()})
+        disk.append({k: v - before[k] for k, v in storage_bytes().items()})
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
         main_cpu.append(time.thread_time() - m)
@@ -149,14 +150,6 @@ def deepspeed_engine(model: torch.nn.Module, cfg: dict):
     os.environ.update(LOCAL_RANK=os.environ["RANK"], DS_ACCELERATOR="cpu")
     import deepspeed
     return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
-
-
-def disk_bytes() -> dict[str, int]:
-    """This process's bytes read from and written to storage (/proc/self/io: the block
-    layer's count, direct I/O included, page-cache hits not): both systems measured alike,
-    not from zeromem's own ledger."""
-    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return {"read_bytes": int(fields["read_bytes"]), "written_bytes": int(fields["write_bytes"])}
 
 
 def run(mode: str, args) -> dict:

@@ -1,7 +1,8 @@
 """What the comparative benchmark measures in each worker process.
 
 Peak RSS (VmHWM after a reset through /proc/self/clear_refs), bytes written to
-sockets (/proc/self/io wchar, i.e. what gloo actually sent), and a census of
+sockets (/proc/self/io wchar, i.e. what gloo actually sent), bytes moved to and from
+storage (its read_bytes / write_bytes), and a census of
 the distinct tensor storages reachable from a model and its optimizer/engine
 (the model-state bytes a system really holds).
 """
@@ -36,11 +37,22 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def _proc_io() -> dict[str, int]:
+    """This process's I/O counters (/proc/self/io), all threads."""
+    with open("/proc/self/io") as f:
+        return {key: int(value) for key, value in (line.split(": ") for line in f)}
+
+
 def bytes_written() -> int:
     """Bytes this process passed to write-like syscalls, sockets included (all threads)."""
-    with open("/proc/self/io") as f:
-        match = re.search(r"^wchar:\s+(\d+)", f.read(), re.MULTILINE)
-    return int(match.group(1))
+    return _proc_io()["wchar"]
+
+
+def storage_bytes() -> dict[str, int]:
+    """Bytes this process read from and wrote to storage (the block layer's count, direct
+    I/O included, page-cache hits not): any system measured alike, not from its own ledger."""
+    io = _proc_io()
+    return {"read_bytes": io["read_bytes"], "written_bytes": io["write_bytes"]}
 
 
 # ----------------------------------------------------------------------------- tensor census
