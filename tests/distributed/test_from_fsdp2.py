@@ -1,22 +1,26 @@
 """Coming from FSDP2 (README "Coming from FSDP2"): a run trained with `fully_shard` and saved
 with torch.distributed.checkpoint (DCP, torchtitan's format) goes on under zeromem.
 
-The recipe the README gives: torch's own `dcp_to_torch_save` turns the DCP directory into
-one file (offline, no process group), every rank loads it into a freshly built module with
-`load_state_dict`, and `zeromem.initialize` takes the module from there. The weights are the
-FSDP2 run's; optimizer states start afresh, as in a fine-tune from saved weights, so the
-test steps a stateless optimizer (SGD without momentum): the next steps' losses must then
-be FSDP2's own continued run's, on every rank and at every stage.
+torch's own `dcp_to_torch_save` turns the DCP directory into one file (offline, no process
+group). The README gives two recipes for it: every rank loads the file's weights into a
+freshly built module with `load_state_dict` before `zeromem.initialize` (optimizer states
+start afresh: the test steps a stateless SGD), or `engine.load_checkpoint(file)` takes the
+weights, the optimizer's states and options and the step count (AdamW, whose moments and
+bias correction a wrong import changes; SGD with momentum in torch's flattened layout, as
+torchtitan saves it). Either way the next steps' losses must be FSDP2's own continued
+run's, on every rank and at every stage.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict)
 from torch.distributed.fsdp import fully_shard
 
 import zeromem
@@ -81,5 +85,78 @@ def switch(rank: int, world_size: int, where: str, stages: tuple[int, ...]) -> d
 def test_fsdp2_dcp_checkpoint_continues_under_zeromem(tmp_path):
     for rank, got in enumerate(run_distributed(switch, 2, str(tmp_path), STAGES)):
         for stage in STAGES:
+            diff = max(abs(a - b) for a, b in zip(got[stage], got["fsdp2"]))
+            assert diff <= 1e-6, (rank, stage, got[stage], got["fsdp2"])
+
+
+# the FSDP2 run's optimizer, and the zeromem config's block, whose options the file's replace
+OPTIMIZERS = {
+    "adamw": (lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
+              {"type": "AdamW", "params": {"lr": 0.5}}),
+    "sgd": (lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9),
+            {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.5}}),
+}
+
+
+def fsdp2_full_run(ckpt: Path, kind: str, torchtitan: bool) -> list[float]:
+    """As `fsdp2_run`, the optimizer saved too: nested (FSDP2 scripts) or flattened with the
+    model's keys at the top (torchtitan)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    fully_shard(model)
+    opt = OPTIMIZERS[kind][0](model.parameters())
+    rank, losses = dist.get_rank(), []
+    for step in range(BEFORE + AFTER):
+        if step == BEFORE:
+            options = StateDictOptions(flatten_optimizer_state_dict=torchtitan)
+            msd, osd = get_state_dict(model, opt, options=options)
+            state = {**msd, "optimizer": osd} if torchtitan else {"model": msd, "optimizer": osd}
+            dcp.save(state, checkpoint_id=str(ckpt))
+        loss = model(*micro_batch(step, rank, 0))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses[BEFORE:]
+
+
+def resumed_run(torch_file: Path, stage: int, kind: str) -> list[float]:
+    """`engine.load_checkpoint` of the converted file, then the same steps."""
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)
+    engine = zeromem.initialize(TinyLM(), {
+        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+        "optimizer": OPTIMIZERS[kind][1],
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    engine.load_checkpoint(str(torch_file))
+    assert engine.global_steps == (BEFORE if kind == "adamw" else 0)  # SGD keeps no step
+    losses = []
+    for step in range(BEFORE, BEFORE + AFTER):
+        loss = engine(*micro_batch(step, rank, 0))
+        loss.backward()
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def resume(rank: int, world_size: int, where: str, kind: str, torchtitan: bool,
+           stages: tuple[int, ...]) -> dict:
+    ckpt = Path(where) / "step-2"
+    out = {"fsdp2": fsdp2_full_run(ckpt, kind, torchtitan)}
+    torch_file = Path(where) / "step-2.pt"
+    if rank == 0:
+        dcp_to_torch_save(ckpt, torch_file)
+    dist.barrier()
+    for stage in stages:
+        out[stage] = resumed_run(torch_file, stage, kind)
+    return out
+
+
+@pytest.mark.parametrize("kind, torchtitan, stages", [("adamw", False, STAGES),
+                                                      ("sgd", True, (1, 3))])
+def test_fsdp2_run_resumes_with_its_optimizer_states(tmp_path, kind, torchtitan, stages):
+    for rank, got in enumerate(run_distributed(resume, 2, str(tmp_path), kind, torchtitan,
+                                               stages)):
+        for stage in stages:
             diff = max(abs(a - b) for a, b in zip(got[stage], got["fsdp2"]))
             assert diff <= 1e-6, (rank, stage, got[stage], got["fsdp2"])

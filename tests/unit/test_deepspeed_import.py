@@ -206,6 +206,12 @@ def test_foreign_directories_say_what_they_look_like(tmp_path):
     (empty / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match="DeepSpeed one.*it holds notes.txt"):
         import_deepspeed(empty, tmp_path / "out")
+    dcp = tmp_path / "step-1000"  # what torch.distributed.checkpoint.save writes
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"")
+    (dcp / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="DCP.*dcp_to_torch_save and load that file"):
+        resolve_checkpoint(dcp)
 
 
 def damaged_copy(tmp_path: Path, name: str = "stage2_ws2_fp32") -> Path:

@@ -17,7 +17,7 @@ import torch
 from zeromem.checkpoints.consolidate import encode
 from zeromem.checkpoints.tensor_files import CheckpointError
 
-_IMPLEMENTATION = {"params", "foreach", "fused", "capturable", "differentiable"}
+IMPLEMENTATION = {"params", "foreach", "fused", "capturable", "differentiable"}
 
 
 def optimizer_and_schedule(path: Path, saved: list[dict], model_states: dict,
@@ -46,7 +46,7 @@ def optimizer_and_schedule(path: Path, saved: list[dict], model_states: dict,
                               f"or scheduler zeromem cannot build: {error}") from None
     optimizer: torch.optim.Optimizer
     if opt_config is None:
-        kind = client_kind or _client_kind(saved)
+        kind = client_kind or optimizer_kind(saved)
         as_saved = [{k: v for k, v in g.items()
                      if k != "params" and (k in option_keys or not option_keys)} for g in saved]
         optimizer = torch.optim.SGD([{**g, "params": [torch.zeros(0)]} for g in as_saved])
@@ -61,7 +61,7 @@ def optimizer_and_schedule(path: Path, saved: list[dict], model_states: dict,
     return (kind, options), encode(schedule, "lr scheduler state")
 
 
-def _client_kind(saved: list[dict]) -> str:
+def optimizer_kind(saved: list[dict]) -> str:
     """The script's optimizer, told from its param groups' options where torch's are (the
     loading engine names it; an engine of another kind refuses its states)."""
     keys = set(saved[0]) if saved else set()
@@ -86,7 +86,7 @@ def _config_optimizer(opt_config, saved: list[dict], option_keys: frozenset[str]
     # the saved options this optimizer has: DeepSpeed's FusedAdam keeps its own (bias_correction,
     # a step count) beside them, which would make the group unlike the engine's at load
     defaults = cls([torch.zeros(0)], **params).param_groups[0]
-    known = (set(defaults) | option_keys) - _IMPLEMENTATION
+    known = (set(defaults) | option_keys) - IMPLEMENTATION
     # DeepSpeedCPUAdam keeps the config's betas as the JSON list it read; torch's a tuple
     groups = [{"params": [torch.zeros(0)],
                **{k: tuple(v) if isinstance(v, list) and isinstance(defaults.get(k), tuple)

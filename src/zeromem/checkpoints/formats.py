@@ -1,6 +1,7 @@
 """Which checkpoint format a directory holds, and what a directory in no known format looks like.
 
-`load_checkpoint` reads zeromem's own format (`<tag>/manifest.json`) and imports
+`load_checkpoint` reads zeromem's own format (`<tag>/manifest.json`), one torch file of an
+FSDP2 / DCP run (`torch_import`), and imports
 DeepSpeed's ZeRO format (`<tag>/mp_rank_00_model_states.pt` or, at stage 3,
 `<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt`, beside
 `[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`, or, in a universal checkpoint,
@@ -90,6 +91,10 @@ def _directory_hint(names: list[str]) -> str:
     if "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
         return ("; it looks like a Hugging Face model directory: load it with from_pretrained "
                 "before zeromem.initialize")
+    if ".metadata" in names and any(n.endswith(".distcp") for n in names):
+        return ("; it looks like a torch.distributed.checkpoint (DCP) directory: turn it into "
+                "one file with torch's dcp_to_torch_save and load that file (README, Coming "
+                "from FSDP2)")
     if "zero/" in names:
         return ("; it looks like a DeepSpeed universal checkpoint without its model states "
                 "file (mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt, "

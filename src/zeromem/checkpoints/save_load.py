@@ -348,11 +348,16 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
     `trust_client_state=True` for client state holding other objects, and only
     for checkpoints you wrote yourself.
 
+    A file is one torch state dict of an FSDP2 / DCP run (`dcp_to_torch_save`'s;
+    `checkpoints/torch_import.py`), imported the same way; it returns (the file, None).
     A DeepSpeed ZeRO checkpoint (stages 1-3, or its universal form;
     `checkpoints/deepspeed_import.py`) is imported first, by each rank into a private
     temporary directory, then loaded the same way; it returns DeepSpeed's tag directory and
     the client state DeepSpeed's `load_checkpoint` would (`DeepSpeedState.client_state`).
     """
+    if Path(load_dir).is_file():
+        return _load_torch_file(state, Path(load_dir), load_optimizer_states,
+                                load_lr_scheduler_states)
     where = deepspeed_location(load_dir, tag, universal)
     if where is not None:
         return _load_deepspeed(state, where, load_optimizer_states, load_lr_scheduler_states)
@@ -376,6 +381,20 @@ def _load_deepspeed(state: TrainingState, where: tuple[Path, str], load_optimize
         _load(state, tmp, tag, load_optimizer_states, load_lr_scheduler_states, False,
               shown=root)
     return str(root / tag), ds.client_state()
+
+
+def _load_torch_file(state: TrainingState, file: Path, load_optimizer_states: bool,
+                     load_lr_scheduler_states: bool) -> tuple[str, Any]:
+    from zeromem.checkpoints.torch_import import write_torch_state
+
+    with state.all_in_memory():  # the manifest this engine would save: the import's template
+        template = _build_manifest(state, file.stem, exclude_frozen=False)
+    with tempfile.TemporaryDirectory(prefix="zeromem-torch-") as tmp:
+        tag = collective(state, f"importing {file}",
+                         lambda: write_torch_state(file, Path(tmp), template, load_optimizer_states))
+        _load(state, tmp, tag, load_optimizer_states, load_lr_scheduler_states, False,
+              shown=file.parent)
+    return str(file), None
 
 
 def _load(state: TrainingState, load_dir, tag: str | None, load_optimizer_states: bool,

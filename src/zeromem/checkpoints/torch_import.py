@@ -1,0 +1,237 @@
+"""FSDP2 / DCP checkpoints, as one torch file, turned into zeromem checkpoints.
+
+A run saved with `torch.distributed.checkpoint` (DCP: FSDP2 scripts, torchtitan) is a
+directory of per-rank shards whose index (`.metadata`) is a pickle, which zeromem does not
+load ("nothing we load runs code"). torch's own `dcp_to_torch_save(dcp_dir, file)` turns it,
+offline, into one `torch.save` file; `engine.load_checkpoint(file)` reads that file with
+`weights_only=True` (tensors, containers, numbers, strings) and continues the run, weights,
+optimizer states and step count, at any world size and stage.
+
+What the file holds, as the state dict the run saved:
+
+    {"model": {fqn: tensor}, "optimizer": {...}}      FSDP2 with get_state_dict
+    {fqn: tensor, ..., "optimizer": {...}}            torchtitan (model keys at the top)
+
+and the optimizer entry in either of torch's layouts
+(`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`):
+
+    {"state": {fqn: {"exp_avg": t, "step": t}}, "param_groups": [{..., "params": [fqn]}]}
+    {"state.<fqn>.exp_avg": t, ..., "param_groups.<fqn>.lr": 0.1, ...}   (flattened)
+
+The import fills the manifest the loading engine would itself save (`template`: names,
+shapes, param groups, module tensors, tied weights) with the file's values, and writes it
+as a one-rank zeromem checkpoint, which the ordinary loader then checks and reads; a file
+of another model, or of another optimizer kind, is refused before anything changes.
+Chosen where torch and zeromem differ: a trained parameter without optimizer state in the
+file (it never had a gradient) gets zero moments and the others' step; the param groups'
+options (lr, betas, ...) are the file's, their implementation switches (fused, foreach)
+the engine's; the lr schedule, loss scaler and RNGs stay the engine's (DCP keeps them in
+entries of the script's own).
+"""
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeromem.checkpoints.consolidate import (decode, encode, prepare_tmp, publish,
+                                             rank_file_name, write_latest, write_manifest)
+from zeromem.checkpoints.deepspeed_options import IMPLEMENTATION, optimizer_kind
+from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec, write_safetensors
+
+OPTIMIZER_KEYS = ("optimizer", "optim")  # where FSDP2 scripts and torchtitan keep it
+
+
+def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: bool) -> str:
+    """The file's state as a one-rank zeromem checkpoint under `dst`, its manifest
+    `template` (the loading engine's own) filled with the file's values; returns its tag."""
+    model, optimizer = _read(file)
+    manifest = dict(template, world_size=1, client_state=None)
+    names = _check_keys(file, model, manifest)
+    specs = [TensorSpec.of(f"master/{n}", _value(file, model, n, manifest).float().flatten())
+             for n in names]
+    module = {k: _value(file, model, k, manifest) for k in manifest["module_tensors"]}
+    specs += [TensorSpec.of(f"module/{k}", t) for k, t in module.items()]
+    manifest["module_tensors"] = {k: {"shape": list(t.shape),
+                                      "dtype": str(t.dtype).removeprefix("torch.")}
+                                  for k, t in module.items()}
+    if optimizer_states:
+        if optimizer is None:
+            raise CheckpointError(f"{file} holds no optimizer state (no {' or '.join(OPTIMIZER_KEYS)} "
+                                  "entry): pass load_optimizer_states=False to load its weights")
+        specs += _optimizer_into(file, optimizer, manifest, names)
+    tag = file.stem
+    manifest["tag"] = tag
+    tmp = dst / f".tmp-{tag}"
+    prepare_tmp(dst, tmp)
+    try:
+        sha, size = write_safetensors(tmp / rank_file_name(0), specs,
+                                      {"format": template["format"], "rank": "0"})
+        manifest["files"] = [{"name": rank_file_name(0), "rank": 0, "sha256": sha, "bytes": size,
+                              "pieces": [[n, 0, _numel(manifest, n)] for n in names]}]
+        write_manifest(tmp, manifest)
+        publish(dst, tmp, tag)
+        write_latest(dst, tag)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tag
+
+
+# ---------------------------------------------------------------- the file
+
+def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """(model state dict, optimizer state dict or None) of the file."""
+    try:
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(f"{file} is not a torch file of tensors, containers, numbers and "
+                              f"strings (torch.load with weights_only=True: {first}); a DCP "
+                              "directory is read as torch's dcp_to_torch_save writes it") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{file} holds a {type(saved).__name__}, not a state dict")
+    optimizer = next((saved[k] for k in OPTIMIZER_KEYS if isinstance(saved.get(k), dict)), None)
+    model = saved["model"] if isinstance(saved.get("model"), dict) else \
+        {k: v for k, v in saved.items() if torch.is_tensor(v)}
+    return model, optimizer
+
+
+def _check_keys(file: Path, model: dict, manifest: dict) -> list[str]:
+    """The trained parameters' names; the file's model keys must be this model's."""
+    keys = set(manifest["state_dict_keys"])
+    extra = sorted(k for k in model if k not in keys)
+    missing = sorted(k for k in keys if k not in model and k not in manifest["aliases"])
+    if extra or missing:
+        raise CheckpointError(f"{file} is from another model: "
+                              + (f"it has {extra[:5]}, which this model lacks" if extra else
+                                 f"it lacks {missing[:5]}, which this model has"))
+    return list(manifest["params"])
+
+
+def _value(file: Path, model: dict, name: str, manifest: dict) -> torch.Tensor:
+    """The file's tensor for `name`, under it or under one of its tied names, of the shape
+    this model has."""
+    value = model.get(name)
+    for alias, canonical in manifest["aliases"].items():
+        if value is None and canonical == name:
+            value = model.get(alias)
+    if not torch.is_tensor(value):
+        raise CheckpointError(f"{file} has no tensor {name!r} (saved: {type(value).__name__})")
+    entry = manifest["params"].get(name) or manifest["module_tensors"][name]
+    if list(value.shape) != list(entry["shape"]):
+        raise CheckpointError(f"{file} is from another model: {name!r} has shape "
+                              f"{list(value.shape)} there and {entry['shape']} here")
+    return value.detach()
+
+
+def _numel(manifest: dict, name: str) -> int:
+    return int(torch.Size(manifest["params"][name]["shape"]).numel())
+
+
+# ---------------------------------------------------------------- the optimizer
+
+def _entries(file: Path, optimizer: dict) -> tuple[dict[str, dict[str, Any]], list[dict]]:
+    """({fqn: its states}, [param group options with "params": [fqn]]) from either layout."""
+    if "state" in optimizer or "param_groups" in optimizer:
+        listed = list(optimizer.get("param_groups", []))
+        if any(not isinstance(p, str) for g in listed for p in g.get("params", [])):
+            raise CheckpointError(f"{file}: the optimizer's param groups list parameter numbers, "
+                                  "not names (torch's optimizer.state_dict()); save it with "
+                                  "torch.distributed.checkpoint.state_dict.get_state_dict")
+        return dict(optimizer.get("state", {})), listed
+    states: dict[str, dict[str, Any]] = {}
+    options: dict[str, dict[str, Any]] = {}
+    for key, value in optimizer.items():
+        kind, _, rest = key.partition(".")
+        fqn, _, leaf = rest.rpartition(".")
+        if kind == "state":
+            states.setdefault(fqn, {})[leaf] = value
+        elif kind == "param_groups":
+            options.setdefault(fqn, {})[leaf] = value
+    groups: list[dict] = []
+    for fqn, opts in options.items():  # the flattened layout keeps options per parameter
+        group = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == opts),
+                     None)
+        if group is None:
+            groups.append(group := {**opts, "params": []})
+        group["params"].append(fqn)
+    return states, groups
+
+
+def _optimizer_into(file: Path, optimizer: dict, manifest: dict, names: list[str]
+                    ) -> list[TensorSpec]:
+    """The file's optimizer states and options into `manifest`; the per-element states' specs."""
+    states, groups = _entries(file, optimizer)
+    kind = optimizer_kind(groups)
+    if kind != manifest["optimizer"]["type"]:
+        raise CheckpointError(f"{file} holds {kind} optimizer states but this engine uses "
+                              f"{manifest['optimizer']['type']}; pass load_optimizer_states=False")
+    found = {n: _states_of(n, states, manifest) for n in names}
+    kinds = sorted({k for s in found.values() for k, v in s.items() if v.dim() > 0})
+    # one step for all: zeromem steps a flat group's parameters together, and a parameter
+    # that never had a gradient has none in the file
+    scalars = {k: max((s[k] for s in found.values() if k in s), key=float)
+               for k in {k for s in found.values() for k, v in s.items() if v.dim() == 0}}
+    specs = []
+    for n in names:
+        shape = manifest["params"][n]["shape"]
+        for k in kinds:
+            value = found[n].get(k, torch.zeros(shape))
+            if list(value.shape) != list(shape):
+                raise CheckpointError(f"{file}: optimizer state {k!r} of {n!r} has shape "
+                                      f"{list(value.shape)}, the parameter {shape}")
+            specs.append(TensorSpec.of(f"optimizer/{k}/{n}", value.float().flatten()))
+        manifest["params"][n] = dict(manifest["params"][n],
+                                     scalar_state=encode(scalars, "optimizer state"))
+    opt = manifest["optimizer"]
+    manifest["optimizer"] = dict(opt, tensor_states=kinds,
+                                 param_groups=_options(file, groups, opt["param_groups"], manifest))
+    manifest["dtypes"] = dict(manifest["dtypes"], optimizer={k: "float32" for k in kinds})
+    step = int(max((float(v) for v in scalars.values()), default=0))
+    gas = manifest["gradient_accumulation_steps"]
+    manifest["counters"] = {"global_steps": step, "micro_steps": step * gas, "skipped_steps": 0,
+                            "global_samples": None}
+    return specs
+
+
+def _states_of(name: str, states: dict, manifest: dict) -> dict[str, torch.Tensor]:
+    """The file's states of trained parameter `name` (or of a tied name), tensors only."""
+    found = states.get(name)
+    for alias, canonical in manifest["aliases"].items():
+        if found is None and canonical == name:
+            found = states.get(alias)
+    return {k: v for k, v in (found or {}).items() if torch.is_tensor(v)}
+
+
+def _options(file: Path, groups: list[dict], here: list, manifest: dict) -> list:
+    """Each engine param group's options: the file's values (its implementation switches
+    aside) for the options the engine's group has, from the file's group holding its
+    parameters."""
+    of: dict[str, int] = {p: j for j, g in enumerate(groups) for p in g.get("params", [])}
+    for alias, canonical in manifest["aliases"].items():
+        if alias in of:
+            of.setdefault(canonical, of[alias])
+    out = []
+    for i, encoded in enumerate(here):
+        mine = [n for n, p in manifest["params"].items() if p["param_group"] == i]
+        saved = {of[n] for n in mine if n in of}
+        if len(saved) > 1:
+            raise CheckpointError(f"{file}: this engine's param group {i} holds parameters of "
+                                  f"the file's groups {sorted(saved)}; build the engine's "
+                                  "optimizer with the saving run's param groups")
+        options = decode(encoded)
+        if saved:
+            source = groups[saved.pop()]
+            options.update({k: _like(source[k], v) for k, v in options.items()
+                            if k in source and k not in IMPLEMENTATION})
+        out.append(encode(options, f"optimizer param group {i}"))
+    return out
+
+
+def _like(saved: Any, here: Any) -> Any:
+    """A saved option in the engine's container type (torch keeps betas as a tuple)."""
+    return tuple(saved) if isinstance(here, tuple) and isinstance(saved, list) else saved

@@ -1,0 +1,91 @@
+"""`engine.load_checkpoint(file)` of one torch file (checkpoints/torch_import.py): what it refuses.
+
+Each refusal leaves the engine as it was (the import fills a temporary checkpoint, which
+the ordinary loader checks before anything changes); the parity of what it accepts is
+test_from_fsdp2.py's, against FSDP2 itself.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeromem
+from harness import run_distributed
+from models import TinyLM
+from zeromem.checkpoints.tensor_files import CheckpointError
+
+CONFIG = {"train_micro_batch_size_per_gpu": 4,
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+def _adam_state(model: torch.nn.Module) -> dict:
+    """AdamW's state dict keyed by name, as get_state_dict gives it (after 3 steps)."""
+    names = [n for n, p in model.named_parameters()]
+    return {"state": {n: {"step": torch.tensor(3.0), "exp_avg": torch.ones_like(p),
+                          "exp_avg_sq": torch.ones_like(p)}
+                      for n, p in model.named_parameters() if p.requires_grad},
+            "param_groups": [{**torch.optim.AdamW([torch.zeros(1)]).defaults, "params": names}]}
+
+
+class Planted:
+    """A pickled object that runs a command when unpickled."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
+    torch.manual_seed(0)
+    engine = zeromem.initialize(TinyLM(), CONFIG)
+    before = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    other, weights = TinyLM(dim=12), TinyLM()
+    files = {
+        "another model": {"model": other.state_dict(), "optimizer": _adam_state(other)},
+        "another optimizer": {"model": TinyLM().state_dict(), "optimizer": {
+            "state": {}, "param_groups": [{**torch.optim.SGD([torch.zeros(1)], lr=0.1).defaults,
+                                           "params": ["fc1.weight"]}]}},
+        "weights only": {"model": weights.state_dict()},
+        "numbered params": {"model": TinyLM().state_dict(),
+                            "optimizer": torch.optim.AdamW(TinyLM().parameters()).state_dict()},
+    }
+    code, marker = f"{where}/code.pt", Path(where) / "ran"
+    if rank == 0:  # one file each, which every rank loads
+        for name, content in files.items():
+            torch.save(content, f"{where}/{name.replace(' ', '_')}.pt")
+        torch.save({"model": weights.state_dict(), "extra": Planted(str(marker))}, code)
+    dist.barrier()
+    errors = {}
+    for name in files:
+        with pytest.raises(CheckpointError) as error:
+            engine.load_checkpoint(f"{where}/{name.replace(' ', '_')}.pt")
+        errors[name] = str(error.value)
+    with pytest.raises(CheckpointError) as error:
+        engine.load_checkpoint(code)
+    errors["a pickle"] = str(error.value) + (" RAN" if marker.exists() else "")
+    after = engine.full_state_dict()
+    errors["unchanged"] = str(all(torch.equal(before[k], after[k]) for k in before)
+                              if rank == 0 else True)
+    # the weights alone, where the file has no optimizer state and none is asked for
+    engine.load_checkpoint(f"{where}/weights_only.pt", load_optimizer_states=False)
+    loaded = engine.full_state_dict()
+    errors["weights loaded"] = str(all(torch.equal(loaded[k], v) for k, v in
+                                       weights.state_dict().items()) if rank == 0 else True)
+    return errors
+
+
+def test_a_torch_file_not_of_this_run_is_refused_before_anything_changes(tmp_path):
+    for got in run_distributed(refusals, 2, str(tmp_path)):
+        assert "another model" in got["another model"] and "shape" in got["another model"]
+        assert "sgd optimizer states but this engine uses adamw" in got["another optimizer"]
+        assert "load_optimizer_states=False" in got["weights only"]
+        assert "get_state_dict" in got["numbered params"]
+        assert "weights_only=True" in got["a pickle"] and "RAN" not in got["a pickle"]
+        assert got["unchanged"] == "True" and got["weights loaded"] == "True", got
