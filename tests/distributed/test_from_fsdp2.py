@@ -12,6 +12,7 @@ run's, on every rank and at every stage.
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -110,7 +111,10 @@ def fsdp2_full_run(ckpt: Path, kind: str, torchtitan: bool) -> list[float]:
         if step == BEFORE:
             options = StateDictOptions(flatten_optimizer_state_dict=torchtitan)
             msd, osd = get_state_dict(model, opt, options=options)
-            state = {**msd, "optimizer": osd} if torchtitan else {"model": msd, "optimizer": osd}
+            state = {"model": msd, "optimizer": osd}
+            if torchtitan:  # its model keys at the top, its step, a byte entry (older ones)
+                state = {**msd, "optimizer": osd, "train_state": {
+                    "step": torch.tensor(BEFORE, dtype=torch.int32), "log_steps": io.BytesIO(b"x")}}
             dcp.save(state, checkpoint_id=str(ckpt))
         loss = model(*micro_batch(step, rank, 0))
         loss.backward()
@@ -120,16 +124,20 @@ def fsdp2_full_run(ckpt: Path, kind: str, torchtitan: bool) -> list[float]:
     return losses[BEFORE:]
 
 
-def resumed_run(torch_file: Path, stage: int, kind: str) -> list[float]:
-    """`engine.load_checkpoint` of the converted file, then the same steps."""
+def resumed_run(torch_file: Path, stage: int | str, kind: str) -> list[float]:
+    """`engine.load_checkpoint` of the converted file, then the same steps (stage "nvme":
+    3 with optimizer and parameters on NVMe, whose states the load writes to disk)."""
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
+    zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if stage == "nvme":
+        nvme = {"device": "nvme", "nvme_path": str(torch_file.parent)}
+        zero |= {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme}
     engine = zeromem.initialize(TinyLM(), {
         "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
-        "optimizer": OPTIMIZERS[kind][1],
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+        "optimizer": OPTIMIZERS[kind][1], "zero_optimization": zero})
     engine.load_checkpoint(str(torch_file))
-    assert engine.global_steps == (BEFORE if kind == "adamw" else 0)  # SGD keeps no step
+    assert engine.global_steps == BEFORE  # Adam's step, or (torchtitan's SGD) the trainer's
     losses = []
     for step in range(BEFORE, BEFORE + AFTER):
         loss = engine(*micro_batch(step, rank, 0))
@@ -140,7 +148,7 @@ def resumed_run(torch_file: Path, stage: int, kind: str) -> list[float]:
 
 
 def resume(rank: int, world_size: int, where: str, kind: str, torchtitan: bool,
-           stages: tuple[int, ...]) -> dict:
+           stages: tuple[int | str, ...]) -> dict:
     ckpt = Path(where) / "step-2"
     out = {"fsdp2": fsdp2_full_run(ckpt, kind, torchtitan)}
     torch_file = Path(where) / "step-2.pt"
@@ -152,7 +160,7 @@ def resume(rank: int, world_size: int, where: str, kind: str, torchtitan: bool,
     return out
 
 
-@pytest.mark.parametrize("kind, torchtitan, stages", [("adamw", False, STAGES),
+@pytest.mark.parametrize("kind, torchtitan, stages", [("adamw", False, (*STAGES, "nvme")),
                                                       ("sgd", True, (1, 3))])
 def test_fsdp2_run_resumes_with_its_optimizer_states(tmp_path, kind, torchtitan, stages):
     for rank, got in enumerate(run_distributed(resume, 2, str(tmp_path), kind, torchtitan,

@@ -26,10 +26,13 @@ Chosen where torch and zeromem differ: a trained parameter without optimizer sta
 file (it never had a gradient) gets zero moments and the others' step; the param groups'
 options (lr, betas, ...) are the file's, their implementation switches (fused, foreach)
 the engine's; the lr schedule, loss scaler and RNGs stay the engine's (DCP keeps them in
-entries of the script's own).
+entries of the script's own); the step count is torchtitan's `train_state` step, else
+Adam's, else 0 (SGD).
 """
 from __future__ import annotations
 
+import copy
+import io
 import pickle
 import shutil
 from pathlib import Path
@@ -48,8 +51,8 @@ OPTIMIZER_KEYS = ("optimizer", "optim")  # where FSDP2 scripts and torchtitan ke
 def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: bool) -> str:
     """The file's state as a one-rank zeromem checkpoint under `dst`, its manifest
     `template` (the loading engine's own) filled with the file's values; returns its tag."""
-    model, optimizer = _read(file)
-    manifest = dict(template, world_size=1, client_state=None)
+    model, optimizer, step = _read(file)
+    manifest = dict(copy.deepcopy(template), world_size=1, client_state=None)
     names = _check_keys(file, model, manifest)
     specs = [TensorSpec.of(f"master/{n}", _value(file, model, n, manifest).float().flatten())
              for n in names]
@@ -63,6 +66,11 @@ def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: b
             raise CheckpointError(f"{file} holds no optimizer state (no {' or '.join(OPTIMIZER_KEYS)} "
                                   "entry): pass load_optimizer_states=False to load its weights")
         specs += _optimizer_into(file, optimizer, manifest, names)
+        step = _adam_step(manifest, names) if step is None else step
+    if step is not None:
+        gas = manifest["gradient_accumulation_steps"]
+        manifest["counters"] = {"global_steps": step, "micro_steps": step * gas,
+                                "skipped_steps": 0, "global_samples": None}
     tag = file.stem
     manifest["tag"] = tag
     tmp = dst / f".tmp-{tag}"
@@ -83,10 +91,12 @@ def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: b
 
 # ---------------------------------------------------------------- the file
 
-def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """(model state dict, optimizer state dict or None) of the file."""
-    try:
-        saved = torch.load(file, map_location="cpu", weights_only=True)
+def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]:
+    """(model state dict, optimizer state dict or None, the trainer's step count or None)
+    of the file."""
+    try:  # DCP hands its byte entries back as BytesIO (torchtitan's older train_state)
+        with torch.serialization.safe_globals([io.BytesIO]):
+            saved = torch.load(file, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(f"{file} is not a torch file of tensors, containers, numbers and "
@@ -97,7 +107,9 @@ def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
     optimizer = next((saved[k] for k in OPTIMIZER_KEYS if isinstance(saved.get(k), dict)), None)
     model = saved["model"] if isinstance(saved.get("model"), dict) else \
         {k: v for k, v in saved.items() if torch.is_tensor(v)}
-    return model, optimizer
+    step = (saved.get("train_state") or {}).get("step") \
+        if isinstance(saved.get("train_state"), dict) else None  # torchtitan's TrainState
+    return model, optimizer, int(step) if isinstance(step, (int, torch.Tensor)) else None
 
 
 def _check_keys(file: Path, model: dict, manifest: dict) -> list[str]:
@@ -191,11 +203,14 @@ def _optimizer_into(file: Path, optimizer: dict, manifest: dict, names: list[str
     manifest["optimizer"] = dict(opt, tensor_states=kinds,
                                  param_groups=_options(file, groups, opt["param_groups"], manifest))
     manifest["dtypes"] = dict(manifest["dtypes"], optimizer={k: "float32" for k in kinds})
-    step = int(max((float(v) for v in scalars.values()), default=0))
-    gas = manifest["gradient_accumulation_steps"]
-    manifest["counters"] = {"global_steps": step, "micro_steps": step * gas, "skipped_steps": 0,
-                            "global_samples": None}
     return specs
+
+
+def _adam_step(manifest: dict, names: list[str]) -> int | None:
+    """The step count the imported optimizer states keep (Adam's), if they keep one."""
+    saved = decode(manifest["params"][names[0]]["scalar_state"]) if names else {}
+    step = saved.get("step")
+    return int(step) if step is not None else None
 
 
 def _states_of(name: str, states: dict, manifest: dict) -> dict[str, torch.Tensor]:
