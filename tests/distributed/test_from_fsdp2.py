@@ -6,8 +6,9 @@ group). The README gives two recipes for it: every rank loads the file's weights
 freshly built module with `load_state_dict` before `zeromem.initialize` (optimizer states
 start afresh: the test steps a stateless SGD), or `engine.load_checkpoint(file)` takes the
 weights, the optimizer's states and options and the step count (AdamW, whose moments and
-bias correction a wrong import changes; SGD with momentum in torch's flattened layout, as
-torchtitan saves it). Either way the next steps' losses must be FSDP2's own continued
+bias correction a wrong import changes, saved as `get_state_dict` names it; SGD with
+momentum in torch's flattened layout, as torchtitan saves it, and in the numbered one of
+torch's own `optimizer.state_dict()`). Either way the next steps' losses must be FSDP2's own continued
 run's, on every rank and at every stage.
 """
 from __future__ import annotations
@@ -94,14 +95,16 @@ def test_fsdp2_dcp_checkpoint_continues_under_zeromem(tmp_path):
 OPTIMIZERS = {
     "adamw": (lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
               {"type": "AdamW", "params": {"lr": 0.5}}),
-    "sgd": (lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9),
+    "sgd": (lambda params: torch.optim.SGD([p for p in params if p.requires_grad], lr=LR,
+                                           momentum=0.9),  # the trained ones only
             {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.5}}),
 }
 
 
-def fsdp2_full_run(ckpt: Path, kind: str, torchtitan: bool) -> list[float]:
-    """As `fsdp2_run`, the optimizer saved too: nested (FSDP2 scripts) or flattened with the
-    model's keys at the top (torchtitan)."""
+def fsdp2_full_run(ckpt: Path, kind: str, layout: str) -> list[float]:
+    """As `fsdp2_run`, the optimizer saved too: "nested" (`get_state_dict`), "torchtitan"
+    (flattened, the model's keys at the top) or "numbered" (`model.state_dict()`,
+    `opt.state_dict()`)."""
     torch.manual_seed(0)
     model = TinyLM()
     fully_shard(model)
@@ -109,10 +112,12 @@ def fsdp2_full_run(ckpt: Path, kind: str, torchtitan: bool) -> list[float]:
     rank, losses = dist.get_rank(), []
     for step in range(BEFORE + AFTER):
         if step == BEFORE:
-            options = StateDictOptions(flatten_optimizer_state_dict=torchtitan)
+            options = StateDictOptions(flatten_optimizer_state_dict=layout == "torchtitan")
             msd, osd = get_state_dict(model, opt, options=options)
             state = {"model": msd, "optimizer": osd}
-            if torchtitan:  # its model keys at the top, its step, a byte entry (older ones)
+            if layout == "numbered":
+                state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+            if layout == "torchtitan":  # model keys at the top, its step, a byte entry (older)
                 state = {**msd, "optimizer": osd, "train_state": {
                     "step": torch.tensor(BEFORE, dtype=torch.int32), "log_steps": io.BytesIO(b"x")}}
             dcp.save(state, checkpoint_id=str(ckpt))
@@ -124,7 +129,7 @@ def fsdp2_full_run(ckpt: Path, kind: str, torchtitan: bool) -> list[float]:
     return losses[BEFORE:]
 
 
-def resumed_run(torch_file: Path, stage: int | str, kind: str) -> list[float]:
+def resumed_run(torch_file: Path, stage: int | str, kind: str, layout: str) -> list[float]:
     """`engine.load_checkpoint` of the converted file, then the same steps (stage "nvme":
     3 with optimizer and parameters on NVMe, whose states the load writes to disk)."""
     rank = dist.get_rank()
@@ -137,7 +142,8 @@ def resumed_run(torch_file: Path, stage: int | str, kind: str) -> list[float]:
         "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
         "optimizer": OPTIMIZERS[kind][1], "zero_optimization": zero})
     engine.load_checkpoint(str(torch_file))
-    assert engine.global_steps == BEFORE  # Adam's step, or (torchtitan's SGD) the trainer's
+    # Adam's step, torchtitan's trainer's, or none (SGD)
+    assert engine.global_steps == (0 if (kind, layout) == ("sgd", "numbered") else BEFORE)
     losses = []
     for step in range(BEFORE, BEFORE + AFTER):
         loss = engine(*micro_batch(step, rank, 0))
@@ -147,23 +153,24 @@ def resumed_run(torch_file: Path, stage: int | str, kind: str) -> list[float]:
     return losses
 
 
-def resume(rank: int, world_size: int, where: str, kind: str, torchtitan: bool,
+def resume(rank: int, world_size: int, where: str, kind: str, layout: str,
            stages: tuple[int | str, ...]) -> dict:
     ckpt = Path(where) / "step-2"
-    out = {"fsdp2": fsdp2_full_run(ckpt, kind, torchtitan)}
+    out = {"fsdp2": fsdp2_full_run(ckpt, kind, layout)}
     torch_file = Path(where) / "step-2.pt"
     if rank == 0:
         dcp_to_torch_save(ckpt, torch_file)
     dist.barrier()
     for stage in stages:
-        out[stage] = resumed_run(torch_file, stage, kind)
+        out[stage] = resumed_run(torch_file, stage, kind, layout)
     return out
 
 
-@pytest.mark.parametrize("kind, torchtitan, stages", [("adamw", False, (*STAGES, "nvme")),
-                                                      ("sgd", True, (1, 3))])
-def test_fsdp2_run_resumes_with_its_optimizer_states(tmp_path, kind, torchtitan, stages):
-    for rank, got in enumerate(run_distributed(resume, 2, str(tmp_path), kind, torchtitan,
+@pytest.mark.parametrize("kind, layout, stages", [("adamw", "nested", (*STAGES, "nvme")),
+                                                  ("sgd", "torchtitan", (1, 3)),
+                                                  ("sgd", "numbered", (0, 3))])
+def test_fsdp2_run_resumes_with_its_optimizer_states(tmp_path, kind, layout, stages):
+    for rank, got in enumerate(run_distributed(resume, 2, str(tmp_path), kind, layout,
                                                stages)):
         for stage in stages:
             diff = max(abs(a - b) for a, b in zip(got[stage], got["fsdp2"]))

@@ -53,8 +53,9 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
             "state": {}, "param_groups": [{**torch.optim.SGD([torch.zeros(1)], lr=0.1).defaults,
                                            "params": ["fc1.weight"]}]}},
         "weights only": {"model": weights.state_dict()},
-        "numbered params": {"model": TinyLM().state_dict(),
-                            "optimizer": torch.optim.AdamW(TinyLM().parameters()).state_dict()},
+        "numbered groups": {"model": weights.state_dict(), "optimizer": torch.optim.AdamW(
+            [{"params": weights.fc1.parameters()}, {"params": weights.fc2.parameters()}]
+        ).state_dict()},
     }
     code, marker = f"{where}/code.pt", Path(where) / "ran"
     if rank == 0:  # one file each, which every rank loads
@@ -86,6 +87,7 @@ def test_a_torch_file_not_of_this_run_is_refused_before_anything_changes(tmp_pat
         assert "another model" in got["another model"] and "shape" in got["another model"]
         assert "sgd optimizer states but this engine uses adamw" in got["another optimizer"]
         assert "load_optimizer_states=False" in got["weights only"]
-        assert "get_state_dict" in got["numbered params"]
+        assert "2 param groups" in got["numbered groups"]
+        assert "get_state_dict" in got["numbered groups"]
         assert "weights_only=True" in got["a pickle"] and "RAN" not in got["a pickle"]
         assert got["unchanged"] == "True" and got["weights loaded"] == "True", got

@@ -12,11 +12,13 @@ What the file holds, as the state dict the run saved:
     {"model": {fqn: tensor}, "optimizer": {...}}      FSDP2 with get_state_dict
     {fqn: tensor, ..., "optimizer": {...}}            torchtitan (model keys at the top)
 
-and the optimizer entry in either of torch's layouts
-(`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`):
+and the optimizer entry in either of `get_optimizer_state_dict`'s layouts, or as torch's
+own `optimizer.state_dict()` numbers the parameters (one param group over the model's
+parameters, in its order: a plain DDP or one-process script's checkpoint loads too):
 
     {"state": {fqn: {"exp_avg": t, "step": t}}, "param_groups": [{..., "params": [fqn]}]}
     {"state.<fqn>.exp_avg": t, ..., "param_groups.<fqn>.lr": 0.1, ...}   (flattened)
+    {"state": {0: {...}}, "param_groups": [{..., "params": [0, 1, ...]}]}  (numbered)
 
 The import fills the manifest the loading engine would itself save (`template`: names,
 shapes, param groups, module tensors, tied weights) with the file's values, and writes it
@@ -146,14 +148,13 @@ def _numel(manifest: dict, name: str) -> int:
 
 # ---------------------------------------------------------------- the optimizer
 
-def _entries(file: Path, optimizer: dict) -> tuple[dict[str, dict[str, Any]], list[dict]]:
+def _entries(file: Path, optimizer: dict, manifest: dict
+             ) -> tuple[dict[str, dict[str, Any]], list[dict]]:
     """({fqn: its states}, [param group options with "params": [fqn]]) from either layout."""
     if "state" in optimizer or "param_groups" in optimizer:
         listed = list(optimizer.get("param_groups", []))
         if any(not isinstance(p, str) for g in listed for p in g.get("params", [])):
-            raise CheckpointError(f"{file}: the optimizer's param groups list parameter numbers, "
-                                  "not names (torch's optimizer.state_dict()); save it with "
-                                  "torch.distributed.checkpoint.state_dict.get_state_dict")
+            return _named(file, dict(optimizer.get("state", {})), listed, manifest)
         return dict(optimizer.get("state", {})), listed
     states: dict[str, dict[str, Any]] = {}
     options: dict[str, dict[str, Any]] = {}
@@ -174,10 +175,33 @@ def _entries(file: Path, optimizer: dict) -> tuple[dict[str, dict[str, Any]], li
     return states, groups
 
 
+def _named(file: Path, states: dict, groups: list[dict], manifest: dict
+           ) -> tuple[dict[str, dict[str, Any]], list[dict]]:
+    """torch's own `optimizer.state_dict()` numbers the parameters in the order its param
+    groups list them: with one group, built from `model.parameters()` (all of them, or the
+    trained ones), that is the model's order. Anything else is refused, as is a state whose
+    shape is not its parameter's (`_optimizer_into`)."""
+    numbers = [p for g in groups for p in g.get("params", [])]
+    params = manifest["params"]
+    frozen = set(manifest.get("frozen_parameters") or [])
+    every = [k for k in manifest["state_dict_keys"]
+             if k not in manifest["aliases"] and (k in params or k in frozen)]
+    order = next((o for o in (every, [k for k in every if k in params])
+                  if len(o) == len(numbers)), None)
+    if len(groups) != 1 or order is None:
+        raise CheckpointError(
+            f"{file}: the optimizer numbers its parameters (torch's optimizer.state_dict()) in "
+            f"{len(groups)} param groups of {len(numbers)}, not one group of this model's "
+            f"{len(every)} parameters (or {len(params)} trained ones) in the model's order; "
+            "save it with torch.distributed.checkpoint.state_dict.get_state_dict, which names them")
+    name = {int(n): k for n, k in zip(numbers, order)}
+    return ({name[int(n)]: v for n, v in states.items()}, [{**groups[0], "params": order}])
+
+
 def _optimizer_into(file: Path, optimizer: dict, manifest: dict, names: list[str]
                     ) -> list[TensorSpec]:
     """The file's optimizer states and options into `manifest`; the per-element states' specs."""
-    states, groups = _entries(file, optimizer)
+    states, groups = _entries(file, optimizer, manifest)
     kind = optimizer_kind(groups)
     if kind != manifest["optimizer"]["type"]:
         raise CheckpointError(f"{file} holds {kind} optimizer states but this engine uses "
