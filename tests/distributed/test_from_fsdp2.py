@@ -175,3 +175,66 @@ def test_fsdp2_run_resumes_with_its_optimizer_states(tmp_path, kind, layout, sta
         for stage in stages:
             diff = max(abs(a - b) for a, b in zip(got[stage], got["fsdp2"]))
             assert diff <= 1e-6, (rank, stage, got[stage], got["fsdp2"])
+
+
+def decay_groups(model: torch.nn.Module) -> list[dict]:
+    """Hugging Face's two groups: weight decay on matrices, none on biases and norms."""
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": matrices, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def gpt2_tokens(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def gpt2_resume(rank: int, world_size: int, where: str) -> dict:
+    """Hugging Face's GPT-2 (tied head) with its two param groups, one unit per block under
+    FSDP2, saved with DCP; resumed through `load_checkpoint` with the same groups."""
+    from setups import hf_tiny_builders
+    build = hf_tiny_builders(vocab=64, seq=16)["gpt2"]
+    torch.manual_seed(0)
+    model = build()
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(decay_groups(model), lr=0.01)
+    out: dict = {"fsdp2": []}
+    for step in range(BEFORE + AFTER):
+        if step == BEFORE:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=f"{where}/gpt2")
+        tokens = gpt2_tokens(step, rank)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["fsdp2"].append(loss.item())
+    out["fsdp2"] = out["fsdp2"][BEFORE:]
+    if rank == 0:
+        dcp_to_torch_save(f"{where}/gpt2", f"{where}/gpt2.pt")
+    dist.barrier()
+    for stage in (2, 3):
+        torch.manual_seed(100 + rank)
+        fresh = build()
+        engine = zeromem.initialize(fresh, {
+            "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}},
+            model_parameters=decay_groups(fresh))
+        engine.load_checkpoint(f"{where}/gpt2.pt")
+        out[stage] = []
+        for step in range(BEFORE, BEFORE + AFTER):
+            tokens = gpt2_tokens(step, rank)
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
+            out[stage].append(loss.item())
+    return out
+
+
+def test_hugging_face_gpt2_with_two_param_groups_resumes(tmp_path):
+    for rank, got in enumerate(run_distributed(gpt2_resume, 2, str(tmp_path))):
+        for stage in (2, 3):
+            diff = max(abs(a - b) for a, b in zip(got[stage], got["fsdp2"]))
+            assert diff <= 1e-5, (rank, stage, got[stage], got["fsdp2"])

@@ -260,8 +260,9 @@ def _options(file: Path, groups: list[dict], here: list, manifest: dict) -> list
         saved = {of[n] for n in mine if n in of}
         if len(saved) > 1:
             raise CheckpointError(f"{file}: this engine's param group {i} holds parameters of "
-                                  f"the file's groups {sorted(saved)}; build the engine's "
-                                  "optimizer with the saving run's param groups")
+                                  f"the file's groups {sorted(saved)}; give the engine "
+                                  "the saving run's param groups: zeromem.initialize(model, "
+                                  "config, model_parameters=groups)")
         options = decode(encoded)
         if saved:
             source = groups[saved.pop()]
