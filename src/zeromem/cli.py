@@ -4,6 +4,7 @@
     zeromem plan examples/configs/gpt2-small.json --gpus 8 --gpu-mem 16GB --out config.json
     zeromem report runs/ --out runs/report
     zeromem consolidate checkpoints/ model.safetensors
+    zeromem consolidate checkpoints/ step-1000.pt --optimizer
     zeromem consolidate checkpoints/ hf_model/ --hf gpt2_config/
     zeromem import-deepspeed deepspeed_checkpoints/ checkpoints/
     zeromem launch --num_gpus 8 train.py --deepspeed ds_config.json
@@ -243,6 +244,10 @@ def _consolidate_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkpoint's training dtype)")
     parser.add_argument("--max-shard-size", help="with --hf: largest safetensors file before "
                                                  "splitting, e.g. 5GB or 2GiB (default 5GB)")
+    parser.add_argument("--optimizer", action="store_true",
+                        help="write OUT with torch.save as {model, optimizer} in the layout of "
+                             "torch's get_state_dict, for FSDP2's set_state_dict (README, "
+                             "Coming from FSDP2)")
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
@@ -253,6 +258,10 @@ def _run_consolidate(args: argparse.Namespace) -> int:
         return 0
     if args.dtype or args.max_shard_size:
         raise ValueError("--dtype and --max-shard-size go with --hf MODEL_CONFIG_DIR")
+    if args.optimizer:
+        from zeromem.checkpoints.torch_export import export_torch_state
+        print(export_torch_state(args.ckpt_dir, args.out, tag=args.tag))
+        return 0
     from zeromem.checkpoints.consolidate import consolidate
     print(consolidate(args.ckpt_dir, args.out, tag=args.tag))
     return 0

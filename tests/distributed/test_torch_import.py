@@ -53,8 +53,11 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
             "state": {}, "param_groups": [{**torch.optim.SGD([torch.zeros(1)], lr=0.1).defaults,
                                            "params": ["fc1.weight"]}]}},
         "weights only": {"model": weights.state_dict()},
+        # decay / no-decay, numbered matrices first: not the model's order, which the count
+        # of trained parameters would otherwise match
         "numbered groups": {"model": weights.state_dict(), "optimizer": torch.optim.AdamW(
-            [{"params": weights.fc1.parameters()}, {"params": weights.fc2.parameters()}]
+            [{"params": [p for p in weights.parameters() if p.requires_grad and p.ndim == 2]},
+             {"params": [p for p in weights.parameters() if p.requires_grad and p.ndim < 2]}]
         ).state_dict()},
     }
     code, marker = f"{where}/code.pt", Path(where) / "ran"
