@@ -78,7 +78,9 @@ def _states(manifest: dict, reader: Callable[[str], SafetensorsReader]) -> dict[
         state = decode(info["scalar_state"])
         for kind in info.get("tensor_states", saved):
             dtype = getattr(torch, manifest["dtypes"]["optimizer"][kind])
-            whole = torch.empty(torch.Size(info["shape"]).numel(), dtype=dtype)
+            # the pieces tile it (pieces_by_param checks): zeros only keep a wrong tiling
+            # from showing stale memory, which may hold the right values by chance
+            whole = torch.zeros(torch.Size(info["shape"]).numel(), dtype=dtype)
             for p in pieces:
                 reader(p.file).read(f"optimizer/{kind}/{name}", 0, p.numel,
                                     out=whole[p.offset:p.offset + p.numel])
