@@ -98,7 +98,9 @@ def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]
     of the file."""
     try:  # DCP hands its byte entries back as BytesIO (torchtitan's older train_state)
         with torch.serialization.safe_globals([io.BytesIO]):
-            saved = torch.load(file, map_location="cpu", weights_only=True)
+            # mapped, not read: every rank imports the whole file, and the ranks of a node
+            # then share its pages instead of each holding a copy of the model's states
+            saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(f"{file} is not a torch file of tensors, containers, numbers and "
