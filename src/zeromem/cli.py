@@ -251,6 +251,9 @@ def _consolidate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
+    if args.hf and args.optimizer:
+        raise ValueError("--optimizer writes one torch file for FSDP2; --hf a Hugging Face "
+                         "model directory, which holds no optimizer state: choose one")
     if args.hf:
         from zeromem.checkpoints.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf
         print(export_hf(args.ckpt_dir, args.hf, args.out, tag=args.tag, dtype=args.dtype,

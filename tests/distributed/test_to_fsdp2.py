@@ -61,3 +61,9 @@ def test_a_zeromem_checkpoint_continues_under_fsdp2(tmp_path, stage):
     for rank, got in enumerate(run_distributed(zeromem_then_fsdp2, 2, str(tmp_path), stage)):
         diff = max(abs(a - b) for a, b in zip(got["fsdp2"], got["zeromem"]))
         assert diff <= 1e-6, (rank, stage, got)
+
+
+def test_optimizer_and_hf_outputs_are_one_or_the_other(tmp_path, capsys):
+    assert main(["consolidate", str(tmp_path), str(tmp_path / "out"), "--optimizer", "--hf",
+                 str(tmp_path)]) == 2
+    assert "--optimizer writes one torch file" in capsys.readouterr().err

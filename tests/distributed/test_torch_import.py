@@ -65,6 +65,7 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
         for name, content in files.items():
             torch.save(content, f"{where}/{name.replace(' ', '_')}.pt")
         torch.save({"model": weights.state_dict(), "extra": Planted(str(marker))}, code)
+        torch.save({"model": weights.state_dict()}, f"{where}/latest.pt")  # the pointer's name
     dist.barrier()
     errors = {}
     for name in files:
@@ -78,7 +79,7 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
     errors["unchanged"] = str(all(torch.equal(before[k], after[k]) for k in before)
                               if rank == 0 else True)
     # the weights alone, where the file has no optimizer state and none is asked for
-    engine.load_checkpoint(f"{where}/weights_only.pt", load_optimizer_states=False)
+    engine.load_checkpoint(f"{where}/latest.pt", load_optimizer_states=False)
     loaded = engine.full_state_dict()
     errors["weights loaded"] = str(all(torch.equal(loaded[k], v) for k, v in
                                        weights.state_dict().items()) if rank == 0 else True)

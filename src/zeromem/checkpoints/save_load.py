@@ -388,7 +388,7 @@ def _load_torch_file(state: TrainingState, file: Path, load_optimizer_states: bo
     from zeromem.checkpoints.torch_import import write_torch_state
 
     with state.all_in_memory():  # the manifest this engine would save: the import's template
-        template = _build_manifest(state, file.stem, exclude_frozen=False)
+        template = _build_manifest(state, "", exclude_frozen=False)
     with tempfile.TemporaryDirectory(prefix="zeromem-torch-") as tmp:
         tag = collective(state, f"importing {file}",
                          lambda: write_torch_state(file, Path(tmp), template, load_optimizer_states))

@@ -48,6 +48,7 @@ from zeromem.checkpoints.deepspeed_options import IMPLEMENTATION, optimizer_kind
 from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec, write_safetensors
 
 OPTIMIZER_KEYS = ("optimizer", "optim")  # where FSDP2 scripts and torchtitan keep it
+IMPORTED = "imported"  # the tag of the one-rank checkpoint the import writes
 
 
 def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: bool) -> str:
@@ -73,8 +74,7 @@ def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: b
         gas = manifest["gradient_accumulation_steps"]
         manifest["counters"] = {"global_steps": step, "micro_steps": step * gas,
                                 "skipped_steps": 0, "global_samples": None}
-    tag = file.stem
-    manifest["tag"] = tag
+    tag = manifest["tag"] = IMPORTED  # not the file's name: "latest.pt" would be the pointer
     tmp = dst / f".tmp-{tag}"
     prepare_tmp(dst, tmp)
     try:
