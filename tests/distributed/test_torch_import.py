@@ -46,7 +46,7 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
     torch.manual_seed(0)
     engine = zeromem.initialize(TinyLM(), CONFIG)
     before = {k: v.clone() for k, v in engine.full_state_dict().items()}
-    other, weights = TinyLM(dim=12), TinyLM()
+    other, weights, wrapped = TinyLM(dim=12), TinyLM(), TinyLM()
     files = {
         "another model": {"model": other.state_dict(), "optimizer": _adam_state(other)},
         "another optimizer": {"model": TinyLM().state_dict(), "optimizer": {
@@ -66,6 +66,9 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
             torch.save(content, f"{where}/{name.replace(' ', '_')}.pt")
         torch.save({"model": weights.state_dict(), "extra": Planted(str(marker))}, code)
         torch.save({"model": weights.state_dict()}, f"{where}/latest.pt")  # the pointer's name
+        # DDP's and torch.compile's parts in every key, as a wrapped model's state_dict has them
+        torch.save({"model": {f"module._orig_mod.{k}": v for k, v in wrapped.state_dict().items()}},
+                   f"{where}/wrapped.pt")
     dist.barrier()
     errors = {}
     for name in files:
@@ -79,10 +82,11 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
     errors["unchanged"] = str(all(torch.equal(before[k], after[k]) for k in before)
                               if rank == 0 else True)
     # the weights alone, where the file has no optimizer state and none is asked for
-    engine.load_checkpoint(f"{where}/latest.pt", load_optimizer_states=False)
-    loaded = engine.full_state_dict()
-    errors["weights loaded"] = str(all(torch.equal(loaded[k], v) for k, v in
-                                       weights.state_dict().items()) if rank == 0 else True)
+    for name, model in (("latest", weights), ("wrapped", wrapped)):
+        engine.load_checkpoint(f"{where}/{name}.pt", load_optimizer_states=False)
+        loaded = engine.full_state_dict()
+        errors[f"{name} loaded"] = str(all(torch.equal(loaded[k], v) for k, v in
+                                           model.state_dict().items()) if rank == 0 else True)
     return errors
 
 
@@ -94,4 +98,5 @@ def test_a_torch_file_not_of_this_run_is_refused_before_anything_changes(tmp_pat
         assert "2 param groups" in got["numbered groups"]
         assert "get_state_dict" in got["numbered groups"]
         assert "weights_only=True" in got["a pickle"] and "RAN" not in got["a pickle"]
-        assert got["unchanged"] == "True" and got["weights loaded"] == "True", got
+        assert got["unchanged"] == "True", got
+        assert got["latest loaded"] == "True" and got["wrapped loaded"] == "True", got

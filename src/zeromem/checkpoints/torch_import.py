@@ -56,6 +56,7 @@ def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: b
     `template` (the loading engine's own) filled with the file's values; returns its tag."""
     model, optimizer, step = _read(file)
     manifest = dict(copy.deepcopy(template), world_size=1, client_state=None)
+    model = _unwrapped(model, manifest)
     names = _check_keys(file, model, manifest)
     specs = [TensorSpec.of(f"master/{n}", _value(file, model, n, manifest).float().flatten())
              for n in names]
@@ -114,6 +115,28 @@ def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]
     step = (saved.get("train_state") or {}).get("step") \
         if isinstance(saved.get("train_state"), dict) else None  # torchtitan's TrainState
     return model, optimizer, int(step) if isinstance(step, (int, torch.Tensor)) else None
+
+
+# what wrappers add to a module's keys: DDP's module., torch.compile's _orig_mod. and the
+# activation checkpoint wrapper's (FSDP2's get_state_dict leaves them out; a script's own
+# model.state_dict() of a wrapped model has them)
+WRAPPER_PARTS = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+def _unwrapped(model: dict, manifest: dict) -> dict:
+    """The file's model keys without wrappers' parts, where this model's keys have none."""
+    keys = set(manifest["state_dict_keys"])
+    if set(model) <= keys:
+        return model
+    stripped = {_strip(k): v for k, v in model.items()}
+    return stripped if len(stripped) == len(model) and set(stripped) <= keys else model
+
+
+def _strip(key: str) -> str:
+    key = key.removeprefix("module.")
+    for part in WRAPPER_PARTS[1:]:
+        key = key.replace(part, "")
+    return key
 
 
 def _check_keys(file: Path, model: dict, manifest: dict) -> list[str]:
