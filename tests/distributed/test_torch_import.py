@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 import zeromem
 from harness import run_distributed
@@ -46,7 +47,7 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
     torch.manual_seed(0)
     engine = zeromem.initialize(TinyLM(), CONFIG)
     before = {k: v.clone() for k, v in engine.full_state_dict().items()}
-    other, weights, wrapped = TinyLM(dim=12), TinyLM(), TinyLM()
+    other, weights, wrapped, plain = TinyLM(dim=12), TinyLM(), TinyLM(), TinyLM()
     files = {
         "another model": {"model": other.state_dict(), "optimizer": _adam_state(other)},
         "another optimizer": {"model": TinyLM().state_dict(), "optimizer": {
@@ -69,6 +70,9 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
         # DDP's and torch.compile's parts in every key, as a wrapped model's state_dict has them
         torch.save({"model": {f"module._orig_mod.{k}": v for k, v in wrapped.state_dict().items()}},
                    f"{where}/wrapped.pt")
+        # Hugging Face's way: safetensors, the tied head left out
+        save_file({k: v for k, v in plain.state_dict().items() if k != "head.weight"},
+                  f"{where}/plain.safetensors")
     dist.barrier()
     errors = {}
     for name in files:
@@ -82,8 +86,9 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
     errors["unchanged"] = str(all(torch.equal(before[k], after[k]) for k in before)
                               if rank == 0 else True)
     # the weights alone, where the file has no optimizer state and none is asked for
-    for name, model in (("latest", weights), ("wrapped", wrapped)):
-        engine.load_checkpoint(f"{where}/{name}.pt", load_optimizer_states=False)
+    for name, model in (("latest.pt", weights), ("wrapped.pt", wrapped),
+                        ("plain.safetensors", plain)):
+        engine.load_checkpoint(f"{where}/{name}", load_optimizer_states=False)
         loaded = engine.full_state_dict()
         errors[f"{name} loaded"] = str(all(torch.equal(loaded[k], v) for k, v in
                                            model.state_dict().items()) if rank == 0 else True)
@@ -99,4 +104,5 @@ def test_a_torch_file_not_of_this_run_is_refused_before_anything_changes(tmp_pat
         assert "get_state_dict" in got["numbered groups"]
         assert "weights_only=True" in got["a pickle"] and "RAN" not in got["a pickle"]
         assert got["unchanged"] == "True", got
-        assert got["latest loaded"] == "True" and got["wrapped loaded"] == "True", got
+        assert all(got[f"{name} loaded"] == "True"
+                   for name in ("latest.pt", "wrapped.pt", "plain.safetensors")), got
