@@ -96,10 +96,8 @@ def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: b
 
 def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]:
     """(model state dict, optimizer state dict or None, the trainer's step count or None)
-    of the file; a .safetensors file holds weights only (a Hugging Face model file, or
-    `zeromem consolidate`'s: tied keys once)."""
-    if file.suffix == ".safetensors":
-        return _safetensors(file), None, None
+    of the file. torch.load reads a .safetensors file too: weights only, at the top (a
+    Hugging Face model file, or `zeromem consolidate`'s: tied keys once)."""
     try:  # DCP hands its byte entries back as BytesIO (torchtitan's older train_state)
         with torch.serialization.safe_globals([io.BytesIO]):
             # mapped, not read: every rank imports the whole file, and the ranks of a node
@@ -140,16 +138,6 @@ def _strip(key: str) -> str:
     for part in WRAPPER_PARTS[1:]:
         key = key.replace(part, "")
     return key
-
-
-def _safetensors(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(file)
-    except (SafetensorError, OSError) as error:
-        raise CheckpointError(f"{file} is not a readable safetensors file: {error}") from None
 
 
 def _check_keys(file: Path, model: dict, manifest: dict) -> list[str]:
