@@ -320,6 +320,26 @@ def publish(root: Path, tmp: Path, tag: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def write_one_rank(root: Path, tag: str, specs: list[TensorSpec], manifest: dict) -> None:
+    """An imported checkpoint: `specs` (whole parameters, `master/<name>` among them) as one
+    rank's file of `root/<tag>`, the manifest's file list filled in, published, and
+    `latest` pointed at it; nothing is left behind on an error."""
+    tmp = root / f"{TMP_PREFIX}{tag}"
+    prepare_tmp(root, tmp)
+    try:
+        sha, size = write_safetensors(tmp / rank_file_name(0), specs, {"format": FORMAT,
+                                                                       "rank": "0"})
+        pieces = [[name, 0, shape_numel(p["shape"])] for name, p in manifest["params"].items()]
+        manifest["files"] = [{"name": rank_file_name(0), "rank": 0, "sha256": sha,
+                              "bytes": size, "pieces": pieces}]
+        write_manifest(tmp, manifest)
+        publish(root, tmp, tag)
+        write_latest(root, tag)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_latest(root: Path, tag: str) -> None:
     """Point `latest` at `tag` with one atomic replace, after the directory is published."""
     tmp = root / f".{LATEST}.tmp"

@@ -56,7 +56,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -65,15 +64,14 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from zeromem.checkpoints.consolidate import (FORMAT, VERSION, encode, prepare_tmp, publish,
-                                             rank_file_name, write_latest, write_manifest)
+from zeromem.checkpoints.consolidate import FORMAT, VERSION, encode, write_one_rank
 from zeromem.checkpoints.deepspeed_offloaded import swapped_in
 from zeromem.checkpoints.deepspeed_options import optimizer_and_schedule
 from zeromem.checkpoints.deepspeed_pickles import LossScalerRecord, load_object, load_pt, need
 from zeromem.checkpoints.deepspeed_stage0 import (ParamOrder, assemble_stage0, module_weights,
                                                   scalar_states, tied_keys)
 from zeromem.checkpoints.formats import deepspeed_location, describe_directory, is_universal
-from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec, write_safetensors
+from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec
 
 if TYPE_CHECKING:
     from zeromem.training_state import TrainingState
@@ -435,27 +433,13 @@ def import_deepspeed(src: str | os.PathLike, dst: str | os.PathLike,
 
 def write_imported(ds: DeepSpeedState, dst: str | os.PathLike) -> str:
     """`ds` written as a one-rank zeromem checkpoint under `dst`; its directory."""
-    out_tag = ds.path.name
-    root, tmp = Path(dst), Path(dst) / f".tmp-{out_tag}"
-    prepare_tmp(root, tmp)
-    try:
-        specs = [TensorSpec.of(f"master/{name}", s["master"].flatten())
-                 for name, s in ds.params.items()]
-        specs += [TensorSpec.of(f"optimizer/{key}/{name}", t.flatten())
-                  for name, s in ds.params.items() for key, t in s.items() if key != "master"]
-        specs += [TensorSpec.of(f"module/{k}", t) for k, t in ds.module_tensors.items()]
-        sha, size = write_safetensors(tmp / rank_file_name(0), specs, {"format": FORMAT,
-                                                                       "rank": "0"})
-        manifest = _manifest(ds, out_tag)
-        manifest["files"] = [{"name": rank_file_name(0), "rank": 0, "sha256": sha, "bytes": size,
-                              "pieces": [[n, 0, s["master"].numel()]
-                                         for n, s in ds.params.items()]}]
-        write_manifest(tmp, manifest)
-        publish(root, tmp, out_tag)
-        write_latest(root, out_tag)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    out_tag, root = ds.path.name, Path(dst)
+    specs = [TensorSpec.of(f"master/{name}", s["master"].flatten())
+             for name, s in ds.params.items()]
+    specs += [TensorSpec.of(f"optimizer/{key}/{name}", t.flatten())
+              for name, s in ds.params.items() for key, t in s.items() if key != "master"]
+    specs += [TensorSpec.of(f"module/{k}", t) for k, t in ds.module_tensors.items()]
+    write_one_rank(root, out_tag, specs, _manifest(ds, out_tag))
     log.info("imported DeepSpeed stage-%d checkpoint %s (%d ranks) into %s", ds.stage, ds.path,
              ds.world_size, root / out_tag)
     return str(root / out_tag)

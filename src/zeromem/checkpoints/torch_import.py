@@ -36,16 +36,14 @@ from __future__ import annotations
 import copy
 import io
 import pickle
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from zeromem.checkpoints.consolidate import (decode, encode, prepare_tmp, publish,
-                                             rank_file_name, write_latest, write_manifest)
+from zeromem.checkpoints.consolidate import decode, encode, write_one_rank
 from zeromem.checkpoints.deepspeed_options import IMPLEMENTATION, optimizer_kind
-from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec, write_safetensors
+from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec
 
 OPTIMIZER_KEYS = ("optimizer", "optim")  # where FSDP2 scripts and torchtitan keep it
 IMPORTED = "imported"  # the tag of the one-rank checkpoint the import writes
@@ -76,19 +74,7 @@ def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: b
         manifest["counters"] = {"global_steps": step, "micro_steps": step * gas,
                                 "skipped_steps": 0, "global_samples": None}
     tag = manifest["tag"] = IMPORTED  # not the file's name: "latest.pt" would be the pointer
-    tmp = dst / f".tmp-{tag}"
-    prepare_tmp(dst, tmp)
-    try:
-        sha, size = write_safetensors(tmp / rank_file_name(0), specs,
-                                      {"format": template["format"], "rank": "0"})
-        manifest["files"] = [{"name": rank_file_name(0), "rank": 0, "sha256": sha, "bytes": size,
-                              "pieces": [[n, 0, _numel(manifest, n)] for n in names]}]
-        write_manifest(tmp, manifest)
-        publish(dst, tmp, tag)
-        write_latest(dst, tag)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_one_rank(dst, tag, specs, manifest)
     return tag
 
 
@@ -166,10 +152,6 @@ def _value(file: Path, model: dict, name: str, manifest: dict) -> torch.Tensor:
         raise CheckpointError(f"{file} is from another model: {name!r} has shape "
                               f"{list(value.shape)} there and {entry['shape']} here")
     return value.detach()
-
-
-def _numel(manifest: dict, name: str) -> int:
-    return int(torch.Size(manifest["params"][name]["shape"]).numel())
 
 
 # ---------------------------------------------------------------- the optimizer
