@@ -14,7 +14,9 @@ run's, on every rank and at every stage.
 from __future__ import annotations
 
 import io
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -34,17 +36,18 @@ LR = 0.1
 STAGES = (0, 1, 2, 3)
 
 
-def fsdp2_run(ckpt: Path) -> list[float]:
-    """TinyLM under fully_shard: BEFORE steps, a DCP save, AFTER more steps; their losses."""
+def fsdp2_run(ckpt: Path, make_optimizer: Callable, saved: Callable) -> list[float]:
+    """TinyLM under fully_shard: BEFORE steps, a DCP save of `saved(model, optimizer)`, AFTER
+    more steps; their losses."""
     torch.manual_seed(0)
     model = TinyLM()
     fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = make_optimizer(model.parameters())
     rank = dist.get_rank()
     losses = []
     for step in range(BEFORE + AFTER):
         if step == BEFORE:
-            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(ckpt))
+            dcp.save(saved(model, opt), checkpoint_id=str(ckpt))
         loss = model(*micro_batch(step, rank, 0))
         loss.backward()
         opt.step()
@@ -74,7 +77,8 @@ def zeromem_run(torch_file: Path, stage: int) -> list[float]:
 
 def switch(rank: int, world_size: int, where: str, stages: tuple[int, ...]) -> dict:
     ckpt = Path(where) / "step-2"
-    out = {"fsdp2": fsdp2_run(ckpt)}
+    out = {"fsdp2": fsdp2_run(ckpt, lambda params: torch.optim.SGD(params, lr=LR),
+                              lambda model, _: {"model": get_model_state_dict(model)})}
     torch_file = Path(where) / "model.pt"
     if rank == 0:
         dcp_to_torch_save(ckpt, torch_file)
@@ -101,32 +105,17 @@ OPTIMIZERS = {
 }
 
 
-def fsdp2_full_run(ckpt: Path, kind: str, layout: str) -> list[float]:
-    """As `fsdp2_run`, the optimizer saved too: "nested" (`get_state_dict`), "torchtitan"
-    (flattened, the model's keys at the top) or "numbered" (`model.state_dict()`,
-    `opt.state_dict()`)."""
-    torch.manual_seed(0)
-    model = TinyLM()
-    fully_shard(model)
-    opt = OPTIMIZERS[kind][0](model.parameters())
-    rank, losses = dist.get_rank(), []
-    for step in range(BEFORE + AFTER):
-        if step == BEFORE:
-            options = StateDictOptions(flatten_optimizer_state_dict=layout == "torchtitan")
-            msd, osd = get_state_dict(model, opt, options=options)
-            state = {"model": msd, "optimizer": osd}
-            if layout == "numbered":
-                state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-            if layout == "torchtitan":  # model keys at the top, its step, a byte entry (older)
-                state = {**msd, "optimizer": osd, "train_state": {
-                    "step": torch.tensor(BEFORE, dtype=torch.int32), "log_steps": io.BytesIO(b"x")}}
-            dcp.save(state, checkpoint_id=str(ckpt))
-        loss = model(*micro_batch(step, rank, 0))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses[BEFORE:]
+def layout_state(layout: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """What the run saves: "nested" (`get_state_dict`), "torchtitan" (flattened, the model's
+    keys at the top, its train state) or "numbered" (`model.state_dict()`, `opt.state_dict()`)."""
+    if layout == "numbered":
+        return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    options = StateDictOptions(flatten_optimizer_state_dict=layout == "torchtitan")
+    msd, osd = get_state_dict(model, opt, options=options)
+    if layout == "torchtitan":  # its step, and a byte entry as older versions have
+        return {**msd, "optimizer": osd, "train_state": {
+            "step": torch.tensor(BEFORE, dtype=torch.int32), "log_steps": io.BytesIO(b"x")}}
+    return {"model": msd, "optimizer": osd}
 
 
 def resumed_run(torch_file: Path, stage: int | str, kind: str, layout: str) -> list[float]:
@@ -156,7 +145,7 @@ def resumed_run(torch_file: Path, stage: int | str, kind: str, layout: str) -> l
 def resume(rank: int, world_size: int, where: str, kind: str, layout: str,
            stages: tuple[int | str, ...]) -> dict:
     ckpt = Path(where) / "step-2"
-    out = {"fsdp2": fsdp2_full_run(ckpt, kind, layout)}
+    out = {"fsdp2": fsdp2_run(ckpt, OPTIMIZERS[kind][0], partial(layout_state, layout))}
     torch_file = Path(where) / "step-2.pt"
     if rank == 0:
         dcp_to_torch_save(ckpt, torch_file)
