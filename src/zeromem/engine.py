@@ -26,9 +26,9 @@ from zeromem.checkpoints import save_load as checkpoints
 from zeromem.comm import Comm
 from zeromem.config.schema import Config
 from zeromem.distributed import Runtime
-from zeromem.flat import FlatParamGroup, Sharding
+from zeromem.flat import FlatParamGroup
 from zeromem.hybrid.hierarchy import build_comm_plan
-from zeromem.layout import ShardLayout, derived_bucket_numel, pack_buckets
+from zeromem.layout import Sharding, ShardLayout, derived_bucket_numel, pack_buckets
 from zeromem.lockstep import Lockstep
 from zeromem.memory import Ledger, MemoryReport, model_state_formula
 from zeromem.monitoring.monitors import Observers, StepFacts, due

@@ -1,4 +1,5 @@
-"""Layout arithmetic of flat buffers: padding, shard ranges, owned slices, bucket packing.
+"""Layout arithmetic of flat buffers: padding, shard ranges, owned slices, bucket packing,
+and the records it describes (which states a stage shards, where a parameter sits).
 
 Pure functions of integers, shared by the engine (flat.py, engine.py), the
 checkpoints, `zeromem.Init` (stage3/partitioned_init.py) and the memory planner (planning/shape_memory.py),
@@ -12,7 +13,10 @@ paper, section 5). An unsharded buffer (world 1) is one shard: the whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    import torch
 
 
 def padded_numel(numel: int, world: int) -> int:
@@ -56,6 +60,29 @@ class ShardLayout:
         if hi <= lo:
             return (0, 0, 0)
         return (lo - self.shard_offset, lo - offset, hi - lo)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Which kinds of model state are partitioned over the data-parallel ranks."""
+
+    optimizer: bool
+    grads: bool
+    params: bool
+
+    @classmethod
+    def for_stage(cls, stage: int) -> Sharding:
+        return cls(optimizer=stage >= 1, grads=stage >= 2, params=stage >= 3)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives inside its group's flat buffer."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: torch.Size  # the parameter's
 
 
 def pack_buckets(numels: Iterable[int], bucket_numel: int) -> list[list[int]]:

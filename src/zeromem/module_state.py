@@ -48,7 +48,8 @@ import torch
 from torch import nn
 
 from zeromem.comm import Comm
-from zeromem.flat import FlatParamGroup, ParamSlot
+from zeromem.flat import FlatParamGroup
+from zeromem.layout import ParamSlot
 
 if TYPE_CHECKING:
     from zeromem.offload.placement import Offload

@@ -37,7 +37,7 @@ calls back into this object.
                          then whoever asked (`after_gather`: the stage-3 schedule) is told.
 
 The gradient buffer kinds (whole all-reduced, whole scattered, shard accumulated)
-belong to the flat group (grad_buffers.py), chosen once from `Sharding`.
+belong to the flat group (flat.py), chosen once from `Sharding`.
 
 Gradients are summed, not averaged, by the collectives: the engine scales the
 loss by 1/(N_d * accumulation steps) before backward, so the sums are means.

@@ -14,7 +14,8 @@ from zeromem.checkpoints.consolidate import (CHUNK_BYTES, Piece, SafetensorsRead
                                              check_coverage, decode, encode, overlaps,
                                              write_safetensors)
 from zeromem.checkpoints.save_load import CheckpointError, group_pieces
-from zeromem.flat import FlatParamGroup, Sharding
+from zeromem.flat import FlatParamGroup
+from zeromem.layout import Sharding
 
 
 def test_overlaps_and_coverage():

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from setups import OneRank
-from zeromem.flat import FlatParamGroup, GroupState, Sharding
-from zeromem.grad_buffers import ShardAccumulated, ContiguousShards
-from zeromem.grad_buffers import WholeAllReduced, WholeScattered
+from zeromem.flat import (ContiguousShards, FlatParamGroup, GroupState, ShardAccumulated,
+                          WholeAllReduced, WholeScattered)
+from zeromem.layout import Sharding
 from zeromem.offload.masters import HostGrads
 
 SHAPES = [(3, 5), (7,), (2, 2, 2)]

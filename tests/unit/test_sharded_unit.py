@@ -16,8 +16,8 @@ from torch import nn
 
 from setups import OneRank
 from zeromem.comm import Comm
-from zeromem.flat import FlatParamGroup, GroupState, Sharding
-from zeromem.grad_buffers import ContiguousShards, ShardAccumulated
+from zeromem.flat import ContiguousShards, FlatParamGroup, GroupState, ShardAccumulated
+from zeromem.layout import Sharding
 from zeromem.stage3.sharded_unit import LiveStats, Phase, ShardedUnit
 
 SHAPES = [(3, 5), (3,), (4,)]  # weight, bias, and a parameter used only sometimes

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from zeromem.comm import Comm
-from zeromem.flat import FlatParamGroup, Sharding
-from zeromem.grad_buffers import ContiguousShards, ShardAccumulated
+from zeromem.flat import ContiguousShards, FlatParamGroup, ShardAccumulated
+from zeromem.layout import Sharding
 from zeromem.precision import NoScaler
 from zeromem.zero_optimizer import StepSettings, ZeroOptimizer
 

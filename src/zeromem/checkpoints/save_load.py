@@ -77,7 +77,8 @@ from zeromem.checkpoints.consolidate import (
     write_recovery_scripts)
 from zeromem.checkpoints.formats import deepspeed_location
 from zeromem.checkpoints.tensor_files import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
-from zeromem.flat import FlatParamGroup, ParamSlot
+from zeromem.flat import FlatParamGroup
+from zeromem.layout import ParamSlot
 from zeromem.module_state import gathered_params
 from zeromem.training_state import TrainingState
 

@@ -7,7 +7,7 @@ file grads.swp as soon as its reduce-scatter finishes (one ALIGN-aligned record
 per group), and the NVMe optimizer reads it back sub-group by sub-group beside
 the optimizer states (offload/nvme_optimizer.py).
 
-    ShardToFile (one per flat group; placement.build_grads picks it over grad_buffers.ShardAccumulated)
+    ShardToFile (one per flat group; placement.build_grads picks it over flat.ShardAccumulated)
         accumulate(offset, grad)   into a full-size bucket, as ShardAccumulated
         launch(comm)               reduce-scatter; when done, `GradFile.put` the shard
         reduced()                  the shard read back
@@ -39,8 +39,7 @@ from typing import Callable
 import torch
 
 from zeromem.comm import Pending, Reduction
-from zeromem.flat import FlatParamGroup
-from zeromem.grad_buffers import FullBucket
+from zeromem.flat import FlatParamGroup, FullBucket
 from zeromem.offload.nvme import (IOHandle, OffloadError, SwapSpace, aligned_empty, piece_bytes,
                                   piece_range, piece_view, round_up)
 
@@ -67,7 +66,7 @@ class GradFile:
 
     `accum_dtype` (config.grad_dtype: data_types.grad_accum_dtype, else the compute dtype)
     is the dtype micro-steps accumulate in, as in the gradient buffer kept in memory
-    (grad_buffers.ShardAccumulated) and as DeepSpeed does, whatever the placement: an fp32 record
+    (flat.ShardAccumulated) and as DeepSpeed does, whatever the placement: an fp32 record
     holding a bf16 sum rounds it to bf16 at each micro-step, so NVMe trains like CPU offload.
     """
 

@@ -47,7 +47,7 @@ class HostGrads:
     """Host buffers the reduced gradient shards are copied into at the boundary, in the
     masters' dtype (fp32; bf16 under bf16.bf16_master_weights_and_grads).
 
-    Given to each gradient buffer when it is built (grad_buffers.py `HostCopies`): the buffer asks
+    Given to each gradient buffer when it is built (flat.py `HostCopies`): the buffer asks
     for its host buffer (`buffer_for`) and copies its reduced shard there after each
     boundary reduction. Where the reduced shard already is such a host tensor (the CPU is
     the device), it is used as it is: a copy would hold the gradient twice in the same

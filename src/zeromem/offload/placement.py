@@ -57,8 +57,9 @@ import torch
 
 from zeromem.config.schema import (AioConfig, Config, ConfigError, OffloadOptimizerConfig,
                                    OffloadParamConfig, OptimizerConfig, ZeroConfig)
-from zeromem.flat import FlatParamGroup, Sharding
-from zeromem.grad_buffers import ContiguousShards, ShardAccumulated, WholeAllReduced, WholeScattered
+from zeromem.flat import (ContiguousShards, FlatParamGroup, ShardAccumulated, WholeAllReduced,
+                          WholeScattered)
+from zeromem.layout import Sharding
 from zeromem.offload.grad_file import GradFile, ShardToFile
 from zeromem.offload.params import ParamPlacement, ParamsOnDevice, ParamsOnHost
 from zeromem.offload.params_nvme import ParamsOnNvme
@@ -323,7 +324,7 @@ GradHome = HostGrads | GradFile | None  # where reduced gradients go (None: wher
 
 def build_grads(config: Config, groups: list[FlatParamGroup], sharding: Sharding,
                 spaces: SwapSpaces, device: torch.device) -> GradHome:
-    """Each group's gradient buffer (grad_buffers.py), built knowing where its reduced gradient goes
+    """Each group's gradient buffer (flat.py), built knowing where its reduced gradient goes
     (FSDP2's OffloadPolicy), which is returned for the masters placement (`build_offload`):
 
     - None: it stays where it is reduced (no optimizer offload);

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from zeromem.flat import GradKind, ShardAccumulated, WholeAllReduced, WholeScattered, launch_copies
 from zeromem.layout import (GATHER_IN_FLIGHT, REDUCE_IN_FLIGHT, gather_chunks, pack_buckets,
                             padded_numel, peak_in_flight)
-from zeromem.grad_buffers import GradKind, ShardAccumulated, WholeAllReduced, WholeScattered, launch_copies
 from zeromem.offload.budget import pool_unit_numel
 from zeromem.planning.host_memory import OffloadBufferSizes, grads_shared, offload_breakdown
 from zeromem.stage3.units import UnitCaps, coalesce_target_numel, merge_runs, persistent_groups
@@ -281,7 +281,7 @@ def comm_buffer_parts(padded: list[int], n_d: int, widths: Widths,
     """The temporary communication buffers (CB) at their peak, by name, as the engine
     allocates and notes them (Comm.note_buffer): the larger of two phases.
 
-    Reduction (backward): each bucket's launch holds `grad_buffers.launch_copies` full-size
+    Reduction (backward): each bucket's launch holds `flat.launch_copies` full-size
     buffers, the temporary bucket (stages 2-3, `grad_buckets`) and the backend's receive
     buffer (`reduce_scatter_receive`: gloo's all-to-all lands the chunks there; NCCL has
     none), for REDUCE_IN_FLIGHT consecutive buckets under overlap_comm, else (and when the
