@@ -8,7 +8,9 @@ start afresh: the test steps a stateless SGD), or `engine.load_checkpoint(file)`
 weights, the optimizer's states and options and the step count (AdamW, whose moments and
 bias correction a wrong import changes, saved as `get_state_dict` names it; SGD with
 momentum in torch's flattened layout, as torchtitan saves it, and in the numbered one of
-torch's own `optimizer.state_dict()`). Either way the next steps' losses must be FSDP2's own continued
+torch's own `optimizer.state_dict()`). `engine.load_checkpoint` reads the DCP directory itself
+too, without running its pickles (checkpoints/dcp_read.py), and the two folders Accelerate's
+FSDP `save_state` writes. Either way the next steps' losses must be FSDP2's own continued
 run's, on every rank and at every stage.
 """
 from __future__ import annotations
@@ -37,8 +39,8 @@ STAGES = (0, 1, 2, 3)
 
 
 def fsdp2_run(ckpt: Path, make_optimizer: Callable, saved: Callable) -> list[float]:
-    """TinyLM under fully_shard: BEFORE steps, a DCP save of `saved(model, optimizer)`, AFTER
-    more steps; their losses."""
+    """TinyLM under fully_shard: BEFORE steps, DCP saves of `saved(model, optimizer)` (state
+    dicts by folder under `ckpt`: "." is `ckpt` itself), AFTER more steps; their losses."""
     torch.manual_seed(0)
     model = TinyLM()
     fully_shard(model)
@@ -47,7 +49,8 @@ def fsdp2_run(ckpt: Path, make_optimizer: Callable, saved: Callable) -> list[flo
     losses = []
     for step in range(BEFORE + AFTER):
         if step == BEFORE:
-            dcp.save(saved(model, opt), checkpoint_id=str(ckpt))
+            for folder, state in saved(model, opt).items():
+                dcp.save(state, checkpoint_id=str(ckpt / folder))
         loss = model(*micro_batch(step, rank, 0))
         loss.backward()
         opt.step()
@@ -78,7 +81,7 @@ def zeromem_run(torch_file: Path, stage: int) -> list[float]:
 def switch(rank: int, world_size: int, where: str, stages: tuple[int, ...]) -> dict:
     ckpt = Path(where) / "step-2"
     out = {"fsdp2": fsdp2_run(ckpt, lambda params: torch.optim.SGD(params, lr=LR),
-                              lambda model, _: {"model": get_model_state_dict(model)})}
+                              lambda model, _: {".": {"model": get_model_state_dict(model)}})}
     torch_file = Path(where) / "model.pt"
     if rank == 0:
         dcp_to_torch_save(ckpt, torch_file)
@@ -107,20 +110,25 @@ OPTIMIZERS = {
 
 def layout_state(layout: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
     """What the run saves: "nested" (`get_state_dict`), "torchtitan" (flattened, the model's
-    keys at the top, its train state) or "numbered" (`model.state_dict()`, `opt.state_dict()`)."""
+    keys at the top, its train state), "numbered" (`model.state_dict()`, `opt.state_dict()`)
+    or "accelerate" (nested, in the two folders Accelerate's FSDP `save_state` writes)."""
     if layout == "numbered":
-        return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        return {".": {"model": model.state_dict(), "optimizer": opt.state_dict()}}
     options = StateDictOptions(flatten_optimizer_state_dict=layout == "torchtitan")
     msd, osd = get_state_dict(model, opt, options=options)
     if layout == "torchtitan":  # its step, and a byte entry as older versions have
-        return {**msd, "optimizer": osd, "train_state": {
-            "step": torch.tensor(BEFORE, dtype=torch.int32), "log_steps": io.BytesIO(b"x")}}
-    return {"model": msd, "optimizer": osd}
+        return {".": {**msd, "optimizer": osd, "train_state": {
+            "step": torch.tensor(BEFORE, dtype=torch.int32), "log_steps": io.BytesIO(b"x")}}}
+    if layout == "accelerate":  # accelerate/utils/fsdp_utils.py save_fsdp_model / _optimizer
+        return {"pytorch_model_fsdp_0": {"model": msd}, "optimizer_0": {"optimizer": osd}}
+    return {".": {"model": msd, "optimizer": osd}}
 
 
-def resumed_run(torch_file: Path, stage: int | str, kind: str, layout: str) -> list[float]:
-    """`engine.load_checkpoint` of the converted file, then the same steps (stage "nvme":
-    3 with optimizer and parameters on NVMe, whose states the load writes to disk)."""
+def resumed_run(torch_file: Path, stage: int | str, kind: str, layout: str,
+                tag: str | None = None) -> list[float]:
+    """`engine.load_checkpoint` of the converted file or of the DCP directory itself, then the
+    same steps (stage "nvme": 3 with optimizer and parameters on NVMe, whose states the load
+    writes to disk)."""
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
     zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
@@ -130,7 +138,7 @@ def resumed_run(torch_file: Path, stage: int | str, kind: str, layout: str) -> l
     engine = zeromem.initialize(TinyLM(), {
         "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
         "optimizer": OPTIMIZERS[kind][1], "zero_optimization": zero})
-    engine.load_checkpoint(str(torch_file))
+    engine.load_checkpoint(str(torch_file), tag=tag)
     # Adam's step, torchtitan's trainer's, or none (SGD)
     assert engine.global_steps == (0 if (kind, layout) == ("sgd", "numbered") else BEFORE)
     losses = []
@@ -147,21 +155,25 @@ def resume(rank: int, world_size: int, where: str, kind: str, layout: str,
     ckpt = Path(where) / "step-2"
     out = {"fsdp2": fsdp2_run(ckpt, OPTIMIZERS[kind][0], partial(layout_state, layout))}
     torch_file = Path(where) / "step-2.pt"
-    if rank == 0:
+    if rank == 0 and stages:
         dcp_to_torch_save(ckpt, torch_file)
     dist.barrier()
     for stage in stages:
         out[stage] = resumed_run(torch_file, stage, kind, layout)
+    # the directory as the run saved it (torchtitan's: its checkpoint folder and step's tag)
+    out["dcp"] = resumed_run(ckpt.parent, 3, kind, layout, tag=ckpt.name) \
+        if layout == "torchtitan" else resumed_run(ckpt, 3, kind, layout)
     return out
 
 
 @pytest.mark.parametrize("kind, layout, stages", [("adamw", "nested", (*STAGES, "nvme")),
                                                   ("sgd", "torchtitan", (1, 3)),
-                                                  ("sgd", "numbered", (0, 3))])
+                                                  ("sgd", "numbered", (0, 3)),
+                                                  ("adamw", "accelerate", ())])
 def test_fsdp2_run_resumes_with_its_optimizer_states(tmp_path, kind, layout, stages):
     for rank, got in enumerate(run_distributed(resume, 2, str(tmp_path), kind, layout,
                                                stages)):
-        for stage in stages:
+        for stage in (*stages, "dcp"):
             diff = max(abs(a - b) for a, b in zip(got[stage], got["fsdp2"]))
             assert diff <= 1e-6, (rank, stage, got[stage], got["fsdp2"])
 

@@ -7,11 +7,13 @@ test_from_fsdp2.py's, against FSDP2 itself.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 import zeromem
@@ -73,6 +75,11 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
         # Hugging Face's way: safetensors, the tied head left out
         save_file({k: v for k, v in plain.state_dict().items() if k != "head.weight"},
                   f"{where}/plain.safetensors")
+        # DCP directories: a planted entry, and a planted index (.metadata is a pickle)
+        dcp.save({"model": weights.state_dict(), "extra": Planted(str(marker))},
+                 checkpoint_id=f"{where}/dcp_entry", no_dist=True)
+        dcp.save({"model": weights.state_dict()}, checkpoint_id=f"{where}/dcp_index", no_dist=True)
+        Path(f"{where}/dcp_index/.metadata").write_bytes(pickle.dumps(Planted(str(marker))))
     dist.barrier()
     errors = {}
     for name in files:
@@ -82,6 +89,10 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
     with pytest.raises(CheckpointError) as error:
         engine.load_checkpoint(code)
     errors["a pickle"] = str(error.value) + (" RAN" if marker.exists() else "")
+    for name in ("dcp_entry", "dcp_index"):
+        with pytest.raises(CheckpointError) as error:
+            engine.load_checkpoint(f"{where}/{name}")
+        errors[name] = str(error.value) + (" RAN" if marker.exists() else "")
     after = engine.full_state_dict()
     errors["unchanged"] = str(all(torch.equal(before[k], after[k]) for k in before)
                               if rank == 0 else True)
@@ -103,6 +114,9 @@ def test_a_torch_file_not_of_this_run_is_refused_before_anything_changes(tmp_pat
         assert "2 param groups" in got["numbered groups"]
         assert "get_state_dict" in got["numbered groups"]
         assert "weights_only=True" in got["a pickle"] and "RAN" not in got["a pickle"]
+        assert "entry 'extra'" in got["dcp_entry"] and "weights_only=True" in got["dcp_entry"]
+        assert "system, which a DCP index does not hold" in got["dcp_index"]
+        assert "RAN" not in got["dcp_entry"] + got["dcp_index"]
         assert got["unchanged"] == "True", got
         assert all(got[f"{name} loaded"] == "True"
                    for name in ("latest.pt", "wrapped.pt", "plain.safetensors")), got

@@ -210,8 +210,10 @@ def test_foreign_directories_say_what_they_look_like(tmp_path):
     dcp.mkdir()
     (dcp / ".metadata").write_bytes(b"")
     (dcp / "__0_0.distcp").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="DCP.*dcp_to_torch_save and load that file"):
-        resolve_checkpoint(dcp)
+    with pytest.raises(CheckpointError, match="DCP.*engine.load_checkpoint reads it"):
+        resolve_checkpoint(dcp)  # zeromem consolidate reads zeromem checkpoints only
+    with pytest.raises(CheckpointError, match=r"holds DCP checkpoints \(step-1000/\): pass one"):
+        resolve_checkpoint(tmp_path)  # torchtitan's checkpoint folder, no tag
 
 
 def damaged_copy(tmp_path: Path, name: str = "stage2_ws2_fp32") -> Path:

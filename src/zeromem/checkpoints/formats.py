@@ -84,17 +84,20 @@ def describe_directory(load_dir: str | os.PathLike, limit: int = 8) -> str:
     found = f"it holds {shown}" if names else "it is empty"
     return (f"{root} is neither a zeromem checkpoint (latest + <tag>/manifest.json) nor a "
             f"DeepSpeed one (latest + <tag>/mp_rank_00_model_states.pt and "
-            f"*_optim_states.pt): {found}{_directory_hint(names)}")
+            f"*_optim_states.pt): {found}{_directory_hint(names, root)}")
 
 
-def _directory_hint(names: list[str]) -> str:
+def _directory_hint(names: list[str], root: Path) -> str:
     if "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
         return ("; it looks like a Hugging Face model directory: load it with from_pretrained "
                 "before zeromem.initialize")
     if ".metadata" in names and any(n.endswith(".distcp") for n in names):
-        return ("; it looks like a torch.distributed.checkpoint (DCP) directory: turn it into "
-                "one file with torch's dcp_to_torch_save and load that file (README, Coming "
-                "from FSDP2)")
+        return ("; it looks like a torch.distributed.checkpoint (DCP) directory: "
+                "engine.load_checkpoint reads it (README, Coming from FSDP2)")
+    dcp = [n for n in names if n.endswith("/") and (root / n / ".metadata").is_file()]
+    if dcp:
+        return (f"; it holds DCP checkpoints ({', '.join(dcp[-3:])}): pass one of them, or its "
+                "name as tag, to engine.load_checkpoint")
     if "zero/" in names:
         return ("; it looks like a DeepSpeed universal checkpoint without its model states "
                 "file (mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt, "

@@ -349,15 +349,17 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
     `trust_client_state=True` for client state holding other objects, and only
     for checkpoints you wrote yourself.
 
-    A file is one torch state dict of an FSDP2 / DCP run (`dcp_to_torch_save`'s;
-    `checkpoints/torch_import.py`), imported the same way; it returns (the file, None).
+    A DCP directory of an FSDP2 run (`load_dir`, or `tag` inside it; or Accelerate's
+    `save_state` folder), or one torch file of its state dict (`dcp_to_torch_save`'s), is
+    imported the same way (`checkpoints/torch_import.py`); it returns (that path, None).
     A DeepSpeed ZeRO checkpoint (stages 1-3, or its universal form;
     `checkpoints/deepspeed_import.py`) is imported first, by each rank into a private
     temporary directory, then loaded the same way; it returns DeepSpeed's tag directory and
     the client state DeepSpeed's `load_checkpoint` would (`DeepSpeedState.client_state`).
     """
-    if Path(load_dir).is_file():
-        return _load_torch_file(state, Path(load_dir), load_optimizer_states,
+    torch_state = _torch_state(Path(load_dir), tag)
+    if torch_state is not None:
+        return _load_torch_file(state, torch_state, load_optimizer_states,
                                 load_lr_scheduler_states)
     where = deepspeed_location(load_dir, tag, universal)
     if where is not None:
@@ -382,6 +384,16 @@ def _load_deepspeed(state: TrainingState, where: tuple[Path, str], load_optimize
         _load(state, tmp, tag, load_optimizer_states, load_lr_scheduler_states, False,
               shown=root)
     return str(root / tag), ds.client_state()
+
+
+def _torch_state(load_dir: Path, tag: str | None) -> Path | None:
+    """The torch file or DCP directory (itself, or `tag` inside it) to import; None if neither."""
+    from zeromem.checkpoints.dcp_read import dcp_directories
+
+    if load_dir.is_file():
+        return load_dir
+    where = load_dir / tag if tag is not None else load_dir
+    return where if dcp_directories(where) is not None else None
 
 
 def _load_torch_file(state: TrainingState, file: Path, load_optimizer_states: bool,

@@ -1,13 +1,13 @@
-"""FSDP2 / DCP checkpoints, as one torch file, turned into zeromem checkpoints.
+"""FSDP2 / DCP checkpoints turned into zeromem checkpoints.
 
-A run saved with `torch.distributed.checkpoint` (DCP: FSDP2 scripts, torchtitan) is a
-directory of per-rank shards whose index (`.metadata`) is a pickle, which zeromem does not
-load ("nothing we load runs code"). torch's own `dcp_to_torch_save(dcp_dir, file)` turns it,
-offline, into one `torch.save` file; `engine.load_checkpoint(file)` reads that file with
-`weights_only=True` (tensors, containers, numbers, strings) and continues the run, weights,
-optimizer states and step count, at any world size and stage.
+A run saved with `torch.distributed.checkpoint` (DCP: FSDP2 scripts, torchtitan,
+Accelerate's FSDP `save_state`) continues under zeromem from its directory
+(`engine.load_checkpoint("step-1000")`, read by dcp_read.py without running its pickles),
+or from the one file torch's `dcp_to_torch_save` makes of it, read with `weights_only=True`
+(tensors, containers, numbers, strings) and memory-mapped: weights, optimizer states and
+step count, at any world size and stage.
 
-What the file holds, as the state dict the run saved:
+What the checkpoint holds, as the state dict the run saved:
 
     {"model": {fqn: tensor}, "optimizer": {...}}      FSDP2 with get_state_dict
     {fqn: tensor, ..., "optimizer": {...}}            torchtitan (model keys at the top)
@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from zeromem.checkpoints.consolidate import decode, encode, write_one_rank
+from zeromem.checkpoints.dcp_read import dcp_directories, read_dcp
 from zeromem.checkpoints.deepspeed_options import IMPLEMENTATION, optimizer_kind
 from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec
 
@@ -82,18 +83,9 @@ def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: b
 
 def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]:
     """(model state dict, optimizer state dict or None, the trainer's step count or None)
-    of the file. torch.load reads a .safetensors file too: weights only, at the top (a
+    of the file or DCP directory. torch.load reads a .safetensors file too: weights only, at the top (a
     Hugging Face model file, or `zeromem consolidate`'s: tied keys once)."""
-    try:  # DCP hands its byte entries back as BytesIO (torchtitan's older train_state)
-        with torch.serialization.safe_globals([io.BytesIO]):
-            # mapped, not read: every rank imports the whole file, and the ranks of a node
-            # then share its pages instead of each holding a copy of the model's states
-            saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise CheckpointError(f"{file} is not a torch file of tensors, containers, numbers and "
-                              f"strings (torch.load with weights_only=True: {first}); a DCP "
-                              "directory is read as torch's dcp_to_torch_save writes it") from None
+    saved = read_dcp(dcp_directories(file) or [file]) if file.is_dir() else _load_file(file)
     if not isinstance(saved, dict):
         raise CheckpointError(f"{file} holds a {type(saved).__name__}, not a state dict")
     optimizer = next((saved[k] for k in OPTIMIZER_KEYS if isinstance(saved.get(k), dict)), None)
@@ -102,6 +94,18 @@ def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]
     step = (saved.get("train_state") or {}).get("step") \
         if isinstance(saved.get("train_state"), dict) else None  # torchtitan's TrainState
     return model, optimizer, int(step) if isinstance(step, (int, torch.Tensor)) else None
+
+
+def _load_file(file: Path) -> Any:
+    try:  # DCP hands its byte entries back as BytesIO (torchtitan's older train_state)
+        with torch.serialization.safe_globals([io.BytesIO]):
+            # mapped, not read: every rank imports the whole file, and the ranks of a node
+            # then share its pages instead of each holding a copy of the model's states
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(f"{file} is not a torch file of tensors, containers, numbers and "
+                              f"strings (torch.load with weights_only=True: {first})") from None
 
 
 # what wrappers add to a module's keys: DDP's module., torch.compile's _orig_mod. and the
