@@ -190,24 +190,43 @@ def _entries(file: Path, optimizer: dict, manifest: dict
 def _named(file: Path, states: dict, groups: list[dict], manifest: dict
            ) -> tuple[dict[str, dict[str, Any]], list[dict]]:
     """torch's own `optimizer.state_dict()` numbers the parameters in the order its param
-    groups list them: with one group, built from `model.parameters()` (all of them, or the
-    trained ones), that is the model's order. Anything else is refused, as is a state whose
-    shape is not its parameter's (`_optimizer_into`)."""
-    numbers = [p for g in groups for p in g.get("params", [])]
+    groups list them. One group built from `model.parameters()` (all of them, or the
+    trained ones) lists them in the model's order; several groups (nanoGPT's and Hugging
+    Face's decay / no-decay) are read as the engine's own groups, in order, each listing
+    its parameters in the model's order, as both recipes build them. Anything else is
+    refused, as is a state whose shape is not its parameter's (`_optimizer_into`)."""
     params = manifest["params"]
     frozen = set(manifest.get("frozen_parameters") or [])
     every = [k for k in manifest["state_dict_keys"]
              if k not in manifest["aliases"] and (k in params or k in frozen)]
-    order = next((o for o in (every, [k for k in every if k in params])
-                  if len(o) == len(numbers)), None)
-    if len(groups) != 1 or order is None:
+    orders = _numbered_orders(groups, every, params, len(manifest["optimizer"]["param_groups"]))
+    if orders is None:
+        counts = [len(g.get("params", [])) for g in groups]
+        mine = [sum(1 for k in every if params.get(k, {}).get("param_group") == i)
+                for i in range(len(manifest["optimizer"]["param_groups"]))]
         raise CheckpointError(
             f"{file}: the optimizer numbers its parameters (torch's optimizer.state_dict()) in "
-            f"{len(groups)} param groups of {len(numbers)}, not one group of this model's "
-            f"{len(every)} parameters (or {len(params)} trained ones) in the model's order; "
-            "save it with torch.distributed.checkpoint.state_dict.get_state_dict, which names them")
-    name = {int(n): k for n, k in zip(numbers, order)}
-    return ({name[int(n)]: v for n, v in states.items()}, [{**groups[0], "params": order}])
+            f"{len(groups)} param groups of {counts}, not one group of this model's "
+            f"{len(every)} parameters (or {len(params)} trained ones) in the model's order, nor "
+            f"this engine's param groups ({mine} trained parameters); give the engine the "
+            "saving run's groups (zeromem.initialize(model, config, model_parameters=groups)), "
+            "or save it with torch.distributed.checkpoint.state_dict.get_state_dict, which "
+            "names them")
+    name = {int(n): k for g, order in zip(groups, orders) for n, k in zip(g["params"], order)}
+    return ({name[int(n)]: v for n, v in states.items()},
+            [{**g, "params": order} for g, order in zip(groups, orders)])
+
+
+def _numbered_orders(groups: list[dict], every: list[str], params: dict, engine_groups: int
+                     ) -> list[list[str]] | None:
+    """The names each numbered group lists, in its order; None where that is not clear."""
+    counts = [len(g.get("params", [])) for g in groups]
+    if len(groups) == 1:
+        return next(([o] for o in (every, [k for k in every if k in params])
+                     if len(o) == counts[0]), None)
+    mine = [[k for k in every if params.get(k, {}).get("param_group") == i]
+            for i in range(engine_groups)]
+    return mine if [len(m) for m in mine] == counts else None
 
 
 def _optimizer_into(file: Path, optimizer: dict, manifest: dict, names: list[str]
