@@ -191,7 +191,8 @@ def gpt2_tokens(step: int, rank: int) -> torch.Tensor:
 
 def gpt2_resume(rank: int, world_size: int, where: str) -> dict:
     """Hugging Face's GPT-2 (tied head) with its two param groups, one unit per block under
-    FSDP2, saved with DCP; resumed through `load_checkpoint` with the same groups."""
+    FSDP2, saved with DCP (named by get_state_dict, and numbered as `opt.state_dict()` has
+    them); resumed through `load_checkpoint` with the same groups."""
     from setups import hf_tiny_builders
     build = hf_tiny_builders(vocab=64, seq=16)["gpt2"]
     torch.manual_seed(0)
