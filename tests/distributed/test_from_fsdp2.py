@@ -40,7 +40,8 @@ STAGES = (0, 1, 2, 3)
 
 def fsdp2_run(ckpt: Path, make_optimizer: Callable, saved: Callable) -> list[float]:
     """TinyLM under fully_shard: BEFORE steps, DCP saves of `saved(model, optimizer)` (state
-    dicts by folder under `ckpt`: "." is `ckpt` itself), AFTER more steps; their losses."""
+    dicts by folder under `ckpt`: "." is `ckpt` itself; a `.bin` name: a torch file rank 0
+    writes), AFTER more steps; their losses."""
     torch.manual_seed(0)
     model = TinyLM()
     fully_shard(model)
@@ -50,7 +51,12 @@ def fsdp2_run(ckpt: Path, make_optimizer: Callable, saved: Callable) -> list[flo
     for step in range(BEFORE + AFTER):
         if step == BEFORE:
             for folder, state in saved(model, opt).items():
-                dcp.save(state, checkpoint_id=str(ckpt / folder))
+                if not folder.endswith(".bin"):
+                    dcp.save(state, checkpoint_id=str(ckpt / folder))
+                elif rank == 0:  # a torch file of the full state dict
+                    ckpt.mkdir(parents=True, exist_ok=True)
+                    torch.save(state, ckpt / folder)
+            dist.barrier()
         loss = model(*micro_batch(step, rank, 0))
         loss.backward()
         opt.step()
@@ -111,7 +117,8 @@ OPTIMIZERS = {
 def layout_state(layout: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
     """What the run saves: "nested" (`get_state_dict`), "torchtitan" (flattened, the model's
     keys at the top, its train state), "numbered" (`model.state_dict()`, `opt.state_dict()`)
-    or "accelerate" (nested, in the two folders Accelerate's FSDP `save_state` writes)."""
+    or "accelerate" (nested, in the two folders Accelerate's FSDP `save_state` writes, or,
+    "accelerate_full", the two files it writes with FULL_STATE_DICT)."""
     if layout == "numbered":
         return {".": {"model": model.state_dict(), "optimizer": opt.state_dict()}}
     options = StateDictOptions(flatten_optimizer_state_dict=layout == "torchtitan")
@@ -121,6 +128,9 @@ def layout_state(layout: str, model: torch.nn.Module, opt: torch.optim.Optimizer
             "step": torch.tensor(BEFORE, dtype=torch.int32), "log_steps": io.BytesIO(b"x")}}}
     if layout == "accelerate":  # accelerate/utils/fsdp_utils.py save_fsdp_model / _optimizer
         return {"pytorch_model_fsdp_0": {"model": msd}, "optimizer_0": {"optimizer": osd}}
+    if layout == "accelerate_full":  # the same, with StateDictType.FULL_STATE_DICT
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        return {"pytorch_model_fsdp.bin": msd, "optimizer.bin": osd}
     return {".": {"model": msd, "optimizer": osd}}
 
 
@@ -169,7 +179,8 @@ def resume(rank: int, world_size: int, where: str, kind: str, layout: str,
 @pytest.mark.parametrize("kind, layout, stages", [("adamw", "nested", (*STAGES, "nvme")),
                                                   ("sgd", "torchtitan", (1, 3)),
                                                   ("sgd", "numbered", (0, 3)),
-                                                  ("adamw", "accelerate", ())])
+                                                  ("adamw", "accelerate", ()),
+                                                  ("adamw", "accelerate_full", ())])
 def test_fsdp2_run_resumes_with_its_optimizer_states(tmp_path, kind, layout, stages):
     for rank, got in enumerate(run_distributed(resume, 2, str(tmp_path), kind, layout,
                                                stages)):

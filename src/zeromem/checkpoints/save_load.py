@@ -388,12 +388,10 @@ def _load_deepspeed(state: TrainingState, where: tuple[Path, str], load_optimize
 
 def _torch_state(load_dir: Path, tag: str | None) -> Path | None:
     """The torch file or DCP directory (itself, or `tag` inside it) to import; None if neither."""
-    from zeromem.checkpoints.dcp_read import dcp_directories
+    from zeromem.checkpoints.torch_import import is_torch_state
 
-    if load_dir.is_file():
-        return load_dir
-    where = load_dir / tag if tag is not None else load_dir
-    return where if dcp_directories(where) is not None else None
+    where = load_dir / tag if tag is not None and not load_dir.is_file() else load_dir
+    return where if is_torch_state(where) else None
 
 
 def _load_torch_file(state: TrainingState, file: Path, load_optimizer_states: bool,

@@ -5,7 +5,8 @@ Accelerate's FSDP `save_state`) continues under zeromem from its directory
 (`engine.load_checkpoint("step-1000")`, read by dcp_read.py without running its pickles),
 or from the one file torch's `dcp_to_torch_save` makes of it, read with `weights_only=True`
 (tensors, containers, numbers, strings) and memory-mapped: weights, optimizer states and
-step count, at any world size and stage.
+step count, at any world size and stage. Accelerate's `save_state` with a full state dict
+(`pytorch_model_fsdp.bin`, `optimizer.bin`: torch files) is read the same way.
 
 What the checkpoint holds, as the state dict the run saved:
 
@@ -48,6 +49,8 @@ from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec
 
 OPTIMIZER_KEYS = ("optimizer", "optim")  # where FSDP2 scripts and torchtitan keep it
 IMPORTED = "imported"  # the tag of the one-rank checkpoint the import writes
+# Accelerate's save_state with FSDP's FULL_STATE_DICT: the model's and the optimizer's
+ACCELERATE_FULL = ("pytorch_model_fsdp.bin", "optimizer.bin")
 
 
 def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: bool) -> str:
@@ -85,7 +88,7 @@ def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]
     """(model state dict, optimizer state dict or None, the trainer's step count or None)
     of the file or DCP directory. torch.load reads a .safetensors file too: weights only, at the top (a
     Hugging Face model file, or `zeromem consolidate`'s: tied keys once)."""
-    saved = read_dcp(dcp_directories(file) or [file]) if file.is_dir() else _load_file(file)
+    saved = _load_directory(file) if file.is_dir() else _load_file(file)
     if not isinstance(saved, dict):
         raise CheckpointError(f"{file} holds a {type(saved).__name__}, not a state dict")
     optimizer = next((saved[k] for k in OPTIMIZER_KEYS if isinstance(saved.get(k), dict)), None)
@@ -94,6 +97,23 @@ def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]
     step = (saved.get("train_state") or {}).get("step") \
         if isinstance(saved.get("train_state"), dict) else None  # torchtitan's TrainState
     return model, optimizer, int(step) if isinstance(step, (int, torch.Tensor)) else None
+
+
+def is_torch_state(path: Path) -> bool:
+    """Whether `path` is a run's state this module reads: a file, a DCP directory, or the
+    folder Accelerate's `save_state` (and the Hugging Face Trainer with FSDP) writes."""
+    return path.is_file() or dcp_directories(path) is not None or \
+        (path / ACCELERATE_FULL[0]).is_file()
+
+
+def _load_directory(directory: Path) -> dict[str, Any]:
+    """A DCP directory (or Accelerate's two), or Accelerate's full state dict files."""
+    dcp = dcp_directories(directory)
+    if dcp is not None:
+        return read_dcp(dcp)
+    model, optimizer = (directory / name for name in ACCELERATE_FULL)
+    return {"model": _load_file(model),
+            **({"optimizer": _load_file(optimizer)} if optimizer.is_file() else {})}
 
 
 def _load_file(file: Path) -> Any:
