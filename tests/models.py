@@ -60,6 +60,14 @@ def micro_batch(step: int, rank: int, micro: int, batch: int = 4, seq: int = 5, 
     return tokens, targets
 
 
+def decay_groups(model: nn.Module) -> list[dict]:
+    """Hugging Face's (and nanoGPT's) two param groups of the trained parameters, in the
+    model's order: weight decay on matrices, none on biases and norms."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trained if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0}]
+
+
 def client_optimizer(groups: list[dict]) -> tuple:
     """What a script gives `initialize` as its own optimizer and schedule: SGD with momentum
     and HF's linear schedule (2 warmup steps from 0, then down to 0 at step 10), over

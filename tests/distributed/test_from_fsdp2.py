@@ -31,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 
 import zeromem
 from harness import run_distributed
-from models import TinyLM, micro_batch
+from models import TinyLM, decay_groups, micro_batch
 
 BEFORE, AFTER = 2, 2  # steps under FSDP2 before the save, and after it on both systems
 LR = 0.1
@@ -187,13 +187,6 @@ def test_fsdp2_run_resumes_with_its_optimizer_states(tmp_path, kind, layout, sta
         for stage in (*stages, "dcp"):
             diff = max(abs(a - b) for a, b in zip(got[stage], got["fsdp2"]))
             assert diff <= 1e-6, (rank, stage, got[stage], got["fsdp2"])
-
-
-def decay_groups(model: torch.nn.Module) -> list[dict]:
-    """Hugging Face's two groups: weight decay on matrices, none on biases and norms."""
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": matrices, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
 def gpt2_tokens(step: int, rank: int) -> torch.Tensor:

@@ -5,8 +5,10 @@ Accelerate's FSDP `save_state`) continues under zeromem from its directory
 (`engine.load_checkpoint("step-1000")`, read by dcp_read.py without running its pickles),
 or from the one file torch's `dcp_to_torch_save` makes of it, read with `weights_only=True`
 (tensors, containers, numbers, strings) and memory-mapped: weights, optimizer states and
-step count, at any world size and stage. Accelerate's `save_state` with a full state dict
-(`pytorch_model_fsdp.bin`, `optimizer.bin`: torch files) is read the same way.
+step count, at any world size and stage. The folder Accelerate's `save_state` writes
+otherwise (FSDP's full state dict: `pytorch_model_fsdp.bin`; DDP or one process:
+`model.safetensors`; beside `optimizer.bin`), or a Hugging Face Trainer checkpoint-N
+(`model.safetensors`, `optimizer.pt`), is read the same way, file by file.
 
 What the checkpoint holds, as the state dict the run saved:
 
@@ -49,8 +51,10 @@ from zeromem.checkpoints.tensor_files import CheckpointError, TensorSpec
 
 OPTIMIZER_KEYS = ("optimizer", "optim")  # where FSDP2 scripts and torchtitan keep it
 IMPORTED = "imported"  # the tag of the one-rank checkpoint the import writes
-# Accelerate's save_state with FSDP's FULL_STATE_DICT: the model's and the optimizer's
-ACCELERATE_FULL = ("pytorch_model_fsdp.bin", "optimizer.bin")
+# the model's and the optimizer's files of Accelerate's save_state (FSDP with
+# FULL_STATE_DICT; DDP or one process) and of a Hugging Face Trainer checkpoint-N
+MODEL_FILES = ("pytorch_model_fsdp.bin", "model.safetensors", "pytorch_model.bin")
+OPTIMIZER_FILES = ("optimizer.bin", "optimizer.pt")
 
 
 def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: bool) -> str:
@@ -101,19 +105,33 @@ def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]
 
 def is_torch_state(path: Path) -> bool:
     """Whether `path` is a run's state this module reads: a file, a DCP directory, or the
-    folder Accelerate's `save_state` (and the Hugging Face Trainer with FSDP) writes."""
+    folder Accelerate's `save_state` or the Hugging Face Trainer writes (a model file and
+    an optimizer file; FSDP's full state dict file alone too)."""
     return path.is_file() or dcp_directories(path) is not None or \
-        (path / ACCELERATE_FULL[0]).is_file()
+        _state_files(path) is not None
+
+
+def _state_files(directory: Path) -> tuple[Path, Path | None] | None:
+    """(model file, optimizer file or None) of a save_state / Trainer folder, or None."""
+    if not directory.is_dir() or (directory / "latest").is_file():
+        return None  # a DeepSpeed or zeromem checkpoint, read as such
+    model = next((directory / n for n in MODEL_FILES if (directory / n).is_file()), None)
+    optimizer = next((directory / n for n in OPTIMIZER_FILES if (directory / n).is_file()), None)
+    if model is None or (optimizer is None and model.name != MODEL_FILES[0]):
+        return None  # a model alone is a Hugging Face model folder (from_pretrained's)
+    return model, optimizer
 
 
 def _load_directory(directory: Path) -> dict[str, Any]:
-    """A DCP directory (or Accelerate's two), or Accelerate's full state dict files."""
+    """A DCP directory (or Accelerate's two), or a save_state / Trainer folder's files."""
     dcp = dcp_directories(directory)
     if dcp is not None:
         return read_dcp(dcp)
-    model, optimizer = (directory / name for name in ACCELERATE_FULL)
+    files = _state_files(directory)
+    assert files is not None  # is_torch_state said so
+    model, optimizer = files
     return {"model": _load_file(model),
-            **({"optimizer": _load_file(optimizer)} if optimizer.is_file() else {})}
+            **({"optimizer": _load_file(optimizer)} if optimizer is not None else {})}
 
 
 def _load_file(file: Path) -> Any:
