@@ -90,8 +90,8 @@ def write_torch_state(file: Path, dst: Path, template: dict, optimizer_states: b
 
 def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]:
     """(model state dict, optimizer state dict or None, the trainer's step count or None)
-    of the file or DCP directory. torch.load reads a .safetensors file too: weights only, at the top (a
-    Hugging Face model file, or `zeromem consolidate`'s: tied keys once)."""
+    of the file or folder. torch.load reads a .safetensors file too: weights only, at the
+    top (a Hugging Face model file, or `zeromem consolidate`'s: tied keys once)."""
     saved = _load_directory(file) if file.is_dir() else _load_file(file)
     if not isinstance(saved, dict):
         raise CheckpointError(f"{file} holds a {type(saved).__name__}, not a state dict")
