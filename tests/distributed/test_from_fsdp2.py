@@ -38,14 +38,17 @@ LR = 0.1
 STAGES = (0, 1, 2, 3)
 
 
-def fsdp2_run(ckpt: Path, make_optimizer: Callable, saved: Callable) -> list[float]:
+def fsdp2_run(ckpt: Path, make_optimizer: Callable, saved: Callable,
+              make_schedule: Callable | None = None) -> list[float]:
     """TinyLM under fully_shard: BEFORE steps, DCP saves of `saved(model, optimizer)` (state
     dicts by folder under `ckpt`: "." is `ckpt` itself; a `.bin` name: a torch file rank 0
-    writes), AFTER more steps; their losses."""
+    writes), AFTER more steps; their losses. `make_schedule(optimizer)`: an lr schedule
+    stepped after each optimizer step."""
     torch.manual_seed(0)
     model = TinyLM()
     fully_shard(model)
     opt = make_optimizer(model.parameters())
+    schedule = make_schedule(opt) if make_schedule is not None else None
     rank = dist.get_rank()
     losses = []
     for step in range(BEFORE + AFTER):
@@ -60,6 +63,8 @@ def fsdp2_run(ckpt: Path, make_optimizer: Callable, saved: Callable) -> list[flo
         loss = model(*micro_batch(step, rank, 0))
         loss.backward()
         opt.step()
+        if schedule is not None:
+            schedule.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses[BEFORE:]
@@ -187,6 +192,42 @@ def test_fsdp2_run_resumes_with_its_optimizer_states(tmp_path, kind, layout, sta
         for stage in (*stages, "dcp"):
             diff = max(abs(a - b) for a, b in zip(got[stage], got["fsdp2"]))
             assert diff <= 1e-6, (rank, stage, got[stage], got["fsdp2"])
+
+
+def warmup(step: int) -> float:
+    """LambdaLR's factor: a warmup over 4 steps, so the step a schedule stands at shows."""
+    return min(1.0, (step + 1) / 4)
+
+
+def scheduled(rank: int, world_size: int, where: str) -> dict:
+    """AdamW under a LambdaLR warmup in FSDP2 and, with the same schedule and lr, in zeromem
+    (stage 3), resumed from the DCP directory: the schedule goes on from step BEFORE."""
+    ckpt = Path(where) / "step-2"
+    out = {"fsdp2": fsdp2_run(ckpt, lambda params: torch.optim.AdamW(params, lr=0.01),
+                              partial(layout_state, "nested"),
+                              lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup))}
+    torch.manual_seed(100 + rank)
+    engine = zeromem.initialize(TinyLM(), {
+        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup))
+    engine.load_checkpoint(str(ckpt))
+    out["lr"] = engine.get_lr()
+    out["zeromem"] = []
+    for step in range(BEFORE, BEFORE + AFTER):
+        loss = engine(*micro_batch(step, rank, 0))
+        loss.backward()
+        engine.step()
+        out["zeromem"].append(loss.item())
+    return out
+
+
+def test_an_imported_run_goes_on_with_its_lr_schedule(tmp_path):
+    for rank, got in enumerate(run_distributed(scheduled, 2, str(tmp_path))):
+        assert got["lr"] == pytest.approx([0.01 * warmup(BEFORE)]), got["lr"]
+        diff = max(abs(a - b) for a, b in zip(got["zeromem"], got["fsdp2"]))
+        assert diff <= 1e-6, (rank, got["zeromem"], got["fsdp2"])
 
 
 def gpt2_tokens(step: int, rank: int) -> torch.Tensor:

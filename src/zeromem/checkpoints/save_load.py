@@ -66,10 +66,11 @@ from typing import Any, Callable
 import torch
 
 from zeromem.checkpoints.agreement import all_ranks_ok, attempt, check_same_tag, collective, share_rows
-from zeromem.checkpoints.state import (check_states, counters_state, param_groups_state, read_rng,
-                               restore_counters, restore_param_groups, restore_scaler,
-                               restore_scheduler, rng_to_file, saved_scalar_state, scalar_states,
-                               scaler_state, scheduler_state)
+from zeromem.checkpoints.state import (check_states, continue_schedule, counters_state,
+                                       param_groups_state, read_rng, restore_counters,
+                                       restore_param_groups, restore_scaler, restore_scheduler,
+                                       rng_to_file, saved_scalar_state, scalar_states,
+                                       scaler_state, scheduler_state)
 from zeromem.checkpoints.consolidate import (
     CLIENT_STATE, FORMAT, MANIFEST, VERSION, Piece, check_tag, checked_files, encode, file_digest,
     fsync_dir, overlaps, pieces_by_param, prepare_tmp, publish, raise_problems, rank_file_name,
@@ -405,6 +406,8 @@ def _load_torch_file(state: TrainingState, file: Path, load_optimizer_states: bo
                          lambda: write_torch_state(file, Path(tmp), template, load_optimizer_states))
         _load(state, tmp, tag, load_optimizer_states, load_lr_scheduler_states, False,
               shown=file.parent)
+    if load_lr_scheduler_states:  # the file keeps no schedule of the engine's: its step does
+        continue_schedule(state.lr_scheduler, state.counters.global_steps)
     return str(file), None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -123,6 +124,24 @@ def restore_scheduler(scheduler, optimizer, manifest: dict) -> None:
     elif saved is not None or scheduler is not None:
         log.warning("lr scheduler state not restored: the %s has no lr scheduler",
                     "engine" if scheduler is None else "checkpoint")
+
+
+def continue_schedule(scheduler, steps: int) -> None:
+    """An imported run's lr schedule goes on from its step count: the engine's scheduler is
+    stepped on to `steps` (torch's `last_epoch`), as if it had run from the start (its own
+    formula, chainable or not). One already there or past is left alone, as is one without
+    `last_epoch` (warned)."""
+    if scheduler is None:
+        return
+    at = getattr(scheduler, "last_epoch", None)
+    if not isinstance(at, int):
+        log.warning("lr scheduler %s left where it is: it has no last_epoch to reach the "
+                    "imported step %d by", type(scheduler).__name__, steps)
+        return
+    with warnings.catch_warnings():  # torch's: the optimizer has not stepped since
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+        for _ in range(steps - at):
+            scheduler.step()
 
 
 # ---------------------------------------------------------------- fit to the engine, before applying

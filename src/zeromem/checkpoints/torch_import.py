@@ -30,9 +30,10 @@ of another model, or of another optimizer kind, is refused before anything chang
 Chosen where torch and zeromem differ: a trained parameter without optimizer state in the
 file (it never had a gradient) gets zero moments and the others' step; the param groups'
 options (lr, betas, ...) are the file's, their implementation switches (fused, foreach)
-the engine's; the lr schedule, loss scaler and RNGs stay the engine's (DCP keeps them in
-entries of the script's own); the step count is torchtitan's `train_state` step, else
-Adam's, else 0 (SGD).
+the engine's; the loss scaler, RNGs and lr schedule stay the engine's (DCP keeps the
+script's in entries of its own), the schedule stepped on to the imported step count
+(save_load.py, `continue_schedule`); the step count is torchtitan's `train_state` step,
+else Adam's, else 0 (SGD).
 """
 from __future__ import annotations
 
