@@ -75,9 +75,13 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
         # Hugging Face's way: safetensors, the tied head left out
         save_file({k: v for k, v in plain.state_dict().items() if k != "head.weight"},
                   f"{where}/plain.safetensors")
-        # DCP directories: a planted entry, and a planted index (.metadata is a pickle)
+        # DCP directories: a planted entry the import needs (an optimizer option) and one it
+        # does not (left out), and a planted index (.metadata is a pickle)
+        dcp.save({"model": weights.state_dict(), "optimizer": {"state": {}, "param_groups": [
+            {"lr": Planted(str(marker)), "params": ["fc1.weight"]}]}},
+            checkpoint_id=f"{where}/dcp_entry", no_dist=True)
         dcp.save({"model": weights.state_dict(), "extra": Planted(str(marker))},
-                 checkpoint_id=f"{where}/dcp_entry", no_dist=True)
+                 checkpoint_id=f"{where}/dcp_extra", no_dist=True)
         dcp.save({"model": weights.state_dict()}, checkpoint_id=f"{where}/dcp_index", no_dist=True)
         Path(f"{where}/dcp_index/.metadata").write_bytes(pickle.dumps(Planted(str(marker))))
     dist.barrier()
@@ -98,11 +102,12 @@ def refusals(rank: int, world_size: int, where: str) -> dict[str, str]:
                               if rank == 0 else True)
     # the weights alone, where the file has no optimizer state and none is asked for
     for name, model in (("latest.pt", weights), ("wrapped.pt", wrapped),
-                        ("plain.safetensors", plain)):
+                        ("plain.safetensors", plain), ("dcp_extra", weights)):
         engine.load_checkpoint(f"{where}/{name}", load_optimizer_states=False)
         loaded = engine.full_state_dict()
         errors[f"{name} loaded"] = str(all(torch.equal(loaded[k], v) for k, v in
                                            model.state_dict().items()) if rank == 0 else True)
+    errors["ran after all"] = " RAN" if marker.exists() else ""  # dcp_extra's entry left out
     return errors
 
 
@@ -114,9 +119,10 @@ def test_a_torch_file_not_of_this_run_is_refused_before_anything_changes(tmp_pat
         assert "2 param groups" in got["numbered groups"]
         assert "get_state_dict" in got["numbered groups"]
         assert "weights_only=True" in got["a pickle"] and "RAN" not in got["a pickle"]
-        assert "entry 'extra'" in got["dcp_entry"] and "weights_only=True" in got["dcp_entry"]
+        assert "entry 'optimizer.param_groups.0.lr'" in got["dcp_entry"]
+        assert "weights_only=True" in got["dcp_entry"]
         assert "system, which a DCP index does not hold" in got["dcp_index"]
-        assert "RAN" not in got["dcp_entry"] + got["dcp_index"]
+        assert "RAN" not in got["dcp_entry"] + got["dcp_index"] + got["ran after all"]
         assert got["unchanged"] == "True", got
-        assert all(got[f"{name} loaded"] == "True"
-                   for name in ("latest.pt", "wrapped.pt", "plain.safetensors")), got
+        assert all(got[f"{name} loaded"] == "True" for name in (
+            "latest.pt", "wrapped.pt", "plain.safetensors", "dcp_extra")), got

@@ -17,6 +17,7 @@ directories beside each other, `pytorch_model_fsdp_0/` ({"model": ...}) and `opt
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from zeromem.checkpoints.tensor_files import CheckpointError
 
+log = logging.getLogger("zeromem")
 INDEX = ".metadata"
 ACCELERATE = ("pytorch_model_fsdp_0", "optimizer_0")  # save_state's model, optimizer folders
 
@@ -55,11 +57,14 @@ def dcp_directories(path: Path) -> list[Path] | None:
     return found or None
 
 
-def read_dcp(directories: list[Path]) -> dict[str, Any]:
-    """The state dict `directories` hold together (Accelerate's: model, then optimizer)."""
+def read_dcp(directories: list[Path], needed: tuple[str, ...]) -> dict[str, Any]:
+    """The state dict `directories` hold together (Accelerate's: model, then optimizer).
+    A non-tensor entry that `weights_only` cannot read (a script's config object, a
+    dataloader's pickled state) is refused under the top-level keys `needed`, and left out,
+    with a warning, elsewhere: the import does not need it, and reading it could run code."""
     state: dict[str, Any] = {}
     for directory in directories:
-        state.update(_read_one(directory))
+        state.update(_read_one(directory, needed))
     return state
 
 
@@ -112,26 +117,34 @@ def _read_index(directory: Path) -> Metadata:
 class _Planner(_EmptyStateDictLoadPlanner):
     """Rebuilds the saved state dict (torch's), its non-tensor entries read with weights_only."""
 
+    def __init__(self, needed: tuple[str, ...]):
+        super().__init__()
+        self.needed = needed
+
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         try:  # DCP hands byte entries back as BytesIO (torchtitan's older train_state)
             with torch.serialization.safe_globals([io.BytesIO]):
                 loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as error:
-            raise CheckpointError(f"entry {fqn!r} is not tensors, containers, numbers and "
-                                  f"strings (torch.load with weights_only=True: "
-                                  f"{str(error).splitlines()[0]})") from None
+            why = (f"not tensors, containers, numbers and strings (torch.load with "
+                   f"weights_only=True: {str(error).splitlines()[0]})")
+            if fqn.split(".")[0] in self.needed:
+                raise CheckpointError(f"entry {fqn!r} is {why}") from None
+            log.warning("DCP entry %r left out: it is %s, and the import does not need it",
+                        fqn, why)
+            return
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
 
 
-def _read_one(directory: Path) -> dict[str, Any]:
+def _read_one(directory: Path, needed: tuple[str, ...]) -> dict[str, Any]:
     state: dict[str, Any] = {}
     reader = _Reader(directory, _read_index(directory))
     try:
-        _load_state_dict(state, storage_reader=reader, planner=_Planner(),
+        _load_state_dict(state, storage_reader=reader, planner=_Planner(needed),
                          no_dist=True)
     except CheckpointException as failed:  # DCP gathers each failure, with its traceback
         error = next((e for e, _ in failed.failures.values()), failed)

@@ -350,9 +350,10 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
     `trust_client_state=True` for client state holding other objects, and only
     for checkpoints you wrote yourself.
 
-    A DCP directory of an FSDP2 run (`load_dir`, or `tag` inside it; or Accelerate's
-    `save_state` folder), or one torch file of its state dict (`dcp_to_torch_save`'s), is
-    imported the same way (`checkpoints/torch_import.py`); it returns (that path, None).
+    A DCP directory of an FSDP2 run (`load_dir`, or `tag` inside it), the folder
+    Accelerate's `save_state` or the Hugging Face Trainer writes, or one torch file of a
+    run's state dict (`dcp_to_torch_save`'s), is imported the same way
+    (`checkpoints/torch_import.py`); it returns (that path, None).
     A DeepSpeed ZeRO checkpoint (stages 1-3, or its universal form;
     `checkpoints/deepspeed_import.py`) is imported first, by each rank into a private
     temporary directory, then loaded the same way; it returns DeepSpeed's tag directory and

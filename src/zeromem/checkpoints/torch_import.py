@@ -127,7 +127,7 @@ def _load_directory(directory: Path) -> dict[str, Any]:
     """A DCP directory (or Accelerate's two), or a save_state / Trainer folder's files."""
     dcp = dcp_directories(directory)
     if dcp is not None:
-        return read_dcp(dcp)
+        return read_dcp(dcp, needed=("model", *OPTIMIZER_KEYS, "train_state"))
     files = _state_files(directory)
     assert files is not None  # is_torch_state said so
     model, optimizer = files
