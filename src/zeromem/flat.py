@@ -65,6 +65,12 @@ def dense(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if grad.is_sparse else grad
 
 
+def squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's squared L2 norm, accumulated in fp32 whatever its dtype (clipping's
+    global norm is the square root of the ranks' summed shards')."""
+    return torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+
+
 class GroupState(enum.Enum):
     """What a group's parameters hold now; assigned in this file only (FSDP2's TrainingState).
 
@@ -557,8 +563,7 @@ class WholeAllReduced:
         return self.whole
 
     def square(self) -> torch.Tensor:
-        """The squared L2 norm of `reduced()` (fp32)."""
-        return torch.linalg.vector_norm(self.reduced(), dtype=torch.float32) ** 2
+        return squared_norm(self.reduced())
 
     def zero(self) -> None:
         self.whole.zero_()
@@ -689,8 +694,7 @@ class ShardAccumulated:
         return self.shard
 
     def square(self) -> torch.Tensor:
-        """The squared L2 norm of `reduced()` (fp32)."""
-        return torch.linalg.vector_norm(self.reduced(), dtype=torch.float32) ** 2
+        return squared_norm(self.reduced())
 
     def zero(self) -> None:
         self.shard.zero_()

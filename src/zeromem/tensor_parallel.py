@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeromem.comm import Comm
+from zeromem.flat import squared_norm
 
 
 def model_parallel_comm(group: dist.ProcessGroup | None) -> Comm | None:
@@ -240,8 +241,7 @@ class ModelParallelNorm:
             return sq
         grad = group.reduced_grad()  # read only here: a shard in grads.swp costs a read
         repeated = [grad[start:start + length] for start, length in spans]
-        rep_sq = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32) ** 2
-                              for x in repeated]).sum()
+        rep_sq = torch.stack([squared_norm(x) for x in repeated]).sum()
         return (sq - rep_sq) + rep_sq / self.comm.world_size
 
     def all_reduce(self, sq: torch.Tensor) -> None:

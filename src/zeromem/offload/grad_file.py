@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from zeromem.comm import Pending, Reduction
-from zeromem.flat import FlatParamGroup, FullBucket
+from zeromem.flat import FlatParamGroup, FullBucket, squared_norm
 from zeromem.offload.nvme import (IOHandle, OffloadError, SwapSpace, aligned_empty, piece_bytes,
                                   piece_range, piece_view, round_up)
 
@@ -103,7 +103,7 @@ class GradFile:
             shard.add_(self.read(group))
             if self.accum_dtype != torch.float32:  # the sum rounded as accum_dtype's add rounds
                 shard.copy_(shard.to(self.accum_dtype))
-        self.squares[key] = torch.linalg.vector_norm(shard, dtype=torch.float32) ** 2
+        self.squares[key] = squared_norm(shard)
         if self.take is not None and self.take(group, shard):
             self.written.discard(key)  # the record holds earlier micro-steps' sum only
             self.consumed.add(key)
