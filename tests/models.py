@@ -60,6 +60,15 @@ def micro_batch(step: int, rank: int, micro: int, batch: int = 4, seq: int = 5, 
     return tokens, targets
 
 
+def unclipped_config(stage: int, micro_batch: int, optimizer: dict, **zero) -> dict:
+    """A zeromem config as the checkpoint-import tests write it: gradients unclipped (SGD
+    and Adam then see them as they are), every stage-3 parameter partitioned (persistence
+    threshold 0); `zero`: more zero_optimization keys."""
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 0.0,
+            "optimizer": optimizer,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero}}
+
+
 def decay_groups(model: nn.Module) -> list[dict]:
     """Hugging Face's (and nanoGPT's) two param groups of the trained parameters, in the
     model's order: weight decay on matrices, none on biases and norms."""

@@ -23,13 +23,14 @@ import torch.distributed as dist
 import zeromem
 from harness import run_distributed
 from launch import torchrun
-from models import TinyLM, decay_groups, micro_batch
+from models import TinyLM, decay_groups, micro_batch, unclipped_config
 
 pytest.importorskip("accelerate")
 SCRIPT = Path(__file__).with_name("accelerate_save_state_script.py")
 TRAINER = Path(__file__).with_name("hf_trainer_checkpoint_script.py")
 SAVE_AT, AFTER = 2, 2
 STAGES = (0, 3)
+ADAMW = {"type": "AdamW", "params": {"lr": 0.5}}  # not the saving runs' lr: theirs must win
 
 
 def resume(rank: int, world_size: int, state: str) -> dict:
@@ -37,11 +38,8 @@ def resume(rank: int, world_size: int, state: str) -> dict:
     for stage in STAGES:
         torch.manual_seed(100 + rank)  # ranks built apart: every value must come from the files
         model = TinyLM()
-        engine = zeromem.initialize(model, {
-            "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}},
-            model_parameters=decay_groups(model))
+        engine = zeromem.initialize(model, unclipped_config(stage, 4, ADAMW),
+                                    model_parameters=decay_groups(model))
         engine.load_checkpoint(state)
         assert engine.global_steps == SAVE_AT, engine.global_steps  # Adam's step count
         losses = []
@@ -79,11 +77,8 @@ def trainer_checkpoint(rank: int, world_size: int, out: str) -> dict:
     decay = transformers.Trainer.get_decay_parameter_names(None, model)  # no `self` used
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     order = [n for n, _ in named if n in decay] + [n for n, _ in named if n not in decay]
-    engine = zeromem.initialize(model, {
-        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
-        model_parameters=decay_groups(model))
+    engine = zeromem.initialize(model, unclipped_config(3, 2, ADAMW),
+                                model_parameters=decay_groups(model))
     engine.load_checkpoint(str(ckpt))
     weights = load_file(ckpt / "model.safetensors")
     saved = torch.load(ckpt / "optimizer.pt", weights_only=True)

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 
 import zeromem
 from harness import run_distributed
-from models import TinyLM, decay_groups, micro_batch
+from models import TinyLM, decay_groups, micro_batch, unclipped_config
 
 BEFORE, AFTER = 2, 2  # steps under FSDP2 before the save, and after it on both systems
 LR = 0.1
@@ -76,10 +76,8 @@ def zeromem_run(torch_file: Path, stage: int) -> list[float]:
     torch.manual_seed(100 + rank)  # ranks built apart: every value must come from the file
     model = TinyLM()
     model.load_state_dict(torch.load(torch_file, weights_only=True)["model"])
-    engine = zeromem.initialize(model, {
-        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    engine = zeromem.initialize(model, unclipped_config(stage, 4, {"type": "SGD",
+                                                                   "params": {"lr": LR}}))
     losses = []
     for step in range(BEFORE, BEFORE + AFTER):
         loss = engine(*micro_batch(step, rank, 0))
@@ -146,13 +144,10 @@ def resumed_run(torch_file: Path, stage: int | str, kind: str, layout: str,
     writes to disk)."""
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
-    zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
-    if stage == "nvme":
-        nvme = {"device": "nvme", "nvme_path": str(torch_file.parent)}
-        zero |= {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme}
-    engine = zeromem.initialize(TinyLM(), {
-        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
-        "optimizer": OPTIMIZERS[kind][1], "zero_optimization": zero})
+    nvme = {"device": "nvme", "nvme_path": str(torch_file.parent)}
+    offload = {"offload_optimizer": nvme, "offload_param": nvme} if stage == "nvme" else {}
+    engine = zeromem.initialize(TinyLM(), unclipped_config(
+        3 if stage == "nvme" else int(stage), 4, OPTIMIZERS[kind][1], **offload))
     engine.load_checkpoint(str(torch_file), tag=tag)
     # Adam's step, torchtitan's trainer's, or none (SGD)
     assert engine.global_steps == (0 if (kind, layout) == ("sgd", "numbered") else BEFORE)
@@ -207,10 +202,8 @@ def scheduled(rank: int, world_size: int, where: str) -> dict:
                               partial(layout_state, "nested"),
                               lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup))}
     torch.manual_seed(100 + rank)
-    engine = zeromem.initialize(TinyLM(), {
-        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+    engine = zeromem.initialize(
+        TinyLM(), unclipped_config(3, 4, {"type": "AdamW", "params": {"lr": 0.01}}),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup))
     engine.load_checkpoint(str(ckpt))
     out["lr"] = engine.get_lr()
@@ -274,11 +267,8 @@ def gpt2_resumed(build: Callable, source: str, stage: int) -> list[float]:
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
     fresh = build()
-    engine = zeromem.initialize(fresh, {
-        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}},
-        model_parameters=decay_groups(fresh))
+    engine = zeromem.initialize(fresh, unclipped_config(stage, 2, OPTIMIZERS["adamw"][1]),
+                                model_parameters=decay_groups(fresh))
     engine.load_checkpoint(source)
     losses = []
     for step in range(BEFORE, BEFORE + AFTER):
