@@ -247,8 +247,8 @@ def test_planner_merges_persistent_units_as_the_engine_does():
 
 
 def test_nvme_units_merge_layers_the_default_budget_can_hold():
-    """The issue-16 model at W=1024 (Linear(1024, 1024) layers, fp32, 2 ranks, the default
-    64 MiB budget and 5 parameter buffers): the pool's share lets units of several layers
+    """The issue-16 model at W=1024 (Linear(1024, 1024) layers, fp32, 2 ranks, a 64 MiB
+    budget (the default until stop 57) and 5 parameter buffers): the pool's share lets units of several layers
     form; a quarter of the budget kept every layer a unit of its own, 16 gathers, releases
     and buckets where CPU offload has 8."""
     layer = 1024 * 1024 + 1024

@@ -56,7 +56,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 
 from zeromem.config.schema import (AioConfig, Config, ConfigError, OffloadOptimizerConfig,
-                                   OffloadParamConfig, OptimizerConfig, ZeroConfig)
+                                   OffloadParamConfig, OptimizerConfig, TimeoutsConfig,
+                                   ZeroConfig)
 from zeromem.flat import (ContiguousShards, FlatParamGroup, ShardAccumulated, WholeAllReduced,
                           WholeScattered)
 from zeromem.layout import Sharding
@@ -95,7 +96,7 @@ class OffloadPolicy:
     # them; None: sized from the host budget (offload/budget.py)
     sub_group_size: int | None = None
     optimizer_buffers: int | None = None
-    host_budget_bytes: int = 64 * 2**20  # zeromem.offload_host_budget_bytes
+    host_budget_bytes: int = TimeoutsConfig.model_fields["offload_host_budget_bytes"].default
     host_budget_set: bool = False  # the config names the budget (else its default is logged)
     # masters and parameters on NVMe, no fp16: the files keep two copies so that the step
     # may begin in the boundary backward (offload/backward_step.py)
