@@ -91,12 +91,17 @@ def config(mode: str, path: str, extra: dict) -> dict:
     # stop 49 clip at 1.0, and a clipped step waits for the whole gradient's norm
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
+    return merged(cfg, extra)
+
+
+def merged(base: dict, extra: dict) -> dict:
+    """`base` with `extra`'s keys, nested blocks merged key by key (`--extra
+    '{"zero_optimization": {"offload_optimizer": {"buffer_count": 12}}}'` keeps the device)."""
+    out = dict(base)
     for key, value in extra.items():
-        if isinstance(value, dict):
-            cfg.setdefault(key, {}).update(value)
-        else:
-            cfg[key] = value
-    return cfg
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merged(out[key], value) if nested else value
+    return out
 
 
 def worker(rank: int, world: int, port: int, mode: str, args, queue) -> None:
