@@ -259,7 +259,10 @@ def ranks(tmp_path_factory) -> list[dict]:
 def test_openrlhf_config_and_optimizer_train_as_one_process(ranks, stage):
     reference, lr = _reference()
     for rank, result in enumerate(case(ranks, f"stage{stage}")):
-        assert max_diff(result["state"], reference) < 1e-6, rank
+        # Adam divides by sqrt(v): where a gradient is near zero, the last bits that the
+        # order of summation changes become ~1e-6 of the weight (1.9e-6 on an AMD EPYC host,
+        # one element of the middle layer); a wrong update is of the order of LR, 1e-2
+        assert max_diff(result["state"], reference) < 1e-5, rank
         assert result["lr"] == pytest.approx(lr), rank
 
 
