@@ -9,9 +9,7 @@ import zeromem
 from gpt import GPT
 from harness import run_distributed
 from zeromem.cli import main
-from zeromem.config.schema import TimeoutsConfig
-
-DEFAULT_BUDGET = TimeoutsConfig.model_fields["offload_host_budget_bytes"].default
+from zeromem.config.schema import OFFLOAD_HOST_BUDGET_BYTES
 
 JSON_KEYS = {"name", "stage", "checkpointing", "offload_optimizer", "offload_param",
              "states_bytes", "activation_bytes", "buffer_bytes", "device_bytes",
@@ -63,7 +61,7 @@ def test_plan_json_and_the_recommended_nvme_config_runs(tmp_path, capsys):
     assert chosen["nvme_bytes_per_node"] > 0
     config = json.loads(out.read_text())
     assert config["zero_optimization"]["offload_optimizer"]["nvme_path"] == str(swap)
-    assert 0 < config["zeromem"]["offload_host_budget_bytes"] < DEFAULT_BUDGET
+    assert 0 < config["zeromem"]["offload_host_budget_bytes"] < OFFLOAD_HOST_BUDGET_BYTES
     results = run_distributed(_train, 2, config)
     for losses, nvme in results:
         assert all(loss == loss and loss < 10 for loss in losses)  # finite: it trained

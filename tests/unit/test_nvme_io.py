@@ -98,7 +98,7 @@ def test_the_default_budget_cuts_the_issue_model_into_few_sub_groups():
     pool) under the default budget: sub-groups of about 1M elements (4 MB requests), about 35.
     At 64 MiB it was 130 of 1 MB, whose bookkeeping and I/O submissions took the step to
     1.27x its bound (1.20x at 128 MiB, README "NVMe offload")."""
-    default = Config.model_validate({}).zeromem.offload_host_budget_bytes
+    default = Config.model_validate({}).zeromem.offload_host_budget_bytes  # as users get it
     shards = [ShardSpec(0, (2048 * 2048 + 2048) // 2) for _ in range(16)]
     layout = layout_optimizer(shards, states=2, master_in_file=False, grads_in_file=True,
                               budget_bytes=default, params_pool_bytes=42_000_000,

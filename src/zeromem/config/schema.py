@@ -210,6 +210,14 @@ class CheckpointConfig(_Block):
         return value.capitalize() if isinstance(value, str) else value
 
 
+# `zeromem.offload_host_budget_bytes`'s default. 128 MiB, not 64: at 64 the issue-16 model at
+# W=2048 cut its optimizer into 130 sub-groups of 1 MB requests, whose bookkeeping and I/O
+# submissions cost the step 1.27x its bound (1.20x at 128); 256 MiB (1.14x) would hold more
+# than the W=1024 model's pool needs, so host memory would grow with the model from there
+# (README, "NVMe offload")
+OFFLOAD_HOST_BUDGET_BYTES = 128 * 2**20
+
+
 class TimeoutsConfig(_Block):
     """`zeromem`: zeromem's own keys, not DeepSpeed's: how long a rank waits for the others,
     and how much host memory NVMe offload may use.
@@ -221,12 +229,8 @@ class TimeoutsConfig(_Block):
     timeout_s: Float = Field(600.0, gt=0)  # a collective waiting longer fails (process group timeout)
     gather_timeout_s: Float = Field(300.0, ge=0)  # a stage-3 gather waiting longer is a divergence; 0 = off
     # host bytes per rank for NVMe offload's buffers (optimizer and parameter pools); sizes
-    # sub_group_size and offload_optimizer.buffer_count unless those are set (offload/budget.py).
-    # 128 MiB, not 64: at 64 the issue-16 model at W=2048 cut its optimizer into 130 sub-groups
-    # of 1 MB requests, whose bookkeeping and I/O submissions cost the step 1.27x its bound
-    # (1.20x at 128); 256 MiB (1.14x) would hold more than the W=1024 model's pool needs, so
-    # host memory would grow with the model from there (README, "NVMe offload")
-    offload_host_budget_bytes: Int = Field(128 * 2**20, ge=1)
+    # sub_group_size and offload_optimizer.buffer_count unless those are set (offload/budget.py)
+    offload_host_budget_bytes: Int = Field(OFFLOAD_HOST_BUDGET_BYTES, ge=1)
     # fp32 stage 3 with optimizer and parameters on NVMe: the step begins in the boundary
     # backward (offload/backward_step.py; with clipping, while the last step was not clipped),
     # at twice the disk for states and shards

@@ -55,8 +55,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from zeromem.config.schema import (AioConfig, Config, ConfigError, OffloadOptimizerConfig,
-                                   OffloadParamConfig, OptimizerConfig, TimeoutsConfig,
+from zeromem.config.schema import (OFFLOAD_HOST_BUDGET_BYTES, AioConfig, Config, ConfigError,
+                                   OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig,
                                    ZeroConfig)
 from zeromem.flat import (ContiguousShards, FlatParamGroup, ShardAccumulated, WholeAllReduced,
                           WholeScattered)
@@ -96,7 +96,7 @@ class OffloadPolicy:
     # them; None: sized from the host budget (offload/budget.py)
     sub_group_size: int | None = None
     optimizer_buffers: int | None = None
-    host_budget_bytes: int = TimeoutsConfig.model_fields["offload_host_budget_bytes"].default
+    host_budget_bytes: int = OFFLOAD_HOST_BUDGET_BYTES
     host_budget_set: bool = False  # the config names the budget (else its default is logged)
     # masters and parameters on NVMe, no fp16: the files keep two copies so that the step
     # may begin in the boundary backward (offload/backward_step.py)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeromem.config.schema import Config, OffloadParamConfig, TimeoutsConfig
+from zeromem.config.schema import OFFLOAD_HOST_BUDGET_BYTES, Config, OffloadParamConfig
 from zeromem.offload.budget import DEPTH, MIN_SUB_GROUP
 from zeromem.offload.grad_file import record_bytes
 from zeromem.offload.masters import reduced_is_host_grad
@@ -57,7 +57,7 @@ class OffloadBufferSizes:
     sub_group_size: int | None = None  # zero_optimization.sub_group_size, when set
     optimizer_buffer_count: int | None = None  # offload_optimizer.buffer_count, when set
     param_buffer_count: int = OffloadParamConfig.model_fields["buffer_count"].default
-    host_budget_bytes: int = TimeoutsConfig.model_fields["offload_host_budget_bytes"].default
+    host_budget_bytes: int = OFFLOAD_HOST_BUDGET_BYTES
     # the step may begin in backward (not fp16): optimizer.swp and params.swp hold two copies
     step_in_backward: bool = False
 
