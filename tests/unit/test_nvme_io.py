@@ -188,6 +188,18 @@ def test_swap_file_round_trip(tmp_path, monkeypatch, direct):
     io.shutdown()
 
 
+@pytest.mark.parametrize("aio", [{}, {"block_size": 262144, "queue_depth": 32,
+                                        "intra_op_parallelism": 1}])
+def test_the_aio_block_is_read_as_the_bytes_deepspeeds_threads_keep_in_flight(aio):
+    """DeepSpeed's default `aio` block and Hugging Face's NVMe example (256 KiB x 32) give
+    two threads of 8 MiB calls each, not a thread per queued request (8 of 1 MiB, or 32 of
+    256 KiB), whose wake-ups cost the step more CPU than the I/O (issue 16, stop 58)."""
+    config = Config.load({"train_micro_batch_size_per_gpu": 1, "aio": aio})
+    io = AsyncIO.from_config(config.aio)
+    assert (io.threads, io.block_size) == (2, 8 << 20)
+    io.shutdown()
+
+
 def test_grad_file_keeps_each_records_squared_norm_so_the_step_norm_reads_nothing(tmp_path):
     """The global norm (issue 16, item 2) takes each shard's square at `put`, accumulated
     over micro-steps, instead of reading grads.swp back: a whole extra pass the step waited

@@ -141,7 +141,8 @@ WARNED = {
                                      "ones step the flat shards exactly, those that need whole "
                                      "parameters are refused, others are warned about",
     "zero_force_ds_cpu_optimizer": "offloaded shards are always stepped by torch.optim",
-    "aio.single_submit": "requests are split into aio.block_size chunks for a thread pool",
+    "aio.single_submit": "requests are split into chunks of aio.block_size x queue_depth "
+                         "bytes for a thread pool",
     "aio.overlap_events": "the thread pool always overlaps requests",
     "torch_autocast.lower_precision_safe_modules": "every gradient is reduced in its own dtype "
                                                    "(fp32 over fp32 parameters); DeepSpeed "

@@ -9,11 +9,12 @@ The pieces, from the bottom up:
   request length is rounded up to `ALIGN`.
 - `BufferPool`: `count` such buffers carved from one arena. The arena is the
   only host memory swapping uses; buffers are lent and returned, never grown.
-- `AsyncIO`: a thread pool that splits each request into `aio.block_size`
-  chunks and runs `os.preadv` / `os.pwritev` on them (the GIL is released during
-  the system call, so the threads overlap each other and the optimizer's
-  kernels). Threads = `intra_op_parallelism x queue_depth`, i.e. as many
-  requests in flight as DeepSpeed's libaio queues hold.
+- `AsyncIO`: a thread pool that splits each request into chunks and runs
+  `os.preadv` / `os.pwritev` on them (the GIL is released during the system
+  call, so the threads overlap each other and the optimizer's kernels). From the
+  `aio` block (`from_config`), a chunk is `block_size x queue_depth` bytes, the
+  bytes one DeepSpeed libaio thread keeps in flight, and there are
+  `2 x intra_op_parallelism` threads.
 - `SwapFile`: one preallocated file, opened with O_DIRECT when the filesystem
   accepts it (probed with a real aligned write); otherwise buffered I/O, and
   every write is followed by `fdatasync` so that data reaches the disk as it
@@ -244,8 +245,16 @@ class AsyncIO:
 
     @classmethod
     def from_config(cls, aio) -> AsyncIO:
-        """From the `aio` config block."""
-        return cls(aio.block_size, aio.intra_op_parallelism * aio.queue_depth)
+        """From the `aio` config block, read as DeepSpeed's libaio means it: each of
+        `intra_op_parallelism` threads keeps `queue_depth` requests of `block_size` bytes in
+        flight. A thread here blocks in one system call at a time, so its chunk is those
+        bytes in one call: the kernel splits a direct-I/O call into the device's request size
+        and queues the pieces together, the same depth at the device. Two threads a lane, so
+        that a read and a write are in flight at once (DeepSpeed's swappers keep a read and
+        a write handle). A thread per queued request, as before, cost the step CPU beyond
+        the I/O's own: wake-ups and GIL hand-offs with the main thread (issue 16; README,
+        "The aio block")."""
+        return cls(aio.block_size * aio.queue_depth, 2 * aio.intra_op_parallelism)
 
     def submit(self, op: str, fd: int, buffer: torch.Tensor, offset: int, path: Path,
                finish: Callable[[], None] | None = None,
