@@ -195,9 +195,10 @@ def test_the_aio_block_is_read_as_the_bytes_deepspeeds_threads_keep_in_flight(ai
     two threads of 8 MiB calls each, not a thread per queued request (8 of 1 MiB, or 32 of
     256 KiB), whose wake-ups cost the step more CPU than the I/O (issue 16, stop 58)."""
     config = Config.load({"train_micro_batch_size_per_gpu": 1, "aio": aio})
-    io = AsyncIO.from_config(config.aio)
-    assert (io.threads, io.block_size) == (2, 8 << 20)
+    io, plain = AsyncIO.from_config(config.aio), AsyncIO()
+    assert (io.threads, io.block_size) == (plain.threads, plain.block_size) == (2, 8 << 20)
     io.shutdown()
+    plain.shutdown()
 
 
 def test_grad_file_keeps_each_records_squared_norm_so_the_step_norm_reads_nothing(tmp_path):

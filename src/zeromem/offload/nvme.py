@@ -237,7 +237,8 @@ def _transfer_after(after: list[Future], op: str, fd: int, view: memoryview, off
 class AsyncIO:
     """A thread pool issuing block-sized positional reads and writes."""
 
-    def __init__(self, block_size: int = 1 << 20, threads: int = 8):
+    # the defaults: what `from_config` makes of DeepSpeed's default block (1 MiB x 8, 1 lane)
+    def __init__(self, block_size: int = 8 << 20, threads: int = 2):
         self.block_size = round_up(block_size)
         self.threads = max(1, threads)
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zeromem-aio")
